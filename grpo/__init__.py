@@ -1,0 +1,1 @@
+"""grpo-flow: GRPO with verifiable rewards as batch stages over object storage."""

@@ -1,0 +1,305 @@
+"""Artifact storage over fsspec, with stage outputs committed by a manifest written last.
+
+One URL configures it: `file:///abs/dir` (the default is `./storage` under the
+working directory) or `s3://bucket/prefix` through s3fs, with the endpoint and
+credentials from the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION).
+
+A stage folder holds attempts: `<stage>/attempt-0001-3fa2c1/`. A writer always
+opens a fresh attempt folder, so committed files are never written over; the
+attempt is committed once its `_manifest.json` exists, and that file is written
+last (a single object PUT on S3, a rename on a local disk). Readers take the
+newest committed attempt and check every file's size and sha256 against it.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+from fsspec import AbstractFileSystem
+
+from schemas.manifest import MANIFEST_NAME, FileEntry, InputRef, Manifest
+
+DEFAULT_STORAGE = "storage"
+_CHUNK = 1 << 20
+
+
+class ArtifactError(RuntimeError):
+    """A stage output is missing, uncommitted or corrupt."""
+
+
+class NotCommittedError(ArtifactError):
+    pass
+
+
+class CorruptArtifactError(ArtifactError):
+    pass
+
+
+def default_storage_url() -> str:
+    return os.environ.get("GRPO_STORAGE") or Path(DEFAULT_STORAGE).resolve().as_uri()
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A filesystem plus the root path every artifact path is relative to."""
+    fs: AbstractFileSystem
+    root: str
+    url: str
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+    def uri(self, path: str) -> str:
+        """Full URI of an fs path, usable by pandas, DuckDB and other processes."""
+        return self.fs.unstrip_protocol(path)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        """Readers see either nothing or all of `data` at `path`."""
+        if _is_local(self.fs):
+            tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+            self.fs.pipe_file(tmp, data)
+            os.replace(tmp, path)  # atomic rename on one filesystem
+        else:
+            self.fs.pipe_file(path, data)  # one object PUT: atomic on S3
+
+
+def _is_local(fs: AbstractFileSystem) -> bool:
+    return "file" in fs.protocol or "local" in fs.protocol
+
+
+def _s3_options() -> dict:
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    opts: dict = {"use_listings_cache": False}  # other processes write beside us
+    if endpoint:
+        opts["client_kwargs"] = {"endpoint_url": endpoint}
+    return opts
+
+
+def open_storage(url: str | None = None) -> Storage:
+    """Open `url` (default: $GRPO_STORAGE or ./storage); local roots are created."""
+    url = url or default_storage_url()
+    if "://" not in url:
+        url = Path(url).resolve().as_uri()
+    protocol = url.split("://", 1)[0]
+    opts = _s3_options() if protocol in ("s3", "s3a") else {}
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    if _is_local(fs):
+        fs.makedirs(root, exist_ok=True)
+    return Storage(fs=fs, root=root, url=url)
+
+
+def sha256_file(fs: AbstractFileSystem, path: str) -> str:
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        v = version("grpo-flow")
+    except PackageNotFoundError:
+        v = "0+unknown"
+    here = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        sha = ""
+    return f"{v}+g{sha}" if sha else v
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+# ---------------------------------------------------------------- attempts
+
+def _attempt_number(name: str) -> int:
+    try:
+        return int(name.split("-")[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def list_attempts(storage: Storage, stage_dir: str) -> list[str]:
+    """Attempt folders of a stage, oldest first (committed or not)."""
+    if not storage.exists(stage_dir):
+        return []
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(stage_dir, detail=False)]
+    names = [n for n in names if n.startswith("attempt-") and _attempt_number(n) >= 0]
+    return sorted(names, key=lambda n: (_attempt_number(n), n))
+
+
+def is_committed(storage: Storage, attempt_dir: str) -> bool:
+    return storage.exists(f"{attempt_dir}/{MANIFEST_NAME}")
+
+
+def load_manifest(storage: Storage, attempt_dir: str, verify: bool = True) -> tuple[Manifest, str]:
+    """Manifest of one attempt and the sha256 of its bytes; with `verify`, check every file."""
+    mpath = f"{attempt_dir}/{MANIFEST_NAME}"
+    if not storage.exists(mpath):
+        raise NotCommittedError(f"{storage.uri(attempt_dir)}: not committed (no {MANIFEST_NAME})")
+    data = storage.read_bytes(mpath)
+    try:
+        manifest = Manifest.from_json(data, storage.uri(mpath))
+    except ValueError as e:
+        raise CorruptArtifactError(str(e)) from e
+    if verify:
+        verify_files(storage, attempt_dir, manifest)
+    return manifest, hashlib.sha256(data).hexdigest()
+
+
+def file_path(storage: Storage, attempt_dir: str, entry: FileEntry) -> str:
+    if entry.uri:
+        return fsspec.core.strip_protocol(entry.uri) if "://" in entry.uri else entry.uri
+    return f"{attempt_dir}/{entry.path}"
+
+
+def verify_files(storage: Storage, attempt_dir: str, manifest: Manifest) -> None:
+    for entry in manifest.files:
+        path = file_path(storage, attempt_dir, entry)
+        where = storage.uri(path)
+        if not storage.exists(path):
+            raise CorruptArtifactError(f"{where}: listed in the manifest but missing")
+        size = storage.fs.size(path)
+        if size != entry.size:
+            raise CorruptArtifactError(f"{where}: size {size} != manifest's {entry.size}")
+        digest = sha256_file(storage.fs, path)
+        if digest != entry.sha256:
+            raise CorruptArtifactError(f"{where}: sha256 {digest[:12]}… != manifest's {entry.sha256[:12]}…")
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed stage output: where it is and what its manifest says."""
+    storage: Storage
+    attempt_dir: str
+    manifest: Manifest
+    manifest_sha256: str
+
+    def path(self, name: str) -> str:
+        return file_path(self.storage, self.attempt_dir, self.manifest.file(name))
+
+    @property
+    def uri(self) -> str:
+        return self.storage.uri(self.attempt_dir)
+
+    def ref(self) -> InputRef:
+        return InputRef(uri=self.uri, manifest_sha256=self.manifest_sha256)
+
+
+def latest_committed(storage: Storage, stage_dir: str, verify: bool = True) -> Committed:
+    """The newest committed attempt of a stage; uncommitted attempts are never read."""
+    for name in reversed(list_attempts(storage, stage_dir)):
+        attempt_dir = f"{stage_dir}/{name}"
+        if is_committed(storage, attempt_dir):
+            manifest, sha = load_manifest(storage, attempt_dir, verify=verify)
+            return Committed(storage, attempt_dir, manifest, sha)
+    raise NotCommittedError(f"{storage.uri(stage_dir)}: no committed attempt")
+
+
+def find_committed(storage: Storage, stage_dir: str, identity: str, verify: bool = True) -> Committed | None:
+    """The newest committed attempt whose identity is `identity`, if any."""
+    for name in reversed(list_attempts(storage, stage_dir)):
+        attempt_dir = f"{stage_dir}/{name}"
+        if is_committed(storage, attempt_dir):
+            manifest, sha = load_manifest(storage, attempt_dir, verify=False)
+            if manifest.identity == identity:
+                if verify:
+                    verify_files(storage, attempt_dir, manifest)
+                return Committed(storage, attempt_dir, manifest, sha)
+    return None
+
+
+def stage_identity(run_id: str, iteration: int | None, stage: str, cfg_hash: str,
+                   inputs: dict[str, InputRef]) -> str:
+    key = {"run_id": run_id, "iteration": iteration, "stage": stage, "config_hash": cfg_hash,
+           "inputs": {k: v.manifest_sha256 for k, v in sorted(inputs.items())}}
+    return config_hash(key)
+
+
+class StageWriter:
+    """Writes one new attempt of a stage; nothing is visible to readers until `commit`.
+
+    usage:
+        w = StageWriter(storage, stage_dir, run_id=..., iteration=..., stage=..., config=..., inputs=...)
+        with storage.fs.open(w.path("rollouts.parquet"), "wb") as f: ...
+        committed = w.commit(summary={...})
+    """
+
+    def __init__(self, storage: Storage, stage_dir: str, *, run_id: str, iteration: int | None,
+                 stage: str, config: dict, inputs: dict[str, InputRef]):
+        self.storage, self.stage_dir = storage, stage_dir
+        self.run_id, self.iteration, self.stage = run_id, iteration, stage
+        self.config, self.inputs = config, inputs
+        self.config_hash = config_hash(config)
+        self.identity = stage_identity(run_id, iteration, stage, self.config_hash, inputs)
+        previous = list_attempts(storage, stage_dir)
+        number = _attempt_number(previous[-1]) + 1 if previous else 1
+        self.attempt = f"attempt-{number:04d}-{secrets.token_hex(3)}"
+        self.attempt_dir = f"{stage_dir}/{self.attempt}"
+        if _is_local(storage.fs):
+            storage.fs.makedirs(self.attempt_dir, exist_ok=False)
+        self.started_at = _now()
+        self._referenced: list[FileEntry] = []
+        self._committed = False
+
+    def path(self, name: str) -> str:
+        path = f"{self.attempt_dir}/{name}"
+        if _is_local(self.storage.fs) and "/" in name:
+            self.storage.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        return path
+
+    def reference(self, name: str, entry: FileEntry) -> None:
+        """List a file that already lives, committed and immutable, elsewhere in storage."""
+        self._referenced.append(FileEntry(path=name, size=entry.size, sha256=entry.sha256, uri=entry.uri))
+
+    def _own_files(self) -> list[FileEntry]:
+        fs = self.storage.fs
+        found = fs.find(self.attempt_dir) if fs.exists(self.attempt_dir) else []
+        entries = []
+        for p in sorted(found):
+            rel = p[len(self.attempt_dir) + 1:]
+            if rel == MANIFEST_NAME or ".tmp-" in rel:
+                continue
+            entries.append(FileEntry(path=rel, size=fs.size(p), sha256=sha256_file(fs, p),
+                                     uri=None))
+        return entries
+
+    def commit(self, summary: dict | None = None) -> Committed:
+        """Hash every file written, then write the manifest last."""
+        if self._committed:
+            raise ArtifactError(f"{self.storage.uri(self.attempt_dir)}: already committed")
+        manifest = Manifest(
+            stage=self.stage, run_id=self.run_id, iteration=self.iteration, attempt=self.attempt,
+            identity=self.identity, config=self.config, config_hash=self.config_hash,
+            inputs=self.inputs, files=self._own_files() + self._referenced,
+            code_version=code_version(), started_at=self.started_at, committed_at=_now(),
+            summary=summary or {})
+        data = manifest.to_json()
+        self.storage.write_bytes_atomic(f"{self.attempt_dir}/{MANIFEST_NAME}", data)
+        self._committed = True
+        return Committed(self.storage, self.attempt_dir, manifest, hashlib.sha256(data).hexdigest())

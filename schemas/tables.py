@@ -1,0 +1,94 @@
+"""Arrow schemas of every Parquet table a stage writes, declared once.
+
+Column names match the argument names of the math in `grpo.core` (`prompt_id`,
+`response_ids`, `old_logprobs`, `reward`, `advantage`). Each file carries its
+table name and schema version in the Parquet key-value metadata; readers check
+both, then every column's presence and type, and name the file and field when
+something is off.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+_KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("iteration", pa.int32(), nullable=False),
+    pa.field("prompt_id", pa.int64(), nullable=False),
+]
+_SAMPLE_KEYS = _KEYS + [pa.field("sample_index", pa.int32(), nullable=False)]
+_IDS = pa.list_(pa.int32())
+_FLOATS = pa.list_(pa.float32())
+
+PROMPTS = pa.schema(_KEYS + [
+    pa.field("prompt", pa.string(), nullable=False),
+    pa.field("ground_truth", pa.string(), nullable=False),
+])
+
+ROLLOUTS = pa.schema(_SAMPLE_KEYS + [
+    pa.field("prompt", pa.string(), nullable=False),
+    pa.field("prompt_ids", _IDS, nullable=False),
+    pa.field("response", pa.string(), nullable=False),
+    pa.field("response_ids", _IDS, nullable=False),
+    pa.field("sampler_logprobs", _FLOATS, nullable=False),  # log-prob of each sampled token
+    pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
+    pa.field("ground_truth", pa.string(), nullable=False),
+    pa.field("policy_version", pa.string(), nullable=False),  # snapshot identity
+])
+
+REWARDS = pa.schema(_SAMPLE_KEYS + [
+    pa.field("reward", pa.float64(), nullable=False),
+    pa.field("components", pa.map_(pa.string(), pa.float64()), nullable=False),
+    pa.field("error", pa.string(), nullable=True),  # exception or timeout; reward is 0 then
+])
+
+ADVANTAGES = pa.schema(_SAMPLE_KEYS + [
+    pa.field("reward", pa.float64(), nullable=False),
+    pa.field("advantage", pa.float64(), nullable=False),
+    pa.field("group_mean", pa.float64(), nullable=False),
+    pa.field("group_std", pa.float64(), nullable=False),
+    pa.field("kept", pa.bool_(), nullable=False),  # false: group dropped (zero reward variance)
+])
+
+LOGPROBS = pa.schema(_SAMPLE_KEYS + [  # learner's view before any update, for audits
+    pa.field("old_logprobs", _FLOATS, nullable=False),
+    pa.field("ref_logprobs", _FLOATS, nullable=False),
+])
+
+LEARN_METRICS = pa.schema([
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("iteration", pa.int32(), nullable=False),
+    pa.field("step", pa.int32(), nullable=False),
+    pa.field("epoch", pa.int32(), nullable=False),
+    pa.field("loss", pa.float64(), nullable=False),
+    pa.field("pg_loss", pa.float64(), nullable=False),
+    pa.field("kl", pa.float64(), nullable=False),
+    pa.field("clip_frac", pa.float64(), nullable=False),
+    pa.field("entropy", pa.float64(), nullable=False),
+    pa.field("grad_norm", pa.float64(), nullable=False),
+    pa.field("ratio_mean", pa.float64(), nullable=False),
+    pa.field("ratio_min", pa.float64(), nullable=False),
+    pa.field("ratio_max", pa.float64(), nullable=False),
+    pa.field("logprob_gap", pa.float64(), nullable=False),  # mean |sampler - trainer| old log-prob
+    pa.field("lr", pa.float64(), nullable=False),
+    pa.field("n_tokens", pa.int64(), nullable=False),
+])
+
+EVAL = pa.schema(_KEYS + [
+    pa.field("prompt", pa.string(), nullable=False),
+    pa.field("response", pa.string(), nullable=False),
+    pa.field("ground_truth", pa.string(), nullable=False),
+    pa.field("reward", pa.float64(), nullable=False),
+    pa.field("exact", pa.float64(), nullable=False),
+])
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "prompts": PROMPTS,
+    "rollouts": ROLLOUTS,
+    "rewards": REWARDS,
+    "advantages": ADVANTAGES,
+    "logprobs": LOGPROBS,
+    "learn_metrics": LEARN_METRICS,
+    "eval": EVAL,
+}
