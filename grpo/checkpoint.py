@@ -1,0 +1,68 @@
+"""HF-format checkpoints in storage: upload a folder, and get a local folder to load.
+
+transformers and vLLM load from a local folder. For a committed checkpoint on a
+local disk that folder is made of symlinks (no copy); on S3 the files are
+downloaded once into a cache keyed by the manifest's hash.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from grpo.storage import Committed, StageWriter, _is_local
+
+CHECKPOINT_PREFIX = "policy/"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-flow"))
+
+
+def upload_folder(writer: StageWriter, local_dir: str | Path, prefix: str = CHECKPOINT_PREFIX) -> None:
+    """Copy every file of `local_dir` into the attempt under `prefix`."""
+    for p in sorted(Path(local_dir).rglob("*")):
+        if p.is_file():
+            writer.storage.fs.put_file(str(p), writer.path(prefix + p.relative_to(local_dir).as_posix()))
+
+
+def checkpoint_files(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> dict[str, str]:
+    """{name in the checkpoint folder: storage path} for files under `prefix` of a manifest."""
+    return {f.path[len(prefix):]: committed.path(f.path)
+            for f in committed.manifest.files if f.path.startswith(prefix)}
+
+
+def content_hash(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> str:
+    """Hash of the checkpoint's (file name, sha256) pairs: the policy version."""
+    pairs = sorted((f.path[len(prefix):], f.sha256) for f in committed.manifest.files if f.path.startswith(prefix))
+    return hashlib.sha256(repr(pairs).encode()).hexdigest()
+
+
+def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> str:
+    """A local folder holding the checkpoint files of `committed` (verified by the reader)."""
+    files = checkpoint_files(committed, prefix)
+    if not files:
+        raise FileNotFoundError(f"{committed.uri}: manifest lists no checkpoint files under {prefix!r}")
+    fs = committed.storage.fs
+    key = content_hash(committed, prefix)
+    if _is_local(fs):  # links point into this storage: key on where they point too
+        key = hashlib.sha256((key + repr(sorted(files.items()))).encode()).hexdigest()
+    target = cache_root() / "checkpoints" / key[:32]
+    if target.exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    for name, path in files.items():
+        dest = tmp / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if _is_local(fs):
+            dest.symlink_to(path)
+        else:
+            fs.get_file(path, str(dest))
+    try:
+        tmp.rename(target)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

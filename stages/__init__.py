@@ -1,0 +1,1 @@
+"""One module per GRPO stage: plain functions over storage URLs, no Prefect."""

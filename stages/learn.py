@@ -1,0 +1,278 @@
+"""Stage 5: the GRPO update with Accelerate, writing the next policy checkpoint.
+
+Before any update the snapshot policy scores the rollouts under no_grad (old
+log-probs) and so does the frozen base model (reference log-probs); both are
+stored so an audit can recompute every loss. Then `epochs` passes over shuffled
+minibatches, gradient accumulation over microbatches, loss = clipped policy
+gradient + kl_coef * KL (grpo.core.grpo_microbatch_step), grad-norm clipping,
+AdamW. Optimizer and RNG state are saved and picked up by the next iteration.
+
+One process runs in-process; `learn.num_processes > 1` runs the same code under
+torchrun (gloo on CPU), rank r taking every r-th sample of each minibatch; DDP's
+gradient average then equals the one-process gradient for the per-sequence
+aggregation modes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from grpo import core
+from grpo.checkpoint import local_checkpoint, upload_folder
+from grpo.config import LearnConfig, RunConfig
+from grpo.storage import Committed, Storage, StageWriter
+from schemas import read_parquet, write_parquet
+from stages.common import StageError, committed_input, load_run, log, run_stage
+from stages.rollouts import iteration_seed
+
+KEYS = ["prompt_id", "sample_index"]
+
+
+# ---------------------------------------------------------------- data
+
+def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_id: int) -> dict:
+    """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups.
+
+    Returns input_ids (N, L) right-padded, response_mask (N, L-1) over label
+    positions, sampler_logprobs (N, L-1), advantages (N,), rewards (N,), keys.
+    """
+    ro = read_parquet(storage.fs, rollouts_in.path("rollouts.parquet"), "rollouts",
+                      columns=KEYS + ["prompt_ids", "response_ids", "sampler_logprobs"])
+    ad = read_parquet(storage.fs, adv_in.path("advantages.parquet"), "advantages",
+                      columns=KEYS + ["advantage", "reward", "kept"])
+    cols = [ad.column(c).to_pylist() for c in KEYS + ["advantage", "reward", "kept"]]
+    adv = {(p, i): (a, r) for p, i, a, r, kept in zip(*cols) if kept}
+    keys = list(zip(*(ro.column(c).to_pylist() for c in KEYS)))
+    if not set(adv) <= set(keys):
+        raise StageError(f"{adv_in.uri}: advantages name samples missing from the rollouts of {rollouts_in.uri}")
+    rows = sorted((k, i) for i, k in enumerate(keys) if k in adv)  # (prompt_id, sample_index) order
+    take = [i for _, i in rows]
+    prompts = [ro.column("prompt_ids")[i].as_py() for i in take]
+    responses = [ro.column("response_ids")[i].as_py() for i in take]
+    samp = [ro.column("sampler_logprobs")[i].as_py() for i in take]
+    n, width = len(prompts), max((len(p) + len(r) for p, r in zip(prompts, responses)), default=1)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, width - 1)
+    sampler = torch.zeros(n, width - 1)
+    for i, (p, r, s) in enumerate(zip(prompts, responses, samp)):
+        input_ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        # label position t predicts token t+1: response tokens sit at len(p)-1 .. len(p)+len(r)-2
+        mask[i, len(p) - 1:len(p) + len(r) - 1] = 1
+        sampler[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(s)
+    return {"input_ids": input_ids, "response_mask": mask, "sampler_logprobs": sampler,
+            "advantages": torch.tensor([adv[k][0] for k, _ in rows], dtype=torch.float32),
+            "rewards": torch.tensor([adv[k][1] for k, _ in rows], dtype=torch.float32),
+            "prompt_id": [k[0] for k, _ in rows], "sample_index": [k[1] for k, _ in rows]}
+
+
+def forward_logprobs(model, input_ids: torch.Tensor, pad_id: int, with_entropy: bool = False):
+    """Per-token log-probs of input_ids[:, 1:] under `model`. (B, L) -> (B, L-1)."""
+    attn = (input_ids != pad_id).long()
+    logits = model(input_ids=input_ids, attention_mask=attn).logits[:, :-1]  # (B, L-1, V)
+    logp = core.token_logprobs(logits, input_ids[:, 1:])
+    return (logp, core.token_entropy(logits)) if with_entropy else logp
+
+
+@torch.no_grad()
+def score(model, input_ids: torch.Tensor, pad_id: int, chunk: int) -> torch.Tensor:
+    model.eval()
+    return torch.cat([forward_logprobs(model, input_ids[i:i + chunk], pad_id)
+                      for i in range(0, len(input_ids), chunk)])
+
+
+# ---------------------------------------------------------------- training
+
+def minibatch_step(model, batch: dict, idx: torch.Tensor, lcfg: LearnConfig, pad_id: int,
+                   accum: int, max_tokens: int) -> dict[str, float]:
+    """Forward/backward over this rank's samples `idx` in microbatches. Returns summed metrics."""
+    totals: dict[str, float] = {}
+    for mb in idx.split(lcfg.microbatch_size):
+        mask = batch["response_mask"][mb]
+        logp, entropy = forward_logprobs(model, batch["input_ids"][mb], pad_id, with_entropy=True)
+        loss, metrics = core.grpo_microbatch_step(
+            logp, mask, gradient_accumulation_steps=accum, loss_type=lcfg.loss_type, agg_mode=lcfg.agg_mode,
+            raw_rewards=batch["rewards"][mb, None], advantages=batch["advantages"][mb, None],
+            old_logprobs=batch["old_logprobs"][mb], ref_logprobs=batch["ref_logprobs"][mb],
+            kl_coef=lcfg.kl_coef, kl_estimator=lcfg.kl_estimator, clip_eps=lcfg.clip_eps,
+            clip_eps_high=lcfg.clip_eps_high, max_tokens=max_tokens)
+        metrics["loss/total"] = loss.detach() * accum
+        metrics["actor/entropy"] = core.masked_mean(entropy.detach(), mask)
+        for k, v in metrics.items():  # extremes over microbatches, means of the rest
+            reduce = max if k.endswith("_max") else min if k.endswith("_min") else None
+            totals[k] = reduce(totals.get(k, float(v)), float(v)) if reduce else totals.get(k, 0.0) + float(v) / accum
+    return totals
+
+
+def _metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tokens, gap) -> dict:
+    return {"run_id": run_id, "iteration": iteration, "step": step, "epoch": epoch,
+            "loss": m["loss/total"], "pg_loss": m.get("loss/pg", 0.0), "kl": m.get("loss/kl", 0.0),
+            "clip_frac": m.get("actor/clip_frac", 0.0), "entropy": m["actor/entropy"], "grad_norm": grad_norm,
+            "ratio_mean": m.get("actor/ratio_mean", 1.0), "ratio_min": m.get("actor/ratio_min", 1.0),
+            "ratio_max": m.get("actor/ratio_max", 1.0), "logprob_gap": gap, "lr": lr, "n_tokens": n_tokens}
+
+
+def train(cfg: RunConfig, run_id: str, iteration: int, batch: dict, policy_dir: str, ref_dir: str,
+          state_dir: str | None, out_dir: str) -> dict:
+    """Run the update and write policy/, optimizer.pt, rng.pt, metrics and log-probs rows into out_dir.
+
+    Every process runs this; only the main process writes. Returns the summary.
+    """
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+    lcfg = cfg.learn
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    torch.manual_seed(iteration_seed(cfg.seed, iteration, salt=3))
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    chunk = lcfg.microbatch_size
+    batch["old_logprobs"] = score(model, batch["input_ids"], pad_id, chunk)
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+    batch["ref_logprobs"] = score(ref, batch["input_ids"], pad_id, chunk)
+    del ref
+    mask = batch["response_mask"]
+    gap = float(core.masked_mean((batch["sampler_logprobs"] - batch["old_logprobs"]).abs(), mask))
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay)
+    shuffle = torch.Generator().manual_seed(iteration_seed(cfg.seed, iteration, salt=4))
+    if state_dir:  # continue exactly where the previous iteration ended
+        opt.load_state_dict(torch.load(f"{state_dir}/optimizer.pt", weights_only=True))
+        shuffle.set_state(torch.load(f"{state_dir}/rng.pt", weights_only=True)["shuffle"])
+    model, opt = acc.prepare(model, opt)
+    model.train()
+
+    n, world, rank = len(batch["input_ids"]), acc.num_processes, acc.process_index
+    per_rank = lcfg.minibatch_size // world
+    accum = max(1, per_rank // lcfg.microbatch_size)
+    max_tokens = mask.shape[1]
+    rows, step = [], 0
+    for epoch in range(lcfg.epochs):
+        order = torch.randperm(n, generator=shuffle)
+        for start in range(0, n - lcfg.minibatch_size + 1, lcfg.minibatch_size):
+            idx = order[start:start + lcfg.minibatch_size][rank::world]
+            m = minibatch_step(model, batch, idx, lcfg, pad_id, accum, max_tokens)
+            m = {k: float(v) for k, v in zip(m, acc.reduce(torch.tensor(list(m.values())), "mean"))}
+            if not all(math.isfinite(v) for v in m.values()):
+                raise StageError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
+            grad_norm = float(acc.clip_grad_norm_(model.parameters(), lcfg.max_grad_norm))
+            if not math.isfinite(grad_norm):
+                raise StageError(f"learn iteration {iteration} step {step}: non-finite grad norm; nothing committed")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            n_tok = int(mask[order[start:start + lcfg.minibatch_size]].sum())
+            rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lcfg.lr, n_tok, gap))
+            step += 1
+
+    if acc.is_main_process:
+        out = Path(out_dir)
+        acc.unwrap_model(model).save_pretrained(out / "policy", safe_serialization=True)
+        for f in Path(policy_dir).iterdir():  # tokenizer and generation config travel with the weights
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                shutil.copyfile(f, out / "policy" / f.name)
+        torch.save(opt.state_dict(), out / "optimizer.pt")
+        torch.save({"shuffle": shuffle.get_state(), "torch": torch.get_rng_state()}, out / "rng.pt")
+        lp_rows = {"run_id": [run_id] * n, "iteration": [iteration] * n, "prompt_id": batch["prompt_id"],
+                   "sample_index": batch["sample_index"],
+                   "old_logprobs": [batch["old_logprobs"][i][mask[i].bool()].tolist() for i in range(n)],
+                   "ref_logprobs": [batch["ref_logprobs"][i][mask[i].bool()].tolist() for i in range(n)]}
+        torch.save({"metrics": rows, "logprobs": lp_rows}, out / "tables.pt")
+    acc.wait_for_everyone()
+    last = rows[-1] if rows else {}
+    return {"steps": step, "samples": n, "loss": last.get("loss"), "kl": last.get("kl"),
+            "clip_frac": last.get("clip_frac"), "grad_norm": last.get("grad_norm"), "logprob_gap": gap,
+            "world_size": world}
+
+
+# ---------------------------------------------------------------- stage
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_distributed(args: dict, nproc: int) -> dict:
+    """Run `train` under torchrun; forward its output lines to the log; return rank 0's summary."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(args, f)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "stages.learn", f.name]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    tail = []
+    for line in proc.stdout:
+        log.info("learn[torchrun] %s", line.rstrip())
+        tail = (tail + [line])[-20:]
+    if proc.wait() != 0:
+        raise StageError(f"learn under torchrun exited with {proc.returncode}:\n{''.join(tail)}")
+    return json.loads(Path(args["out_dir"], "summary.json").read_text())
+
+
+def _worker_main(args_path: str) -> None:
+    args = json.loads(Path(args_path).read_text())
+    from grpo.config import load_config
+    cfg = load_config(args["config"])
+    batch = torch.load(args["batch"], weights_only=False)
+    summary = train(cfg, args["run_id"], args["iteration"], batch, args["policy_dir"], args["ref_dir"],
+                    args["state_dir"], args["out_dir"])
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args["out_dir"], "summary.json").write_text(json.dumps(summary))
+
+
+def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
+    cfg = load_run(storage, run_id)
+    inputs = {"snapshot": committed_input(storage, run_id, iteration, "snapshot"),
+              "reference": committed_input(storage, run_id, None, "base"),
+              "rollouts": committed_input(storage, run_id, iteration, "rollouts"),
+              "advantages": committed_input(storage, run_id, iteration, "advantages")}
+    if iteration > 0:
+        inputs["previous"] = committed_input(storage, run_id, iteration - 1, "learn")
+
+    def body(writer: StageWriter) -> dict:
+        from transformers import AutoConfig
+        policy_dir = local_checkpoint(inputs["snapshot"])
+        pad_id = AutoConfig.from_pretrained(policy_dir).pad_token_id or 0
+        batch = load_batch(storage, inputs["rollouts"], inputs["advantages"], pad_id)
+        if len(batch["input_ids"]) < cfg.learn.minibatch_size:
+            raise StageError(f"learn: {len(batch['input_ids'])} kept samples, fewer than learn.minibatch_size "
+                             f"({cfg.learn.minibatch_size}); lower it or turn off advantage.filter_zero_variance")
+        with tempfile.TemporaryDirectory() as tmp:
+            state_dir = None
+            if "previous" in inputs:
+                state_dir = f"{tmp}/state"
+                os.makedirs(state_dir)
+                for name in ("optimizer.pt", "rng.pt"):
+                    storage.fs.get_file(inputs["previous"].path(name), f"{state_dir}/{name}")
+            out_dir = f"{tmp}/out"
+            os.makedirs(out_dir)
+            ref_dir = local_checkpoint(inputs["reference"])
+            if cfg.learn.num_processes > 1:
+                torch.save(batch, f"{tmp}/batch.pt")
+                summary = _run_distributed({"config": cfg.to_dict(), "run_id": run_id, "iteration": iteration,
+                                            "batch": f"{tmp}/batch.pt", "policy_dir": policy_dir,
+                                            "ref_dir": ref_dir, "state_dir": state_dir, "out_dir": out_dir},
+                                           cfg.learn.num_processes)
+            else:
+                summary = train(cfg, run_id, iteration, batch, policy_dir, ref_dir, state_dir, out_dir)
+            tables = torch.load(f"{out_dir}/tables.pt", weights_only=False)
+            write_parquet(storage.fs, writer.path("metrics.parquet"), "learn_metrics", tables["metrics"])
+            write_parquet(storage.fs, writer.path("logprobs.parquet"), "logprobs", tables["logprobs"])
+            upload_folder(writer, f"{out_dir}/policy")
+            for name in ("optimizer.pt", "rng.pt"):
+                storage.fs.put_file(f"{out_dir}/{name}", writer.path(name))
+        return summary
+
+    config = {"seed": cfg.seed, "learn": cfg.to_dict()["learn"]}
+    return run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1])

@@ -1,0 +1,107 @@
+"""Stage 3: score every rollout with the task's verifiable reward.
+
+Rewards run in a process pool; each sample has a time limit. An exception or a
+timeout is recorded in the `error` column with reward 0 instead of crashing, and
+the stage fails (committing nothing) when more than `max_error_fraction` errs.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import multiprocessing as mp
+import signal
+
+from grpo.config import RewardConfig, TaskConfig
+from grpo.storage import Committed, Storage
+from grpo.tasks import get_task
+from schemas import ParquetWriter, iter_batches
+from stages.common import StageError, committed_input, load_run, run_stage
+
+_CHUNK = 64  # samples per pool job
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout()
+
+
+@functools.lru_cache(maxsize=4)
+def _task(name: str, params: tuple):
+    return get_task(name, **dict(params))
+
+
+def score_one(task, response: str, ground_truth: str, prompt: str, timeout_s: float):
+    """(reward, components, error) of one sample; never raises."""
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        components = {k: float(v) for k, v in task.reward(response, ground_truth, prompt).items()}
+        reward = components["total"]
+        if not math.isfinite(reward):
+            raise ValueError(f"non-finite reward {reward}")
+        return reward, components, None
+    except _Timeout:
+        return 0.0, {}, f"timeout after {timeout_s}s"
+    except Exception as e:  # noqa: BLE001 (a reward bug must not kill the stage)
+        return 0.0, {}, f"{type(e).__name__}: {e}"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _score_chunk(task_name: str, params: tuple, timeout_s: float, items: list[tuple[str, str, str]]):
+    task = _task(task_name, params)
+    return [score_one(task, *item, timeout_s) for item in items]
+
+
+def score_batch(pool, task_cfg: TaskConfig, cfg: RewardConfig, batch) -> list:
+    """Score one record batch of rollouts in the pool, `_CHUNK` samples per job."""
+    items = list(zip(batch.column("response").to_pylist(), batch.column("ground_truth").to_pylist(),
+                     batch.column("prompt").to_pylist()))
+    params = tuple(sorted(task_cfg.params.items()))
+    jobs = [pool.apply_async(_score_chunk, (task_cfg.name, params, cfg.timeout_s, items[i:i + _CHUNK]))
+            for i in range(0, len(items), _CHUNK)]
+    results = []
+    for job, start in zip(jobs, range(0, len(items), _CHUNK)):
+        n = min(_CHUNK, len(items) - start)
+        try:  # a hang the in-worker alarm cannot break (C code) still ends here
+            results += job.get(timeout=cfg.timeout_s * n + 30)
+        except mp.TimeoutError:
+            raise StageError(f"reward worker hung beyond {cfg.timeout_s}s per sample and did not recover")
+    return results
+
+
+def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
+    cfg = load_run(storage, run_id)
+    rollouts = committed_input(storage, run_id, iteration, "rollouts")
+
+    def body(writer):
+        n = n_err = 0
+        total = 0.0
+        path = rollouts.path("rollouts.parquet")
+        keys = ["run_id", "iteration", "prompt_id", "sample_index"]
+        with mp.get_context("fork").Pool(cfg.reward.workers) as pool, \
+                ParquetWriter(storage.fs, writer.path("rewards.parquet"), "rewards") as out:
+            for batch in iter_batches(storage.fs, path, "rollouts", batch_size=8192):
+                scored = score_batch(pool, cfg.task, cfg.reward, batch)
+                cols = {k: batch.column(k).to_pylist() for k in keys}
+                cols["reward"] = [r for r, _, _ in scored]
+                cols["components"] = [list(c.items()) for _, c, _ in scored]
+                cols["error"] = [e for _, _, e in scored]
+                out.write(cols)
+                n += len(scored)
+                n_err += sum(e is not None for _, _, e in scored)
+                total += sum(cols["reward"])
+        if n == 0:
+            raise StageError(f"{rollouts.uri}: rollouts.parquet has no rows")
+        if n_err / n > cfg.reward.max_error_fraction:
+            raise StageError(f"rewards: {n_err}/{n} samples failed (> reward.max_error_fraction="
+                             f"{cfg.reward.max_error_fraction}); see the error column of an uncommitted "
+                             f"attempt under {storage.uri(writer.attempt_dir)}")
+        return {"samples": n, "errors": n_err, "reward_mean": total / n}
+
+    config = {"task": cfg.to_dict()["task"], "reward": cfg.to_dict()["reward"]}
+    return run_stage(storage, run_id, iteration, "rewards", config=config,
+                     inputs={"rollouts": rollouts}, body=body, force=force)

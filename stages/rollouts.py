@@ -1,0 +1,98 @@
+"""Stage 2: sample G responses per prompt from the snapshot policy into Parquet.
+
+Prompts come from the task generator (seeded by the run seed and the iteration)
+or from a user dataset of rows `prompt`, `ground_truth` (Parquet or JSONL).
+Generation goes chunk by chunk and each chunk is one Parquet row group, so memory
+stays bounded however many samples an iteration has.
+"""
+from __future__ import annotations
+
+import random
+
+import fsspec
+import pandas as pd
+
+from grpo.checkpoint import content_hash, local_checkpoint
+from grpo.config import RunConfig
+from grpo.generation import SamplingSpec, get_generator
+from grpo.storage import Committed, Storage
+from grpo.tasks import Example, get_task
+from schemas import ParquetWriter
+from stages.common import StageError, committed_input, load_run, log, run_stage
+
+
+def iteration_seed(run_seed: int, iteration: int, salt: int = 0) -> int:
+    """Distinct, reproducible seed per (run seed, iteration, purpose)."""
+    return (run_seed * 1_000_003 + iteration * 7919 + salt) % (2**31 - 1)
+
+
+def load_dataset(uri: str) -> list[Example]:
+    """Rows `prompt`, `ground_truth` from a Parquet or JSONL file (any fsspec URL)."""
+    with fsspec.open(uri, "rb") as f:
+        df = pd.read_json(f, lines=True) if uri.endswith((".jsonl", ".json")) else pd.read_parquet(f)
+    missing = {"prompt", "ground_truth"} - set(df.columns)
+    if missing:
+        raise StageError(f"dataset {uri}: missing column(s) {sorted(missing)}; needs prompt, ground_truth")
+    if df.empty:
+        raise StageError(f"dataset {uri}: no rows")
+    return [Example(str(p), str(g)) for p, g in zip(df["prompt"], df["ground_truth"])]
+
+
+def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Example]:
+    n, seed = cfg.rollout.prompts_per_iteration, iteration_seed(cfg.seed, iteration, salt=1)
+    if cfg.task.dataset:
+        rows = load_dataset(cfg.task.dataset)
+        return random.Random(seed).choices(rows, k=n) if n > len(rows) else random.Random(seed).sample(rows, n)
+    return get_task(cfg.task.name, **cfg.task.params).generate(n, seed)
+
+
+def encode_prompts(tokenizer, examples: list[Example], max_model_len: int) -> list[list[int]]:
+    ids = [tokenizer(e.prompt)["input_ids"] for e in examples]
+    for e, p in zip(examples, ids):
+        if tokenizer.unk_token_id in p:
+            raise StageError(f"prompt {e.prompt!r} has words outside the model's vocabulary")
+        if len(p) >= max_model_len:
+            raise StageError(f"prompt {e.prompt!r} is {len(p)} tokens, the model's limit is {max_model_len}")
+    return ids
+
+
+def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
+    cfg = load_run(storage, run_id)
+    snap = committed_input(storage, run_id, iteration, "snapshot")
+    r = cfg.rollout
+
+    def body(writer):
+        from transformers import AutoConfig, AutoTokenizer
+        model_dir = local_checkpoint(snap)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        max_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+        examples = iteration_prompts(cfg, iteration)
+        prompt_ids = encode_prompts(tokenizer, examples, max_len)
+        gen = get_generator(r.backend, model_dir)
+        spec = SamplingSpec(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                            max_tokens=min(r.max_tokens, max_len - max(map(len, prompt_ids))),
+                            stop=tuple(r.stop), seed=iteration_seed(cfg.seed, iteration, salt=2))
+        version = content_hash(snap)[:16]
+        n_tokens = n_stop = 0
+        with ParquetWriter(storage.fs, writer.path("rollouts.parquet"), "rollouts") as out:
+            for start in range(0, len(examples), r.chunk_prompts):
+                chunk = slice(start, start + r.chunk_prompts)
+                groups = gen.generate(prompt_ids[chunk], spec)
+                rows = [{"run_id": run_id, "iteration": iteration, "prompt_id": start + i, "sample_index": j,
+                         "prompt": ex.prompt, "prompt_ids": pids, "response_ids": s.response_ids,
+                         "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                         "sampler_logprobs": s.logprobs, "finish_reason": s.finish_reason,
+                         "ground_truth": ex.ground_truth, "policy_version": version}
+                        for i, (ex, pids, group) in enumerate(zip(examples[chunk], prompt_ids[chunk], groups))
+                        for j, s in enumerate(group)]
+                out.write(rows)
+                n_tokens += sum(len(row["response_ids"]) for row in rows)
+                n_stop += sum(row["finish_reason"] == "stop" for row in rows)
+                log.info("rollouts iteration %d: %d/%d prompts", iteration, min(start + r.chunk_prompts,
+                                                                                len(examples)), len(examples))
+        return {"prompts": len(examples), "samples": out.num_rows, "response_tokens": n_tokens,
+                "stop_fraction": n_stop / max(out.num_rows, 1), "policy_version": version}
+
+    config = {"seed": cfg.seed, "task": cfg.to_dict()["task"], "rollout": cfg.to_dict()["rollout"]}
+    return run_stage(storage, run_id, iteration, "rollouts", config=config,
+                     inputs={"snapshot": snap}, body=body, force=force)

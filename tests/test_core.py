@@ -1,0 +1,511 @@
+"""Pure-math tests for grpo.core: hand-computed values, invariants, loop vs vectorized."""
+import math
+from typing import get_args
+
+import pytest
+import torch
+
+from grpo import core
+from grpo.core import (
+    AdvantageMode,
+    AggMode,
+    KLEstimator,
+    LossType,
+    aggregate_loss,
+    group_advantages,
+    grpo_microbatch_step,
+    kl_penalty,
+    masked_mean,
+    masked_normalize,
+    policy_gradient_loss,
+    token_entropy,
+    token_logprobs,
+)
+
+# two groups of four: group 1 mean 0.5, group 2 mean 0.75
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 3.0])
+
+
+# ---------------------------------------------------------------- advantages
+
+def test_advantages_naive_is_raw_reward():
+    adv, _ = group_advantages(REWARDS, 4, "naive")
+    assert torch.equal(adv, REWARDS)
+
+
+def test_advantages_centered_hand_values():
+    adv, _ = group_advantages(REWARDS, 4, "centered")
+    expected = [0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]
+    torch.testing.assert_close(adv, torch.tensor(expected))
+
+
+def test_advantages_normalized_hand_values():
+    # group 1: deviations +-0.5, unbiased var = 4 * 0.25 / 3 = 1/3, so +-0.5 * sqrt(3)
+    # group 2: deviations (-0.75 x3, 2.25), unbiased var = (3 * 0.5625 + 5.0625) / 3 = 2.25, std 1.5
+    adv, _ = group_advantages(REWARDS, 4, "normalized")
+    h = 0.5 * math.sqrt(3.0)
+    expected = [h, -h, -h, h, -0.5, -0.5, -0.5, 1.5]
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_advantage_stats_hand_values():
+    _, stats = group_advantages(REWARDS, 4, "normalized")
+    torch.testing.assert_close(stats["mean"], torch.tensor([0.5, 0.75]))
+    torch.testing.assert_close(stats["std"], torch.tensor([math.sqrt(1 / 3), 1.5]))
+    torch.testing.assert_close(stats["min"], torch.tensor([0.0, 0.0]))
+    torch.testing.assert_close(stats["max"], torch.tensor([1.0, 3.0]))
+
+
+def test_centered_advantages_sum_to_zero_per_group():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(6 * 5, generator=g)
+    adv, _ = group_advantages(rewards, 5, "centered")
+    torch.testing.assert_close(adv.view(6, 5).sum(dim=1), torch.zeros(6), atol=1e-6, rtol=0)
+
+
+def test_normalized_advantages_have_unit_std_and_zero_mean():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(6 * 5, generator=g, dtype=torch.float64)
+    adv, _ = group_advantages(rewards, 5, "normalized", eps=0.0)
+    torch.testing.assert_close(adv.view(6, 5).std(dim=1), torch.ones(6, dtype=torch.float64))
+    torch.testing.assert_close(adv.view(6, 5).mean(dim=1), torch.zeros(6, dtype=torch.float64))
+
+
+def test_zero_variance_group_gives_zero_advantage_not_nan():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    adv, stats = group_advantages(rewards, 4, "normalized")
+    assert not torch.isnan(adv).any()
+    assert torch.equal(adv[:4], torch.zeros(4))
+    assert stats["std"][0] == 0.0
+
+
+def test_integer_rewards_are_accepted():
+    adv, _ = group_advantages(torch.tensor([1, 0, 0, 1]), 2, "centered")
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_batch_not_divisible_by_group_size_raises():
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.zeros(7), 4, "centered")
+
+
+def test_normalized_needs_two_samples_per_group():
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.zeros(4), 1, "normalized")
+    adv, stats = group_advantages(torch.ones(4), 1, "centered")  # legal, if useless
+    assert torch.equal(adv, torch.zeros(4)) and not torch.isnan(stats["std"]).any()
+
+
+# ---------------------------------------------------------------- masking
+
+def _loop_reduce(x, mask, dim, fn):
+    """fn(list of kept floats) over all of x (dim None) or per slice along dim; x, mask (N, M)."""
+    if dim is None:
+        kept = [x[i, j].item() for i in range(x.shape[0]) for j in range(x.shape[1]) if mask[i, j]]
+        return torch.tensor(fn(kept))
+    xs, ms = x.movedim(dim, -1), mask.bool().movedim(dim, -1)  # reduce over the last axis
+    rows = [[xs[i, j].item() for j in range(xs.shape[1]) if ms[i, j]] for i in range(xs.shape[0])]
+    return torch.tensor([fn(kept) for kept in rows])
+
+
+def _mean(kept):
+    return sum(kept) / len(kept) if kept else 0.0
+
+
+@pytest.mark.parametrize("dim", [None, 0, 1, -1])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_masked_mean_matches_loop(dim, mask_dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 6, generator=g)
+    mask = torch.rand(4, 6, generator=g) > 0.4
+    mask[:, -1] = False  # an empty slice for dim=0 must give 0
+    got = masked_mean(x, mask.to(mask_dtype), dim=dim)
+    torch.testing.assert_close(got, _loop_reduce(x, mask, dim, _mean))
+
+
+@pytest.mark.parametrize("dim", [None, 0, 1])
+def test_masked_normalize_matches_loop(dim):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, generator=g)
+    mask = (torch.rand(3, 5, generator=g) > 0.5).float()
+    expected = _loop_reduce(x, mask, dim, lambda kept: sum(kept) / 7.0)
+    torch.testing.assert_close(masked_normalize(x, mask, 7.0, dim=dim), expected)
+
+
+def test_masked_ops_ignore_nan_in_padding_and_empty_rows_give_zero():
+    x = torch.tensor([[1.0, 3.0, float("nan")], [float("inf"), 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    torch.testing.assert_close(masked_mean(x, mask, dim=1), torch.tensor([2.0, 0.0]))
+    torch.testing.assert_close(masked_normalize(x, mask, 2.0, dim=1), torch.tensor([2.0, 0.0]))
+
+
+# ---------------------------------------------------------------- log-probs
+
+def test_token_logprobs_and_entropy_match_loop():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 7, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 7, (2, 3), generator=g)
+    lp, ent = token_logprobs(logits, labels), token_entropy(logits)
+    for b in range(2):
+        for t in range(3):
+            p = torch.softmax(logits[b, t], dim=-1)
+            torch.testing.assert_close(lp[b, t], torch.log(p)[labels[b, t]])
+            torch.testing.assert_close(ent[b, t], -(p * torch.log(p)).sum())
+
+
+def test_token_logprobs_gradient_is_onehot_minus_softmax():
+    logits = torch.randn(1, 2, 5, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([[3, 0]])
+    token_logprobs(logits, labels).sum().backward()
+    expected = torch.nn.functional.one_hot(labels, 5) - torch.softmax(logits.detach(), dim=-1)
+    torch.testing.assert_close(logits.grad, expected)
+
+
+def test_token_logprobs_are_stable_for_large_logits():
+    logits = torch.tensor([[[1e4, 0.0, -1e4]]])
+    lp = token_logprobs(logits, torch.tensor([[1]]))
+    torch.testing.assert_close(lp, torch.tensor([[-1e4]]))
+    assert torch.isfinite(token_entropy(logits)).all()
+
+
+def test_token_logprobs_upcast_half_precision():
+    logits = torch.randn(1, 2, 5).to(torch.bfloat16)
+    assert token_logprobs(logits, torch.zeros(1, 2, dtype=torch.long)).dtype == torch.float32
+
+
+def test_uniform_logits_have_entropy_log_vocab():
+    expected = torch.full((2, 3), math.log(10))
+    torch.testing.assert_close(token_entropy(torch.zeros(2, 3, 10)), expected)
+
+
+# ---------------------------------------------------------------- policy-gradient losses
+
+LOGPROBS = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+
+
+def test_naive_loss_hand_values():
+    loss, meta = policy_gradient_loss("naive", LOGPROBS, raw_rewards=torch.tensor([[1.0], [0.0]]))
+    torch.testing.assert_close(loss, torch.tensor([[1.0, 2.0], [0.0, 0.0]]))
+    assert not meta["clipped"].any() and torch.equal(meta["ratio"], torch.ones(2, 2))
+
+
+def test_reinforce_baseline_loss_hand_values():
+    adv = torch.tensor([[2.0], [-1.0]])
+    loss, _ = policy_gradient_loss("reinforce_baseline", LOGPROBS, advantages=adv)
+    torch.testing.assert_close(loss, torch.tensor([[2.0, 4.0], [-0.5, -3.0]]))
+
+
+@pytest.mark.parametrize("loss_type,missing", [
+    ("naive", "raw_rewards"), ("reinforce_baseline", "advantages"), ("grpo_clip", "advantages")])
+def test_missing_argument_raises_naming_it(loss_type, missing):
+    with pytest.raises(ValueError, match=missing):
+        policy_gradient_loss(loss_type, LOGPROBS, old_logprobs=LOGPROBS)
+
+
+def test_grpo_clip_missing_old_logprobs_raises():
+    with pytest.raises(ValueError, match="old_logprobs"):
+        policy_gradient_loss("grpo_clip", LOGPROBS, advantages=torch.ones(2, 1))
+
+
+def test_grpo_clip_at_ratio_one_matches_reinforce_baseline():
+    adv = torch.tensor([[2.0], [-1.0]])
+    lp_clip = LOGPROBS.clone().requires_grad_(True)
+    loss, meta = policy_gradient_loss("grpo_clip", lp_clip, advantages=adv,
+                                      old_logprobs=LOGPROBS.clone())
+    loss.sum().backward()
+    torch.testing.assert_close(loss.detach(), (-adv).expand(2, 2))  # -A * ratio with ratio 1
+    assert meta["clipped"].float().mean() == 0.0
+    lp_rb = LOGPROBS.clone().requires_grad_(True)
+    policy_gradient_loss("reinforce_baseline", lp_rb, advantages=adv)[0].sum().backward()
+    torch.testing.assert_close(lp_clip.grad, lp_rb.grad)
+    torch.testing.assert_close(lp_clip.grad, (-adv).expand(2, 2))
+
+
+def _clip_case(ratio, adv, **kw):
+    """grpo_clip loss, its gradient and clipped flag for one token with the given ratio."""
+    old = torch.tensor([[-1.0]])
+    lp = (old + math.log(ratio)).requires_grad_(True)
+    loss, meta = policy_gradient_loss("grpo_clip", lp, advantages=torch.tensor([[adv]]),
+                                      old_logprobs=old, **kw)
+    loss.sum().backward()
+    return loss.item(), lp.grad.item(), bool(meta["clipped"].item())
+
+
+@pytest.mark.parametrize("ratio,adv,loss,clipped", [
+    (1.5, 1.0, -1.2, True),    # A > 0, ratio above 1 + eps: capped, no gradient
+    (0.5, 1.0, -0.5, False),   # A > 0, ratio below 1 - eps: unclipped term is the min
+    (0.5, -1.0, 0.8, True),    # A < 0, ratio below 1 - eps: capped, no gradient
+    (1.5, -1.0, 1.5, False),   # A < 0, ratio above 1 + eps: unclipped term is the min
+])
+def test_grpo_clip_outside_range(ratio, adv, loss, clipped):
+    got_loss, grad, got_clipped = _clip_case(ratio, adv, clip_eps=0.2)
+    assert got_loss == pytest.approx(loss, abs=1e-6)
+    assert got_clipped == clipped
+    if clipped:
+        assert grad == 0.0
+    else:  # d(-A * ratio)/d logp = -A * ratio
+        assert grad == pytest.approx(-adv * ratio, abs=1e-6)
+
+
+@pytest.mark.parametrize("ratio,adv,eps_high,loss,clipped", [
+    (1.25, 1.0, None, -1.2, True),    # eps_high defaults to clip_eps
+    (1.25, 1.0, 0.28, -1.25, False),  # inside the wider upper bound
+    (1.35, 1.0, 0.28, -1.28, True),   # capped at 1 + eps_high
+    (0.7, -1.0, 0.28, 0.8, True),     # the lower bound still uses clip_eps
+])
+def test_grpo_clip_eps_high_is_separate(ratio, adv, eps_high, loss, clipped):
+    got_loss, _, got_clipped = _clip_case(ratio, adv, clip_eps=0.2, clip_eps_high=eps_high)
+    assert got_loss == pytest.approx(loss, abs=1e-6) and got_clipped == clipped
+
+
+def test_grpo_clip_never_sends_gradient_to_old_logprobs():
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.5]], requires_grad=True)
+    loss, _ = policy_gradient_loss("grpo_clip", lp, advantages=torch.ones(1, 1), old_logprobs=old)
+    loss.sum().backward()
+    assert old.grad is None and lp.grad is not None
+
+
+# ---------------------------------------------------------------- KL
+
+def test_kl_estimators_hand_values():
+    lp, ref = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+    # log(pi/pi_ref) = log 2; pi_ref/pi = 0.5
+    torch.testing.assert_close(kl_penalty(lp, ref, "k1"), torch.tensor([[math.log(2)]]))
+    torch.testing.assert_close(kl_penalty(lp, ref, "k2"), torch.tensor([[0.5 * math.log(2) ** 2]]))
+    torch.testing.assert_close(kl_penalty(lp, ref, "k3"), torch.tensor([[0.5 + math.log(2) - 1.0]]))
+
+
+def test_k3_is_nonnegative_and_zero_when_equal():
+    g = torch.Generator().manual_seed(4)
+    lp, ref = -torch.rand(64, 32, generator=g) * 10, -torch.rand(64, 32, generator=g) * 10
+    assert (kl_penalty(lp, ref, "k3") >= 0).all()
+    assert torch.equal(kl_penalty(lp, lp.clone(), "k3"), torch.zeros(64, 32))
+
+
+def test_k3_is_finite_for_extreme_log_ratios():
+    lp, ref = torch.tensor([[0.0, -1000.0]]), torch.tensor([[-1000.0, 0.0]])
+    assert torch.isfinite(kl_penalty(lp, ref, "k3")).all()
+
+
+def test_kl_does_not_send_gradient_to_reference():
+    lp, ref = torch.tensor([[-1.0]], requires_grad=True), torch.tensor([[-2.0]], requires_grad=True)
+    kl_penalty(lp, ref).sum().backward()
+    assert ref.grad is None and lp.grad is not None
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_unbiased_estimators_match_true_kl_in_expectation(estimator):
+    g = torch.Generator().manual_seed(5)
+    logp = torch.log_softmax(torch.randn(6, generator=g), dim=0)   # policy
+    logq = torch.log_softmax(torch.randn(6, generator=g), dim=0)   # reference
+    true_kl = (logp.exp() * (logp - logq)).sum()
+    x = torch.multinomial(logp.exp(), 200_000, replacement=True, generator=g)  # x ~ policy
+    estimate = kl_penalty(logp[x][None], logq[x][None], estimator).mean()
+    assert estimate.item() == pytest.approx(true_kl.item(), rel=0.05)
+
+
+# ---------------------------------------------------------------- aggregation
+
+# a 4-token and a 1-token response; padding holds garbage that must not count
+AGG_LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 99.0, 99.0, 99.0]])
+AGG_MASK = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token_mean", (1 + 2 + 3 + 4 + 10) / 5),
+    ("seq_mean_token_mean", ((1 + 2 + 3 + 4) / 4 + 10 / 1) / 2),
+    ("seq_mean_token_sum_norm", ((1 + 2 + 3 + 4) / 4 + 10 / 4) / 2),
+])
+def test_aggregation_hand_values(mode, expected):
+    got = aggregate_loss(AGG_LOSS, AGG_MASK, mode, max_tokens=4.0)
+    assert got.item() == pytest.approx(expected)
+
+
+def _token_weights(mode):
+    loss = AGG_LOSS.clone().requires_grad_(True)
+    aggregate_loss(loss, AGG_MASK, mode, max_tokens=4.0).backward()
+    return loss.grad
+
+
+def test_token_mean_weights_long_sequences_more():
+    w = _token_weights("token_mean")
+    torch.testing.assert_close(w, AGG_MASK / 5.0)
+    assert w[0].sum() == pytest.approx(4 * w[1].sum())
+
+
+def test_seq_mean_token_mean_weights_sequences_equally():
+    w = _token_weights("seq_mean_token_mean")
+    torch.testing.assert_close(w, torch.tensor([[0.125] * 4, [0.5, 0, 0, 0]]))
+    assert w[0].sum() == pytest.approx(w[1].sum())
+
+
+def test_seq_mean_token_sum_norm_weights_tokens_by_constant():
+    torch.testing.assert_close(_token_weights("seq_mean_token_sum_norm"), AGG_MASK / 8.0)
+
+
+def test_sum_norm_requires_max_tokens():
+    with pytest.raises(ValueError, match="max_tokens"):
+        aggregate_loss(AGG_LOSS, AGG_MASK, "seq_mean_token_sum_norm")
+
+
+# ---------------------------------------------------------------- microbatch step
+
+def _batch(seed=6, b=4, t=5):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(b, t)
+    for i, n in enumerate([5, 2, 4, 1][:b]):
+        mask[i, n:] = 0
+    return dict(
+        logprobs=-torch.rand(b, t, generator=g) * 3,
+        old_logprobs=-torch.rand(b, t, generator=g) * 3,
+        ref_logprobs=-torch.rand(b, t, generator=g) * 3,
+        advantages=torch.randn(b, 1, generator=g),
+        mask=mask,
+    )
+
+
+STEP_KW = dict(loss_type="grpo_clip", agg_mode="seq_mean_token_mean", kl_coef=0.1, clip_eps=0.2)
+
+
+@pytest.mark.parametrize("agg_mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_two_microbatches_match_full_batch_gradient(agg_mode):
+    d = _batch()
+    kw = {**STEP_KW, "agg_mode": agg_mode, "max_tokens": 5.0}
+
+    def run(slices, steps):
+        theta = d["logprobs"].clone().requires_grad_(True)
+        total = 0.0
+        for s in slices:
+            loss, _ = grpo_microbatch_step(
+                theta[s], d["mask"][s], gradient_accumulation_steps=steps,
+                advantages=d["advantages"][s], old_logprobs=d["old_logprobs"][s],
+                ref_logprobs=d["ref_logprobs"][s], **kw)
+            total += loss.item()
+        return total, theta.grad
+
+    full_loss, full_grad = run([slice(0, 4)], 1)
+    micro_loss, micro_grad = run([slice(0, 2), slice(2, 4)], 2)
+    assert micro_loss == pytest.approx(full_loss, rel=1e-6)
+    torch.testing.assert_close(micro_grad, full_grad)
+
+
+def test_microbatch_step_matches_per_sequence_loop():
+    d = _batch()
+    theta = d["logprobs"].clone().requires_grad_(True)
+    loss, metrics = grpo_microbatch_step(
+        theta, d["mask"], gradient_accumulation_steps=3, advantages=d["advantages"],
+        old_logprobs=d["old_logprobs"], ref_logprobs=d["ref_logprobs"], **STEP_KW)
+    per_seq = []
+    for i in range(4):  # token by token, straight from the formulas
+        terms = []
+        for t in range(int(d["mask"][i].sum())):
+            lp, old, ref = (d[k][i, t].item() for k in ("logprobs", "old_logprobs", "ref_logprobs"))
+            a = d["advantages"][i, 0].item()
+            ratio = math.exp(lp - old)
+            pg = -min(ratio * a, min(max(ratio, 0.8), 1.2) * a)
+            kl = math.exp(ref - lp) - (ref - lp) - 1
+            terms.append(pg + 0.1 * kl)
+        per_seq.append(sum(terms) / len(terms))
+    assert loss.item() == pytest.approx(sum(per_seq) / 4 / 3, rel=1e-5)
+    assert theta.grad is not None and torch.isfinite(theta.grad).all()
+
+
+def test_microbatch_metrics_are_namespaced_detached_and_masked():
+    d = _batch()
+    # one response token above the clip range with A > 0; padding holds a huge ratio
+    d["advantages"] = torch.ones(4, 1)
+    d["old_logprobs"] = d["logprobs"].clone()
+    d["old_logprobs"][0, 0] -= math.log(2.0)
+    d["old_logprobs"][1, 4] -= 50.0  # padding
+    theta = d["logprobs"].clone().requires_grad_(True)
+    _, m = grpo_microbatch_step(theta, d["mask"], gradient_accumulation_steps=1,
+                                advantages=d["advantages"], old_logprobs=d["old_logprobs"],
+                                ref_logprobs=d["ref_logprobs"], **STEP_KW)
+    assert {"loss/pg", "loss/kl", "actor/clip_frac", "actor/ratio_mean",
+            "actor/ratio_max", "actor/ratio_min"} <= set(m)
+    assert all(not v.requires_grad and v.dim() == 0 for v in m.values())
+    n_tokens = 5 + 2 + 4 + 1
+    assert m["actor/clip_frac"].item() == pytest.approx(1 / n_tokens)
+    assert m["actor/ratio_max"].item() == pytest.approx(2.0)
+    assert m["actor/ratio_min"].item() == pytest.approx(1.0)
+    assert m["actor/ratio_mean"].item() == pytest.approx((n_tokens - 1 + 2.0) / n_tokens)
+
+
+def test_microbatch_loss_scales_with_accumulation_steps():
+    d = _batch()
+    losses = []
+    for steps in (1, 4):
+        theta = d["logprobs"].clone().requires_grad_(True)
+        loss, _ = grpo_microbatch_step(theta, d["mask"], gradient_accumulation_steps=steps,
+                                       advantages=d["advantages"], old_logprobs=d["old_logprobs"],
+                                       ref_logprobs=d["ref_logprobs"], **STEP_KW)
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0] / 4)
+
+
+def test_kl_enters_the_loss_only_when_kl_coef_positive():
+    d = _batch()
+
+    def loss_with(**kw):
+        theta = d["logprobs"].clone().requires_grad_(True)
+        args = {**STEP_KW, **kw}
+        return grpo_microbatch_step(theta, d["mask"], gradient_accumulation_steps=1,
+                                    advantages=d["advantages"], old_logprobs=d["old_logprobs"],
+                                    **args)
+
+    no_ref, _ = loss_with(kl_coef=0.0)
+    ref_unused, m = loss_with(kl_coef=0.0, ref_logprobs=d["ref_logprobs"])
+    with_kl, m_kl = loss_with(kl_coef=0.5, ref_logprobs=d["ref_logprobs"])
+    assert ref_unused.item() == pytest.approx(no_ref.item())
+    assert m["loss/kl"] > 0  # still reported for monitoring
+    assert with_kl.item() == pytest.approx(no_ref.item() + 0.5 * m_kl["loss/kl"].item(), rel=1e-6)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        loss_with(kl_coef=0.1)
+
+
+# ---------------------------------------------------------------- registries
+
+def _call(entry, name):
+    """Call one public entry point with a variant name on tiny valid inputs."""
+    lp, mask = torch.zeros(2, 4), torch.ones(2, 4)
+    calls = {
+        "advantage": lambda: group_advantages(torch.arange(4.0), 2, name),
+        "loss": lambda: policy_gradient_loss(name, lp, raw_rewards=torch.ones(2, 1),
+                                             advantages=torch.ones(2, 1), old_logprobs=lp),
+        "kl": lambda: kl_penalty(lp, lp, name),
+        "agg": lambda: aggregate_loss(lp, mask, name, max_tokens=4.0),
+    }
+    return calls[entry]()
+
+
+ENTRIES = [("advantage", AdvantageMode), ("loss", LossType), ("kl", KLEstimator), ("agg", AggMode)]
+
+
+@pytest.mark.parametrize("entry,literal", ENTRIES)
+def test_every_literal_name_is_registered(entry, literal):
+    for name in get_args(literal):
+        _call(entry, name)
+
+
+@pytest.mark.parametrize("entry,literal", ENTRIES)
+def test_unknown_name_raises_listing_valid_names(entry, literal):
+    with pytest.raises(ValueError) as err:
+        _call(entry, "bogus")
+    assert "bogus" in str(err.value)
+    for name in get_args(literal):
+        assert repr(name) in str(err.value)
+
+
+def test_unknown_name_in_microbatch_step_raises():
+    with pytest.raises(ValueError, match="grpo_clip"):
+        grpo_microbatch_step(torch.zeros(1, 2, requires_grad=True), torch.ones(1, 2),
+                             gradient_accumulation_steps=1, loss_type="ppo", agg_mode="token_mean",
+                             advantages=torch.ones(1, 1))
+
+
+def test_module_is_pure_torch():
+    src = open(core.__file__).read()
+    imports = {line.split()[1].split(".")[0] for line in src.splitlines()
+               if line.startswith(("import ", "from "))}
+    assert imports <= {"typing", "torch"}
