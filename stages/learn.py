@@ -42,7 +42,7 @@ KEYS = ["prompt_id", "sample_index"]
 def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_id: int) -> dict:
     """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups.
 
-    Returns input_ids (N, L) right-padded, response_mask (N, L-1) over label
+    Returns input_ids and attention_mask (N, L) right-padded, response_mask (N, L-1) over label
     positions, sampler_logprobs (N, L-1), advantages (N,), rewards (N,), keys.
     """
     ro = read_parquet(storage.fs, rollouts_in.path("rollouts.parquet"), "rollouts",
@@ -61,43 +61,45 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
     samp = [ro.column("sampler_logprobs")[i].as_py() for i in take]
     n, width = len(prompts), max((len(p) + len(r) for p, r in zip(prompts, responses)), default=1)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros(n, width, dtype=torch.long)  # from lengths: a policy may sample the pad token
     mask = torch.zeros(n, width - 1)
     sampler = torch.zeros(n, width - 1)
     for i, (p, r, s) in enumerate(zip(prompts, responses, samp)):
         input_ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        attention[i, :len(p) + len(r)] = 1
         # label position t predicts token t+1: response tokens sit at len(p)-1 .. len(p)+len(r)-2
         mask[i, len(p) - 1:len(p) + len(r) - 1] = 1
         sampler[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(s)
-    return {"input_ids": input_ids, "response_mask": mask, "sampler_logprobs": sampler,
+    return {"input_ids": input_ids, "attention_mask": attention, "response_mask": mask, "sampler_logprobs": sampler,
             "advantages": torch.tensor([adv[k][0] for k, _ in rows], dtype=torch.float32),
             "rewards": torch.tensor([adv[k][1] for k, _ in rows], dtype=torch.float32),
             "prompt_id": [k[0] for k, _ in rows], "sample_index": [k[1] for k, _ in rows]}
 
 
-def forward_logprobs(model, input_ids: torch.Tensor, pad_id: int, with_entropy: bool = False):
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False):
     """Per-token log-probs of input_ids[:, 1:] under `model`. (B, L) -> (B, L-1)."""
-    attn = (input_ids != pad_id).long()
-    logits = model(input_ids=input_ids, attention_mask=attn).logits[:, :-1]  # (B, L-1, V)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (B, L-1, V)
     logp = core.token_logprobs(logits, input_ids[:, 1:])
     return (logp, core.token_entropy(logits)) if with_entropy else logp
 
 
 @torch.no_grad()
-def score(model, input_ids: torch.Tensor, pad_id: int, chunk: int) -> torch.Tensor:
+def score(model, batch: dict, chunk: int) -> torch.Tensor:
     model.eval()
-    return torch.cat([forward_logprobs(model, input_ids[i:i + chunk], pad_id)
-                      for i in range(0, len(input_ids), chunk)])
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    return torch.cat([forward_logprobs(model, ids[i:i + chunk], attn[i:i + chunk])
+                      for i in range(0, len(ids), chunk)])
 
 
 # ---------------------------------------------------------------- training
 
-def minibatch_step(model, batch: dict, idx: torch.Tensor, lcfg: LearnConfig, pad_id: int,
-                   accum: int, max_tokens: int) -> dict[str, float]:
+def minibatch_step(model, batch: dict, idx: torch.Tensor, lcfg: LearnConfig, accum: int, max_tokens: int) -> dict[str, float]:
     """Forward/backward over this rank's samples `idx` in microbatches. Returns summed metrics."""
     totals: dict[str, float] = {}
     for mb in idx.split(lcfg.microbatch_size):
         mask = batch["response_mask"][mb]
-        logp, entropy = forward_logprobs(model, batch["input_ids"][mb], pad_id, with_entropy=True)
+        logp, entropy = forward_logprobs(model, batch["input_ids"][mb], batch["attention_mask"][mb],
+                                         with_entropy=True)
         loss, metrics = core.grpo_microbatch_step(
             logp, mask, gradient_accumulation_steps=accum, loss_type=lcfg.loss_type, agg_mode=lcfg.agg_mode,
             raw_rewards=batch["rewards"][mb, None], advantages=batch["advantages"][mb, None],
@@ -132,11 +134,9 @@ def train(cfg: RunConfig, run_id: str, iteration: int, batch: dict, policy_dir: 
     acc = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(iteration_seed(cfg.seed, iteration, salt=3))
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    chunk = lcfg.microbatch_size
-    batch["old_logprobs"] = score(model, batch["input_ids"], pad_id, chunk)
+    batch["old_logprobs"] = score(model, batch, lcfg.microbatch_size)
     ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
-    batch["ref_logprobs"] = score(ref, batch["input_ids"], pad_id, chunk)
+    batch["ref_logprobs"] = score(ref, batch, lcfg.microbatch_size)
     del ref
     mask = batch["response_mask"]
     gap = float(core.masked_mean((batch["sampler_logprobs"] - batch["old_logprobs"]).abs(), mask))
@@ -158,7 +158,7 @@ def train(cfg: RunConfig, run_id: str, iteration: int, batch: dict, policy_dir: 
         order = torch.randperm(n, generator=shuffle)
         for start in range(0, n - lcfg.minibatch_size + 1, lcfg.minibatch_size):
             idx = order[start:start + lcfg.minibatch_size][rank::world]
-            m = minibatch_step(model, batch, idx, lcfg, pad_id, accum, max_tokens)
+            m = minibatch_step(model, batch, idx, lcfg, accum, max_tokens)
             m = {k: float(v) for k, v in zip(m, acc.reduce(torch.tensor(list(m.values())), "mean"))}
             if not all(math.isfinite(v) for v in m.values()):
                 raise StageError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")

@@ -14,7 +14,7 @@ import pandas as pd
 
 from grpo.checkpoint import content_hash, local_checkpoint
 from grpo.config import RunConfig
-from grpo.generation import SamplingSpec, get_generator
+from grpo.generation import SamplingSpec, decode_response, get_generator
 from grpo.storage import Committed, Storage
 from grpo.tasks import Example, get_task
 from schemas import ParquetWriter
@@ -80,7 +80,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
                 groups = gen.generate(prompt_ids[chunk], spec)
                 rows = [{"run_id": run_id, "iteration": iteration, "prompt_id": start + i, "sample_index": j,
                          "prompt": ex.prompt, "prompt_ids": pids, "response_ids": s.response_ids,
-                         "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                         "response": decode_response(tokenizer, s.response_ids),
                          "sampler_logprobs": s.logprobs, "finish_reason": s.finish_reason,
                          "ground_truth": ex.ground_truth, "policy_version": version}
                         for i, (ex, pids, group) in enumerate(zip(examples[chunk], prompt_ids[chunk], groups))

@@ -1,0 +1,132 @@
+"""`grpo`: create runs, run one stage or whole iterations, and inspect a run.
+
+    grpo init --run demo [--config cfg.yaml] [--set learn.lr=1e-3 ...]
+    grpo stage rollouts --run demo --iteration 0 [--force]
+    grpo run --run demo --iterations 3          # every stage of each iteration, in order
+    grpo demo                                    # init + 2 iterations of the tiny sort model
+    grpo status --run demo
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from grpo.config import ConfigError, load_config_file
+from grpo.storage import ArtifactError, Storage, is_committed, list_attempts, open_storage
+from schemas import SchemaError
+from stages import STAGES, StageError, stage_function
+from stages.common import stage_dir
+
+
+def next_iteration(storage: Storage, run_id: str) -> int:
+    """The first iteration whose `learn` output is not committed."""
+    k = 0
+    while any(is_committed(storage, f"{stage_dir(storage, run_id, k, 'learn')}/{a}")
+              for a in list_attempts(storage, stage_dir(storage, run_id, k, "learn"))):
+        k += 1
+    return k
+
+
+def run_iteration(storage: Storage, run_id: str, iteration: int, force: bool = False) -> dict:
+    """All stages of one iteration in order; committed ones with the same identity are reused."""
+    out = {}
+    for name in STAGES:
+        out[name] = stage_function(name)(storage, run_id, iteration, force=force)
+    return out
+
+
+def cmd_init(args, storage):
+    from stages.init import init_run
+    cfg = load_config_file(args.config, args.set)
+    init_run(storage, args.run, cfg)
+    print(f"run {args.run}: {storage.uri(storage.path('runs', args.run))}")
+
+
+def cmd_stage(args, storage):
+    iteration = next_iteration(storage, args.run) if args.iteration == "next" else int(args.iteration)
+    committed = stage_function(args.name)(storage, args.run, iteration, force=args.force)
+    print(f"{args.name} iteration {iteration}: {committed.uri}\n  {committed.manifest.summary}")
+
+
+def cmd_run(args, storage):
+    start = next_iteration(storage, args.run) if args.start == "next" else int(args.start)
+    for k in range(start, start + args.iterations):
+        out = run_iteration(storage, args.run, k)
+        print(f"iteration {k}: reward {out['advantages'].manifest.summary['reward_mean']:.3f}  "
+              f"eval exact {out['eval'].manifest.summary['exact_match']:.3f}", flush=True)
+
+
+def cmd_demo(args, storage):
+    from stages.init import init_run
+    init_run(storage, args.run, load_config_file(args.config, args.set))
+    args.start = "next"
+    cmd_run(args, storage)
+
+
+def cmd_status(args, storage):
+    from stages.common import load_run
+    load_run(storage, args.run)
+    last = next_iteration(storage, args.run)
+    print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in STAGES))
+    for k in range(last + 1):
+        cells = []
+        for s in STAGES:
+            d = stage_dir(storage, args.run, k, s)
+            attempts = list_attempts(storage, d)
+            done = sum(is_committed(storage, f"{d}/{a}") for a in attempts)
+            cells.append("missing" if not attempts else f"ok x{done}" + (f" +{len(attempts) - done}f" if len(attempts) > done else "") if done else f"failed x{len(attempts)}")
+        print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--storage", help="storage URL (default $GRPO_STORAGE or ./storage)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp):
+        sp.add_argument("--config", help="YAML file of config sections (see grpo/config.py)")
+        sp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+
+    sp = sub.add_parser("init", help="create a run: config and base model")
+    sp.add_argument("--run", required=True)
+    with_config(sp)
+    sp.set_defaults(fn=cmd_init)
+    sp = sub.add_parser("stage", help="run one stage of one iteration")
+    sp.add_argument("name", choices=STAGES)
+    sp.add_argument("--run", required=True)
+    sp.add_argument("--iteration", required=True, help="an integer, or 'next'")
+    sp.add_argument("--force", action="store_true", help="write a new attempt even if one is committed")
+    sp.set_defaults(fn=cmd_stage)
+    sp = sub.add_parser("run", help="run whole iterations")
+    sp.add_argument("--run", required=True)
+    sp.add_argument("--iterations", type=int, default=1)
+    sp.add_argument("--start", default="next", help="first iteration (default: next uncommitted)")
+    sp.set_defaults(fn=cmd_run)
+    sp = sub.add_parser("demo", help="init (if needed) and train the tiny sort model")
+    sp.add_argument("--run", default="demo")
+    sp.add_argument("--iterations", type=int, default=2)
+    with_config(sp)
+    sp.set_defaults(fn=cmd_demo)
+    sp = sub.add_parser("status", help="iterations x stages of a run")
+    sp.add_argument("--run", required=True)
+    sp.set_defaults(fn=cmd_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("grpo").setLevel(logging.INFO)
+    try:
+        args.fn(args, open_storage(args.storage))
+    except (ConfigError, StageError, ArtifactError, SchemaError) as e:
+        print(f"grpo: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

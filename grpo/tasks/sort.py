@@ -1,0 +1,127 @@
+"""Sort a list of small numbers: the headline toy task.
+
+Prompt ``"sort 3 1 4 1 5 :"``, answer ``"1 1 3 4 5"``. The reward gives
+partial credit, so a random policy already sees a useful signal:
+
+    total = present / 4 + ordered / 4 + exact / 2
+
+A perfect answer scores 1.0; anything short of exact scores at most 0.5.
+"""
+
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import ClassVar
+
+from grpo.tasks import Example
+
+_NUMBER = re.compile(r"-?[0-9]+")
+
+
+def parse_numbers(text: str) -> list[int]:
+    """The integer words of `text`, in order; other words are skipped.
+
+    >>> parse_numbers("1 1 3 4 5")
+    [1, 1, 3, 4, 5]
+    >>> parse_numbers("sort 3 x 4 :")
+    [3, 4]
+    >>> parse_numbers("")
+    []
+    """
+    return [int(w) for w in text.split() if _NUMBER.fullmatch(w)]
+
+
+def present_score(got: list[int], want: list[int]) -> float:
+    """Multiset overlap of `got` with `want`, over max(len(want), len(got)).
+
+    Dividing by the longer list penalises padding the answer with extra numbers.
+
+    >>> present_score([1, 3, 4], [1, 1, 3, 4, 5])
+    0.6
+    >>> present_score([1, 1, 3, 4, 5, 5, 5, 5, 5, 5], [1, 1, 3, 4, 5])
+    0.5
+    >>> present_score([], [1, 2])
+    0.0
+    """
+    overlap = sum((Counter(got) & Counter(want)).values())
+    return overlap / max(len(want), len(got), 1)
+
+
+def ordered_score(got: list[int], n: int) -> float:
+    """Fraction of the n - 1 adjacent pairs in `got[:n]` that are non-decreasing.
+
+    Missing numbers count as unordered pairs, so a short answer loses credit.
+
+    >>> ordered_score([1, 2, 2, 5, 3], 5)
+    0.75
+    >>> ordered_score([1, 2], 5)
+    0.25
+    >>> ordered_score([7], 1), ordered_score([], 1)
+    (1.0, 0.0)
+    """
+    if n <= 1:
+        # no pairs to order: credit any answer that has a number
+        return float(len(got) >= 1)
+    head = got[:n]
+    good = sum(a <= b for a, b in zip(head, head[1:]))
+    return good / (n - 1)
+
+
+def sort_reward(response: str, ground_truth: str) -> dict[str, float]:
+    """Score `response` against the sorted numbers in `ground_truth`.
+
+    >>> sort_reward("1 1 3 4 5", "1 1 3 4 5")
+    {'present': 1.0, 'ordered': 1.0, 'exact': 1.0, 'total': 1.0}
+    >>> sort_reward("1 3 4", "1 1 3 4 5")["total"]  # (0.6 + 0.5) / 4
+    0.275
+    >>> sort_reward("answer 1 1 3 4 5", "1 1 3 4 5")["total"]  # extra word: not exact
+    0.5
+    >>> sort_reward("", "1 1 3 4 5")["total"]
+    0.0
+    """
+    want = parse_numbers(ground_truth)
+    got = parse_numbers(response)
+    words = response.split()
+    present = present_score(got, want)
+    ordered = ordered_score(got, len(want))
+    # any non-number word spoils an exact match
+    exact = float(got == want and len(got) == len(words))
+    total = present / 4 + ordered / 4 + exact / 2
+    return {"present": present, "ordered": ordered, "exact": exact, "total": total}
+
+
+@dataclass(frozen=True)
+class SortTask:
+    """Sort `n_numbers` integers drawn from 0..`max_value`."""
+
+    n_numbers: int = 5
+    """How many numbers each prompt holds."""
+    max_value: int = 9
+    """Largest number that can appear (the smallest is 0)."""
+
+    name: ClassVar[str] = "sort"
+
+    def __post_init__(self):
+        if self.n_numbers < 1:
+            raise ValueError(f"n_numbers must be >= 1, got {self.n_numbers}")
+        if self.max_value < 1:
+            raise ValueError(f"max_value must be >= 1, got {self.max_value}")
+
+    def words(self) -> list[str]:
+        """'sort', ':' and the numbers 0..max_value."""
+        return ["sort", ":"] + [str(i) for i in range(self.max_value + 1)]
+
+    def generate(self, n: int, seed: int) -> list[Example]:
+        """`n` random lists; the same seed gives the same lists."""
+        rng = random.Random(seed)
+        examples = []
+        for _ in range(n):
+            nums = [rng.randint(0, self.max_value) for _ in range(self.n_numbers)]
+            prompt = "sort " + " ".join(map(str, nums)) + " :"
+            examples.append(Example(prompt, " ".join(map(str, sorted(nums)))))
+        return examples
+
+    def reward(self, response: str, ground_truth: str, prompt: str = "") -> dict[str, float]:
+        """See `sort_reward`; the prompt's numbers are those of `ground_truth`."""
+        return sort_reward(response, ground_truth)

@@ -1,0 +1,101 @@
+"""A tiny causal LM and word-level tokenizer, built from configs (no downloads).
+
+The saved folder loads with `AutoModelForCausalLM` / `AutoTokenizer` and with
+vLLM. Every prompt is tokenized as `<bos> w1 w2 ...` by both, thanks to a
+post-processor in the tokenizer itself rather than in either library.
+"""
+
+import os
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+
+from grpo.tasks import get_task
+
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>"]
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
+# no qwen2: for model_type "qwen2" transformers 5 (so AutoTokenizer and vllm)
+# swaps any tokenizer.json for its byte-level BPE, which drops our words
+CONFIGS = {"llama": LlamaConfig}
+# head sizes vllm's cpu attention backend supports (cpu_attn.py, vllm 0.32)
+HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer: ids 0..3 are the special tokens, then `words` in order."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for w in words:
+        if not w or w != w.strip() or len(w.split()) != 1:
+            raise ValueError(f"words must be single whitespace-free words, got {w!r}")
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # no decoder: tokenizers then joins tokens with single spaces
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        clean_up_tokenization_spaces=False,  # keep "1 ," from becoming "1,"
+    )
+
+
+def tiny_config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int,
+                num_heads: int, intermediate_size: int, max_position_embeddings: int):
+    """Config of a small `arch` model; checks the head size vllm's cpu backend needs."""
+    if arch not in CONFIGS:
+        raise ValueError(f"unknown arch {arch!r}; valid archs: {', '.join(CONFIGS)}")
+    if hidden_size % num_heads or hidden_size // num_heads not in HEAD_DIMS:
+        raise ValueError(
+            f"num_heads={num_heads} gives head_dim {hidden_size / num_heads:g} for "
+            f"hidden_size={hidden_size}; vllm on cpu needs head_dim in {HEAD_DIMS}"
+        )
+    return CONFIGS[arch](
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        dtype="float32",
+    )
+
+
+def build_tiny_model(out_dir: str, words: list[str], *, hidden_size: int = 128,
+                     num_layers: int = 2, num_heads: int = 4, intermediate_size: int = 512,
+                     max_position_embeddings: int = 64, seed: int = 0,
+                     arch: str = "llama") -> str:
+    """Save a randomly initialised model and its tokenizer to `out_dir`.
+
+    The same seed gives byte-identical `model.safetensors`. Returns `out_dir`.
+    """
+    tokenizer = build_tokenizer(words)
+    config = tiny_config(arch, len(tokenizer), hidden_size=hidden_size, num_layers=num_layers,
+                         num_heads=num_heads, intermediate_size=intermediate_size,
+                         max_position_embeddings=max_position_embeddings)
+    with torch.random.fork_rng(devices=[]):  # seed the init, leave the caller's rng alone
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_for_task(out_dir: str, task_name: str, task_params: dict | None = None, **kw) -> str:
+    """`build_tiny_model` with the vocabulary of task `task_name`; `kw` go to it."""
+    words = get_task(task_name, **(task_params or {})).words()
+    return build_tiny_model(out_dir, words, **kw)

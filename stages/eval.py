@@ -1,0 +1,51 @@
+"""Stage 6: greedy decoding of a fixed held-out prompt set with the iteration's new policy.
+
+The held-out prompts come from the task generator with `eval.seed`, the same
+set every iteration, so mean reward and exact match are comparable over time.
+"""
+from __future__ import annotations
+
+from grpo.checkpoint import local_checkpoint
+from grpo.generation import SamplingSpec, decode_response, get_generator
+from grpo.storage import Committed, Storage
+from grpo.tasks import get_task
+from schemas import write_parquet
+from stages.common import committed_input, load_run, run_stage
+from stages.rollouts import encode_prompts
+
+
+def exact_match(components: dict[str, float]) -> float:
+    """The task's `exact` component, else whether the total reward is perfect."""
+    return float(components.get("exact", components["total"] >= 1.0))
+
+
+def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
+    cfg = load_run(storage, run_id)
+    policy = committed_input(storage, run_id, iteration, "learn")
+
+    def body(writer):
+        from transformers import AutoConfig, AutoTokenizer
+        model_dir = local_checkpoint(policy)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        max_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+        task = get_task(cfg.task.name, **cfg.task.params)
+        examples = task.generate(cfg.eval.n_prompts, cfg.eval.seed)
+        prompt_ids = encode_prompts(tokenizer, examples, max_len)
+        spec = SamplingSpec(n=1, temperature=0.0, max_tokens=min(cfg.rollout.max_tokens,
+                                                                 max_len - max(map(len, prompt_ids))),
+                            stop=tuple(cfg.rollout.stop))
+        outs = get_generator(cfg.rollout.backend, model_dir).generate(prompt_ids, spec)
+        responses = [decode_response(tokenizer, o[0].response_ids) for o in outs]
+        scores = [task.reward(r, e.ground_truth, e.prompt) for r, e in zip(responses, examples)]
+        n = len(examples)
+        rows = {"run_id": [run_id] * n, "iteration": [iteration] * n, "prompt_id": list(range(n)),
+                "prompt": [e.prompt for e in examples], "response": responses,
+                "ground_truth": [e.ground_truth for e in examples],
+                "reward": [float(s["total"]) for s in scores], "exact": [exact_match(s) for s in scores]}
+        write_parquet(storage.fs, writer.path("eval.parquet"), "eval", rows)
+        return {"prompts": n, "reward_mean": sum(rows["reward"]) / n, "exact_match": sum(rows["exact"]) / n}
+
+    config = {"task": cfg.to_dict()["task"], "eval": cfg.to_dict()["eval"], "backend": cfg.rollout.backend,
+              "max_tokens": cfg.rollout.max_tokens, "stop": cfg.rollout.stop}
+    return run_stage(storage, run_id, iteration, "eval", config=config, inputs={"policy": policy},
+                     body=body, force=force)

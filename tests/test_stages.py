@@ -1,0 +1,199 @@
+"""Stages on a tiny model in tmp_path: commits, reuse, force, audits, failures and learning."""
+import duckdb
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo.cli import main, next_iteration, run_iteration
+from grpo.config import ConfigError, load_config
+from grpo.storage import latest_committed, list_attempts, open_storage
+from stages import STAGES, StageError, stage_function
+from stages.common import stage_dir
+from stages.init import init_run
+
+TINY = ["rollout.backend=hf", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
+        "learn.minibatch_size=32", "learn.microbatch_size=16", "eval.n_prompts=16",
+        "model.hidden_size=64", "model.num_heads=2", "model.intermediate_size=128", "reward.workers=1"]
+
+
+def make_run(storage, run_id="t", extra=()):
+    cfg = load_config(None, TINY + list(extra))
+    init_run(storage, run_id, cfg)
+    return cfg
+
+
+@pytest.fixture
+def storage(tmp_path):
+    return open_storage((tmp_path / "store").as_uri())
+
+
+def test_one_iteration_commits_every_stage_readable_by_pandas_and_duckdb(storage):
+    make_run(storage)
+    out = run_iteration(storage, "t", 0)
+    assert list(out) == list(STAGES)
+    files = {"rollouts": "rollouts.parquet", "rewards": "rewards.parquet", "advantages": "advantages.parquet",
+             "learn": "metrics.parquet", "eval": "eval.parquet"}
+    for stage, name in files.items():
+        uri = storage.uri(out[stage].path(name))
+        df = pd.read_parquet(uri)
+        assert len(df) > 0, stage
+        assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{uri[len('file://'):]}')").fetchall()[0][0] == len(df)
+    ro = pd.read_parquet(storage.uri(out["rollouts"].path("rollouts.parquet")))
+    assert len(ro) == 16 * 4 and ro.groupby("prompt_id").size().eq(4).all()
+    assert (ro.response_ids.map(len) == ro.sampler_logprobs.map(len)).all()
+    assert set(ro.finish_reason) <= {"stop", "length"}
+    adv = pd.read_parquet(storage.uri(out["advantages"].path("advantages.parquet")))
+    assert adv.groupby("prompt_id").advantage.sum().abs().max() < 1e-5  # normalized: zero-mean groups
+    lp = pd.read_parquet(storage.uri(out["learn"].path("logprobs.parquet")))
+    merged = ro.merge(lp, on=["prompt_id", "sample_index"])
+    assert (merged.old_logprobs.map(len) == merged.response_ids.map(len)).all()
+    # the learner's old log-probs are the sampler's, up to numerics (same weights, same model)
+    gap = max(abs(a - b) for x, y in zip(merged.old_logprobs, merged.sampler_logprobs) for a, b in zip(x, y))
+    assert gap < 1e-3
+    # the new policy differs from the snapshot it started from
+    snap = load_file(out["snapshot"].path("policy/model.safetensors"))
+    new = load_file(out["learn"].path("policy/model.safetensors"))
+    assert any(not torch.equal(snap[k], new[k]) for k in snap)
+    assert out["snapshot"].manifest.file("policy/model.safetensors").uri  # referenced, not copied
+
+
+def test_rerun_is_noop_and_force_adds_attempt_without_touching_old(storage):
+    make_run(storage)
+    snap = stage_function("snapshot")(storage, "t", 0)
+    first = stage_function("rollouts")(storage, "t", 0)
+    before = storage.read_bytes(first.path("rollouts.parquet"))
+    again = stage_function("rollouts")(storage, "t", 0)
+    assert again.attempt_dir == first.attempt_dir
+    forced = stage_function("rollouts")(storage, "t", 0, force=True)
+    assert forced.attempt_dir != first.attempt_dir
+    assert storage.read_bytes(first.path("rollouts.parquet")) == before
+    assert len(list_attempts(storage, stage_dir(storage, "t", 0, "rollouts"))) == 2
+    # same seeds, same sampler: the forced attempt reproduces the rows
+    assert pd.read_parquet(storage.uri(forced.path("rollouts.parquet"))).equals(
+        pd.read_parquet(storage.uri(first.path("rollouts.parquet"))))
+    assert snap.manifest.identity == stage_function("snapshot")(storage, "t", 0).manifest.identity
+
+
+def test_missing_input_names_uri_and_command(storage):
+    make_run(storage)
+    with pytest.raises(StageError, match=r"rollouts.*grpo stage rollouts --run t --iteration 0"):
+        stage_function("rewards")(storage, "t", 0)
+    with pytest.raises(StageError, match="no such run"):
+        stage_function("snapshot")(storage, "nope", 0)
+
+
+def test_config_errors_name_the_field():
+    for bad, field in [(["rollout.group_size=1"], "rollout.group_size"),
+                       (["learn.minibatch_size=30"], "learn.minibatch_size"),
+                       (["advantage.mode=zscore"], "advantage.mode"),
+                       (["rollout.backend=tgi"], "rollout.backend"),
+                       (["task.name=chess"], "valid tasks")]:
+        with pytest.raises(ConfigError, match=field):
+            load_config(None, TINY + bad)
+
+
+def test_reward_errors_recorded_then_stage_fails_over_threshold(storage, monkeypatch):
+    from grpo.tasks import sort
+    calls = {"n": 0}
+    real = sort.SortTask.reward
+
+    def flaky(self, response, ground_truth, prompt):
+        if hash(response) % 4 == 0:
+            raise RuntimeError("boom")
+        return real(self, response, ground_truth, prompt)
+
+    monkeypatch.setattr(sort.SortTask, "reward", flaky)  # the fork pool inherits the patch
+    make_run(storage, extra=["reward.max_error_fraction=1.0"])
+    stage_function("snapshot")(storage, "t", 0)
+    stage_function("rollouts")(storage, "t", 0)
+    out = stage_function("rewards")(storage, "t", 0)
+    df = pd.read_parquet(storage.uri(out.path("rewards.parquet")))
+    errs = df[df.error.notna()]
+    assert len(errs) and (errs.reward == 0).all() and errs.error.str.contains("RuntimeError: boom").all()
+    assert out.manifest.summary["errors"] == len(errs)
+
+    make_run(storage, "strict", extra=["reward.max_error_fraction=0.0"])
+    stage_function("snapshot")(storage, "strict", 0)
+    stage_function("rollouts")(storage, "strict", 0)
+    with pytest.raises(StageError, match="max_error_fraction"):
+        stage_function("rewards")(storage, "strict", 0)
+    with pytest.raises(Exception, match="no committed attempt"):
+        latest_committed(storage, stage_dir(storage, "strict", 0, "rewards"))
+
+
+def test_reward_timeout_is_recorded(storage, monkeypatch):
+    import time
+    from grpo.tasks import sort
+
+    monkeypatch.setattr(sort.SortTask, "reward", lambda self, r, g, p: time.sleep(5))
+    make_run(storage, extra=["reward.timeout_s=0.05", "reward.max_error_fraction=1.0",
+                             "rollout.prompts_per_iteration=4", "learn.minibatch_size=16",
+                             "learn.microbatch_size=16"])
+    stage_function("snapshot")(storage, "t", 0)
+    stage_function("rollouts")(storage, "t", 0)
+    df = pd.read_parquet(storage.uri(stage_function("rewards")(storage, "t", 0).path("rewards.parquet")))
+    assert df.error.str.startswith("timeout").all()
+
+
+def test_nan_loss_fails_learn_and_commits_nothing(storage, monkeypatch):
+    import grpo.core as core
+    make_run(storage)
+    for s in ["snapshot", "rollouts", "rewards", "advantages"]:
+        stage_function(s)(storage, "t", 0)
+    real = core.grpo_microbatch_step
+    monkeypatch.setattr(core, "grpo_microbatch_step",
+                        lambda logp, *a, **k: real(logp * float("nan"), *a, **k))
+    with pytest.raises(StageError, match="non-finite"):
+        stage_function("learn")(storage, "t", 0)
+    assert list_attempts(storage, stage_dir(storage, "t", 0, "learn"))  # it started...
+    with pytest.raises(Exception, match="no committed attempt"):  # ...and committed nothing
+        latest_committed(storage, stage_dir(storage, "t", 0, "learn"))
+
+
+def test_optimizer_state_carries_to_next_iteration(storage):
+    make_run(storage)
+    run_iteration(storage, "t", 0)
+    assert next_iteration(storage, "t") == 1
+    out = run_iteration(storage, "t", 1)
+    assert out["learn"].manifest.inputs["previous"].uri.endswith(
+        latest_committed(storage, stage_dir(storage, "t", 0, "learn")).attempt_dir.rsplit("/", 1)[1])
+    state0 = torch.load(latest_committed(storage, stage_dir(storage, "t", 0, "learn")).path("optimizer.pt"))
+    state1 = torch.load(out["learn"].path("optimizer.pt"))
+    steps = lambda s: next(iter(s["state"].values()))["step"].item()  # noqa: E731
+    assert steps(state1) == 2 * steps(state0)  # AdamW continued counting
+
+
+def test_two_processes_give_the_same_update_as_one(storage):
+    for run_id, nproc in [("one", 1), ("two", 2)]:
+        make_run(storage, run_id, extra=[f"learn.num_processes={nproc}"])
+        for s in ["snapshot", "rollouts", "rewards", "advantages", "learn"]:
+            stage_function(s)(storage, run_id, 0)
+    one = latest_committed(storage, stage_dir(storage, "one", 0, "learn"))
+    two = latest_committed(storage, stage_dir(storage, "two", 0, "learn"))
+    assert two.manifest.summary["world_size"] == 2
+    w1, w2 = (load_file(c.path("policy/model.safetensors")) for c in (one, two))
+    base = load_file(latest_committed(storage, stage_dir(storage, "one", None, "base")).path("policy/model.safetensors"))
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=1e-5), k
+    assert any(not torch.allclose(w1[k], base[k], atol=1e-5) for k in w1)
+
+
+def test_cli_stage_and_status(storage, capsys):
+    make_run(storage)
+    assert main(["--storage", storage.url, "stage", "snapshot", "--run", "t", "--iteration", "0"]) == 0
+    assert main(["--storage", storage.url, "stage", "rewards", "--run", "t", "--iteration", "0"]) == 2
+    assert "grpo stage rollouts" in capsys.readouterr().err
+    assert main(["--storage", storage.url, "status", "--run", "t"]) == 0
+    assert "ok x1" in capsys.readouterr().out
+
+
+def test_mean_reward_rises(storage):
+    """A short budget on the sort task: GRPO must clearly raise the mean sampled reward."""
+    make_run(storage, "learns", extra=["rollout.prompts_per_iteration=64", "rollout.group_size=8",
+                                       "learn.minibatch_size=128", "learn.microbatch_size=128",
+                                       "rollout.max_tokens=8", "model.hidden_size=128",
+                                       "model.num_heads=4", "model.intermediate_size=512"])
+    rewards = [run_iteration(storage, "learns", k)["advantages"].manifest.summary["reward_mean"]
+               for k in range(6)]
+    assert rewards[-1] > rewards[0] + 0.05, rewards

@@ -1,0 +1,122 @@
+"""Tasks: hand-computed rewards, deterministic generation, registry errors."""
+
+import doctest
+
+import pytest
+
+import grpo.tasks
+import grpo.tasks.arithmetic
+import grpo.tasks.sort
+from grpo.tasks import TASKS, Example, get_task
+from grpo.tasks.arithmetic import arithmetic_reward
+from grpo.tasks.sort import parse_numbers, sort_reward
+
+
+@pytest.mark.parametrize("module", [grpo.tasks, grpo.tasks.sort, grpo.tasks.arithmetic])
+def test_doctests(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+# sort: (response, present, ordered, exact) against "1 1 3 4 5"
+SORT_CASES = {
+    "correct": ("1 1 3 4 5", 1.0, 1.0, 1.0),
+    "reversed": ("5 4 3 1 1", 1.0, 0.25, 0.0),
+    "missing two": ("1 3 4", 0.6, 0.5, 0.0),
+    # 10 numbers, 5 of them right: 5 / max(5, 10); the first five are ordered
+    "padded": ("1 1 3 4 5 5 5 5 5 5", 0.5, 1.0, 0.0),
+    "extra word": ("so 1 1 3 4 5", 1.0, 1.0, 0.0),
+    "wrong numbers": ("0 0 0 0 0", 0.0, 1.0, 0.0),
+    "empty": ("", 0.0, 0.0, 0.0),
+    "garbage": ("sort : : sort", 0.0, 0.0, 0.0),
+}
+
+
+@pytest.mark.parametrize("case", SORT_CASES)
+def test_sort_reward_hand_values(case):
+    response, present, ordered, exact = SORT_CASES[case]
+    r = sort_reward(response, "1 1 3 4 5")
+    assert r["present"] == pytest.approx(present)
+    assert r["ordered"] == pytest.approx(ordered)
+    assert r["exact"] == exact
+    assert r["total"] == pytest.approx((present + ordered) / 4 + exact / 2)
+
+
+def test_sort_reward_only_exact_reaches_one():
+    for response, *_ in SORT_CASES.values():
+        r = sort_reward(response, "1 1 3 4 5")
+        assert 0.0 <= r["total"] <= 1.0
+        assert (r["total"] == 1.0) == (r["exact"] == 1.0)
+
+
+def test_sort_task_reward_matches_plain_function():
+    task = get_task("sort")
+    ex = task.generate(1, seed=3)[0]
+    assert sorted(parse_numbers(ex.prompt)) == parse_numbers(ex.ground_truth)
+    assert task.reward(ex.ground_truth, ex.ground_truth, ex.prompt)["total"] == 1.0
+    assert task.reward("x", ex.ground_truth, ex.prompt) == sort_reward("x", ex.ground_truth)
+
+
+@pytest.mark.parametrize(
+    "response, fmt, correct",
+    [("11", 1.0, 1.0), ("12", 1.0, 0.0), ("11 =", 0.0, 0.0), ("", 0.0, 0.0), ("+ *", 0.0, 0.0)],
+)
+def test_arithmetic_reward_hand_values(response, fmt, correct):
+    assert arithmetic_reward(response, "11") == {"format": fmt, "correct": correct, "total": correct}
+
+
+def test_arithmetic_answers_follow_precedence():
+    task = get_task("arithmetic", max_operand=9)
+    for ex in task.generate(200, seed=0):
+        expr = ex.prompt.removesuffix(" =")
+        assert int(ex.ground_truth) == eval(expr)  # python has the same precedence
+        assert set(ex.prompt.split()) <= set(task.words())
+        assert ex.ground_truth in task.words()
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_generate_is_deterministic_per_seed(name):
+    task = get_task(name)
+    a = task.generate(20, seed=7)
+    assert a == task.generate(20, seed=7)
+    assert a != task.generate(20, seed=8)
+    assert all(isinstance(ex, Example) for ex in a)
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_words_cover_prompts_and_answers(name):
+    task = get_task(name)
+    vocab = set(task.words())
+    assert len(vocab) == len(task.words())  # no duplicates
+    for ex in task.generate(50, seed=1):
+        assert set(ex.prompt.split()) <= vocab
+        assert set(ex.ground_truth.split()) <= vocab
+
+
+def test_sort_params_shape_prompts():
+    task = get_task("sort", n_numbers=3, max_value=4)
+    for ex in task.generate(50, seed=0):
+        nums = parse_numbers(ex.prompt)
+        assert len(nums) == 3 and max(nums) <= 4
+        assert ex.prompt.startswith("sort ") and ex.prompt.endswith(" :")
+
+
+def test_unknown_task_lists_valid_names():
+    with pytest.raises(ValueError, match="arithmetic, sort"):
+        get_task("reverse")
+
+
+def test_unknown_param_is_named():
+    with pytest.raises(ValueError, match="'max_operand'.*n_numbers, max_value"):
+        get_task("sort", max_operand=3)
+
+
+@pytest.mark.parametrize(
+    "name, params, bad",
+    [("sort", {"n_numbers": 0}, "n_numbers"), ("sort", {"max_value": 0}, "max_value"),
+     ("arithmetic", {"max_operand": 0}, "max_operand")],
+)
+def test_bad_param_value_is_named(name, params, bad):
+    with pytest.raises(ValueError, match=bad):
+        get_task(name, **params)

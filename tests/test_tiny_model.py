@@ -1,0 +1,159 @@
+"""Tiny model factory: tokenizer, seeded weights, loading with transformers and vllm."""
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo.tasks import get_task
+from grpo.tiny_model import (
+    BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_for_task, build_tiny_model, build_tokenizer,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = get_task("sort").words()
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def sort_model(tmp_path_factory) -> str:
+    return build_for_task(str(tmp_path_factory.mktemp("sort_model")), "sort")
+
+
+@pytest.mark.parametrize("name", ["sort", "arithmetic"])
+def test_tokenizer_round_trip(name):
+    task = get_task(name)
+    tok = build_tokenizer(task.words())
+    for ex in task.generate(20, seed=0):
+        for text in (ex.prompt, ex.ground_truth, ex.prompt + " " + ex.ground_truth):
+            ids = tok.encode(text)
+            assert ids[0] == BOS_ID and UNK_ID not in ids
+            assert len(ids) == len(text.split()) + 1  # one id per word
+            assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_tokenizer_special_ids_and_unknown_words():
+    tok = build_tokenizer(["a", "b", "a"])  # duplicates keep their first id
+    tokens = ["<pad>", "<unk>", "<bos>", "<eos>", "a", "b"]
+    assert tok.convert_tokens_to_ids(tokens) == [0, 1, 2, 3, 4, 5]
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (PAD_ID, BOS_ID, EOS_ID)
+    assert tok.encode("a  zzz\tb") == [BOS_ID, 4, UNK_ID, 5]
+    assert len(tok) == 6
+
+
+def test_tokenizer_rejects_words_with_spaces():
+    with pytest.raises(ValueError, match="whitespace"):
+        build_tokenizer(["a b"])
+
+
+def test_saved_tokenizer_loads_with_auto(sort_model):
+    tok = AutoTokenizer.from_pretrained(sort_model)
+    assert tok.encode("sort 3 1 :") == build_tokenizer(WORDS).encode("sort 3 1 :")
+    assert tok("sort 3 1 :")["input_ids"][0] == BOS_ID
+    assert tok.decode(tok.encode("sort 3 1 :"), skip_special_tokens=True) == "sort 3 1 :"
+
+
+def test_model_loads_and_generates(sort_model):
+    for name in ("config.json", "generation_config.json"):
+        c = json.loads(Path(sort_model, name).read_text())
+        assert (c["bos_token_id"], c["eos_token_id"], c["pad_token_id"]) == (BOS_ID, EOS_ID, PAD_ID)
+    assert json.loads(Path(sort_model, "config.json").read_text())["vocab_size"] == len(WORDS) + 4
+    model = AutoModelForCausalLM.from_pretrained(sort_model)
+    assert model.dtype == torch.float32
+    ids = torch.tensor([AutoTokenizer.from_pretrained(sort_model).encode("sort 3 1 4 1 5 :")])
+    torch.manual_seed(0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=True)
+    assert out.shape[0] == 1 and ids.shape[1] < out.shape[1] <= ids.shape[1] + 4
+    assert torch.equal(out[0, : ids.shape[1]], ids[0])
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path):
+    a = build_tiny_model(str(tmp_path / "a"), WORDS, seed=3)
+    b = build_tiny_model(str(tmp_path / "b"), WORDS, seed=3)
+    c = build_tiny_model(str(tmp_path / "c"), WORDS, seed=4)
+    weights = [os.path.join(d, "model.safetensors") for d in (a, b, c)]
+    assert sha256(weights[0]) == sha256(weights[1])
+    assert sha256(weights[0]) != sha256(weights[2])
+
+
+@pytest.mark.parametrize("hidden_size, num_heads", [(128, 8), (96, 2), (100, 3)])
+def test_unsupported_head_dim_is_rejected(tmp_path, hidden_size, num_heads):
+    # 16 is too small, 48 and 33.3 are not head sizes vllm's cpu backend has
+    with pytest.raises(ValueError, match="num_heads"):
+        build_tiny_model(str(tmp_path / "m"), WORDS, hidden_size=hidden_size, num_heads=num_heads)
+    assert not (tmp_path / "m").exists()
+
+
+def test_unknown_arch_lists_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match="valid archs: llama"):
+        build_tiny_model(str(tmp_path / "m"), WORDS, arch="gpt5")
+
+
+def test_build_leaves_global_rng_alone(tmp_path):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_tiny_model(str(tmp_path / "m"), WORDS, seed=0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+VLLM_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=64, seed=0)
+        params = SamplingParams(n=2, max_tokens=8, logprobs=0, seed=0)
+        outs = llm.generate(["sort 3 1 4 1 5 :", "sort 0 9 2 2 7 :"], params, use_tqdm=False)
+        print("RESULT " + json.dumps([
+            {"prompt_ids": list(o.prompt_token_ids),
+             "samples": [{"ids": list(c.token_ids),
+                          "logprobs": [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)],
+                          "finish_reason": c.finish_reason} for c in o.outputs]}
+            for o in outs]))
+    """
+)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_loads_and_samples(sort_model, tmp_path):
+    script = tmp_path / "run_vllm.py"
+    script.write_text(VLLM_SCRIPT)
+    # in-process engine core: starts in seconds instead of ~30 s
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, str(script), sort_model], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    outs = json.loads(line.removeprefix("RESULT "))
+    tok = build_tokenizer(WORDS)
+    prompts = ["sort 3 1 4 1 5 :", "sort 0 9 2 2 7 :"]
+    assert [o["prompt_ids"] for o in outs] == [tok.encode(p) for p in prompts]
+    for o in outs:
+        assert len(o["samples"]) == 2
+        for s in o["samples"]:
+            assert 1 <= len(s["ids"]) <= 8 and len(s["logprobs"]) == len(s["ids"])
+            assert all(lp <= 0.0 for lp in s["logprobs"])
+            assert s["finish_reason"] in ("stop", "length")
+    # vllm's sampler log-probs are the model's: recompute one sample with transformers
+    model = AutoModelForCausalLM.from_pretrained(sort_model)
+    prompt, sample = outs[0]["prompt_ids"], outs[0]["samples"][0]
+    ids = torch.tensor([prompt + sample["ids"]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, :-1], -1)  # (T-1, V)
+    ref = logprobs.gather(-1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
+    assert torch.allclose(ref, torch.tensor(sample["logprobs"]), atol=1e-4)
