@@ -24,10 +24,11 @@ SORT_CASES = {
     "correct": ("1 1 3 4 5", 1.0, 1.0, 1.0),
     "reversed": ("5 4 3 1 1", 1.0, 0.25, 0.0),
     "missing two": ("1 3 4", 0.6, 0.5, 0.0),
-    # 10 numbers, 5 of them right: 5 / max(5, 10); the first five are ordered
+    # 10 numbers, 5 of them right: 5 / max(5, 10); the first five are the sorted pairs
     "padded": ("1 1 3 4 5 5 5 5 5 5", 0.5, 1.0, 0.0),
     "extra word": ("so 1 1 3 4 5", 1.0, 1.0, 0.0),
-    "wrong numbers": ("0 0 0 0 0", 0.0, 1.0, 0.0),
+    "wrong numbers": ("0 0 0 0 0", 0.0, 0.0, 0.0),  # sorted but unrelated: no credit
+    "sorted subset": ("1 3 5", 0.6, 0.25, 0.0),  # (1,3) is a neighbouring pair, (3,5) is not
     "empty": ("", 0.0, 0.0, 0.0),
     "garbage": ("sort : : sort", 0.0, 0.0, 0.0),
 }

@@ -48,24 +48,28 @@ def present_score(got: list[int], want: list[int]) -> float:
     return overlap / max(len(want), len(got), 1)
 
 
-def ordered_score(got: list[int], n: int) -> float:
-    """Fraction of the n - 1 adjacent pairs in `got[:n]` that are non-decreasing.
+def ordered_score(got: list[int], want: list[int]) -> float:
+    """Fraction of the adjacent pairs of sorted(`want`) that `got[:n]` has as adjacent pairs.
 
-    Missing numbers count as unordered pairs, so a short answer loses credit.
+    A pair counts only if it is a neighbouring pair of the sorted answer, so a
+    constant or an unrelated sorted list earns nothing: an earlier "any
+    non-decreasing pair" rule let the policy settle on "0 0 0 0 0".
 
-    >>> ordered_score([1, 2, 2, 5, 3], 5)
-    0.75
-    >>> ordered_score([1, 2], 5)
+    >>> ordered_score([1, 3, 4], [1, 1, 3, 4, 5])  # (1,3) and (3,4) of (1,1) (1,3) (3,4) (4,5)
+    0.5
+    >>> ordered_score([0, 0, 0, 0, 0], [1, 1, 3, 4, 5])
+    0.0
+    >>> ordered_score([5, 4, 3, 1, 1], [1, 1, 3, 4, 5])  # only (1,1)
     0.25
-    >>> ordered_score([7], 1), ordered_score([], 1)
+    >>> ordered_score([7], [7]), ordered_score([], [7])
     (1.0, 0.0)
     """
+    target, n = sorted(want), len(want)
     if n <= 1:
-        # no pairs to order: credit any answer that has a number
-        return float(len(got) >= 1)
+        return float(got[:1] == target)
     head = got[:n]
-    good = sum(a <= b for a, b in zip(head, head[1:]))
-    return good / (n - 1)
+    hits = Counter(zip(head, head[1:])) & Counter(zip(target, target[1:]))
+    return sum(hits.values()) / (n - 1)
 
 
 def sort_reward(response: str, ground_truth: str) -> dict[str, float]:
@@ -84,7 +88,7 @@ def sort_reward(response: str, ground_truth: str) -> dict[str, float]:
     got = parse_numbers(response)
     words = response.split()
     present = present_score(got, want)
-    ordered = ordered_score(got, len(want))
+    ordered = ordered_score(got, want)
     # any non-number word spoils an exact match
     exact = float(got == want and len(got) == len(words))
     total = present / 4 + ordered / 4 + exact / 2
