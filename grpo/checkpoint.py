@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from grpo.storage import Committed, StageWriter, _is_local
+from grpo.storage import Committed, StageWriter, is_local
 
 CHECKPOINT_PREFIX = "policy/"
 
@@ -47,7 +47,7 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
         raise FileNotFoundError(f"{committed.uri}: manifest lists no checkpoint files under {prefix!r}")
     fs = committed.storage.fs
     key = content_hash(committed, prefix)
-    if _is_local(fs):  # links point into this storage: key on where they point too
+    if is_local(fs):  # links point into this storage: key on where they point too
         key = hashlib.sha256((key + repr(sorted(files.items()))).encode()).hexdigest()
     target = cache_root() / "checkpoints" / key[:32]
     if target.exists():
@@ -57,7 +57,7 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
     for name, path in files.items():
         dest = tmp / name
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if _is_local(fs):
+        if is_local(fs):
             dest.symlink_to(path)
         else:
             fs.get_file(path, str(dest))

@@ -5,6 +5,7 @@
     grpo run --run demo --iterations 3          # every stage of each iteration, in order
     grpo demo                                    # init + 2 iterations of the tiny sort model
     grpo status --run demo
+    grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
 """
 from __future__ import annotations
 
@@ -79,6 +80,16 @@ def cmd_status(args, storage):
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
 
 
+def cmd_query(args, storage):
+    import duckdb
+    from grpo.query import query
+    try:
+        df = query(storage, args.run, args.sql, verify=not args.no_verify)
+    except duckdb.Error as e:
+        raise StageError(f"query failed: {e}") from e
+    print(df.to_string(index=False) if len(df) else f"(no rows; columns: {', '.join(df.columns)})")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--storage", help="storage URL (default $GRPO_STORAGE or ./storage)")
@@ -112,6 +123,13 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("status", help="iterations x stages of a run")
     sp.add_argument("--run", required=True)
     sp.set_defaults(fn=cmd_status)
+    sp = sub.add_parser("query", help="DuckDB SQL over the committed tables of a run",
+                        description="views: rollouts, rewards, advantages, logprobs, learn_metrics, eval "
+                                    "(newest committed attempt of each iteration; see grpo/query.py)")
+    sp.add_argument("--run", required=True)
+    sp.add_argument("sql", help='e.g. "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"')
+    sp.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files read")
+    sp.set_defaults(fn=cmd_query)
     return p
 
 

@@ -70,7 +70,7 @@ class Storage:
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
         """Readers see either nothing or all of `data` at `path`."""
-        if _is_local(self.fs):
+        if is_local(self.fs):
             tmp = f"{path}.tmp-{secrets.token_hex(4)}"
             self.fs.pipe_file(tmp, data)
             os.replace(tmp, path)  # atomic rename on one filesystem
@@ -78,7 +78,7 @@ class Storage:
             self.fs.pipe_file(path, data)  # one object PUT: atomic on S3
 
 
-def _is_local(fs: AbstractFileSystem) -> bool:
+def is_local(fs: AbstractFileSystem) -> bool:
     return "file" in fs.protocol or "local" in fs.protocol
 
 
@@ -98,7 +98,7 @@ def open_storage(url: str | None = None) -> Storage:
     protocol = url.split("://", 1)[0]
     opts = _s3_options() if protocol in ("s3", "s3a") else {}
     fs, root = fsspec.core.url_to_fs(url, **opts)
-    if _is_local(fs):
+    if is_local(fs):
         fs.makedirs(root, exist_ok=True)
     return Storage(fs=fs, root=root, url=url)
 
@@ -261,7 +261,7 @@ class StageWriter:
         number = _attempt_number(previous[-1]) + 1 if previous else 1
         self.attempt = f"attempt-{number:04d}-{secrets.token_hex(3)}"
         self.attempt_dir = f"{stage_dir}/{self.attempt}"
-        if _is_local(storage.fs):
+        if is_local(storage.fs):
             storage.fs.makedirs(self.attempt_dir, exist_ok=False)
         self.started_at = _now()
         self._referenced: list[FileEntry] = []
@@ -269,7 +269,7 @@ class StageWriter:
 
     def path(self, name: str) -> str:
         path = f"{self.attempt_dir}/{name}"
-        if _is_local(self.storage.fs) and "/" in name:
+        if is_local(self.storage.fs) and "/" in name:
             self.storage.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         return path
 

@@ -197,3 +197,21 @@ def test_mean_reward_rises(storage):
     rewards = [run_iteration(storage, "learns", k)["advantages"].manifest.summary["reward_mean"]
                for k in range(6)]
     assert rewards[-1] > rewards[0] + 0.05, rewards
+
+
+@pytest.mark.s3
+def test_all_stages_on_s3(s3, monkeypatch, tmp_path):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))  # checkpoints download here
+    storage = open_storage(f"s3://{s3.bucket}/stages-{tmp_path.name}")
+    make_run(storage)
+    out = run_iteration(storage, "t", 0)
+    assert next_iteration(storage, "t") == 1
+    run_iteration(storage, "t", 1)  # optimizer state and the new policy come back from S3
+    uri = storage.uri(out["rollouts"].path("rollouts.parquet"))
+    assert uri.startswith("s3://")
+    df = pd.read_parquet(uri, storage_options=s3.storage_options())
+    con = duckdb.connect()
+    con.register_filesystem(storage.fs)
+    assert con.execute(f"SELECT count(*) FROM read_parquet('{uri}')").fetchall()[0][0] == len(df) == 64

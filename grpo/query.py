@@ -1,0 +1,117 @@
+"""`grpo query`: DuckDB SQL over the committed Parquet outputs of one run.
+
+    grpo query --run r1 "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"
+
+Each view reads, for every iteration, the file of the newest committed attempt
+of its stage (the same attempt a downstream stage would read), found through
+the manifests: a glob over `attempt-*` would also pick up the half-written
+files of a crashed attempt, or the rows of an older attempt beside a forced
+rerun. The files read are hash-checked against their manifest by default.
+
+Views: rollouts, rewards, advantages, logprobs, learn_metrics, eval; columns as
+declared in `schemas/tables.py`. A view with nothing committed is empty, not missing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import duckdb
+import pandas as pd
+
+from grpo.storage import (Committed, CorruptArtifactError, NotCommittedError, Storage, is_local,
+                          latest_committed, verify_files)
+from schemas.tables import SCHEMAS
+from stages.common import StageError, run_dir, stage_dir
+
+VIEWS: dict[str, tuple[str, str]] = {  # view (= table name) -> (stage, file in its attempt)
+    "rollouts": ("rollouts", "rollouts.parquet"),
+    "rewards": ("rewards", "rewards.parquet"),
+    "advantages": ("advantages", "advantages.parquet"),
+    "logprobs": ("learn", "logprobs.parquet"),
+    "learn_metrics": ("learn", "metrics.parquet"),
+    "eval": ("eval", "eval.parquet"),
+}
+_ITER = re.compile(r"iter-(\d+)$")
+
+
+def iterations(storage: Storage, run_id: str) -> list[int]:
+    """Iterations with a folder in the run, ascending (committed or not)."""
+    rdir = run_dir(storage, run_id)
+    if not storage.exists(f"{rdir}/run.json"):
+        raise StageError(f"{storage.uri(rdir)}: no such run; create it with `grpo init --run {run_id}`")
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(rdir, detail=False)]
+    return sorted(int(m.group(1)) for n in names if (m := _ITER.match(n)))
+
+
+def committed_files(storage: Storage, run_id: str, verify: bool = True) -> dict[str, list[str]]:
+    """URIs each view reads: per iteration, the file of the stage's newest committed attempt.
+
+    Iterations where the stage has no committed attempt are skipped. With `verify`,
+    each listed file's size and sha256 are checked against its manifest (only
+    the files read: the learner's checkpoint is not hashed).
+    """
+    out: dict[str, list[str]] = {view: [] for view in VIEWS}
+    stages = sorted({stage for stage, _ in VIEWS.values()})
+    for k in iterations(storage, run_id):
+        newest = {stage: _newest(storage, stage_dir(storage, run_id, k, stage)) for stage in stages}
+        for view, (stage, name) in VIEWS.items():
+            if newest[stage] is not None:
+                out[view].append(storage.uri(_committed_file(newest[stage], name, verify)))
+    return out
+
+
+def _newest(storage: Storage, sdir: str) -> Committed | None:
+    try:
+        return latest_committed(storage, sdir, verify=False)  # files are checked one by one below
+    except NotCommittedError:
+        return None
+
+
+def _committed_file(committed: Committed, name: str, verify: bool) -> str:
+    """fs path of `name` in a committed attempt, its size and sha256 checked with `verify`."""
+    try:
+        entry = committed.manifest.file(name)
+    except KeyError as e:
+        raise CorruptArtifactError(f"{committed.uri}: {e.args[0]}") from e
+    if verify:
+        only = dataclasses.replace(committed.manifest, files=[entry])
+        verify_files(committed.storage, committed.attempt_dir, only)
+    return committed.path(name)
+
+
+def _duckdb_path(storage: Storage, uri: str) -> str:
+    """DuckDB reads local files by path and others through the registered fsspec filesystem."""
+    return uri[len("file://"):] if is_local(storage.fs) and uri.startswith("file://") else uri
+
+
+def _sql_str(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def connect(storage: Storage, run_id: str, verify: bool = True) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with one view per table over the committed files."""
+    files = committed_files(storage, run_id, verify=verify)
+    con = duckdb.connect()
+    if not is_local(storage.fs):
+        con.register_filesystem(storage.fs)  # no httpfs needed: DuckDB reads through s3fs
+    con.execute("CREATE SCHEMA _empty")
+    for view, uris in files.items():
+        if uris:
+            paths = ", ".join(_sql_str(_duckdb_path(storage, u)) for u in uris)
+            con.execute(f'CREATE VIEW "{view}" AS SELECT * FROM read_parquet([{paths}])')
+        else:  # typed and empty, so `SELECT count(*) FROM rollouts` is 0 rather than an error
+            con.register("_arrow", SCHEMAS[view].empty_table())
+            con.execute(f'CREATE TABLE _empty."{view}" AS SELECT * FROM _arrow')
+            con.unregister("_arrow")
+            con.execute(f'CREATE VIEW "{view}" AS SELECT * FROM _empty."{view}"')
+    return con
+
+
+def query(storage: Storage, run_id: str, sql: str, verify: bool = True) -> pd.DataFrame:
+    """Run `sql` over the views of `run_id`; duckdb.Error on bad SQL."""
+    con = connect(storage, run_id, verify=verify)
+    try:
+        return con.execute(sql).df()
+    finally:
+        con.close()
