@@ -40,6 +40,8 @@ class ModelConfig:
     """Tiny model only: MLP width."""
     max_position_embeddings: int = 64
     """Tiny model only: longest prompt + response."""
+    tie_embeddings: bool = True
+    """Tiny model only: share input and output embeddings."""
     arch: str = "llama"
     """Tiny model only: architecture of grpo.tiny_model.CONFIGS."""
 
@@ -72,6 +74,8 @@ class RewardConfig:
     """Per-sample time limit; a timeout is recorded as an error with reward 0."""
     max_error_fraction: float = 0.05
     """The stage fails when more than this fraction of samples errors."""
+    truncated_reward: float | None = 0.0
+    """Reward of a response cut off at rollout.max_tokens; None scores it like any other."""
 
 
 @dataclass(frozen=True)

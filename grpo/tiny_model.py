@@ -46,7 +46,8 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
 
 
 def tiny_config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int,
-                num_heads: int, intermediate_size: int, max_position_embeddings: int):
+                num_heads: int, intermediate_size: int, max_position_embeddings: int,
+                tie_embeddings: bool = True):
     """Config of a small `arch` model; checks the head size vllm's cpu backend needs."""
     if arch not in CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; valid archs: {', '.join(CONFIGS)}")
@@ -63,7 +64,9 @@ def tiny_config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int
         num_key_value_heads=num_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        # tied: a prompt token's embedding copied by attention raises that token's logit,
+        # a prior that makes "repeat the prompt's numbers" easy to find by sampling
+        tie_word_embeddings=tie_embeddings,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
@@ -73,7 +76,7 @@ def tiny_config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int
 
 def build_tiny_model(out_dir: str, words: list[str], *, hidden_size: int = 128,
                      num_layers: int = 2, num_heads: int = 4, intermediate_size: int = 512,
-                     max_position_embeddings: int = 64, seed: int = 0,
+                     max_position_embeddings: int = 64, seed: int = 0, tie_embeddings: bool = True,
                      arch: str = "llama") -> str:
     """Save a randomly initialised model and its tokenizer to `out_dir`.
 
@@ -82,7 +85,7 @@ def build_tiny_model(out_dir: str, words: list[str], *, hidden_size: int = 128,
     tokenizer = build_tokenizer(words)
     config = tiny_config(arch, len(tokenizer), hidden_size=hidden_size, num_layers=num_layers,
                          num_heads=num_heads, intermediate_size=intermediate_size,
-                         max_position_embeddings=max_position_embeddings)
+                         max_position_embeddings=max_position_embeddings, tie_embeddings=tie_embeddings)
     with torch.random.fork_rng(devices=[]):  # seed the init, leave the caller's rng alone
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -15,7 +15,8 @@ import logging
 from typing import Callable
 
 from grpo.config import RunConfig, load_config
-from grpo.storage import Committed, NotCommittedError, StageWriter, Storage, find_committed, latest_committed
+from grpo.storage import (Committed, NotCommittedError, StageWriter, Storage, config_hash, find_committed,
+                          latest_committed, stage_identity)
 
 log = logging.getLogger("grpo.stages")
 
@@ -72,7 +73,6 @@ def run_stage(storage: Storage, run_id: str, iteration: int | None, stage: str, 
                        inputs={k: v.ref() for k, v in inputs.items()})
     sdir = stage_dir(storage, run_id, iteration, stage)
     if not force:
-        from grpo.storage import config_hash, stage_identity
         identity = stage_identity(run_id, iteration, stage, config_hash(config), writer_args["inputs"])
         found = find_committed(storage, sdir, identity)
         if found is not None:

@@ -55,7 +55,8 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
                 build_for_task(tmp, cfg.task.name, cfg.task.params, hidden_size=m.hidden_size,
                                num_layers=m.num_layers, num_heads=m.num_heads,
                                intermediate_size=m.intermediate_size,
-                               max_position_embeddings=m.max_position_embeddings, seed=cfg.seed, arch=m.arch)
+                               max_position_embeddings=m.max_position_embeddings, seed=cfg.seed, arch=m.arch,
+                               tie_embeddings=m.tie_embeddings)
             upload_folder(writer, tmp)
         return {"base_model": cfg.model.base_model or f"tiny {cfg.model.arch} for {cfg.task.name}"}
 

@@ -1,6 +1,9 @@
 """Stage 3: score every rollout with the task's verifiable reward.
 
-Rewards run in a process pool; each sample has a time limit. An exception or a
+Rewards run in a process pool; each sample has a time limit. A response cut off
+at max_tokens scores `reward.truncated_reward` when that is set (an unfinished
+answer is not an answer; without it a policy that never emits eos is never
+shown that stopping after the answer pays). An exception or a
 timeout is recorded in the `error` column with reward 0 instead of crashing, and
 the stage fails (committing nothing) when more than `max_error_fraction` errs.
 """
@@ -73,6 +76,17 @@ def score_batch(pool, task_cfg: TaskConfig, cfg: RewardConfig, batch) -> list:
     return results
 
 
+def truncated(scored: tuple, finish_reason: str, value: float) -> tuple:
+    """A response cut off at max_tokens is no answer: its reward becomes `value`.
+
+    The task's components stay for audits, with `truncated` = 1 beside them.
+    """
+    reward, components, error = scored
+    if finish_reason != "length":
+        return reward, components, error
+    return (value if error is None else reward), {**components, "truncated": 1.0}, error
+
+
 def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)
     rollouts = committed_input(storage, run_id, iteration, "rollouts")
@@ -86,6 +100,9 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
                 ParquetWriter(storage.fs, writer.path("rewards.parquet"), "rewards") as out:
             for batch in iter_batches(storage.fs, path, "rollouts", batch_size=8192):
                 scored = score_batch(pool, cfg.task, cfg.reward, batch)
+                if cfg.reward.truncated_reward is not None:
+                    scored = [truncated(item, fr, cfg.reward.truncated_reward)
+                              for item, fr in zip(scored, batch.column("finish_reason").to_pylist())]
                 cols = {k: batch.column(k).to_pylist() for k in keys}
                 cols["reward"] = [r for r, _, _ in scored]
                 cols["components"] = [list(c.items()) for _, c, _ in scored]

@@ -43,6 +43,12 @@ def test_one_iteration_commits_every_stage_readable_by_pandas_and_duckdb(storage
     assert len(ro) == 16 * 4 and ro.groupby("prompt_id").size().eq(4).all()
     assert (ro.response_ids.map(len) == ro.sampler_logprobs.map(len)).all()
     assert set(ro.finish_reason) <= {"stop", "length"}
+    rw = ro.merge(pd.read_parquet(storage.uri(out["rewards"].path("rewards.parquet"))),
+                  on=["prompt_id", "sample_index"])
+    cut = rw[rw.finish_reason == "length"]
+    assert len(cut) and (cut.reward == 0).all()  # reward.truncated_reward defaults to 0
+    assert all(dict(c)["truncated"] == 1.0 for c in cut.components)
+    assert all("truncated" not in dict(c) for c in rw[rw.finish_reason == "stop"].components)
     adv = pd.read_parquet(storage.uri(out["advantages"].path("advantages.parquet")))
     assert adv.groupby("prompt_id").advantage.sum().abs().max() < 1e-5  # normalized: zero-mean groups
     lp = pd.read_parquet(storage.uri(out["learn"].path("logprobs.parquet")))
