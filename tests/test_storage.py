@@ -16,11 +16,10 @@ ROWS = {"run_id": ["r", "r"], "iteration": [0, 0], "prompt_id": [0, 1],
 def storage(request, tmp_path):
     if request.param == "file":
         return open_storage(tmp_path.as_uri())
-    s3 = request.getfixturevalue("s3")
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in s3.env().items():
-            mp.setenv(k, v)
-        return open_storage(f"s3://{s3.bucket}/{tmp_path.name}")
+    s3, mp = request.getfixturevalue("s3"), request.getfixturevalue("monkeypatch")
+    for k, v in s3.env().items():  # botocore reads credentials at the first request
+        mp.setenv(k, v)
+    return open_storage(f"s3://{s3.bucket}/{tmp_path.name}")
 
 
 def write_stage(storage, stage_dir, config=None, rows=ROWS):
