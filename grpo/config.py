@@ -20,8 +20,8 @@ Backend = Literal["vllm", "hf"]
 class TaskConfig:
     name: str = "sort"
     """Registered task (grpo.tasks.TASKS): `sort` or `arithmetic`."""
-    params: dict = field(default_factory=lambda: {"n_numbers": 5, "max_value": 9})
-    """Keyword parameters of the task."""
+    params: dict = field(default_factory=dict)
+    """Keyword parameters of the task (its own defaults otherwise: sort takes n_numbers=5, max_value=9)."""
     dataset: str | None = None
     """Optional Parquet/JSONL file of rows `prompt`, `ground_truth` to sample prompts from."""
 

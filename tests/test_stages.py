@@ -228,3 +228,22 @@ def test_all_stages_on_s3(s3, monkeypatch, tmp_path):
     con = duckdb.connect()
     con.register_filesystem(storage.fs)
     assert con.execute(f"SELECT count(*) FROM read_parquet('{uri}')").fetchall()[0][0] == len(df) == 64
+
+
+def test_user_dataset_and_arithmetic_task(storage, tmp_path):
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(f'{{"prompt": "{a} + {b} * 2 =", "ground_truth": "{a + 2 * b}"}}\n'
+                            for a in range(4) for b in range(3)))
+    make_run(storage, "ar", extra=["task.name=arithmetic", "task.params={max_operand: 9}",
+                                   f"task.dataset={data}"])
+    out = run_iteration(storage, "ar", 0)
+    ro = pd.read_parquet(storage.uri(out["rollouts"].path("rollouts.parquet")))
+    assert set(ro.prompt) <= {f"{a} + {b} * 2 =" for a in range(4) for b in range(3)}
+    rw = pd.read_parquet(storage.uri(out["rewards"].path("rewards.parquet")))
+    assert {"format", "correct"} <= set(dict(rw.components[0]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1 + 1 ="}\n')
+    make_run(storage, "bad", extra=["task.name=arithmetic", f"task.dataset={bad}"])
+    stage_function("snapshot")(storage, "bad", 0)
+    with pytest.raises(StageError, match=r"bad\.jsonl.*ground_truth"):
+        stage_function("rollouts")(storage, "bad", 0)
