@@ -20,13 +20,18 @@ from stages import STAGES, StageError, stage_function
 from stages.common import stage_dir
 
 
+def _committed(storage: Storage, run_id: str, k: int, stage: str) -> bool:
+    d = stage_dir(storage, run_id, k, stage)
+    return any(is_committed(storage, f"{d}/{a}") for a in list_attempts(storage, d))
+
+
 def next_iteration(storage: Storage, run_id: str) -> int:
-    """The first iteration whose `learn` output is not committed."""
+    """The first unfinished iteration: the first without a committed `learn`,
+    or the one before it while that one's `eval` is still missing (a retry finishes it)."""
     k = 0
-    while any(is_committed(storage, f"{stage_dir(storage, run_id, k, 'learn')}/{a}")
-              for a in list_attempts(storage, stage_dir(storage, run_id, k, "learn"))):
+    while _committed(storage, run_id, k, "learn"):
         k += 1
-    return k
+    return k - 1 if k and not _committed(storage, run_id, k - 1, "eval") else k
 
 
 def run_iteration(storage: Storage, run_id: str, iteration: int, force: bool = False) -> dict:

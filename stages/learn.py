@@ -170,6 +170,10 @@ def train(cfg: RunConfig, run_id: str, iteration: int, batch: dict, policy_dir: 
             n_tok = int(mask[order[start:start + lcfg.minibatch_size]].sum())
             rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lcfg.lr, n_tok, gap))
             step += 1
+            if acc.is_main_process:
+                log.info("learn iteration %d: step %d/%d loss %.4f kl %.4f clip_frac %.3f", iteration, step,
+                         lcfg.epochs * (n // lcfg.minibatch_size), m["loss/total"], m.get("loss/kl", 0.0),
+                         m.get("actor/clip_frac", 0.0))
 
     if acc.is_main_process:
         out = Path(out_dir)

@@ -101,7 +101,6 @@ def test_config_errors_name_the_field():
 
 def test_reward_errors_recorded_then_stage_fails_over_threshold(storage, monkeypatch):
     from grpo.tasks import sort
-    calls = {"n": 0}
     real = sort.SortTask.reward
 
     def flaky(self, response, ground_truth, prompt):

@@ -117,7 +117,7 @@ def test_referenced_file_is_verified(storage):
                     stage="snap", config={}, inputs={})
     w.reference("prompts.parquet", FileEntry(entry.path, entry.size, entry.sha256,
                                              uri=storage.uri(upstream.path("prompts.parquet"))))
-    c = w.commit()
+    w.commit()
     got = latest_committed(storage, storage.path("runs/r/iter-0000/snap"))
     assert got.path("prompts.parquet") == upstream.path("prompts.parquet")
     storage.fs.pipe_file(upstream.path("prompts.parquet"), b"tampered")

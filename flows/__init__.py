@@ -1,0 +1,1 @@
+"""Prefect wiring of the GRPO stages: the flow `grpo` in flows/grpo.py, deployed by prefect.yaml."""

@@ -1,0 +1,192 @@
+"""The Prefect flow `grpo`: one GRPO iteration as six tasks over storage.
+
+    snapshot -> rollouts -> rewards -> advantages -> learn -> eval
+
+Each task wraps one stage function from `stages/` and passes storage URIs only.
+A stage whose output is already committed with the same identity is reused, so
+running the flow again after a failure (or `prefect flow-run retry <id>`) picks
+up at the first missing stage; `force_stage` reruns one stage, and the stages
+after it rerun because their inputs changed. The stages' `grpo` logger (rollout
+progress, the learner's torchrun lines) and vLLM's logger go to the run's log.
+
+    python -m flows.grpo                          # one iteration, no server needed
+    prefect deployment run grpo/iteration         # through a worker (prefect.yaml)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.logging.handlers import APILogHandler
+
+from grpo.cli import next_iteration
+from grpo.config import load_config_file
+from grpo.storage import Committed, list_attempts, open_storage
+from stages import STAGES, stage_function
+from stages.common import load_run, run_dir, stage_dir
+from stages.init import init_run
+
+Stage = Literal["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]  # = stages.STAGES
+FORWARDED_LOGGERS = ("grpo", "vllm")
+
+
+@flow(name="grpo")
+def grpo(run_id: str = "demo", iteration: int | Literal["next"] = "next", config_path: str | None = None,
+         overrides: list[str] | None = None, storage_url: str | None = None,
+         force_stage: Stage | None = None) -> dict[str, str]:
+    """One GRPO iteration of run `run_id`: sample, score, normalize, update, evaluate.
+
+    `config_path`/`overrides` create the run if it does not exist; `storage_url` defaults to
+    $GRPO_STORAGE or ./storage; `force_stage` reruns that stage (and so every later one).
+    """
+    force = {name: name == force_stage for name in STAGES}
+    url = open_storage(storage_url).url
+    with stage_logs_to_prefect():
+        create_run(url, run_id, config_path, overrides or [])
+        k = resolve_iteration(url, run_id, iteration)
+        policy = snapshot(url, run_id, k, force=force["snapshot"])
+        samples = rollouts(url, run_id, k, policy, force=force["rollouts"])
+        scores = rewards(url, run_id, k, samples, force=force["rewards"])
+        advs = advantages(url, run_id, k, scores, force=force["advantages"])
+        new_policy = learn(url, run_id, k, advs, force=force["learn"])
+        report = evaluate(url, run_id, k, new_policy, force=force["eval"])
+    return {"snapshot": policy, "rollouts": samples, "rewards": scores, "advantages": advs,
+            "learn": new_policy, "eval": report}
+
+
+# ---------------------------------------------------------------- tasks: one per stage
+
+def transient(task, task_run, state) -> bool:
+    """Retry storage hiccups (OSError: I/O, connection, timeout), not a missing file or a stage's checks."""
+    exc = state.result(raise_on_failure=False)
+    return isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)
+
+
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient)
+def create_run(storage_url: str, run_id: str, config_path: str | None, overrides: list[str]) -> str:
+    """Write run.json and commit the base model (idempotent); an existing run keeps its config."""
+    storage = open_storage(storage_url)
+    exists = storage.exists(f"{run_dir(storage, run_id)}/run.json")
+    cfg = load_run(storage, run_id) if exists and not (config_path or overrides) else \
+        load_config_file(config_path, overrides)  # a different config for an existing run is refused
+    base = init_run(storage, run_id, cfg)
+    get_run_logger().info("run %s: base model %s", run_id, base.uri)
+    return base.uri
+
+
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient)
+def snapshot(storage_url: str, run_id: str, iteration: int, force: bool = False) -> str:
+    """Freeze the policy of iteration k: the base model, or the previous iteration's learner output."""
+    return run_stage("snapshot", storage_url, run_id, iteration, None, force)
+
+
+@task
+def rollouts(storage_url: str, run_id: str, iteration: int, policy: str, force: bool = False) -> str:
+    """Sample G responses per prompt from the snapshot, with the sampler's log-probs."""
+    return run_stage("rollouts", storage_url, run_id, iteration, policy, force)
+
+
+@task
+def rewards(storage_url: str, run_id: str, iteration: int, samples: str, force: bool = False) -> str:
+    """Score every sample with the task's verifiable reward."""
+    return run_stage("rewards", storage_url, run_id, iteration, samples, force)
+
+
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient)
+def advantages(storage_url: str, run_id: str, iteration: int, scores: str, force: bool = False) -> str:
+    """Group-normalize the rewards of each prompt's G samples."""
+    return run_stage("advantages", storage_url, run_id, iteration, scores, force)
+
+
+@task
+def learn(storage_url: str, run_id: str, iteration: int, advs: str, force: bool = False) -> str:
+    """Clipped policy gradient + KL to the reference; commits the next policy."""
+    return run_stage("learn", storage_url, run_id, iteration, advs, force)
+
+
+@task(name="eval")
+def evaluate(storage_url: str, run_id: str, iteration: int, policy: str, force: bool = False) -> str:
+    """Greedy decoding of the held-out prompts with the new policy."""
+    return run_stage("eval", storage_url, run_id, iteration, policy, force)
+
+
+# ---------------------------------------------------------------- what every task does
+
+def run_stage(name: str, storage_url: str, run_id: str, iteration: int, upstream: str | None,
+              force: bool) -> str:
+    """Run or reuse stage `name`, say which, publish its summary; return the committed attempt's URI.
+
+    `upstream` is the URI the previous task returned: the stage must have read exactly that.
+    """
+    storage = open_storage(storage_url)
+    before = set(list_attempts(storage, stage_dir(storage, run_id, iteration, name)))
+    out = stage_function(name)(storage, run_id, iteration, force=force)
+    if upstream and upstream not in {ref.uri for ref in out.manifest.inputs.values()}:
+        raise RuntimeError(f"{name} read other inputs than {upstream}: another writer committed meanwhile")
+    reused = out.attempt_dir.rsplit("/", 1)[-1] in before
+    get_run_logger().info("%s iteration %d: %s %s", name, iteration,
+                          "reused committed" if reused else "ran and committed", out.uri)
+    publish(name, out, reused)
+    return out.uri
+
+
+def publish(name: str, out: Committed, reused: bool) -> None:
+    """A small table artifact per stage: the manifest's summary, keyed by run and stage."""
+    m = out.manifest
+    rows = [{"stat": "attempt", "value": m.attempt}, {"stat": "reused", "value": reused}]
+    rows += [{"stat": k, "value": round(v, 4) if isinstance(v, float) else v} for k, v in m.summary.items()]
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{m.run_id}-{name}".lower())
+    create_table_artifact(rows, key=key, description=f"{name}, iteration {m.iteration}: {out.uri}")
+
+
+def resolve_iteration(storage_url: str, run_id: str, iteration: int | str) -> int:
+    """An explicit iteration, or "next": the first one not finished (grpo.cli.next_iteration)."""
+    if iteration != "next":
+        return int(iteration)
+    return next_iteration(open_storage(storage_url), run_id)
+
+
+@contextmanager
+def stage_logs_to_prefect():
+    """Send the stages' and vLLM's log records to the Prefect run log while the flow runs."""
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # else importing vLLM drops our handler
+    added = []
+    for name in FORWARDED_LOGGERS:
+        logger = logging.getLogger(name)
+        if any(isinstance(h, APILogHandler) for h in logger.handlers):
+            continue  # already sent (PREFECT_LOGGING_EXTRA_LOGGERS names it)
+        added.append((logger, APILogHandler(), logger.level))
+        logger.addHandler(added[-1][1])
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+    try:
+        yield
+    finally:
+        for logger, handler, level in added:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
+# ---------------------------------------------------------------- deployment
+
+def work_in_checkout() -> dict[str, str]:
+    """Prefect pull step (prefect.yaml): run the flow from the checkout this module is in.
+
+    It runs on the worker's machine when a flow run starts, so the deployment stores no path;
+    relative paths (GRPO_STORAGE=storage, a config file) then mean what they mean in a shell at
+    the repo root. A process worker would otherwise start each flow run in a temporary folder.
+    """
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "pyproject.toml").is_file():
+        raise RuntimeError(f"{root} is not a grpo-flow checkout: install with `./setup.sh` in a clone")
+    os.chdir(root)
+    return {"directory": str(root)}
+
+
+if __name__ == "__main__":
+    grpo()  # one iteration of run "demo" in $GRPO_STORAGE or ./storage, on an ephemeral Prefect API

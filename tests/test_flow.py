@@ -1,0 +1,153 @@
+"""The Prefect flow `grpo` in-process (prefect_test_harness) on the tiny HF config in tmp storage:
+commit, reuse, resume after a failed stage with earlier outputs byte-identical, force one stage,
+pick up after a CLI rerun of one stage; and once on a real S3 server."""
+import hashlib
+import logging
+from pathlib import Path
+from typing import get_args
+
+import pytest
+from prefect import flow, task
+from prefect.exceptions import ParameterTypeError
+from prefect.testing.utilities import prefect_test_harness
+
+import stages.rewards
+from flows.grpo import Stage, grpo, resolve_iteration, transient
+from grpo.cli import main
+from grpo.storage import is_committed, list_attempts, open_storage
+from stages import STAGES, StageError
+from stages.common import stage_dir
+from test_stages import TINY
+
+RUN = "t"
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A temporary Prefect server and SQLite database for the whole session."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        with prefect_test_harness(server_startup_timeout=180):  # slow to start on a busy machine
+            yield
+
+
+@pytest.fixture(scope="module")
+def url(prefect_api, tmp_path_factory):
+    """Storage holding run `t` with iteration 0 done by the flow."""
+    url = (tmp_path_factory.mktemp("flow") / "store").as_uri()
+    out = grpo(run_id=RUN, iteration=0, overrides=TINY, storage_url=url)
+    assert list(out) == list(STAGES)
+    return url
+
+
+def attempts(url: str, iteration: int) -> dict[str, list[str]]:
+    """stage -> attempt folder names (committed or not), oldest first."""
+    storage = open_storage(url)
+    return {s: list_attempts(storage, stage_dir(storage, RUN, iteration, s)) for s in STAGES}
+
+
+def committed_hashes(url: str, iteration: int, names=STAGES) -> dict[str, str]:
+    """sha256 of every file in every committed attempt of the given stages."""
+    storage = open_storage(url)
+    out = {}
+    for s in names:
+        d = stage_dir(storage, RUN, iteration, s)
+        for a in list_attempts(storage, d):
+            if is_committed(storage, f"{d}/{a}"):
+                for f in sorted(Path(d, a).rglob("*")):
+                    if f.is_file():
+                        out[str(f)] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def reuse_messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "reused committed" in r.getMessage()]
+
+
+def test_flow_commits_every_stage_then_reuses_all(url, caplog):
+    storage = open_storage(url)
+    for s in STAGES:
+        d = stage_dir(storage, RUN, 0, s)
+        assert any(is_committed(storage, f"{d}/{a}") for a in list_attempts(storage, d)), s
+    before, hashes = attempts(url, 0), committed_hashes(url, 0)
+    caplog.set_level(logging.INFO)
+    again = grpo(run_id=RUN, iteration=0, storage_url=url)
+    assert attempts(url, 0) == before and committed_hashes(url, 0) == hashes  # no new attempt
+    assert all(again[s].endswith(before[s][-1]) for s in STAGES)
+    assert sorted(m.split()[0] for m in reuse_messages(caplog)) == sorted(STAGES)
+
+
+def test_failed_stage_resumes_there_and_earlier_outputs_stay_byte_identical(url, monkeypatch, caplog):
+    real = stages.rewards.score_batch
+
+    def broken(pool, task_cfg, cfg, batch):
+        if batch.column("iteration")[0].as_py() == 1:
+            raise RuntimeError("injected reward fault")
+        return real(pool, task_cfg, cfg, batch)
+
+    monkeypatch.setattr(stages.rewards, "score_batch", broken)
+    state = grpo(run_id=RUN, iteration=1, storage_url=url, return_state=True)
+    assert state.is_failed() and "injected reward fault" in state.message
+    failed, storage = attempts(url, 1), open_storage(url)
+    assert failed["rewards"] and not failed["advantages"]  # a half-written rewards attempt, nothing after
+    assert not is_committed(storage, f"{stage_dir(storage, RUN, 1, 'rewards')}/{failed['rewards'][0]}")
+    assert resolve_iteration(url, RUN, "next") == 1
+    kept = {**committed_hashes(url, 0), **committed_hashes(url, 1, ["snapshot", "rollouts"])}
+
+    monkeypatch.setattr(stages.rewards, "score_batch", real)
+    caplog.set_level(logging.INFO)
+    grpo(run_id=RUN, iteration="next", storage_url=url)
+    after = attempts(url, 1)
+    assert {s for s in STAGES if after[s] != failed[s]} == {"rewards", "advantages", "learn", "eval"}
+    assert len(after["rewards"]) == 2  # the failed attempt stays, uncommitted, beside the new one
+    assert sorted(m.split()[0] for m in reuse_messages(caplog)) == ["rollouts", "snapshot"]
+    now = {**committed_hashes(url, 0), **committed_hashes(url, 1, ["snapshot", "rollouts"])}
+    assert now == kept
+    assert resolve_iteration(url, RUN, "next") == 2
+
+
+def test_force_stage_reruns_that_stage_and_the_later_ones(url):
+    before = attempts(url, 0)
+    grpo(run_id=RUN, iteration=0, storage_url=url, force_stage="advantages")
+    after = attempts(url, 0)
+    assert {s for s in STAGES if after[s] != before[s]} == {"advantages", "learn", "eval"}
+    assert all(len(after[s]) == len(before[s]) + 1 for s in ("advantages", "learn", "eval"))
+    assert get_args(Stage) == STAGES
+    with pytest.raises(ParameterTypeError, match="force_stage"):  # checked before anything runs
+        grpo(run_id=RUN, iteration=0, storage_url=url, force_stage="reward")
+
+
+def test_cli_rerun_of_one_stage_then_the_flow_continues_from_there(url, caplog):
+    assert main(["--storage", url, "stage", "advantages", "--run", RUN, "--iteration", "0", "--force"]) == 0
+    before = attempts(url, 0)
+    caplog.set_level(logging.INFO)
+    grpo(run_id=RUN, iteration=0, storage_url=url)
+    after = attempts(url, 0)
+    assert {s for s in STAGES if after[s] != before[s]} == {"learn", "eval"}  # their input changed
+    assert sorted(m.split()[0] for m in reuse_messages(caplog)) == ["advantages", "rewards", "rollouts", "snapshot"]
+
+
+@pytest.mark.s3
+def test_flow_on_a_real_s3_server(prefect_api, s3_env, s3_prefix):
+    out = grpo(run_id="s3", iteration=0, overrides=TINY, storage_url=s3_prefix)
+    assert all(uri.startswith(f"{s3_prefix}/runs/s3/iter-0000/") for uri in out.values())
+    assert grpo(run_id="s3", iteration=0, storage_url=s3_prefix) == out  # all reused
+
+
+@pytest.mark.parametrize("error, retried", [(OSError("connection reset"), True), (TimeoutError("read"), True),
+                                            (FileNotFoundError("gone"), False), (StageError("bad input"), False)])
+def test_only_transient_storage_errors_are_retried(prefect_api, error, retried):
+    calls = []
+
+    @task(retries=1, retry_delay_seconds=0, retry_condition_fn=transient)
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise error
+
+    @flow
+    def one_task():
+        fails_once()
+
+    assert one_task(return_state=True).is_completed() == retried
+    assert len(calls) == (2 if retried else 1)
