@@ -5,13 +5,12 @@ set every iteration, so mean reward and exact match are comparable over time.
 """
 from __future__ import annotations
 
-from grpo.checkpoint import local_checkpoint
 from grpo.generation import SamplingSpec, decode_response, get_generator
 from grpo.storage import Committed, Storage
 from grpo.tasks import get_task
 from schemas import write_parquet
 from stages.common import committed_input, load_run, run_stage
-from stages.rollouts import encode_prompts
+from stages.rollouts import policy_and_prompts
 
 
 def exact_match(components: dict[str, float]) -> float:
@@ -24,16 +23,10 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False)
     policy = committed_input(storage, run_id, iteration, "learn")
 
     def body(writer):
-        from transformers import AutoConfig, AutoTokenizer
-        model_dir = local_checkpoint(policy)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        max_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
         task = get_task(cfg.task.name, **cfg.task.params)
         examples = task.generate(cfg.eval.n_prompts, cfg.eval.seed)
-        prompt_ids = encode_prompts(tokenizer, examples, max_len)
-        spec = SamplingSpec(n=1, temperature=0.0, max_tokens=min(cfg.rollout.max_tokens,
-                                                                 max_len - max(map(len, prompt_ids))),
-                            stop=tuple(cfg.rollout.stop))
+        model_dir, tokenizer, prompt_ids, budget = policy_and_prompts(policy, examples, cfg.rollout.max_tokens)
+        spec = SamplingSpec(n=1, temperature=0.0, max_tokens=budget, stop=tuple(cfg.rollout.stop))
         outs = get_generator(cfg.rollout.backend, model_dir).generate(prompt_ids, spec)
         responses = [decode_response(tokenizer, o[0].response_ids) for o in outs]
         scores = [task.reward(r, e.ground_truth, e.prompt) for r, e in zip(responses, examples)]

@@ -46,14 +46,22 @@ def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Example]:
     return get_task(cfg.task.name, **cfg.task.params).generate(n, seed)
 
 
-def encode_prompts(tokenizer, examples: list[Example], max_model_len: int) -> list[list[int]]:
+def policy_and_prompts(policy: Committed, examples: list[Example], max_tokens: int):
+    """Local checkpoint folder, tokenizer, prompt token ids and the response budget they leave.
+
+    Prompts with words outside the vocabulary, or too long for the model, fail naming the prompt.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+    model_dir = local_checkpoint(policy)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    max_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     ids = [tokenizer(e.prompt)["input_ids"] for e in examples]
     for e, p in zip(examples, ids):
         if tokenizer.unk_token_id in p:
             raise StageError(f"prompt {e.prompt!r} has words outside the model's vocabulary")
-        if len(p) >= max_model_len:
-            raise StageError(f"prompt {e.prompt!r} is {len(p)} tokens, the model's limit is {max_model_len}")
-    return ids
+        if len(p) >= max_len:
+            raise StageError(f"prompt {e.prompt!r} is {len(p)} tokens, the model's limit is {max_len}")
+    return model_dir, tokenizer, ids, min(max_tokens, max_len - max(map(len, ids)))
 
 
 def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
@@ -62,15 +70,11 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
     r = cfg.rollout
 
     def body(writer):
-        from transformers import AutoConfig, AutoTokenizer
-        model_dir = local_checkpoint(snap)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        max_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
         examples = iteration_prompts(cfg, iteration)
-        prompt_ids = encode_prompts(tokenizer, examples, max_len)
+        model_dir, tokenizer, prompt_ids, budget = policy_and_prompts(snap, examples, r.max_tokens)
         gen = get_generator(r.backend, model_dir)
         spec = SamplingSpec(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                            max_tokens=min(r.max_tokens, max_len - max(map(len, prompt_ids))),
+                            max_tokens=budget,
                             stop=tuple(r.stop), seed=iteration_seed(cfg.seed, iteration, salt=2))
         version = content_hash(snap)[:16]
         n_tokens = n_stop = 0
