@@ -14,15 +14,14 @@ import logging
 import sys
 
 from grpo.config import ConfigError, load_config_file
-from grpo.storage import ArtifactError, Storage, is_committed, list_attempts, open_storage
+from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, open_storage
 from schemas import SchemaError
 from stages import STAGES, StageError, stage_function
 from stages.common import stage_dir
 
 
 def _committed(storage: Storage, run_id: str, k: int, stage: str) -> bool:
-    d = stage_dir(storage, run_id, k, stage)
-    return any(is_committed(storage, f"{d}/{a}") for a in list_attempts(storage, d))
+    return bool(committed_attempts(storage, stage_dir(storage, run_id, k, stage)))
 
 
 def next_iteration(storage: Storage, run_id: str) -> int:
@@ -79,9 +78,9 @@ def cmd_status(args, storage):
         cells = []
         for s in STAGES:
             d = stage_dir(storage, args.run, k, s)
-            attempts = list_attempts(storage, d)
-            done = sum(is_committed(storage, f"{d}/{a}") for a in attempts)
-            cells.append("missing" if not attempts else f"ok x{done}" + (f" +{len(attempts) - done}f" if len(attempts) > done else "") if done else f"failed x{len(attempts)}")
+            tried, done = len(list_attempts(storage, d)), len(committed_attempts(storage, d))
+            failed = f" +{tried - done}f" if tried > done else ""
+            cells.append("missing" if not tried else f"ok x{done}{failed}" if done else f"failed x{tried}")
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
 
 

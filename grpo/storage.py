@@ -157,6 +157,12 @@ def is_committed(storage: Storage, attempt_dir: str) -> bool:
     return storage.exists(f"{attempt_dir}/{MANIFEST_NAME}")
 
 
+def committed_attempts(storage: Storage, stage_dir: str) -> list[str]:
+    """Folders of the committed attempts of a stage, oldest first."""
+    dirs = [f"{stage_dir}/{name}" for name in list_attempts(storage, stage_dir)]
+    return [d for d in dirs if is_committed(storage, d)]
+
+
 def load_manifest(storage: Storage, attempt_dir: str, verify: bool = True) -> tuple[Manifest, str]:
     """Manifest of one attempt and the sha256 of its bytes; with `verify`, check every file."""
     mpath = f"{attempt_dir}/{MANIFEST_NAME}"
@@ -213,24 +219,21 @@ class Committed:
 
 def latest_committed(storage: Storage, stage_dir: str, verify: bool = True) -> Committed:
     """The newest committed attempt of a stage; uncommitted attempts are never read."""
-    for name in reversed(list_attempts(storage, stage_dir)):
-        attempt_dir = f"{stage_dir}/{name}"
-        if is_committed(storage, attempt_dir):
-            manifest, sha = load_manifest(storage, attempt_dir, verify=verify)
-            return Committed(storage, attempt_dir, manifest, sha)
+    attempts = committed_attempts(storage, stage_dir)
+    if attempts:
+        manifest, sha = load_manifest(storage, attempts[-1], verify=verify)
+        return Committed(storage, attempts[-1], manifest, sha)
     raise NotCommittedError(f"{storage.uri(stage_dir)}: no committed attempt")
 
 
 def find_committed(storage: Storage, stage_dir: str, identity: str, verify: bool = True) -> Committed | None:
     """The newest committed attempt whose identity is `identity`, if any."""
-    for name in reversed(list_attempts(storage, stage_dir)):
-        attempt_dir = f"{stage_dir}/{name}"
-        if is_committed(storage, attempt_dir):
-            manifest, sha = load_manifest(storage, attempt_dir, verify=False)
-            if manifest.identity == identity:
-                if verify:
-                    verify_files(storage, attempt_dir, manifest)
-                return Committed(storage, attempt_dir, manifest, sha)
+    for attempt_dir in reversed(committed_attempts(storage, stage_dir)):
+        manifest, sha = load_manifest(storage, attempt_dir, verify=False)
+        if manifest.identity == identity:
+            if verify:
+                verify_files(storage, attempt_dir, manifest)
+            return Committed(storage, attempt_dir, manifest, sha)
     return None
 
 

@@ -15,7 +15,7 @@ import fsspec
 
 from grpo.checkpoint import upload_folder
 from grpo.config import RunConfig
-from grpo.storage import Committed, Storage
+from grpo.storage import Committed, Storage, is_local
 from grpo.tiny_model import build_for_task
 from stages.common import StageError, log, run_dir, run_stage
 
@@ -30,7 +30,7 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
             raise StageError(f"{storage.uri(path)}: run {run_id!r} exists with a different config; "
                              "use a new run id")
         return
-    if not storage.fs.exists(run_dir(storage, run_id)) and "file" in storage.fs.protocol:
+    if is_local(storage.fs):  # object stores need no folders
         storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)
     storage.write_bytes_atomic(path, data)
 
