@@ -10,7 +10,8 @@ after it rerun because their inputs changed. The stages' `grpo` logger (rollout
 progress, the learner's torchrun lines) and vLLM's logger go to the run's log.
 
     python -m flows.grpo                          # one iteration, no server needed
-    prefect deployment run grpo/iteration         # through a worker (prefect.yaml)
+    prefect deployment run grpo/iteration         # one iteration per flow run (prefect.yaml)
+    prefect deployment run grpo/train             # many iterations in one warm process
 """
 from __future__ import annotations
 
@@ -37,25 +38,32 @@ FORWARDED_LOGGERS = ("grpo", "vllm")
 
 
 @flow(name="grpo")
-def grpo(run_id: str = "demo", iteration: int | Literal["next"] = "next", config_path: str | None = None,
-         overrides: list[str] | None = None, storage_url: str | None = None,
+def grpo(run_id: str = "demo", iteration: int | Literal["next"] = "next", iterations: int = 1,
+         config_path: str | None = None, overrides: list[str] | None = None, storage_url: str | None = None,
          force_stage: Stage | None = None) -> dict[str, str]:
-    """One GRPO iteration of run `run_id`: sample, score, normalize, update, evaluate.
+    """GRPO iterations of run `run_id`: sample, score, normalize, update, evaluate.
 
-    `config_path`/`overrides` create the run if it does not exist; `storage_url` defaults to
-    $GRPO_STORAGE or ./storage; `force_stage` reruns that stage (and so every later one).
+    Runs `iterations` iterations from `iteration` on, in this one process: the sampling engine
+    and the learner's model and optimizer stay in memory from one iteration to the next (warm),
+    and every stage still commits what a run of one iteration per process would. Returns the
+    last iteration's committed URIs. `config_path`/`overrides` create the run if it does not
+    exist; `storage_url` defaults to $GRPO_STORAGE or ./storage; `force_stage` reruns that
+    stage of the first iteration (and so every later stage).
     """
-    force = {name: name == force_stage for name in STAGES}
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
     url = open_storage(storage_url).url
     with stage_logs_to_prefect():
         create_run(url, run_id, config_path, overrides or [])
-        k = resolve_iteration(url, run_id, iteration)
-        policy = snapshot(url, run_id, k, force=force["snapshot"])
-        samples = rollouts(url, run_id, k, policy, force=force["rollouts"])
-        scores = rewards(url, run_id, k, samples, force=force["rewards"])
-        advs = advantages(url, run_id, k, scores, force=force["advantages"])
-        new_policy = learn(url, run_id, k, advs, force=force["learn"])
-        report = evaluate(url, run_id, k, new_policy, force=force["eval"])
+        first = resolve_iteration(url, run_id, iteration)
+        for k in range(first, first + iterations):
+            force = {name: name == force_stage and k == first for name in STAGES}
+            policy = snapshot(url, run_id, k, force=force["snapshot"])
+            samples = rollouts(url, run_id, k, policy, force=force["rollouts"])
+            scores = rewards(url, run_id, k, samples, force=force["rewards"])
+            advs = advantages(url, run_id, k, scores, force=force["advantages"])
+            new_policy = learn(url, run_id, k, advs, force=force["learn"])
+            report = evaluate(url, run_id, k, new_policy, force=force["eval"])
     return {"snapshot": policy, "rollouts": samples, "rewards": scores, "advantages": advs,
             "learn": new_policy, "eval": report}
 

@@ -8,8 +8,10 @@ so it is comparable to the learner's old log-probs), and a finish reason.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
@@ -38,6 +40,10 @@ class Generator(Protocol):
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
         """prompts: token ids (bos included) -> per prompt, spec.n samples."""
+        ...
+
+    def load_weights(self, model_dir: str) -> None:
+        """Swap in the weights of `model_dir`, a checkpoint of the same architecture."""
         ...
 
     def close(self) -> None:
@@ -90,6 +96,18 @@ class HFGenerator:
             out += self._batch(prompts[i:i + step], spec)
         return out
 
+    def load_weights(self, model_dir: str) -> None:
+        from safetensors.torch import load_file
+        state = {}
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            state.update(load_file(f))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"{model_dir}: weights do not fit the loaded model "
+                             f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
+        self.model_dir = model_dir
+
     def close(self) -> None:
         pass
 
@@ -124,8 +142,26 @@ class VLLMGenerator:
         logps = [lp[tok].logprob for tok, lp in zip(ids, c.logprobs)]
         return Sample(ids, logps, "stop" if c.finish_reason == "stop" else "length")
 
+    def load_weights(self, model_dir: str) -> None:
+        """Reload the weights of `model_dir` in place: no engine restart, no new KV cache."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
+        # the reload rebuilds parameters layer by layer; a tied lm_head keeps the old tensor
+        self.llm.collective_rpc(_retie_lm_head)
+        self.llm.reset_prefix_cache()
+        self.model_dir = model_dir
+
     def close(self) -> None:
         del self.llm
+
+
+def _retie_lm_head(worker) -> None:
+    """Runs in the vLLM worker (collective_rpc): point a tied lm_head at the reloaded embeddings
+    and rebuild the matmul kernel it holds (on CPU a packed copy of the old weights)."""
+    model = worker.model_runner.get_model()
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if getattr(model.config, "tie_word_embeddings", False) and embed is not None:
+        model.lm_head.tie_weights(embed)
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
 def decode_response(tokenizer, ids: list[int]) -> str:
@@ -143,15 +179,44 @@ BACKENDS = {"hf": HFGenerator, "vllm": VLLMGenerator}
 _CACHE: dict[str, Generator] = {}
 
 
+# config.json keys that differ between saves of one architecture
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype"}
+
+
+def same_architecture(dir_a: str, dir_b: str) -> bool:
+    """Whether two checkpoint folders differ only in their weights (config and tokenizer equal)."""
+    def read(d: str, name: str) -> bytes | None:
+        p = Path(d, name)
+        return p.read_bytes() if p.exists() else None
+
+    def config(d: str) -> dict | None:
+        raw = read(d, "config.json")
+        return None if raw is None else {k: v for k, v in json.loads(raw).items() if k not in _VOLATILE_CONFIG_KEYS}
+
+    return (config(dir_a) is not None and config(dir_a) == config(dir_b)
+            and all(read(dir_a, f) == read(dir_b, f) for f in ("tokenizer.json", "tokenizer_config.json")))
+
+
 def get_generator(backend: str, model_dir: str, **kw) -> Generator:
-    """A generator for `model_dir`, reused while the same checkpoint is asked for."""
+    """A generator for `model_dir`. The live one is reused: as is for the same checkpoint, with
+    its weights reloaded in place for another checkpoint of the same architecture (a warm engine
+    across iterations), and restarted otherwise."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
     current = _CACHE.get(backend)
     if current is not None and current.model_dir == model_dir:
+        return current
+    if current is not None and same_architecture(current.model_dir, model_dir):
+        current.load_weights(model_dir)
         return current
     if current is not None:
         current.close()
         del _CACHE[backend]
     _CACHE[backend] = BACKENDS[backend](model_dir, **kw)
     return _CACHE[backend]
+
+
+def close_generators() -> None:
+    """Stop every live engine (the next get_generator starts cold)."""
+    while _CACHE:
+        _CACHE.popitem()[1].close()

@@ -122,31 +122,70 @@ def _metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tokens, gap)
             "ratio_max": m.get("actor/ratio_max", 1.0), "logprob_gap": gap, "lr": lr, "n_tokens": n_tokens}
 
 
-def train(cfg: RunConfig, run_id: str, iteration: int, batch: dict, policy_dir: str, ref_dir: str,
-          state_dir: str | None, out_dir: str) -> dict:
+class Learner:
+    """The policy being trained, its AdamW state, the shuffling RNG and the frozen reference.
+
+    Built from checkpoint folders (and the previous iteration's optimizer.pt and rng.pt); a warm
+    run keeps it in memory for the next iteration instead (`WARM`), which then trains exactly as
+    one built from the committed files would.
+    """
+
+    def __init__(self, cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None):
+        from accelerate import Accelerator
+        from transformers import AutoModelForCausalLM
+        self.cfg = cfg
+        self.acc = Accelerator(cpu=not torch.cuda.is_available())
+        lcfg = cfg.learn
+        model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+        self.ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+        opt = torch.optim.AdamW(model.parameters(), lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay)
+        self.shuffle = torch.Generator().manual_seed(iteration_seed(cfg.seed, iteration, salt=4))
+        if state_dir:  # continue exactly where the previous iteration ended
+            opt.load_state_dict(torch.load(f"{state_dir}/optimizer.pt", weights_only=True))
+            self.shuffle.set_state(torch.load(f"{state_dir}/rng.pt", weights_only=True)["shuffle"])
+        self.model, self.opt = self.acc.prepare(model, opt)
+
+
+class WarmLearners:
+    """At most one Learner kept after a committed `learn`, keyed by that commit's URI.
+
+    The next iteration's learn takes it when its `previous` input is that commit, with the same
+    reference model and learn config; anything else (a forced rerun, another run, a failed
+    step that left the model half-updated) builds a fresh Learner from the committed files.
+    """
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._learner: Learner | None = None
+
+    @staticmethod
+    def key(cfg: RunConfig, learn_uri: str, reference_uri: str) -> tuple:
+        return learn_uri, reference_uri, json.dumps(cfg.to_dict()["learn"], sort_keys=True)
+
+    def keep(self, key: tuple, learner: Learner) -> None:
+        self._key, self._learner = key, learner
+
+    def take(self, key: tuple) -> Learner | None:
+        learner = self._learner if key == self._key else None
+        self._key = self._learner = None  # taken or stale: either way not reusable again
+        return learner
+
+
+WARM = WarmLearners()
+
+
+def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: str) -> dict:
     """Run the update and write policy/, optimizer.pt, rng.pt, metrics and log-probs rows into out_dir.
 
     Every process runs this; only the main process writes. Returns the summary.
     """
-    from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM
-    lcfg = cfg.learn
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    cfg, lcfg, acc, model, opt = learner.cfg, learner.cfg.learn, learner.acc, learner.model, learner.opt
     torch.manual_seed(iteration_seed(cfg.seed, iteration, salt=3))
-    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
-    batch["old_logprobs"] = score(model, batch, lcfg.microbatch_size)
-    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
-    batch["ref_logprobs"] = score(ref, batch, lcfg.microbatch_size)
-    del ref
+    batch["old_logprobs"] = score(acc.unwrap_model(model), batch, lcfg.microbatch_size)
+    batch["ref_logprobs"] = score(learner.ref, batch, lcfg.microbatch_size)
     mask = batch["response_mask"]
     gap = float(core.masked_mean((batch["sampler_logprobs"] - batch["old_logprobs"]).abs(), mask))
-
-    opt = torch.optim.AdamW(model.parameters(), lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay)
-    shuffle = torch.Generator().manual_seed(iteration_seed(cfg.seed, iteration, salt=4))
-    if state_dir:  # continue exactly where the previous iteration ended
-        opt.load_state_dict(torch.load(f"{state_dir}/optimizer.pt", weights_only=True))
-        shuffle.set_state(torch.load(f"{state_dir}/rng.pt", weights_only=True)["shuffle"])
-    model, opt = acc.prepare(model, opt)
+    shuffle = learner.shuffle
     model.train()
 
     n, world, rank = len(batch["input_ids"]), acc.num_processes, acc.process_index
@@ -178,9 +217,6 @@ def train(cfg: RunConfig, run_id: str, iteration: int, batch: dict, policy_dir: 
     if acc.is_main_process:
         out = Path(out_dir)
         acc.unwrap_model(model).save_pretrained(out / "policy", safe_serialization=True)
-        for f in Path(policy_dir).iterdir():  # tokenizer and generation config travel with the weights
-            if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-                shutil.copyfile(f, out / "policy" / f.name)
         torch.save(opt.state_dict(), out / "optimizer.pt")
         torch.save({"shuffle": shuffle.get_state(), "torch": torch.get_rng_state()}, out / "rng.pt")
         lp_rows = {"run_id": [run_id] * n, "iteration": [iteration] * n, "prompt_id": batch["prompt_id"],
@@ -225,8 +261,8 @@ def _worker_main(args_path: str) -> None:
     from grpo.config import load_config
     cfg = load_config(args["config"])
     batch = torch.load(args["batch"], weights_only=False)
-    summary = train(cfg, args["run_id"], args["iteration"], batch, args["policy_dir"], args["ref_dir"],
-                    args["state_dir"], args["out_dir"])
+    learner = Learner(cfg, args["iteration"], args["policy_dir"], args["ref_dir"], args["state_dir"])
+    summary = train(learner, args["run_id"], args["iteration"], batch, args["out_dir"])
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args["out_dir"], "summary.json").write_text(json.dumps(summary))
 
@@ -239,8 +275,11 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
               "advantages": committed_input(storage, run_id, iteration, "advantages")}
     if iteration > 0:
         inputs["previous"] = committed_input(storage, run_id, iteration - 1, "learn")
+    in_process = cfg.learn.num_processes == 1
+    learner: Learner | None = None
 
     def body(writer: StageWriter) -> dict:
+        nonlocal learner
         from transformers import AutoConfig
         policy_dir = local_checkpoint(inputs["snapshot"])
         pad_id = AutoConfig.from_pretrained(policy_dir).pad_token_id or 0
@@ -248,9 +287,11 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
         if len(batch["input_ids"]) < cfg.learn.minibatch_size:
             raise StageError(f"learn: {len(batch['input_ids'])} kept samples, fewer than learn.minibatch_size "
                              f"({cfg.learn.minibatch_size}); lower it or turn off advantage.filter_zero_variance")
+        if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
+            learner = WARM.take(WARM.key(cfg, inputs["previous"].uri, inputs["reference"].uri))
         with tempfile.TemporaryDirectory() as tmp:
             state_dir = None
-            if "previous" in inputs:
+            if "previous" in inputs and learner is None:
                 state_dir = f"{tmp}/state"
                 os.makedirs(state_dir)
                 for name in ("optimizer.pt", "rng.pt"):
@@ -258,14 +299,18 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
             out_dir = f"{tmp}/out"
             os.makedirs(out_dir)
             ref_dir = local_checkpoint(inputs["reference"])
-            if cfg.learn.num_processes > 1:
+            if in_process:
+                learner = learner or Learner(cfg, iteration, policy_dir, ref_dir, state_dir)
+                summary = train(learner, run_id, iteration, batch, out_dir)
+            else:
                 torch.save(batch, f"{tmp}/batch.pt")
                 summary = _run_distributed({"config": cfg.to_dict(), "run_id": run_id, "iteration": iteration,
                                             "batch": f"{tmp}/batch.pt", "policy_dir": policy_dir,
                                             "ref_dir": ref_dir, "state_dir": state_dir, "out_dir": out_dir},
                                            cfg.learn.num_processes)
-            else:
-                summary = train(cfg, run_id, iteration, batch, policy_dir, ref_dir, state_dir, out_dir)
+            for f in Path(policy_dir).iterdir():  # tokenizer and generation config travel with the weights
+                if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                    shutil.copyfile(f, f"{out_dir}/policy/{f.name}")
             tables = torch.load(f"{out_dir}/tables.pt", weights_only=False)
             write_parquet(storage.fs, writer.path("metrics.parquet"), "learn_metrics", tables["metrics"])
             write_parquet(storage.fs, writer.path("logprobs.parquet"), "logprobs", tables["logprobs"])
@@ -275,7 +320,10 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
         return summary
 
     config = {"seed": cfg.seed, "learn": cfg.to_dict()["learn"]}
-    return run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
+    out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
+    if learner is not None:  # ran in this process and committed: keep it for iteration k + 1
+        WARM.keep(WARM.key(cfg, out.uri, inputs["reference"].uri), learner)
+    return out
 
 
 if __name__ == "__main__":

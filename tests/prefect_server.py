@@ -21,6 +21,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -106,6 +107,17 @@ class PrefectServer:
             if time.monotonic() > deadline:
                 raise PrefectServerError(f"flow run {flow_run_id} still {run['state']} after {timeout:.0f}s")
             time.sleep(poll_s)
+
+    def flow_run_states(self, flow_run_id: str) -> list[dict]:
+        """The flow run's state history (`type`, `name`, `timestamp`, `message`, ...), oldest
+        first: the states the server accepted, or set itself when it rejected a proposal."""
+        states = self.api("GET", f"/flow_run_states/?flow_run_id={flow_run_id}")
+        return sorted(states, key=lambda s: datetime.fromisoformat(s["timestamp"]))
+
+    def log_tails(self, n: int = 80) -> str:
+        """The last `n` lines of the server's log and of every worker's log under PREFECT_HOME."""
+        return "\n".join(f"--- {log.name} (last {n} lines)\n{_tail(log, n)}"
+                         for log in sorted(self.home.glob("*.log")))
 
     def logs(self, flow_run_id: str) -> list[dict]:
         """The flow run's log records (its tasks' included; `name`, `message`, ...), oldest first."""

@@ -2,7 +2,10 @@
 commit, reuse, resume after a failed stage with earlier outputs byte-identical, force one stage,
 pick up after a CLI rerun of one stage; and once on a real S3 server."""
 import hashlib
+import importlib.util
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import get_args
 
@@ -151,3 +154,45 @@ def test_only_transient_storage_errors_are_retried(prefect_api, error, retried):
 
     assert one_task(return_state=True).is_completed() == retried
     assert len(calls) == (2 if retried else 1)
+
+
+def committed_outputs(url: str, run_id: str, iterations: int) -> dict:
+    """Per iteration: the policy version sampled from, the rewards, the new checkpoint's hash, eval."""
+    import pandas as pd
+    from grpo.checkpoint import content_hash
+    from grpo.storage import latest_committed
+    storage, out = open_storage(url), {}
+    for k in range(iterations):
+        c = {s: latest_committed(storage, stage_dir(storage, run_id, k, s)) for s in STAGES}
+        rewards = pd.read_parquet(c["rewards"].path("rewards.parquet")).sort_values(["prompt_id", "sample_index"])
+        out[k] = {"policy_version": c["rollouts"].manifest.summary["policy_version"],
+                  "rewards": rewards["reward"].tolist(), "checkpoint": content_hash(c["learn"]),
+                  "eval": c["eval"].manifest.summary["exact_match"],
+                  "logprob_gap": round(c["learn"].manifest.summary["logprob_gap"], 4)}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
+    """Two iterations in one flow run (the vLLM engine reloads weights in place, the learner keeps
+    its model and optimizer) against two cold processes of one iteration each: same samples,
+    rewards and checkpoints."""
+    from grpo.generation import close_generators
+    url = (tmp_path / "store").as_uri()
+    vllm = [o for o in TINY if not o.startswith("rollout.backend")] + ["rollout.backend=vllm"]
+    cli = [sys.executable, "-m", "grpo.cli", "--storage", url]
+    subprocess.run(cli + ["init", "--run", "cold"] + [a for o in vllm for a in ("--set", o)], check=True)
+    for _ in range(2):  # a new process per iteration, like grpo/iteration
+        subprocess.run(cli + ["run", "--run", "cold", "--iterations", "1"], check=True)
+    try:
+        grpo(run_id="warm", iterations=2, overrides=vllm, storage_url=url)
+    finally:
+        close_generators()
+    cold, warm = committed_outputs(url, "cold", 2), committed_outputs(url, "warm", 2)
+    assert warm[1]["policy_version"] == warm[0]["checkpoint"][:16]  # iteration 1 sampled the new policy
+    assert warm[0]["checkpoint"] != warm[1]["checkpoint"]
+    # the reloaded engine samples from exactly the committed weights (the learner recomputes them)
+    assert warm[1]["logprob_gap"] < 1e-4
+    assert warm == cold

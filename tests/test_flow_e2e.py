@@ -56,6 +56,21 @@ def deployment_run(server, store: str, **params) -> str:
     return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
 
 
+def format_states(states: list[dict]) -> str:
+    """A flow run's state history, one line a state: timestamp, type, name, lease, message."""
+    return "\n".join(f"  {s['timestamp']}  {s['type']:<10} {s['name']!r:<27} "
+                     f"lease={s['state_details'].get('deployment_concurrency_lease_id')}  {s['message'] or ''}"
+                     for s in states)
+
+
+def running_period(states: list[dict]) -> tuple[datetime, datetime]:
+    """A finished run's first RUNNING state and its final state, as the server recorded them
+    (the flow run's `start_time` is no measure: it is set when RUNNING is proposed, even if refused)."""
+    running = [datetime.fromisoformat(s["timestamp"]) for s in states if s["type"] == "RUNNING"]
+    assert running, format_states(states)
+    return running[0], datetime.fromisoformat(states[-1]["timestamp"])
+
+
 def test_deployment_is_registered_as_configured(server, worker):
     d = server.api("GET", "/deployments/name/grpo/iteration")
     assert d["entrypoint"] == "flows.grpo:grpo" and d["work_pool_name"] == "grpo-pool"
@@ -70,9 +85,14 @@ def test_two_deployment_runs_make_two_iterations_one_after_the_other(server, wor
     params = {"run_id": "e2e", "overrides": TINY_VLLM}
     first, second = deployment_run(server, store, **params), deployment_run(server, store, **params)
     runs = [server.wait_for_flow_run(i, RUN_TIMEOUT_S) for i in (first, second)]
-    assert [r["state"]["type"] for r in runs] == ["COMPLETED", "COMPLETED"], [r["state"] for r in runs]
-    start, end = (datetime.fromisoformat(runs[i][k]) for i, k in ((1, "start_time"), (0, "end_time")))
-    assert start >= end  # concurrency limit 1: the second run waited for the first
+    histories = {i: server.flow_run_states(i) for i in (first, second)}
+    diagnosis = "\n".join([*(f"flow run {i} (created {n}):\n{format_states(histories[i])}"
+                             for n, i in (("first", first), ("second", second))), server.log_tails()])
+    assert [r["state"]["type"] for r in runs] == ["COMPLETED", "COMPLETED"], diagnosis
+    # The limit runs them one at a time, not in creation order: two runs that one worker poll
+    # picks up race for the slot, and the loser waits (AwaitingConcurrencySlot) for the winner.
+    first, second = sorted((first, second), key=lambda i: running_period(histories[i])[0])
+    assert running_period(histories[second])[0] >= running_period(histories[first])[1], diagnosis
 
     storage = open_storage(store)
     learn = [latest_committed(storage, stage_dir(storage, "e2e", k, "learn")) for k in (0, 1)]
