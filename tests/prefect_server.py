@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,11 +40,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tail(path: Path, n: int = 60) -> str:
+def _tail(path: Path, n: int = 60, pattern: str | None = None) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    return "\n".join([line for line in lines if pattern is None or re.search(pattern, line)][-n:])
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 20) -> None:
@@ -114,10 +116,11 @@ class PrefectServer:
         states = self.api("GET", f"/flow_run_states/?flow_run_id={flow_run_id}")
         return sorted(states, key=lambda s: datetime.fromisoformat(s["timestamp"]))
 
-    def log_tails(self, n: int = 80) -> str:
-        """The last `n` lines of the server's log and of every worker's log under PREFECT_HOME."""
-        return "\n".join(f"--- {log.name} (last {n} lines)\n{_tail(log, n)}"
-                         for log in sorted(self.home.glob("*.log")))
+    def log_tails(self, n: int = 80, pattern: str | None = None) -> str:
+        """The last `n` lines of the server's log and of every worker's log under PREFECT_HOME;
+        with `pattern`, the last `n` of those lines that match it (`re.search`)."""
+        return "\n".join(f"--- {log.name} (last {n} {'matching ' if pattern else ''}lines)\n"
+                         f"{_tail(log, n, pattern)}" for log in sorted(self.home.glob("*.log")))
 
     def logs(self, flow_run_id: str) -> list[dict]:
         """The flow run's log records (its tasks' included; `name`, `message`, ...), oldest first."""
