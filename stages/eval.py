@@ -5,6 +5,8 @@ set every iteration, so mean reward and exact match are comparable over time.
 """
 from __future__ import annotations
 
+import time
+
 from grpo.generation import SamplingSpec, decode_response, get_generator
 from grpo.storage import Committed, Storage
 from grpo.tasks import get_task
@@ -27,7 +29,11 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False)
         examples = task.generate(cfg.eval.n_prompts, cfg.eval.seed)
         model_dir, tokenizer, prompt_ids, budget = policy_and_prompts(policy, examples, cfg.rollout.max_tokens)
         spec = SamplingSpec(n=1, temperature=0.0, max_tokens=budget, stop=tuple(cfg.rollout.stop))
-        outs = get_generator(cfg.rollout.backend, model_dir).generate(prompt_ids, spec)
+        t0 = time.perf_counter()
+        gen = get_generator(cfg.rollout.backend, model_dir)
+        t1 = time.perf_counter()
+        outs = gen.generate(prompt_ids, spec)
+        engine_s, generate_s = t1 - t0, time.perf_counter() - t1
         responses = [decode_response(tokenizer, o[0].response_ids) for o in outs]
         scores = [task.reward(r, e.ground_truth, e.prompt) for r, e in zip(responses, examples)]
         n = len(examples)
@@ -36,7 +42,8 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False)
                 "ground_truth": [e.ground_truth for e in examples],
                 "reward": [float(s["total"]) for s in scores], "exact": [exact_match(s) for s in scores]}
         write_parquet(storage.fs, writer.path("eval.parquet"), "eval", rows)
-        return {"prompts": n, "reward_mean": sum(rows["reward"]) / n, "exact_match": sum(rows["exact"]) / n}
+        return {"prompts": n, "reward_mean": sum(rows["reward"]) / n, "exact_match": sum(rows["exact"]) / n,
+                "engine_s": engine_s, "generate_s": generate_s}
 
     config = {"task": cfg.to_dict()["task"], "eval": cfg.to_dict()["eval"], "backend": cfg.rollout.backend,
               "max_tokens": cfg.rollout.max_tokens, "stop": cfg.rollout.stop}

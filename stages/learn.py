@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -181,8 +182,10 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
     """
     cfg, lcfg, acc, model, opt = learner.cfg, learner.cfg.learn, learner.acc, learner.model, learner.opt
     torch.manual_seed(iteration_seed(cfg.seed, iteration, salt=3))
+    t0 = time.perf_counter()
     batch["old_logprobs"] = score(acc.unwrap_model(model), batch, lcfg.microbatch_size)
     batch["ref_logprobs"] = score(learner.ref, batch, lcfg.microbatch_size)
+    score_s, update_s = time.perf_counter() - t0, 0.0
     mask = batch["response_mask"]
     gap = float(core.masked_mean((batch["sampler_logprobs"] - batch["old_logprobs"]).abs(), mask))
     shuffle = learner.shuffle
@@ -197,6 +200,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
         order = torch.randperm(n, generator=shuffle)
         for start in range(0, n - lcfg.minibatch_size + 1, lcfg.minibatch_size):
             idx = order[start:start + lcfg.minibatch_size][rank::world]
+            t0 = time.perf_counter()
             m = minibatch_step(model, batch, idx, lcfg, accum, max_tokens)
             m = {k: float(v) for k, v in zip(m, acc.reduce(torch.tensor(list(m.values())), "mean"))}
             if not all(math.isfinite(v) for v in m.values()):
@@ -206,6 +210,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
                 raise StageError(f"learn iteration {iteration} step {step}: non-finite grad norm; nothing committed")
             opt.step()
             opt.zero_grad(set_to_none=True)
+            update_s += time.perf_counter() - t0
             n_tok = int(mask[order[start:start + lcfg.minibatch_size]].sum())
             rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lcfg.lr, n_tok, gap))
             step += 1
@@ -228,7 +233,8 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
     last = rows[-1] if rows else {}
     return {"steps": step, "samples": n, "loss": last.get("loss"), "kl": last.get("kl"),
             "clip_frac": last.get("clip_frac"), "grad_norm": last.get("grad_norm"), "logprob_gap": gap,
-            "world_size": world}
+            "world_size": world, "score_s": score_s, "update_s": update_s,
+            "tokens": sum(r["n_tokens"] for r in rows)}
 
 
 # ---------------------------------------------------------------- stage

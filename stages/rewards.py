@@ -54,6 +54,13 @@ def score_one(task, response: str, ground_truth: str, prompt: str, timeout_s: fl
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def _worker_init() -> None:
+    """A forked worker drops the handlers it inherited (Prefect's SIGTERM handler would report the
+    parent's task as crashed when the pool terminates its workers)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _score_chunk(task_name: str, params: tuple, timeout_s: float, items: list[tuple[str, str, str]]):
     task = _task(task_name, params)
     return [score_one(task, *item, timeout_s) for item in items]
@@ -96,7 +103,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
         total = 0.0
         path = rollouts.path("rollouts.parquet")
         keys = ["run_id", "iteration", "prompt_id", "sample_index"]
-        with mp.get_context("fork").Pool(cfg.reward.workers) as pool, \
+        with mp.get_context("fork").Pool(cfg.reward.workers, _worker_init) as pool, \
                 ParquetWriter(storage.fs, writer.path("rewards.parquet"), "rewards") as out:
             for batch in iter_batches(storage.fs, path, "rollouts", batch_size=8192):
                 scored = score_batch(pool, cfg.task, cfg.reward, batch)

@@ -8,6 +8,7 @@ stays bounded however many samples an iteration has.
 from __future__ import annotations
 
 import random
+import time
 
 import fsspec
 import pandas as pd
@@ -72,7 +73,9 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
     def body(writer):
         examples = iteration_prompts(cfg, iteration)
         model_dir, tokenizer, prompt_ids, budget = policy_and_prompts(snap, examples, r.max_tokens)
-        gen = get_generator(r.backend, model_dir)
+        t0 = time.perf_counter()
+        gen = get_generator(r.backend, model_dir)  # starts the engine, or reloads a warm one's weights
+        engine_s, generate_s = time.perf_counter() - t0, 0.0
         spec = SamplingSpec(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                             max_tokens=budget,
                             stop=tuple(r.stop), seed=iteration_seed(cfg.seed, iteration, salt=2))
@@ -81,7 +84,9 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
         with ParquetWriter(storage.fs, writer.path("rollouts.parquet"), "rollouts") as out:
             for start in range(0, len(examples), r.chunk_prompts):
                 chunk = slice(start, start + r.chunk_prompts)
+                t0 = time.perf_counter()
                 groups = gen.generate(prompt_ids[chunk], spec)
+                generate_s += time.perf_counter() - t0
                 rows = [{"run_id": run_id, "iteration": iteration, "prompt_id": start + i, "sample_index": j,
                          "prompt": ex.prompt, "prompt_ids": pids, "response_ids": s.response_ids,
                          "response": decode_response(tokenizer, s.response_ids),
@@ -95,7 +100,8 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
                 log.info("rollouts iteration %d: %d/%d prompts", iteration, min(start + r.chunk_prompts,
                                                                                 len(examples)), len(examples))
         return {"prompts": len(examples), "samples": out.num_rows, "response_tokens": n_tokens,
-                "stop_fraction": n_stop / max(out.num_rows, 1), "policy_version": version}
+                "stop_fraction": n_stop / max(out.num_rows, 1), "policy_version": version,
+                "engine_s": engine_s, "generate_s": generate_s}
 
     config = {"seed": cfg.seed, "task": cfg.to_dict()["task"], "rollout": cfg.to_dict()["rollout"]}
     return run_stage(storage, run_id, iteration, "rollouts", config=config,

@@ -1,0 +1,132 @@
+"""Warm training (flow `grpo` with `iterations`, as deployment grpo/train runs it): time to target
+on the sort task, where each iteration's time goes, learner throughput, and the cold-start cost of
+one grpo/iteration run.
+
+    .venv/bin/python benchmarks/warm_training.py [--config benchmarks/sort.yaml] [--iterations 30]
+        [--target 0.95] [--set learn.lr=1e-3 ...] [--demo-iterations 4]
+
+It starts a Prefect server on 127.0.0.1 (temporary home, SQLite), then
+1. trains run `sort` warm from scratch and reports the wall-clock seconds from the flow call until
+   the held-out greedy exact match first reaches --target;
+2. per iteration, from the manifests' commit times and the stages' own timers: generation
+   (rollouts + eval decoding), learner compute (old/ref log-prob forwards, forward/backward/AdamW),
+   and the rest, the overhead (Prefect tasks, storage, hashing, rewards, advantages, checkpoint save);
+3. at the default (demo) config: learner tokens/s and the fraction of the learn stage outside
+   forward/backward/optimizer, then one more iteration in a new process (a cold grpo/iteration run:
+   interpreter, imports, engine start, model loads) against a warm one.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the real-server helper the end-to-end tests use
+
+STAGES = ("snapshot", "rollouts", "rewards", "advantages", "learn", "eval")
+
+
+def manifests(url: str, run_id: str, iteration: int) -> dict:
+    from grpo.storage import latest_committed, open_storage
+    from stages.common import stage_dir
+    storage = open_storage(url)
+    return {s: latest_committed(storage, stage_dir(storage, run_id, iteration, s), verify=False).manifest
+            for s in STAGES}
+
+
+def committed_at(manifest) -> float:
+    return datetime.fromisoformat(manifest.committed_at).timestamp()
+
+
+def iteration_times(url: str, run_id: str, iterations: range, start: float) -> list[dict]:
+    """Per iteration: wall (previous eval commit -> this eval commit), generation, learner compute."""
+    rows, prev = [], start
+    for k in iterations:
+        m = manifests(url, run_id, k)
+        ro, le, ev = m["rollouts"].summary, m["learn"].summary, m["eval"].summary
+        wall = committed_at(m["eval"]) - prev
+        generate = ro["generate_s"] + ev["generate_s"]
+        learner = le["score_s"] + le["update_s"]
+        learn_wall = committed_at(m["learn"]) - committed_at(m["advantages"])
+        rows.append({"iteration": k, "wall": wall, "generate": generate, "learner": learner,
+                     "overhead": wall - generate - learner, "engine": ro["engine_s"] + ev["engine_s"],
+                     "learn_wall": learn_wall, "tokens": le["tokens"], "update_s": le["update_s"],
+                     "exact": ev["exact_match"], "reward": m["advantages"].summary["reward_mean"],
+                     "eval_at": committed_at(m["eval"])})
+        prev = committed_at(m["eval"])
+    return rows
+
+
+def print_iterations(rows: list[dict]) -> None:
+    print(f"{'iter':>4} {'reward':>6} {'exact':>5} {'wall_s':>6} {'gen_s':>6} {'learn_s':>7} {'other_s':>7} "
+          f"{'other%':>6}")
+    for r in rows:
+        print(f"{r['iteration']:>4} {r['reward']:>6.3f} {r['exact']:>5.2f} {r['wall']:>6.2f} {r['generate']:>6.2f} "
+              f"{r['learner']:>7.2f} {r['overhead']:>7.2f} {100 * r['overhead'] / r['wall']:>5.1f}%")
+
+
+def train_warm(url: str, run_id: str, iterations: int, config: str | None, overrides: list[str]) -> float:
+    """Create the run and train `iterations` warm iterations in this process; returns the start time."""
+    from flows.grpo import grpo
+    start = time.time()
+    grpo(run_id=run_id, iterations=iterations, config_path=config, overrides=overrides, storage_url=url)
+    return start
+
+
+def cold_iteration(url: str, run_id: str, env: dict) -> float:
+    """One grpo/iteration flow run in a new process; returns its wall seconds."""
+    code = f"from flows.grpo import grpo\nif __name__ == '__main__':\n    grpo(run_id={run_id!r}, storage_url={url!r})"
+    start = time.time()
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, capture_output=True)
+    return time.time() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(REPO / "benchmarks" / "sort.yaml"))
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--iterations", type=int, default=30)
+    p.add_argument("--target", type=float, default=0.95)
+    p.add_argument("--demo-iterations", type=int, default=4, help="warm iterations at the demo size")
+    args = p.parse_args()
+
+    from prefect_server import prefect_server
+    tmp = Path(tempfile.mkdtemp(prefix="grpo-warm-bench-"))
+    url = (tmp / "store").as_uri()
+    with prefect_server(tmp / "prefect") as server:
+        os.environ.update({k: v for k, v in server.env.items() if k.startswith("PREFECT_")})
+
+        start = train_warm(url, "sort", args.iterations, args.config, args.set)
+        rows = iteration_times(url, "sort", range(args.iterations), start)
+        print(f"== sort task, warm, {args.config} {' '.join(args.set)}")
+        print_iterations(rows)
+        hit = next((r for r in rows if r["exact"] >= args.target), None)
+        steady = rows[1:] or rows
+        overhead = sum(r["overhead"] for r in steady) / sum(r["wall"] for r in steady)
+        print(f"time to greedy exact match >= {args.target}: "
+              + (f"{hit['eval_at'] - start:.1f} s (iteration {hit['iteration']})" if hit else
+                 f"not reached in {args.iterations} iterations ({rows[-1]['eval_at'] - start:.1f} s, "
+                 f"best {max(r['exact'] for r in rows):.2f})"))
+        print(f"warm iteration overhead (iterations 1..): {100 * overhead:.1f}% of the iteration "
+              f"(engine start / weight reloads: iteration 0 {rows[0]['engine']:.2f} s, "
+              f"later {sum(r['engine'] for r in steady) / len(steady):.3f} s)")
+
+        demo = train_warm(url, "demo", args.demo_iterations, None, [])
+        drows = iteration_times(url, "demo", range(args.demo_iterations), demo)[1:]
+        tokens, update = sum(r["tokens"] for r in drows), sum(r["update_s"] for r in drows)
+        outside = 1 - sum(r["learner"] for r in drows) / sum(r["learn_wall"] for r in drows)
+        warm_wall = sum(r["wall"] for r in drows) / len(drows)
+        cold_wall = cold_iteration(url, "demo", os.environ.copy())
+        print(f"== demo size (default config), iterations 1..{args.demo_iterations - 1}")
+        print(f"learner: {tokens / update:.0f} response tokens/s in forward/backward/AdamW; "
+              f"{100 * outside:.1f}% of the learn stage outside forward/backward/optimizer")
+        print(f"warm iteration {warm_wall:.2f} s; cold grpo/iteration in a new process {cold_wall:.2f} s: "
+              f"cold start costs {cold_wall - warm_wall:.2f} s ({cold_wall / warm_wall:.1f}x the warm iteration)")
+
+
+if __name__ == "__main__":
+    main()
