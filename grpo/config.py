@@ -102,6 +102,8 @@ class LearnConfig:
     """Samples per forward/backward; gradients accumulate to the minibatch."""
     lr: float = 3e-3
     """AdamW learning rate."""
+    lr_decay_steps: int = 0
+    """Linear decay of lr to 0 over this many optimizer steps of the whole run; 0 keeps it constant."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)
@@ -268,3 +270,5 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {cfg.reward.max_error_fraction}")
     if l.clip_eps <= 0 or l.lr <= 0 or l.kl_coef < 0:
         raise ConfigError("learn.clip_eps and learn.lr must be > 0 and learn.kl_coef >= 0")
+    if l.lr_decay_steps < 0:
+        raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {l.lr_decay_steps}")

@@ -79,6 +79,16 @@ def group_advantages(
 
 
 # ---------------------------------------------------------------- masking
+def linear_decay_lr(lr: float, step: int, decay_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): lr decayed linearly to 0 over
+    `decay_steps` steps, then 0; decay_steps 0 means constant.
+
+    >>> linear_decay_lr(1.0, 0, 4), linear_decay_lr(1.0, 3, 4), linear_decay_lr(1.0, 9, 4), linear_decay_lr(1.0, 9, 0)
+    (1.0, 0.25, 0.0, 1.0)
+    """
+    return lr if decay_steps <= 0 else lr * max(0.0, 1.0 - step / decay_steps)
+
+
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of x over positions where mask is 1.
 

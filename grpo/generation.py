@@ -121,8 +121,11 @@ class VLLMGenerator:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         self.model_dir = model_dir
+        # on CPU one scheduler step may hold a whole chunk (chunk_prompts x G sequences): the
+        # default of 256 sequences runs a 512 x 8 chunk in 16 waves (GPUs keep vLLM's defaults)
+        batch = {} if torch.cuda.is_available() else {"max_num_seqs": 4096, "max_num_batched_tokens": 65536}
         self.llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=seed,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, **batch)
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
         from vllm import SamplingParams

@@ -115,6 +115,12 @@ def minibatch_step(model, batch: dict, idx: torch.Tensor, lcfg: LearnConfig, acc
     return totals
 
 
+def optimizer_steps(opt) -> int:
+    """Optimizer steps taken over the whole run: AdamW's own count, carried in optimizer.pt."""
+    steps = [int(s["step"]) for s in opt.state_dict()["state"].values() if "step" in s]
+    return max(steps, default=0)
+
+
 def _metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tokens, gap) -> dict:
     return {"run_id": run_id, "iteration": iteration, "step": step, "epoch": epoch,
             "loss": m["loss/total"], "pg_loss": m.get("loss/pg", 0.0), "kl": m.get("loss/kl", 0.0),
@@ -208,11 +214,14 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
             grad_norm = float(acc.clip_grad_norm_(model.parameters(), lcfg.max_grad_norm))
             if not math.isfinite(grad_norm):
                 raise StageError(f"learn iteration {iteration} step {step}: non-finite grad norm; nothing committed")
+            lr = core.linear_decay_lr(lcfg.lr, optimizer_steps(opt), lcfg.lr_decay_steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
             opt.step()
             opt.zero_grad(set_to_none=True)
             update_s += time.perf_counter() - t0
             n_tok = int(mask[order[start:start + lcfg.minibatch_size]].sum())
-            rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lcfg.lr, n_tok, gap))
+            rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tok, gap))
             step += 1
             if acc.is_main_process:
                 log.info("learn iteration %d: step %d/%d loss %.4f kl %.4f clip_frac %.3f", iteration, step,

@@ -509,3 +509,8 @@ def test_module_is_pure_torch():
     imports = {line.split()[1].split(".")[0] for line in src.splitlines()
                if line.startswith(("import ", "from "))}
     assert imports <= {"typing", "torch"}
+
+
+def test_linear_decay_lr():
+    assert [core.linear_decay_lr(2.0, s, 4) for s in range(6)] == [2.0, 1.5, 1.0, 0.5, 0.0, 0.0]
+    assert core.linear_decay_lr(2.0, 1000, 0) == 2.0  # 0: constant

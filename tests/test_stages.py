@@ -169,6 +169,16 @@ def test_optimizer_state_carries_to_next_iteration(storage):
     assert steps(state1) == 2 * steps(state0)  # AdamW continued counting
 
 
+def test_lr_decays_over_the_run_across_iterations(storage):
+    """lr decays with AdamW's step count, which optimizer.pt carries into the next iteration."""
+    make_run(storage, "decay", extra=["learn.minibatch_size=16", "learn.lr=0.004", "learn.lr_decay_steps=8"])
+    lrs = []
+    for k in range(2):  # 64 samples / 16 = 4 steps an iteration
+        out = run_iteration(storage, "decay", k)
+        lrs += pd.read_parquet(out["learn"].path("metrics.parquet"))["lr"].tolist()
+    assert lrs == pytest.approx([0.004 * (1 - s / 8) for s in range(8)])
+
+
 def test_two_processes_give_the_same_update_as_one(storage):
     for run_id, nproc in [("one", 1), ("two", 2)]:
         make_run(storage, run_id, extra=[f"learn.num_processes={nproc}"])
