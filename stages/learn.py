@@ -5,7 +5,10 @@ log-probs) and so does the frozen base model (reference log-probs); both are
 stored so an audit can recompute every loss. Then `epochs` passes over shuffled
 minibatches, gradient accumulation over microbatches, loss = clipped policy
 gradient + kl_coef * KL (grpo.core.grpo_microbatch_step), grad-norm clipping,
-AdamW. Optimizer and RNG state are saved and picked up by the next iteration.
+AdamW (lr optionally decayed over the run's steps). Optimizer and RNG state are
+saved and picked up by the next iteration; when that iteration runs in the same
+process (flow `grpo` with `iterations` > 1) it takes the model, optimizer and
+reference from memory instead (`WARM`), with the same result.
 
 One process runs in-process; `learn.num_processes > 1` runs the same code under
 torchrun (gloo on CPU), rank r taking every r-th sample of each minibatch; DDP's
