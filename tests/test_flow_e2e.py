@@ -82,6 +82,9 @@ def test_deployment_is_registered_as_configured(server, worker):
     assert d["global_concurrency_limit"]["limit"] == 1
     assert d["concurrency_options"]["collision_strategy"] == "ENQUEUE"
     assert "/" not in json.dumps(d["pull_steps"])  # no machine's path stored: found at run time
+    train = server.api("GET", "/deployments/name/grpo/train")  # warm: many iterations in one flow run
+    assert train["entrypoint"] == d["entrypoint"] and train["parameters"]["iterations"] == 30
+    assert train["global_concurrency_limit"]["limit"] == 1 and train["work_pool_name"] == "grpo-pool"
 
 
 def test_two_deployment_runs_make_two_iterations_one_after_the_other(server, worker, store):
