@@ -21,19 +21,9 @@ from functools import partial
 from grpo.config import RunConfig
 from grpo.generation import SamplingSpec, get_generator
 from grpo.tasks import get_task
-from grpo.tiny_model import build_for_task
+from stages.init import build_tiny_base
 
 WARMUP_PROMPTS = 32
-
-
-def build_default_model(out_dir: str) -> str:
-    """The base model `grpo init` builds from the default config (stages/init.py)."""
-    cfg = RunConfig()
-    m = cfg.model
-    return build_for_task(out_dir, cfg.task.name, cfg.task.params, hidden_size=m.hidden_size,
-                          num_layers=m.num_layers, num_heads=m.num_heads, intermediate_size=m.intermediate_size,
-                          max_position_embeddings=m.max_position_embeddings, seed=cfg.seed, arch=m.arch,
-                          tie_embeddings=m.tie_embeddings)
 
 
 def time_backend(backend: str, model_dir: str, n_prompts: int, spec: SamplingSpec, hf_batch_size: int,
@@ -81,7 +71,7 @@ def main() -> None:
         print(json.dumps(time_backend(args.child, args.model_dir, args.prompts, spec, args.hf_batch_size,
                                       engine_args)))
         return
-    model_dir = args.model_dir or build_default_model(tempfile.mkdtemp(prefix="grpo-bench-model-"))
+    model_dir = args.model_dir or build_tiny_base(tempfile.mkdtemp(prefix="grpo-bench-model-"), RunConfig())
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if args.vllm_multiprocessing else "0")
     print(f"model {model_dir}: {args.prompts} prompts x {args.group_size} samples, "
           f"max_tokens {args.max_tokens}, temperature 1")

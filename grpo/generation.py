@@ -211,7 +211,8 @@ def same_architecture(dir_a: str, dir_b: str) -> bool:
         raw = read(d, "config.json")
         return None if raw is None else {k: v for k, v in json.loads(raw).items() if k not in _VOLATILE_CONFIG_KEYS}
 
-    return (config(dir_a) is not None and config(dir_a) == config(dir_b)
+    config_a = config(dir_a)
+    return (config_a is not None and config_a == config(dir_b)
             and all(read(dir_a, f) == read(dir_b, f) for f in ("tokenizer.json", "tokenizer_config.json")))
 
 

@@ -42,21 +42,25 @@ def _copy_base(src: str, dst: Path) -> None:
     fs.get(root.rstrip("/") + "/", str(dst), recursive=True)
 
 
+def build_tiny_base(out_dir: str, cfg: RunConfig) -> str:
+    """The tiny model `cfg.model` describes, for the vocabulary of `cfg.task`, saved in `out_dir`."""
+    m = cfg.model
+    return build_for_task(out_dir, cfg.task.name, cfg.task.params, hidden_size=m.hidden_size,
+                          num_layers=m.num_layers, num_heads=m.num_heads, intermediate_size=m.intermediate_size,
+                          max_position_embeddings=m.max_position_embeddings, seed=cfg.seed, arch=m.arch,
+                          tie_embeddings=m.tie_embeddings)
+
+
 def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False) -> Committed:
     """Write run.json and commit the base model under `runs/<run_id>/base`."""
     write_run_json(storage, run_id, cfg)
 
     def body(writer):
         with tempfile.TemporaryDirectory() as tmp:
-            m = cfg.model
-            if m.base_model:
-                _copy_base(m.base_model, Path(tmp))
+            if cfg.model.base_model:
+                _copy_base(cfg.model.base_model, Path(tmp))
             else:
-                build_for_task(tmp, cfg.task.name, cfg.task.params, hidden_size=m.hidden_size,
-                               num_layers=m.num_layers, num_heads=m.num_heads,
-                               intermediate_size=m.intermediate_size,
-                               max_position_embeddings=m.max_position_embeddings, seed=cfg.seed, arch=m.arch,
-                               tie_embeddings=m.tie_embeddings)
+                build_tiny_base(tmp, cfg)
             upload_folder(writer, tmp)
         return {"base_model": cfg.model.base_model or f"tiny {cfg.model.arch} for {cfg.task.name}"}
 

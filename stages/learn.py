@@ -120,7 +120,7 @@ def minibatch_step(model, batch: dict, idx: torch.Tensor, lcfg: LearnConfig, acc
 
 def optimizer_steps(opt) -> int:
     """Optimizer steps taken over the whole run: AdamW's own count, carried in optimizer.pt."""
-    steps = [int(s["step"]) for s in opt.state_dict()["state"].values() if "step" in s]
+    steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
     return max(steps, default=0)
 
 
