@@ -42,6 +42,8 @@ class ModelConfig:
     """Tiny model only: longest prompt + response."""
     tie_embeddings: bool = True
     """Tiny model only: share input and output embeddings."""
+    initializer_range: float = 0.02
+    """Tiny model only: std of the normal init of every weight matrix and embedding (HF's name)."""
     arch: str = "llama"
     """Tiny model only: architecture of grpo.tiny_model.CONFIGS."""
 
@@ -97,9 +99,9 @@ class LearnConfig:
     epochs: int = 1
     """Passes over the iteration's rollouts."""
     minibatch_size: int = 128
-    """Samples per optimizer step."""
+    """Samples per optimizer step: minibatch_size / group_size prompts with all their samples."""
     microbatch_size: int = 64
-    """Samples per forward/backward; gradients accumulate to the minibatch."""
+    """Samples per forward/backward (a multiple of group_size); gradients accumulate to the minibatch."""
     lr: float = 3e-3
     """AdamW learning rate."""
     lr_decay_steps: int = 0
@@ -115,7 +117,7 @@ class LearnConfig:
     clip_eps_high: float | None = None
     """Upper clip range (DAPO); None uses clip_eps."""
     kl_coef: float = 0.0
-    """beta: weight of the KL penalty to the frozen reference (base) model; 0 skips it."""
+    """beta: weight of the KL penalty to the frozen reference (base) model; 0 skips it and the reference's forward."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator; k3 = r - log r - 1 with r = pi_ref / pi."""
     num_processes: int = 1
@@ -257,6 +259,9 @@ def validate(cfg: RunConfig) -> None:
     if l.minibatch_size % r.group_size:
         raise ConfigError(f"learn.minibatch_size ({l.minibatch_size}) must be divisible by "
                           f"rollout.group_size ({r.group_size})")
+    if l.microbatch_size % r.group_size:
+        raise ConfigError(f"learn.microbatch_size ({l.microbatch_size}) must be divisible by "
+                          f"rollout.group_size ({r.group_size}): the learner scores each prompt once for its group")
     if batch % l.minibatch_size:
         raise ConfigError(f"the batch (prompts_per_iteration x group_size = {batch}) must be divisible by "
                           f"learn.minibatch_size ({l.minibatch_size})")
@@ -268,6 +273,8 @@ def validate(cfg: RunConfig) -> None:
                           f"got {r.temperature}, {r.top_p}")
     if not 0 <= cfg.reward.max_error_fraction <= 1:
         raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {cfg.reward.max_error_fraction}")
+    if cfg.model.initializer_range <= 0:
+        raise ConfigError(f"model.initializer_range must be > 0, got {cfg.model.initializer_range}")
     if l.clip_eps <= 0 or l.lr <= 0 or l.kl_coef < 0:
         raise ConfigError("learn.clip_eps and learn.lr must be > 0 and learn.kl_coef >= 0")
     if l.lr_decay_steps < 0:

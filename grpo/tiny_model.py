@@ -47,7 +47,7 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
 
 def tiny_config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int,
                 num_heads: int, intermediate_size: int, max_position_embeddings: int,
-                tie_embeddings: bool = True):
+                tie_embeddings: bool = True, initializer_range: float = 0.02):
     """Config of a small `arch` model; checks the head size vllm's cpu backend needs."""
     if arch not in CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; valid archs: {', '.join(CONFIGS)}")
@@ -67,6 +67,7 @@ def tiny_config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int
         # tied: a prompt token's embedding copied by attention raises that token's logit,
         # a prior that makes "repeat the prompt's numbers" easy to find by sampling
         tie_word_embeddings=tie_embeddings,
+        initializer_range=initializer_range,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
@@ -77,7 +78,7 @@ def tiny_config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int
 def build_tiny_model(out_dir: str, words: list[str], *, hidden_size: int = 128,
                      num_layers: int = 2, num_heads: int = 4, intermediate_size: int = 512,
                      max_position_embeddings: int = 64, seed: int = 0, tie_embeddings: bool = True,
-                     arch: str = "llama") -> str:
+                     initializer_range: float = 0.02, arch: str = "llama") -> str:
     """Save a randomly initialised model and its tokenizer to `out_dir`.
 
     The same seed gives byte-identical `model.safetensors`. Returns `out_dir`.
@@ -85,7 +86,8 @@ def build_tiny_model(out_dir: str, words: list[str], *, hidden_size: int = 128,
     tokenizer = build_tokenizer(words)
     config = tiny_config(arch, len(tokenizer), hidden_size=hidden_size, num_layers=num_layers,
                          num_heads=num_heads, intermediate_size=intermediate_size,
-                         max_position_embeddings=max_position_embeddings, tie_embeddings=tie_embeddings)
+                         max_position_embeddings=max_position_embeddings, tie_embeddings=tie_embeddings,
+                         initializer_range=initializer_range)
     with torch.random.fork_rng(devices=[]):  # seed the init, leave the caller's rng alone
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
 
 _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
     pa.field("run_id", pa.string(), nullable=False),
@@ -53,7 +53,7 @@ ADVANTAGES = pa.schema(_SAMPLE_KEYS + [
 
 LOGPROBS = pa.schema(_SAMPLE_KEYS + [  # learner's view before any update, for audits
     pa.field("old_logprobs", _FLOATS, nullable=False),
-    pa.field("ref_logprobs", _FLOATS, nullable=False),
+    pa.field("ref_logprobs", _FLOATS, nullable=True),  # null: kl_coef 0, no reference scored
 ])
 
 LEARN_METRICS = pa.schema([
@@ -63,7 +63,7 @@ LEARN_METRICS = pa.schema([
     pa.field("epoch", pa.int32(), nullable=False),
     pa.field("loss", pa.float64(), nullable=False),
     pa.field("pg_loss", pa.float64(), nullable=False),
-    pa.field("kl", pa.float64(), nullable=False),
+    pa.field("kl", pa.float64(), nullable=True),  # null: no reference scored
     pa.field("clip_frac", pa.float64(), nullable=False),
     pa.field("entropy", pa.float64(), nullable=False),
     pa.field("grad_norm", pa.float64(), nullable=False),

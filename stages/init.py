@@ -48,7 +48,7 @@ def build_tiny_base(out_dir: str, cfg: RunConfig) -> str:
     return build_for_task(out_dir, cfg.task.name, cfg.task.params, hidden_size=m.hidden_size,
                           num_layers=m.num_layers, num_heads=m.num_heads, intermediate_size=m.intermediate_size,
                           max_position_embeddings=m.max_position_embeddings, seed=cfg.seed, arch=m.arch,
-                          tie_embeddings=m.tie_embeddings)
+                          tie_embeddings=m.tie_embeddings, initializer_range=m.initializer_range)
 
 
 def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False) -> Committed:

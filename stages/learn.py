@@ -1,9 +1,11 @@
 """Stage 5: the GRPO update with Accelerate, writing the next policy checkpoint.
 
 Before any update the snapshot policy scores the rollouts under no_grad (old
-log-probs) and so does the frozen base model (reference log-probs); both are
-stored so an audit can recompute every loss. Then `epochs` passes over shuffled
-minibatches, gradient accumulation over microbatches, loss = clipped policy
+log-probs) and, when learn.kl_coef > 0, so does the frozen base model (reference
+log-probs); both are stored so an audit can recompute every loss. Then `epochs`
+passes over minibatches of whole groups in shuffled order (each prompt's tokens go
+through the model once for its G responses: `SharedPromptLM`), gradient
+accumulation over microbatches, loss = clipped policy
 gradient + kl_coef * KL (grpo.core.grpo_microbatch_step), grad-norm clipping,
 AdamW (lr optionally decayed over the run's steps). Optimizer and RNG state are
 saved and picked up by the next iteration; when that iteration runs in the same
@@ -11,7 +13,7 @@ process (flow `grpo` with `iterations` > 1) it takes the model, optimizer and
 reference from memory instead (`WARM`), with the same result.
 
 One process runs in-process; `learn.num_processes > 1` runs the same code under
-torchrun (gloo on CPU), rank r taking every r-th sample of each minibatch; DDP's
+torchrun (gloo on CPU), rank r taking every r-th group of each minibatch; DDP's
 gradient average then equals the one-process gradient for the per-sequence
 aggregation modes.
 """
@@ -43,11 +45,13 @@ KEYS = ["prompt_id", "sample_index"]
 
 # ---------------------------------------------------------------- data
 
-def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_id: int) -> dict:
-    """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups.
+def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_id: int, group_size: int) -> dict:
+    """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups, whole.
 
-    Returns input_ids and attention_mask (N, L) right-padded, response_mask (N, L-1) over label
-    positions, sampler_logprobs (N, L-1), advantages (N,), rewards (N,), keys.
+    Group g (one prompt, `group_size` samples) holds samples g*G .. g*G+G-1. Returns
+    prompt_ids and prompt_mask (P, Lp), one left-padded row per group; response_ids and
+    response_mask (N, T) right-padded, N = P * G; sampler_logprobs (N, T); advantages and
+    rewards (N,); the keys prompt_id and sample_index (N lists); group_size.
     """
     ro = read_parquet(storage.fs, rollouts_in.path("rollouts.parquet"), "rollouts",
                       columns=KEYS + ["prompt_ids", "response_ids", "sampler_logprobs"])
@@ -60,54 +64,107 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
         raise StageError(f"{adv_in.uri}: advantages name samples missing from the rollouts of {rollouts_in.uri}")
     rows = sorted((k, i) for i, k in enumerate(keys) if k in adv)  # (prompt_id, sample_index) order
     take = [i for _, i in rows]
-    prompts = [ro.column("prompt_ids")[i].as_py() for i in take]
-    responses = [ro.column("response_ids")[i].as_py() for i in take]
-    samp = [ro.column("sampler_logprobs")[i].as_py() for i in take]
-    n, width = len(prompts), max((len(p) + len(r) for p, r in zip(prompts, responses)), default=1)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros(n, width, dtype=torch.long)  # from lengths: a policy may sample the pad token
-    mask = torch.zeros(n, width - 1)
-    sampler = torch.zeros(n, width - 1)
-    for i, (p, r, s) in enumerate(zip(prompts, responses, samp)):
-        input_ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-        attention[i, :len(p) + len(r)] = 1
-        # label position t predicts token t+1: response tokens sit at len(p)-1 .. len(p)+len(r)-2
-        mask[i, len(p) - 1:len(p) + len(r) - 1] = 1
-        sampler[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(s)
-    return {"input_ids": input_ids, "attention_mask": attention, "response_mask": mask, "sampler_logprobs": sampler,
+    prompt_col, response_col, logprob_col = (ro.column(c).to_pylist() for c in
+                                             ("prompt_ids", "response_ids", "sampler_logprobs"))
+    prompts = [prompt_col[i] for i in take[::group_size]]
+    for g, first in enumerate(range(0, len(rows), group_size)):
+        members = rows[first:first + group_size]
+        pid = members[0][0][0]
+        if len(members) != group_size or any(k[0] != pid or prompt_col[i] != prompts[g] for k, i in members):
+            raise StageError(f"{rollouts_in.uri}: prompt_id {pid} does not have rollout.group_size={group_size} "
+                             "samples of one prompt; the learner scores each prompt once for its whole group")
+    responses = [response_col[i] for i in take]
+    n, n_groups = len(rows), len(prompts)
+    lp, t = max(map(len, prompts), default=1), max(map(len, responses), default=1)
+    prompt_ids = torch.full((n_groups, lp), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(n_groups, lp, dtype=torch.long)  # from lengths: a policy may sample the pad token
+    for g, p in enumerate(prompts):
+        prompt_ids[g, lp - len(p):] = torch.tensor(p)
+        prompt_mask[g, lp - len(p):] = 1
+    response_ids = torch.full((n, t), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(n, t)
+    sampler = torch.zeros(n, t)
+    for j, (r, i) in enumerate(zip(responses, take)):
+        response_ids[j, :len(r)] = torch.tensor(r)
+        response_mask[j, :len(r)] = 1
+        sampler[j, :len(r)] = torch.tensor(logprob_col[i])
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+            "response_mask": response_mask, "sampler_logprobs": sampler, "group_size": group_size,
             "advantages": torch.tensor([adv[k][0] for k, _ in rows], dtype=torch.float32),
             "rewards": torch.tensor([adv[k][1] for k, _ in rows], dtype=torch.float32),
             "prompt_id": [k[0] for k, _ in rows], "sample_index": [k[1] for k, _ in rows]}
 
 
-def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False):
-    """Per-token log-probs of input_ids[:, 1:] under `model`. (B, L) -> (B, L-1)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (B, L-1, V)
-    logp = core.token_logprobs(logits, input_ids[:, 1:])
+class SharedPromptLM(torch.nn.Module):
+    """A causal LM scoring the G responses of each prompt with the prompt computed once.
+
+    The prompt's keys and values are computed once per group and shared by its G responses
+    (gradients from every response flow back into them), instead of G forwards over the same
+    prompt tokens; the logits equal those of a forward over each full sequence. One module, so
+    DDP sees a single forward per backward.
+    """
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, prompt_ids, prompt_mask, response_ids, response_mask):
+        """prompt_ids, prompt_mask (P, Lp) left-padded; response_ids, response_mask (P*G, T)
+        right-padded -> logits (P*G, T, V), logits[:, t] predicting response_ids[:, t]."""
+        g = response_ids.shape[0] // prompt_ids.shape[0]
+        out = self.lm(input_ids=prompt_ids, attention_mask=prompt_mask,
+                      position_ids=(prompt_mask.cumsum(1) - 1).clamp_min(0), use_cache=True)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(g)  # (P, ...) -> (P*G, ...), differentiable
+        first = out.logits[:, -1:].repeat_interleave(g, 0)  # (P*G, 1, V): predicts response token 0
+        start = prompt_mask.sum(1).repeat_interleave(g)[:, None]  # (P*G, 1)
+        mask = torch.cat([prompt_mask.repeat_interleave(g, 0), response_mask.long()], 1)
+        out = self.lm(input_ids=response_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                      position_ids=start + torch.arange(response_ids.shape[1]))
+        return torch.cat([first, out.logits[:, :-1]], 1)
+
+
+def group_rows(groups: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Sample rows of `groups`: (P,) -> (P * group_size,), group by group."""
+    return (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+
+
+def forward_logprobs(model, batch: dict, groups: torch.Tensor, with_entropy: bool = False):
+    """Per-token log-probs of the responses of `groups` under `model` (a SharedPromptLM).
+
+    groups (P,) -> (P*G, T), rows in group_rows order."""
+    rows = group_rows(groups, batch["group_size"])
+    labels = batch["response_ids"][rows]
+    logits = model(batch["prompt_ids"][groups], batch["prompt_mask"][groups], labels,
+                   batch["response_mask"][rows])  # (P*G, T, V)
+    logp = core.token_logprobs(logits, labels)
     return (logp, core.token_entropy(logits)) if with_entropy else logp
 
 
 @torch.no_grad()
-def score(model, batch: dict, chunk: int) -> torch.Tensor:
+def score(model, batch: dict, chunk_groups: int) -> torch.Tensor:
+    """Log-probs (N, T) of every response under `model`, `chunk_groups` groups a forward."""
     model.eval()
-    ids, attn = batch["input_ids"], batch["attention_mask"]
-    return torch.cat([forward_logprobs(model, ids[i:i + chunk], attn[i:i + chunk])
-                      for i in range(0, len(ids), chunk)])
+    groups = torch.arange(len(batch["prompt_ids"]))
+    return torch.cat([forward_logprobs(model, batch, c) for c in groups.split(chunk_groups)])
 
 
 # ---------------------------------------------------------------- training
 
-def minibatch_step(model, batch: dict, idx: torch.Tensor, lcfg: LearnConfig, accum: int, max_tokens: int) -> dict[str, float]:
-    """Forward/backward over this rank's samples `idx` in microbatches. Returns summed metrics."""
+def minibatch_step(model, batch: dict, groups: torch.Tensor, lcfg: LearnConfig, accum: int,
+                   max_tokens: int) -> dict[str, float]:
+    """Forward/backward over this rank's `groups` in microbatches. Returns summed metrics."""
     totals: dict[str, float] = {}
-    for mb in idx.split(lcfg.microbatch_size):
+    g = batch["group_size"]
+    for mb_groups in groups.split(max(1, lcfg.microbatch_size // g)):
+        mb = group_rows(mb_groups, g)
         mask = batch["response_mask"][mb]
-        logp, entropy = forward_logprobs(model, batch["input_ids"][mb], batch["attention_mask"][mb],
-                                         with_entropy=True)
+        logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
+        ref = batch["ref_logprobs"]
         loss, metrics = core.grpo_microbatch_step(
             logp, mask, gradient_accumulation_steps=accum, loss_type=lcfg.loss_type, agg_mode=lcfg.agg_mode,
             raw_rewards=batch["rewards"][mb, None], advantages=batch["advantages"][mb, None],
-            old_logprobs=batch["old_logprobs"][mb], ref_logprobs=batch["ref_logprobs"][mb],
+            old_logprobs=batch["old_logprobs"][mb], ref_logprobs=None if ref is None else ref[mb],
             kl_coef=lcfg.kl_coef, kl_estimator=lcfg.kl_estimator, clip_eps=lcfg.clip_eps,
             clip_eps_high=lcfg.clip_eps_high, max_tokens=max_tokens)
         metrics["loss/total"] = loss.detach() * accum
@@ -126,14 +183,15 @@ def optimizer_steps(opt) -> int:
 
 def _metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tokens, gap) -> dict:
     return {"run_id": run_id, "iteration": iteration, "step": step, "epoch": epoch,
-            "loss": m["loss/total"], "pg_loss": m.get("loss/pg", 0.0), "kl": m.get("loss/kl", 0.0),
+            "loss": m["loss/total"], "pg_loss": m.get("loss/pg", 0.0), "kl": m.get("loss/kl"),  # None: no reference
             "clip_frac": m.get("actor/clip_frac", 0.0), "entropy": m["actor/entropy"], "grad_norm": grad_norm,
             "ratio_mean": m.get("actor/ratio_mean", 1.0), "ratio_min": m.get("actor/ratio_min", 1.0),
             "ratio_max": m.get("actor/ratio_max", 1.0), "logprob_gap": gap, "lr": lr, "n_tokens": n_tokens}
 
 
 class Learner:
-    """The policy being trained, its AdamW state, the shuffling RNG and the frozen reference.
+    """The policy being trained, its AdamW state, the shuffling RNG and the frozen reference
+    (loaded only when learn.kl_coef > 0: nothing else reads it).
 
     Built from checkpoint folders (and the previous iteration's optimizer.pt and rng.pt); a warm
     run keeps it in memory for the next iteration instead (`WARM`), which then trains exactly as
@@ -146,8 +204,10 @@ class Learner:
         self.cfg = cfg
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         lcfg = cfg.learn
-        model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
-        self.ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+        model = SharedPromptLM(AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32))
+        self.ref = None
+        if lcfg.kl_coef > 0:
+            self.ref = SharedPromptLM(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)).eval()
         opt = torch.optim.AdamW(model.parameters(), lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay)
         self.shuffle = torch.Generator().manual_seed(iteration_seed(cfg.seed, iteration, salt=4))
         if state_dir:  # continue exactly where the previous iteration ended
@@ -191,26 +251,28 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
     """
     cfg, lcfg, acc, model, opt = learner.cfg, learner.cfg.learn, learner.acc, learner.model, learner.opt
     torch.manual_seed(iteration_seed(cfg.seed, iteration, salt=3))
+    g = batch["group_size"]
     t0 = time.perf_counter()
-    batch["old_logprobs"] = score(acc.unwrap_model(model), batch, lcfg.microbatch_size)
-    batch["ref_logprobs"] = score(learner.ref, batch, lcfg.microbatch_size)
+    batch["old_logprobs"] = score(acc.unwrap_model(model), batch, max(1, lcfg.microbatch_size // g))
+    batch["ref_logprobs"] = None if learner.ref is None else score(learner.ref, batch, max(1, lcfg.microbatch_size // g))
     score_s, update_s = time.perf_counter() - t0, 0.0
     mask = batch["response_mask"]
     gap = float(core.masked_mean((batch["sampler_logprobs"] - batch["old_logprobs"]).abs(), mask))
     shuffle = learner.shuffle
     model.train()
 
-    n, world, rank = len(batch["input_ids"]), acc.num_processes, acc.process_index
-    per_rank = lcfg.minibatch_size // world
-    accum = max(1, per_rank // lcfg.microbatch_size)
-    max_tokens = mask.shape[1]
+    # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
+    n, n_groups, world, rank = len(batch["response_ids"]), len(batch["prompt_ids"]), acc.num_processes, acc.process_index
+    per_step = lcfg.minibatch_size // g
+    accum = max(1, lcfg.minibatch_size // world // lcfg.microbatch_size)
+    max_tokens = cfg.rollout.max_tokens  # Dr.GRPO's constant divisor: the response budget
     rows, step = [], 0
     for epoch in range(lcfg.epochs):
-        order = torch.randperm(n, generator=shuffle)
-        for start in range(0, n - lcfg.minibatch_size + 1, lcfg.minibatch_size):
-            idx = order[start:start + lcfg.minibatch_size][rank::world]
+        order = torch.randperm(n_groups, generator=shuffle)
+        for start in range(0, n_groups - per_step + 1, per_step):
+            groups = order[start:start + per_step]
             t0 = time.perf_counter()
-            m = minibatch_step(model, batch, idx, lcfg, accum, max_tokens)
+            m = minibatch_step(model, batch, groups[rank::world], lcfg, accum, max_tokens)
             m = {k: float(v) for k, v in zip(m, acc.reduce(torch.tensor(list(m.values())), "mean"))}
             if not all(math.isfinite(v) for v in m.values()):
                 raise StageError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
@@ -223,23 +285,26 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
             opt.step()
             opt.zero_grad(set_to_none=True)
             update_s += time.perf_counter() - t0
-            n_tok = int(mask[order[start:start + lcfg.minibatch_size]].sum())
+            n_tok = int(mask[group_rows(groups, g)].sum())
             rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tok, gap))
             step += 1
             if acc.is_main_process:
-                log.info("learn iteration %d: step %d/%d loss %.4f kl %.4f clip_frac %.3f", iteration, step,
-                         lcfg.epochs * (n // lcfg.minibatch_size), m["loss/total"], m.get("loss/kl", 0.0),
-                         m.get("actor/clip_frac", 0.0))
+                log.info("learn iteration %d: step %d/%d loss %.4f kl %s clip_frac %.3f", iteration, step,
+                         lcfg.epochs * (n_groups // per_step), m["loss/total"],
+                         "-" if "loss/kl" not in m else f"{m['loss/kl']:.4f}", m.get("actor/clip_frac", 0.0))
 
     if acc.is_main_process:
         out = Path(out_dir)
-        acc.unwrap_model(model).save_pretrained(out / "policy", safe_serialization=True)
+        acc.unwrap_model(model).lm.save_pretrained(out / "policy", safe_serialization=True)
         torch.save(opt.state_dict(), out / "optimizer.pt")
         torch.save({"shuffle": shuffle.get_state(), "torch": torch.get_rng_state()}, out / "rng.pt")
+        lengths = mask.sum(1).long().tolist()
+
+        def per_sample(x):  # (N, T) -> N lists of response length, None when not computed
+            return [None] * n if x is None else [r[:k] for r, k in zip(x.tolist(), lengths)]
         lp_rows = {"run_id": [run_id] * n, "iteration": [iteration] * n, "prompt_id": batch["prompt_id"],
-                   "sample_index": batch["sample_index"],
-                   "old_logprobs": [batch["old_logprobs"][i][mask[i].bool()].tolist() for i in range(n)],
-                   "ref_logprobs": [batch["ref_logprobs"][i][mask[i].bool()].tolist() for i in range(n)]}
+                   "sample_index": batch["sample_index"], "old_logprobs": per_sample(batch["old_logprobs"]),
+                   "ref_logprobs": per_sample(batch["ref_logprobs"])}
         torch.save({"metrics": rows, "logprobs": lp_rows}, out / "tables.pt")
     acc.wait_for_everyone()
     last = rows[-1] if rows else {}
@@ -301,9 +366,9 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
         from transformers import AutoConfig
         policy_dir = local_checkpoint(inputs["snapshot"])
         pad_id = AutoConfig.from_pretrained(policy_dir).pad_token_id or 0
-        batch = load_batch(storage, inputs["rollouts"], inputs["advantages"], pad_id)
-        if len(batch["input_ids"]) < cfg.learn.minibatch_size:
-            raise StageError(f"learn: {len(batch['input_ids'])} kept samples, fewer than learn.minibatch_size "
+        batch = load_batch(storage, inputs["rollouts"], inputs["advantages"], pad_id, cfg.rollout.group_size)
+        if len(batch["response_ids"]) < cfg.learn.minibatch_size:
+            raise StageError(f"learn: {len(batch['response_ids'])} kept samples, fewer than learn.minibatch_size "
                              f"({cfg.learn.minibatch_size}); lower it or turn off advantage.filter_zero_variance")
         if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
             learner = WARM.take(WARM.key(cfg, inputs["previous"].uri, inputs["reference"].uri))

@@ -60,7 +60,7 @@ def get_task(name: str, **params) -> Task:
     >>> get_task("sort", size=4)
     Traceback (most recent call last):
     ...
-    ValueError: unknown parameter 'size' for task 'sort'; valid parameters: n_numbers, max_value
+    ValueError: unknown parameter 'size' for task 'sort'; valid parameters: n_numbers, max_value, credit
     """
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")

@@ -3,16 +3,21 @@
 Prompt ``"sort 3 1 4 1 5 :"``, answer ``"1 1 3 4 5"``. The reward gives
 partial credit, so a random policy already sees a useful signal:
 
-    total = present / 4 + ordered / 4 + exact / 2
+    total = present / 4 + ordered / 4 + exact / 2      (credit="ordered", the default)
+    total = present / 4 + position / 4 + exact / 2     (credit="position")
 
 A perfect answer scores 1.0; anything short of exact scores at most 0.5.
+"ordered" credits neighbouring pairs of the sorted answer wherever they sit;
+"position" credits each answer position the response has right, so
+"1 3 4 5" for "1 1 3 4 5" (the distinct values, a trap the policy falls into)
+earns 0.2 instead of 0.75 and learning to repeat a number pays at once.
 """
 
 import random
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from grpo.tasks import Example
 
@@ -72,27 +77,55 @@ def ordered_score(got: list[int], want: list[int]) -> float:
     return sum(hits.values()) / (n - 1)
 
 
-def sort_reward(response: str, ground_truth: str) -> dict[str, float]:
+def position_score(words: list[str], want: list[int]) -> float:
+    """Fraction of the answer's positions where the response's word is the answer's number,
+    over max(len(want), len(words)); a non-number word is a wrong position.
+
+    >>> position_score("1 3 4 5".split(), [1, 1, 3, 4, 5])  # only the first 1
+    0.2
+    >>> position_score("1 1 3 9 5".split(), [1, 1, 3, 4, 5])
+    0.8
+    >>> position_score("1 1 3 4 5 5".split(), [1, 1, 3, 4, 5])  # an extra number costs
+    0.8333333333333334
+    >>> position_score("1 1 : 4 5".split(), [1, 1, 3, 4, 5]), position_score([], [7])
+    (0.8, 0.0)
+    """
+    hits = sum(w == str(n) for w, n in zip(words, want))
+    return hits / max(len(want), len(words), 1)
+
+
+Credit = Literal["ordered", "position"]
+CREDITS = ("ordered", "position")
+
+
+def sort_reward(response: str, ground_truth: str, credit: Credit = "ordered") -> dict[str, float]:
     """Score `response` against the sorted numbers in `ground_truth`.
 
+    total = present / 4 + (ordered or position, by `credit`) / 4 + exact / 2; every
+    component is reported whichever `credit` weighs in.
+
     >>> sort_reward("1 1 3 4 5", "1 1 3 4 5")
-    {'present': 1.0, 'ordered': 1.0, 'exact': 1.0, 'total': 1.0}
+    {'present': 1.0, 'ordered': 1.0, 'position': 1.0, 'exact': 1.0, 'total': 1.0}
     >>> sort_reward("1 3 4", "1 1 3 4 5")["total"]  # (0.6 + 0.5) / 4
     0.275
+    >>> sort_reward("1 3 4 5", "1 1 3 4 5", credit="position")["total"]  # (0.8 + 0.2) / 4
+    0.25
     >>> sort_reward("answer 1 1 3 4 5", "1 1 3 4 5")["total"]  # extra word: not exact
     0.5
     >>> sort_reward("", "1 1 3 4 5")["total"]
     0.0
     """
+    if credit not in CREDITS:
+        raise ValueError(f"unknown credit {credit!r}; valid: {', '.join(CREDITS)}")
     want = parse_numbers(ground_truth)
     got = parse_numbers(response)
     words = response.split()
-    present = present_score(got, want)
-    ordered = ordered_score(got, want)
+    scores = {"present": present_score(got, want), "ordered": ordered_score(got, want),
+              "position": position_score(words, want)}
     # any non-number word spoils an exact match
-    exact = float(got == want and len(got) == len(words))
-    total = present / 4 + ordered / 4 + exact / 2
-    return {"present": present, "ordered": ordered, "exact": exact, "total": total}
+    scores["exact"] = float(got == want and len(got) == len(words))
+    scores["total"] = scores["present"] / 4 + scores[credit] / 4 + scores["exact"] / 2
+    return scores
 
 
 @dataclass(frozen=True)
@@ -103,6 +136,8 @@ class SortTask:
     """How many numbers each prompt holds."""
     max_value: int = 9
     """Largest number that can appear (the smallest is 0)."""
+    credit: Credit = "ordered"
+    """Partial credit beside `present`: `ordered` (neighbouring pairs) or `position` (right places)."""
 
     name: ClassVar[str] = "sort"
 
@@ -111,6 +146,8 @@ class SortTask:
             raise ValueError(f"n_numbers must be >= 1, got {self.n_numbers}")
         if self.max_value < 1:
             raise ValueError(f"max_value must be >= 1, got {self.max_value}")
+        if self.credit not in CREDITS:
+            raise ValueError(f"credit must be one of {', '.join(CREDITS)}, got {self.credit!r}")
 
     def words(self) -> list[str]:
         """'sort', ':' and the numbers 0..max_value."""
@@ -128,4 +165,4 @@ class SortTask:
 
     def reward(self, response: str, ground_truth: str, prompt: str = "") -> dict[str, float]:
         """See `sort_reward`; the prompt's numbers are those of `ground_truth`."""
-        return sort_reward(response, ground_truth)
+        return sort_reward(response, ground_truth, self.credit)

@@ -1,0 +1,113 @@
+"""The learner's shared-prompt forward, its grouped batches and the reference it skips."""
+import pandas as pd
+import pytest
+import torch
+
+from grpo import core
+from grpo.config import load_config
+from grpo.storage import StageWriter, latest_committed, open_storage
+from schemas import read_parquet, write_parquet
+from stages import StageError, stage_function
+from stages.common import stage_dir
+from stages.init import build_tiny_base, init_run
+from stages.learn import SharedPromptLM, load_batch
+
+TINY = ["rollout.backend=hf", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
+        "learn.minibatch_size=32", "learn.microbatch_size=16", "eval.n_prompts=16",
+        "model.hidden_size=64", "model.num_heads=2", "model.intermediate_size=128", "reward.workers=1"]
+
+
+@pytest.fixture
+def storage(tmp_path):
+    return open_storage((tmp_path / "store").as_uri())
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    path = build_tiny_base(str(tmp_path_factory.mktemp("lm")), load_config(None, TINY))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def full_sequence_logprobs(lm, prompts, responses):
+    """Reference: one right-padded forward per whole sequence; (N, T) log-probs of the responses."""
+    width, t = max(len(p) + len(r) for p, r in zip(prompts, responses)), max(map(len, responses))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, :len(p) + len(r)], mask[i, :len(p) + len(r)] = torch.tensor(p + r), 1
+    logp = core.token_logprobs(lm(input_ids=ids, attention_mask=mask).logits[:, :-1], ids[:, 1:])
+    out = torch.zeros(len(prompts), t)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        out[i, :len(r)] = logp[i, len(p) - 1:len(p) - 1 + len(r)]
+    return out
+
+
+def test_shared_prompt_forward_equals_full_sequences(lm):
+    """Prompts of different lengths (left-padded), responses of different lengths (right-padded):
+    log-probs and gradients match a forward over every full sequence."""
+    g, gen = 3, torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 16, (n,), generator=gen).tolist() for n in (5, 8, 3)]
+    responses = [torch.randint(4, 16, (n,), generator=gen).tolist() for n in (4, 1, 4, 2, 4, 3, 1, 4, 2)]
+    lp, t = max(map(len, prompts)), max(map(len, responses))
+    prompt_ids, prompt_mask = torch.zeros(3, lp, dtype=torch.long), torch.zeros(3, lp, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, lp - len(p):], prompt_mask[i, lp - len(p):] = torch.tensor(p), 1
+    response_ids, response_mask = torch.zeros(9, t, dtype=torch.long), torch.zeros(9, t)
+    for i, r in enumerate(responses):
+        response_ids[i, :len(r)], response_mask[i, :len(r)] = torch.tensor(r), 1
+
+    shared = core.token_logprobs(SharedPromptLM(lm)(prompt_ids, prompt_mask, response_ids, response_mask),
+                                 response_ids) * response_mask
+    full = full_sequence_logprobs(lm, [p for p in prompts for _ in range(g)], responses) * response_mask
+    assert (shared - full).abs().max() < 1e-5
+    grads = []
+    for logp in (shared, full):
+        lm.zero_grad()
+        logp.sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in lm.parameters()]))
+    assert (grads[0] - grads[1]).norm() / grads[1].norm() < 1e-5
+
+
+def make_run(storage, run_id, extra=()):
+    init_run(storage, run_id, load_config(None, TINY + list(extra)))
+    for s in ["snapshot", "rollouts", "rewards", "advantages"]:
+        stage_function(s)(storage, run_id, 0)
+
+
+def test_batch_holds_whole_groups_and_rejects_a_broken_one(storage):
+    make_run(storage, "t")
+    ro = latest_committed(storage, stage_dir(storage, "t", 0, "rollouts"))
+    ad = latest_committed(storage, stage_dir(storage, "t", 0, "advantages"))
+    batch = load_batch(storage, ro, ad, pad_id=0, group_size=4)
+    assert batch["prompt_ids"].shape[0] * 4 == batch["response_ids"].shape[0] == 64
+    assert batch["prompt_id"] == sorted(batch["prompt_id"]) and batch["prompt_id"][:5] == [0, 0, 0, 0, 1]
+    rows = pd.read_parquet(storage.uri(ro.path("rollouts.parquet"))).sort_values(["prompt_id", "sample_index"])
+    assert batch["prompt_ids"][1][batch["prompt_mask"][1].bool()].tolist() == rows.prompt_ids.iloc[4].tolist()
+    assert batch["response_mask"].sum(1).tolist() == rows.response_ids.map(len).tolist()
+
+    # one sample of group 0 left out: the learner could not score that group's prompt once for G
+    table = read_parquet(storage.fs, ad.path("advantages.parquet"), "advantages").to_pandas()
+    table.loc[(table.prompt_id == 0) & (table.sample_index == 1), "kept"] = False
+    writer = StageWriter(storage, stage_dir(storage, "t", 0, "advantages"), run_id="t", iteration=0,
+                         stage="advantages", config={"broken": True}, inputs={})
+    write_parquet(storage.fs, writer.path("advantages.parquet"), "advantages", table.to_dict("list"))
+    with pytest.raises(StageError, match="prompt_id 0 does not have rollout.group_size=4"):
+        load_batch(storage, ro, writer.commit(), pad_id=0, group_size=4)
+
+
+def test_reference_is_scored_only_with_a_kl_penalty(storage):
+    make_run(storage, "nokl")
+    make_run(storage, "kl", extra=["learn.kl_coef=0.1"])
+    tables = {}
+    for run_id in ("nokl", "kl"):
+        out = stage_function("learn")(storage, run_id, 0)
+        tables[run_id] = (pd.read_parquet(storage.uri(out.path("logprobs.parquet"))),
+                          pd.read_parquet(storage.uri(out.path("metrics.parquet"))))
+    lp, metrics = tables["nokl"]
+    assert lp.ref_logprobs.isna().all() and metrics.kl.isna().all()
+    lp, metrics = tables["kl"]
+    assert metrics.kl.notna().all() and metrics.kl.iloc[-1] > 0  # the policy moved off the reference
+    # iteration 0 samples from the base model, so reference and old log-probs are the same forward
+    for old, ref in zip(lp.old_logprobs, lp.ref_logprobs):
+        assert old.tolist() == pytest.approx(ref.tolist(), abs=1e-6)
