@@ -7,6 +7,7 @@ A YAML file and `section.field=value` overrides map onto these fields.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
@@ -152,9 +153,15 @@ class ConfigError(ValueError):
     pass
 
 
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+    """The resolved field annotations of a config class (resolving them is slow; they never change)."""
+    return get_type_hints(cls)
+
+
 def _coerce(cls, name: str, value: Any, where: str) -> Any:
     """Check `value` against the annotated type of field `name` of `cls`."""
-    hint = get_type_hints(cls)[name]
+    hint = _hints(cls)[name]
     if getattr(hint, "__origin__", None) is Literal:
         if value not in get_args(hint):
             raise ConfigError(f"{where}: {value!r} is not one of {list(get_args(hint))}")
@@ -180,7 +187,7 @@ def _coerce(cls, name: str, value: Any, where: str) -> Any:
 def _build(cls, raw: dict, where: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
-    fields = get_type_hints(cls)
+    fields = _hints(cls)
     unknown = set(raw) - set(fields)
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; valid: {sorted(fields)}")

@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from grpo import core
@@ -45,6 +46,23 @@ KEYS = ["prompt_id", "sample_index"]
 
 # ---------------------------------------------------------------- data
 
+def _padded(column, rows: np.ndarray, fill, dtype, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """List column -> (len(rows), longest) array of the chosen rows, right- (or left-) padded, and lengths."""
+    arr = column.combine_chunks()
+    offsets = arr.offsets.to_numpy()
+    values = arr.flatten().to_numpy(zero_copy_only=False)
+    offsets = offsets - offsets[0]
+    starts, lengths = offsets[rows], offsets[rows + 1] - offsets[rows]
+    width = max(int(lengths.max(initial=0)), 1)
+    pos = np.arange(width)
+    keep = pos < lengths[:, None]  # (R, W): where a row's values go, right-padded
+    out = np.full((len(rows), width), fill, dtype=dtype)
+    out[keep] = values[(starts[:, None] + pos)[keep]]
+    if left:  # roll each row right by its padding
+        out = out[np.arange(len(rows))[:, None], (pos - (width - lengths[:, None])) % width]
+    return out, lengths
+
+
 def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_id: int, group_size: int) -> dict:
     """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups, whole.
 
@@ -57,42 +75,39 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
                       columns=KEYS + ["prompt_ids", "response_ids", "sampler_logprobs"])
     ad = read_parquet(storage.fs, adv_in.path("advantages.parquet"), "advantages",
                       columns=KEYS + ["advantage", "reward", "kept"])
-    cols = [ad.column(c).to_pylist() for c in KEYS + ["advantage", "reward", "kept"]]
-    adv = {(p, i): (a, r) for p, i, a, r, kept in zip(*cols) if kept}
-    keys = list(zip(*(ro.column(c).to_pylist() for c in KEYS)))
-    if not set(adv) <= set(keys):
+    kept = ad.column("kept").to_numpy()
+    ad_pid, ad_idx = (ad.column(c).to_numpy()[kept] for c in KEYS)
+    ro_pid, ro_idx = (ro.column(c).to_numpy() for c in KEYS)
+    width = int(max(ro_idx.max(initial=0), ad_idx.max(initial=0))) + 1
+    ro_key, ad_key = ro_pid * width + ro_idx, ad_pid * width + ad_idx  # one int per (prompt_id, sample_index)
+    if len(np.unique(ro_key)) != len(ro_key):
+        raise StageError(f"{rollouts_in.uri}: a (prompt_id, sample_index) appears twice")
+    if not np.isin(ad_key, ro_key).all():
         raise StageError(f"{adv_in.uri}: advantages name samples missing from the rollouts of {rollouts_in.uri}")
-    rows = sorted((k, i) for i, k in enumerate(keys) if k in adv)  # (prompt_id, sample_index) order
-    take = [i for _, i in rows]
-    prompt_col, response_col, logprob_col = (ro.column(c).to_pylist() for c in
-                                             ("prompt_ids", "response_ids", "sampler_logprobs"))
-    prompts = [prompt_col[i] for i in take[::group_size]]
-    for g, first in enumerate(range(0, len(rows), group_size)):
-        members = rows[first:first + group_size]
-        pid = members[0][0][0]
-        if len(members) != group_size or any(k[0] != pid or prompt_col[i] != prompts[g] for k, i in members):
-            raise StageError(f"{rollouts_in.uri}: prompt_id {pid} does not have rollout.group_size={group_size} "
-                             "samples of one prompt; the learner scores each prompt once for its whole group")
-    responses = [response_col[i] for i in take]
-    n, n_groups = len(rows), len(prompts)
-    lp, t = max(map(len, prompts), default=1), max(map(len, responses), default=1)
-    prompt_ids = torch.full((n_groups, lp), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(n_groups, lp, dtype=torch.long)  # from lengths: a policy may sample the pad token
-    for g, p in enumerate(prompts):
-        prompt_ids[g, lp - len(p):] = torch.tensor(p)
-        prompt_mask[g, lp - len(p):] = 1
-    response_ids = torch.full((n, t), pad_id, dtype=torch.long)
-    response_mask = torch.zeros(n, t)
-    sampler = torch.zeros(n, t)
-    for j, (r, i) in enumerate(zip(responses, take)):
-        response_ids[j, :len(r)] = torch.tensor(r)
-        response_mask[j, :len(r)] = 1
-        sampler[j, :len(r)] = torch.tensor(logprob_col[i])
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
-            "response_mask": response_mask, "sampler_logprobs": sampler, "group_size": group_size,
-            "advantages": torch.tensor([adv[k][0] for k, _ in rows], dtype=torch.float32),
-            "rewards": torch.tensor([adv[k][1] for k, _ in rows], dtype=torch.float32),
-            "prompt_id": [k[0] for k, _ in rows], "sample_index": [k[1] for k, _ in rows]}
+    order = np.argsort(ad_key)  # kept samples in (prompt_id, sample_index) order
+    ad_key = ad_key[order]
+    take = np.argsort(ro_key)[np.searchsorted(np.sort(ro_key), ad_key)]  # their rollout rows
+    prompts, prompt_len = _padded(ro.column("prompt_ids"), take, pad_id, np.int64, left=True)
+    pid = ro_pid[take]
+    uniq, counts = np.unique(pid, return_counts=True)  # pid is sorted: a prompt's samples are contiguous
+    wrong = uniq[counts != group_size]
+    if not len(wrong):  # and they share one prompt
+        same = (prompts.reshape(-1, group_size, prompts.shape[1]) == prompts[::group_size, None]).all((1, 2))
+        wrong = uniq[~same]
+    if len(wrong):
+        raise StageError(f"{rollouts_in.uri}: prompt_id {wrong[0]} does not have rollout.group_size={group_size} "
+                         "kept samples of one prompt; the learner scores each prompt once for its whole group")
+    responses, lengths = _padded(ro.column("response_ids"), take, pad_id, np.int64)
+    sampler, _ = _padded(ro.column("sampler_logprobs"), take, 0.0, np.float32)
+    response_mask = np.arange(responses.shape[1]) < lengths[:, None]
+    prompt_mask = np.arange(prompts.shape[1]) >= prompts.shape[1] - prompt_len[::group_size, None]
+    adv, reward = (ad.column(c).to_numpy()[kept][order] for c in ("advantage", "reward"))
+    return {"prompt_ids": torch.from_numpy(prompts[::group_size].copy()),
+            "prompt_mask": torch.from_numpy(prompt_mask).long(),
+            "response_ids": torch.from_numpy(responses), "response_mask": torch.from_numpy(response_mask).float(),
+            "sampler_logprobs": torch.from_numpy(sampler), "group_size": group_size,
+            "advantages": torch.from_numpy(adv).float(), "rewards": torch.from_numpy(reward).float(),
+            "prompt_id": pid.tolist(), "sample_index": ro_idx[take].tolist()}
 
 
 class SharedPromptLM(torch.nn.Module):

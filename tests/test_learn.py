@@ -10,7 +10,7 @@ from schemas import read_parquet, write_parquet
 from stages import StageError, stage_function
 from stages.common import stage_dir
 from stages.init import build_tiny_base, init_run
-from stages.learn import SharedPromptLM, load_batch
+from stages.learn import SharedPromptLM, _padded, load_batch
 
 TINY = ["rollout.backend=hf", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
         "learn.minibatch_size=32", "learn.microbatch_size=16", "eval.n_prompts=16",
@@ -67,6 +67,17 @@ def test_shared_prompt_forward_equals_full_sequences(lm):
         logp.sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in lm.parameters()]))
     assert (grads[0] - grads[1]).norm() / grads[1].norm() < 1e-5
+
+
+def test_padded_rows_right_and_left():
+    import numpy as np
+    import pyarrow as pa
+    column = pa.chunked_array([[[1, 2, 3], [4]], [[], [5, 6]]])  # two chunks, an empty row
+    rows = np.array([3, 0, 2, 1])
+    right, lengths = _padded(column, rows, 0, np.int64)
+    assert right.tolist() == [[5, 6, 0], [1, 2, 3], [0, 0, 0], [4, 0, 0]] and lengths.tolist() == [2, 3, 0, 1]
+    left, _ = _padded(column, rows, -1, np.int64, left=True)
+    assert left.tolist() == [[-1, 5, 6], [1, 2, 3], [-1, -1, -1], [-1, -1, 4]]
 
 
 def make_run(storage, run_id, extra=()):
