@@ -32,6 +32,7 @@ from grpo.storage import Committed, list_attempts, open_storage
 from stages import STAGES, stage_function
 from stages.common import load_run, run_dir, stage_dir
 from stages.init import init_run
+from stages.rewards import WARM_POOLS
 
 Stage = Literal["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]  # = stages.STAGES
 FORWARDED_LOGGERS = ("grpo", "vllm")
@@ -53,7 +54,7 @@ def grpo(run_id: str = "demo", iteration: int | Literal["next"] = "next", iterat
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     url = open_storage(storage_url).url
-    with stage_logs_to_prefect():
+    with stage_logs_to_prefect(), WARM_POOLS.keep():  # one reward worker pool for all iterations
         create_run(url, run_id, config_path, overrides or [])
         first = resolve_iteration(url, run_id, iteration)
         for k in range(first, first + iterations):

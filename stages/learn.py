@@ -204,6 +204,13 @@ def _metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tokens, gap)
             "ratio_max": m.get("actor/ratio_max", 1.0), "logprob_gap": gap, "lr": lr, "n_tokens": n_tokens}
 
 
+def _epoch_means(rows: list[dict]) -> str:
+    """'loss -0.01 kl 0.002 clip_frac 0.12 ...': means over an epoch's metric rows (kl only if measured)."""
+    keys = ["loss", "kl", "clip_frac", "entropy", "grad_norm"]
+    means = {k: sum(r[k] for r in rows) / len(rows) for k in keys if rows and rows[0][k] is not None}
+    return " ".join(f"{k} {v:.4g}" for k, v in means.items())
+
+
 class Learner:
     """The policy being trained, its AdamW state, the shuffling RNG and the frozen reference
     (loaded only when learn.kl_coef > 0: nothing else reads it).
@@ -303,10 +310,10 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
             n_tok = int(mask[group_rows(groups, g)].sum())
             rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tok, gap))
             step += 1
-            if acc.is_main_process:
-                log.info("learn iteration %d: step %d/%d loss %.4f kl %s clip_frac %.3f", iteration, step,
-                         lcfg.epochs * (n_groups // per_step), m["loss/total"],
-                         "-" if "loss/kl" not in m else f"{m['loss/kl']:.4f}", m.get("actor/clip_frac", 0.0))
+        if acc.is_main_process:  # one line an epoch; every step's metrics go to metrics.parquet
+            epoch_rows = [r for r in rows if r["epoch"] == epoch]
+            log.info("learn iteration %d: epoch %d/%d, %d steps, %s", iteration, epoch + 1, lcfg.epochs,
+                     len(epoch_rows), _epoch_means(epoch_rows))
 
     if acc.is_main_process:
         out = Path(out_dir)

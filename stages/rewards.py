@@ -13,6 +13,7 @@ import functools
 import math
 import multiprocessing as mp
 import signal
+from contextlib import contextmanager
 
 from grpo.config import RewardConfig, TaskConfig
 from grpo.storage import Committed, Storage
@@ -94,6 +95,45 @@ def truncated(scored: tuple, finish_reason: str, value: float) -> tuple:
     return (value if error is None else reward), {**components, "truncated": 1.0}, error
 
 
+class _WarmPools:
+    """Worker pools kept between rewards stages while `keep()` is active (flow grpo's warm iterations).
+
+    Forking a pool costs more the bigger the parent (page tables, copy-on-write as the workers run);
+    a warm run forks once. Outside `keep()` every stage forks its own pool and closes it, so a
+    reward function changed in this process (a notebook, a test's patch) is what the next stage runs.
+    """
+
+    def __init__(self):
+        self.active, self._pools = False, {}
+
+    @contextmanager
+    def keep(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+            while self._pools:
+                self._pools.popitem()[1].terminate()
+
+    @contextmanager
+    def pool(self, workers: int):
+        if not self.active:
+            with mp.get_context("fork").Pool(workers, _worker_init) as pool:
+                yield pool
+            return
+        if workers not in self._pools:
+            self._pools[workers] = mp.get_context("fork").Pool(workers, _worker_init)
+        try:
+            yield self._pools[workers]
+        except BaseException:  # a hung or broken worker must not serve the next stage
+            self._pools.pop(workers).terminate()
+            raise
+
+
+WARM_POOLS = _WarmPools()
+
+
 def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)
     rollouts = committed_input(storage, run_id, iteration, "rollouts")
@@ -103,7 +143,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
         total = 0.0
         path = rollouts.path("rollouts.parquet")
         keys = ["run_id", "iteration", "prompt_id", "sample_index"]
-        with mp.get_context("fork").Pool(cfg.reward.workers, _worker_init) as pool, \
+        with WARM_POOLS.pool(cfg.reward.workers) as pool, \
                 ParquetWriter(storage.fs, writer.path("rewards.parquet"), "rewards") as out:
             for batch in iter_batches(storage.fs, path, "rollouts", batch_size=8192):
                 scored = score_batch(pool, cfg.task, cfg.reward, batch)

@@ -92,6 +92,8 @@ def test_missing_input_names_uri_and_command(storage):
 def test_config_errors_name_the_field():
     for bad, field in [(["rollout.group_size=1"], "rollout.group_size"),
                        (["learn.minibatch_size=30"], "learn.minibatch_size"),
+                       (["learn.microbatch_size=2"], r"learn.microbatch_size \(2\) must be divisible by rollout.group_size"),
+                       (["model.initializer_range=0"], "model.initializer_range"),
                        (["advantage.mode=zscore"], "advantage.mode"),
                        (["rollout.backend=tgi"], "rollout.backend"),
                        (["task.name=chess"], "valid tasks")]:
@@ -139,6 +141,28 @@ def test_reward_timeout_is_recorded(storage, monkeypatch):
     stage_function("rollouts")(storage, "t", 0)
     df = pd.read_parquet(storage.uri(stage_function("rewards")(storage, "t", 0).path("rewards.parquet")))
     assert df.error.str.startswith("timeout").all()
+
+
+def test_reward_pool_is_kept_only_while_warm_and_never_after_a_failure():
+    import os
+    from stages.rewards import _WarmPools
+    pools = _WarmPools()
+    pids = []
+    for _ in range(2):  # cold: a pool per stage
+        with pools.pool(1) as pool:
+            pids.append(pool.apply(os.getpid))
+    assert pids[0] != pids[1]
+    with pools.keep():
+        with pools.pool(1) as pool:
+            warm = pool.apply(os.getpid)
+        with pools.pool(1) as pool:
+            assert pool.apply(os.getpid) == warm  # the same worker served the next stage
+        with pytest.raises(RuntimeError):
+            with pools.pool(1):
+                raise RuntimeError("reward worker hung")
+        with pools.pool(1) as pool:
+            assert pool.apply(os.getpid) != warm  # the failed stage's pool is gone
+    assert not pools._pools  # and leaving keep() closes what was kept
 
 
 def test_nan_loss_fails_learn_and_commits_nothing(storage, monkeypatch):

@@ -44,6 +44,37 @@ def test_sort_reward_hand_values(case):
     assert r["total"] == pytest.approx((present + ordered) / 4 + exact / 2)
 
 
+# position credit against "1 1 3 4 5": (response, position)
+POSITION_CASES = {
+    "correct": ("1 1 3 4 5", 1.0),
+    "distinct values": ("1 3 4 5", 0.2),  # only the first 1 sits right
+    "one wrong": ("1 1 3 9 5", 0.8),
+    "shifted": ("0 1 1 3 4", 0.2),
+    "word in place": ("1 1 : 4 5", 0.8),
+    "extra number": ("1 1 3 4 5 5", 5 / 6),
+    "empty": ("", 0.0),
+}
+
+
+@pytest.mark.parametrize("case", POSITION_CASES)
+def test_sort_position_credit_hand_values(case):
+    response, position = POSITION_CASES[case]
+    r = sort_reward(response, "1 1 3 4 5", credit="position")
+    assert r["position"] == pytest.approx(position)
+    assert r["total"] == pytest.approx(r["present"] / 4 + position / 4 + r["exact"] / 2)
+    # the default credit reports the same components and weighs `ordered` instead
+    d = sort_reward(response, "1 1 3 4 5")
+    assert {k: v for k, v in d.items() if k != "total"} == {k: v for k, v in r.items() if k != "total"}
+    assert d["total"] == pytest.approx(d["present"] / 4 + d["ordered"] / 4 + d["exact"] / 2)
+
+
+def test_sort_credit_is_a_task_parameter():
+    task = get_task("sort", credit="position")
+    assert task.reward("1 3 4 5", "1 1 3 4 5", "")["total"] == pytest.approx(0.8 / 4 + 0.2 / 4)
+    with pytest.raises(ValueError, match="credit must be one of ordered, position"):
+        get_task("sort", credit="pairs")
+
+
 def test_sort_reward_only_exact_reaches_one():
     for response, *_ in SORT_CASES.values():
         r = sort_reward(response, "1 1 3 4 5")

@@ -181,3 +181,13 @@ def test_weight_reload_samples_like_a_fresh_generator(tmp_path, backend):
     for r, f in zip((s for g in reloaded for s in g), (s for g in fresh for s in g)):
         assert r.response_ids == f.response_ids
         assert r.logprobs == pytest.approx(f.logprobs, abs=1e-5)
+
+
+def test_initializer_range_sets_the_init_std(tmp_path):
+    from safetensors.torch import load_file
+    for std in (0.02, 0.05):
+        path = build_tiny_model(str(tmp_path / str(std)), WORDS, initializer_range=std)
+        weights = load_file(f"{path}/model.safetensors")
+        for name, w in weights.items():
+            if w.dim() == 2:  # every matrix and the (tied) embedding; norms start at 1
+                assert w.std().item() == pytest.approx(std, rel=0.1), name
