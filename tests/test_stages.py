@@ -234,15 +234,22 @@ def test_cli_stage_and_status(storage, capsys):
 
 
 def test_mean_reward_rises(storage):
-    """A short budget on the sort task: GRPO must clearly raise the mean sampled reward."""
+    """A short budget on the sort task: GRPO must clearly raise the mean sampled reward.
+
+    The recipe of benchmarks/sort.yaml (position credit, answer-length responses scored as they
+    are, lr 1.5e-3, 2 epochs), so 6 iterations of 512 samples (48 AdamW steps) move the reward
+    far beyond its sampling noise.
+    """
     make_run(storage, "learns", extra=["rollout.prompts_per_iteration=64", "rollout.group_size=8",
                                        "learn.minibatch_size=128", "learn.microbatch_size=128",
-                                       "rollout.max_tokens=8", "model.hidden_size=128",
-                                       "model.num_heads=4", "model.intermediate_size=512"])
+                                       "rollout.max_tokens=5", "task.params={credit: position}",
+                                       "reward.truncated_reward=null", "model.initializer_range=0.05",
+                                       "learn.lr=1.5e-3", "learn.epochs=2"])
     rewards = [run_iteration(storage, "learns", k)["advantages"].manifest.summary["reward_mean"]
                for k in range(6)]
-    # the random policy's mean reward has a sampling std of ~0.003 at 512 samples
-    assert rewards[-1] > 2 * rewards[0] and rewards[-1] - rewards[0] > 0.015, rewards
+    # the first policy's mean reward is ~0.06 with a sampling std of ~0.005 at 512 samples;
+    # seeds 0-2 end at 0.136-0.163
+    assert rewards[-1] > 2 * rewards[0] and rewards[-1] - rewards[0] > 0.05, rewards
 
 
 @pytest.mark.s3
