@@ -1,9 +1,10 @@
 """Sampling throughput of the two rollout backends, vLLM and transformers, on the tiny sort model.
 
     .venv/bin/python benchmarks/rollout_throughput.py [--prompts 256] [--group-size 8] [--max-tokens 16]
-        [--backends vllm hf] [--hf-batch-size 256] [--vllm-multiprocessing] [--engine-arg max_num_seqs=2048]
+        [--backends vllm hf] [--hf-batch-size 1024] [--vllm-multiprocessing] [--engine-arg max_num_seqs=2048]
+        [--set model.hidden_size=512 ...]
 
-Builds the default config's model (what `grpo demo` trains) in a temporary folder and times one
+Builds the default config's model (what `grpo demo` trains; `--set` changes it) in a temporary folder and times one
 `generate` of the same sort prompts per backend (temperature 1, sampler log-probs on, as the rollouts
 stage asks), after a warm-up call on a few prompts. Each backend runs in a fresh subprocess: vLLM on
 CPU pins torch's threads in the process that hosts it, which would skew a backend timed after it.
@@ -18,7 +19,7 @@ import tempfile
 import time
 from functools import partial
 
-from grpo.config import RunConfig
+from grpo.config import RunConfig, load_config
 from grpo.generation import SamplingSpec, get_generator
 from grpo.tasks import get_task
 from stages.init import build_tiny_base
@@ -57,7 +58,8 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--backends", nargs="+", default=["vllm", "hf"], choices=["vllm", "hf"])
-    p.add_argument("--hf-batch-size", type=int, default=256, help="HFGenerator batch_size: sequences per generate")
+    p.add_argument("--hf-batch-size", type=int, default=1024, help="HFGenerator batch_size: sequences per batch")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="model config overrides")
     p.add_argument("--vllm-multiprocessing", action="store_true",
                    help="run vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=INT",
@@ -71,9 +73,10 @@ def main() -> None:
         print(json.dumps(time_backend(args.child, args.model_dir, args.prompts, spec, args.hf_batch_size,
                                       engine_args)))
         return
-    model_dir = args.model_dir or build_tiny_base(tempfile.mkdtemp(prefix="grpo-bench-model-"), RunConfig())
+    cfg = load_config(None, [f"model.max_position_embeddings={max(64, 16 + args.max_tokens)}"] + args.set)
+    model_dir = args.model_dir or build_tiny_base(tempfile.mkdtemp(prefix="grpo-bench-model-"), cfg)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if args.vllm_multiprocessing else "0")
-    print(f"model {model_dir}: {args.prompts} prompts x {args.group_size} samples, "
+    print(f"model {model_dir} ({' '.join(args.set) or 'default'}): {args.prompts} prompts x {args.group_size} samples, "
           f"max_tokens {args.max_tokens}, temperature 1")
     print(f"{'backend':>7} {'start_s':>8} {'seconds':>8} {'tokens':>7} {'tokens/s':>9}", flush=True)
     rate = {}

@@ -4,7 +4,8 @@
         [--set rollout.backend=hf] [--storage DIR]
 
 Each line is one iteration: mean sampled reward, held-out greedy exact match and reward,
-and the wall time of the iteration's stages.
+the AdamW steps and samples so far, and the wall time of the iteration's stages. The last line
+says when exact match first reached --target.
 """
 import argparse
 import tempfile
@@ -22,18 +23,27 @@ def main() -> None:
     p.add_argument("--config", default="benchmarks/sort.yaml")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--storage", default=None, help="default: a temporary folder")
+    p.add_argument("--target", type=float, default=0.95)
     args = p.parse_args()
     storage = open_storage(args.storage or tempfile.mkdtemp(prefix="grpo-bench-"))
     init_run(storage, "bench", load_config_file(args.config, args.set))
-    print(f"storage {storage.url}\n{'iter':>4} {'reward':>7} {'eval_exact':>10} {'eval_reward':>11} {'seconds':>8}")
-    start = time.time()
+    print(f"storage {storage.url}\n{'iter':>4} {'reward':>7} {'eval_exact':>10} {'eval_reward':>11} "
+          f"{'steps':>6} {'samples':>8} {'seconds':>8}")
+    start, steps, samples, hit, exact = time.time(), 0, 0, None, []
     for k in range(args.iterations):
         t = time.time()
         out = run_iteration(storage, "bench", k)
         ev = out["eval"].manifest.summary
+        steps, samples = steps + out["learn"].manifest.summary["steps"], samples + out["learn"].manifest.summary["samples"]
         print(f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} {ev['exact_match']:>10.3f} "
-              f"{ev['reward_mean']:>11.3f} {time.time() - t:>8.1f}", flush=True)
-    print(f"total {time.time() - start:.0f} s")
+              f"{ev['reward_mean']:>11.3f} {steps:>6} {samples:>8} {time.time() - t:>8.1f}", flush=True)
+        exact.append(ev["exact_match"])
+        if hit is None and ev["exact_match"] >= args.target:
+            hit = (k, steps, samples, time.time() - start)
+    print(f"total {time.time() - start:.0f} s; exact match >= {args.target}: " +
+          (f"iteration {hit[0]} ({hit[1]} AdamW steps, {hit[2]} samples, {hit[3]:.0f} s)" if hit else
+           f"not reached in {args.iterations} iterations ({steps} AdamW steps, {samples} samples; "
+           f"best {max(exact):.2f}, last {exact[-1]:.2f})"))
 
 
 if __name__ == "__main__":

@@ -3,17 +3,18 @@ on the sort task, where each iteration's time goes, learner throughput, and the 
 one grpo/iteration run.
 
     .venv/bin/python benchmarks/warm_training.py [--config benchmarks/sort.yaml] [--iterations 30]
-        [--target 0.95] [--set learn.lr=1e-3 ...] [--demo-iterations 4]
+        [--target 0.95] [--seeds 0 1 2] [--set learn.lr=1e-3 ...] [--demo-iterations 4]
 
 It starts a Prefect server on 127.0.0.1 (temporary home, SQLite), then
-1. trains run `sort` warm from scratch and reports the wall-clock seconds from the flow call until
-   the held-out greedy exact match first reaches --target;
+1. per seed, trains run `sort-s<seed>` warm from scratch and reports the wall-clock seconds from the
+   flow call (run creation, model build and engine start included) until the held-out greedy exact
+   match first reaches --target;
 2. per iteration, from the manifests' commit times and the stages' own timers: generation
    (rollouts + eval decoding), learner compute (old/ref log-prob forwards, forward/backward/AdamW),
    and the rest, the overhead (Prefect tasks, storage, hashing, rewards, advantages, checkpoint save);
-3. at the default (demo) config: learner tokens/s and the fraction of the learn stage outside
-   forward/backward/optimizer, then one more iteration in a new process (a cold grpo/iteration run:
-   interpreter, imports, engine start, model loads) against a warm one.
+3. at the default (demo) config: the same overhead, learner tokens/s and the fraction of the learn
+   stage outside forward/backward/optimizer, then one more iteration in a new process (a cold
+   grpo/iteration run: interpreter, imports, engine start, model loads) against a warm one.
 """
 import argparse
 import os
@@ -91,6 +92,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--target", type=float, default=0.95)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--demo-iterations", type=int, default=4, help="warm iterations at the demo size")
     args = p.parse_args()
 
@@ -100,28 +102,40 @@ def main() -> None:
     with prefect_server(tmp / "prefect") as server:
         os.environ.update({k: v for k, v in server.env.items() if k.startswith("PREFECT_")})
 
-        start = train_warm(url, "sort", args.iterations, args.config, args.set)
-        rows = iteration_times(url, "sort", range(args.iterations), start)
-        print(f"== sort task, warm, {args.config} {' '.join(args.set)}")
-        print_iterations(rows)
-        hit = next((r for r in rows if r["exact"] >= args.target), None)
-        steady = rows[1:] or rows
-        overhead = sum(r["overhead"] for r in steady) / sum(r["wall"] for r in steady)
-        print(f"time to greedy exact match >= {args.target}: "
-              + (f"{hit['eval_at'] - start:.1f} s (iteration {hit['iteration']})" if hit else
-                 f"not reached in {args.iterations} iterations ({rows[-1]['eval_at'] - start:.1f} s, "
-                 f"best {max(r['exact'] for r in rows):.2f})"))
-        print(f"warm iteration overhead (iterations 1..): {100 * overhead:.1f}% of the iteration "
-              f"(engine start / weight reloads: iteration 0 {rows[0]['engine']:.2f} s, "
-              f"later {sum(r['engine'] for r in steady) / len(steady):.3f} s)")
+        hits, all_rows = [], []
+        for seed in args.seeds:
+            run_id = f"sort-s{seed}"
+            start = train_warm(url, run_id, args.iterations, args.config, args.set + [f"seed={seed}"])
+            rows = iteration_times(url, run_id, range(args.iterations), start)
+            all_rows.append(rows)
+            print(f"== sort task, warm, seed {seed}, {args.config} {' '.join(args.set)}")
+            print_iterations(rows)
+            hit = next((r for r in rows if r["exact"] >= args.target), None)
+            hits.append(hit and hit["eval_at"] - start)
+            print(f"seed {seed}: time to greedy exact match >= {args.target}: "
+                  + (f"{hit['eval_at'] - start:.1f} s (iteration {hit['iteration']})" if hit else
+                     f"not reached in {args.iterations} iterations ({rows[-1]['eval_at'] - start:.1f} s, "
+                     f"best {max(r['exact'] for r in rows):.2f})"), flush=True)
+        reached = sorted(h for h in hits if h is not None)
+        print(f"time to exact match >= {args.target}: {len(reached)}/{len(hits)} seeds reached it"
+              + (f", median {reached[len(reached) // 2]:.1f} s, max {reached[-1]:.1f} s" if reached else ""))
+        steady = [r for rows in all_rows for r in rows[1:]]
+        print(f"warm iteration overhead (iterations 1.., all seeds): "
+              f"{100 * sum(r['overhead'] for r in steady) / sum(r['wall'] for r in steady):.1f}% of "
+              f"{sum(r['wall'] for r in steady) / len(steady):.2f} s (engine start / weight reloads: iteration 0 "
+              f"{all_rows[0][0]['engine']:.2f} s, later {sum(r['engine'] for r in steady) / len(steady):.3f} s)")
 
         demo = train_warm(url, "demo", args.demo_iterations, None, [])
-        drows = iteration_times(url, "demo", range(args.demo_iterations), demo)[1:]
+        drows = iteration_times(url, "demo", range(args.demo_iterations), demo)
+        print(f"== demo size (default config), iterations 1..{args.demo_iterations - 1}")
+        print_iterations(drows)
+        drows = drows[1:]
         tokens, update = sum(r["tokens"] for r in drows), sum(r["update_s"] for r in drows)
         outside = 1 - sum(r["learner"] for r in drows) / sum(r["learn_wall"] for r in drows)
         warm_wall = sum(r["wall"] for r in drows) / len(drows)
         cold_wall = cold_iteration(url, "demo", os.environ.copy())
-        print(f"== demo size (default config), iterations 1..{args.demo_iterations - 1}")
+        print(f"warm iteration overhead: {100 * sum(r['overhead'] for r in drows) / sum(r['wall'] for r in drows):.1f}%"
+              f" of {warm_wall:.2f} s")
         print(f"learner: {tokens / update:.0f} response tokens/s in forward/backward/AdamW; "
               f"{100 * outside:.1f}% of the learn stage outside forward/backward/optimizer")
         print(f"warm iteration {warm_wall:.2f} s; cold grpo/iteration in a new process {cold_wall:.2f} s: "

