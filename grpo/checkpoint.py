@@ -10,11 +10,14 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 
 from grpo.storage import Committed, StageWriter, is_local
 
 CHECKPOINT_PREFIX = "policy/"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
+_LOADED: OrderedDict[tuple, tuple] = OrderedDict()  # (tokenizer, config) by the files they come from
 
 
 def cache_root() -> Path:
@@ -66,3 +69,22 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
     except OSError:  # another process made it first
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def tokenizer_and_config(committed: Committed, prefix: str = CHECKPOINT_PREFIX):
+    """The transformers tokenizer and model config of a committed checkpoint.
+
+    Loaded once per distinct set of non-weight files (names and sha256 from the manifest): the
+    learner writes new weights every iteration, but its tokenizer and config files stay the
+    same, so a warm run loads them once instead of in every stage.
+    """
+    key = tuple(sorted((f.path, f.sha256) for f in committed.manifest.files
+                       if f.path.startswith(prefix) and not f.path.endswith(WEIGHT_SUFFIXES)))
+    if key not in _LOADED:
+        from transformers import AutoConfig, AutoTokenizer
+        model_dir = local_checkpoint(committed, prefix)
+        _LOADED[key] = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir)
+        while len(_LOADED) > 4:
+            _LOADED.popitem(last=False)
+    _LOADED.move_to_end(key)
+    return _LOADED[key]

@@ -20,6 +20,8 @@ import json
 import os
 import secrets
 import subprocess
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +113,46 @@ def sha256_file(fs: AbstractFileSystem, path: str) -> str:
     return h.hexdigest()
 
 
+_HASHED: OrderedDict[str, tuple[tuple, str]] = OrderedDict()  # path -> (stamp, sha256) hashed by this process
+_HASHED_MAX = 4096
+_RACY_S = 1.0  # a local file written less than this long before it was hashed may change keeping its mtime
+
+
+def _stamp(fs: AbstractFileSystem, path: str) -> tuple[tuple | None, int]:
+    """(stamp, size): the stamp changes whenever the file's bytes do, None where nothing does.
+
+    Local: size, mtime, ctime and inode, trusted only for files last written over `_RACY_S` before
+    (timestamps are coarse: a same-size rewrite within one tick keeps them, git's "racy" entries).
+    S3: size and ETag (a digest of the content).
+    """
+    if is_local(fs):
+        st = os.stat(path)
+        racy = time.time() - st.st_mtime_ns / 1e9 < _RACY_S
+        return (None if racy else (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)), st.st_size
+    info = fs.info(path)
+    etag = info.get("ETag") or info.get("etag")
+    return ((info["size"], etag) if etag else None), info["size"]
+
+
+def file_digest(fs: AbstractFileSystem, path: str) -> tuple[int, str]:
+    """(size, sha256) of a file; raises FileNotFoundError.
+
+    A file this process hashed before is not read again while its stamp is unchanged: a warm run
+    verifies the same checkpoint in several stages, and each re-read of a large model costs seconds.
+    """
+    stamp, size = _stamp(fs, path)
+    known = _HASHED.get(path)
+    if stamp is not None and known is not None and known[0] == stamp:
+        return size, known[1]
+    digest = sha256_file(fs, path)
+    if stamp is not None:
+        _HASHED[path] = stamp, digest
+        _HASHED.move_to_end(path)
+        while len(_HASHED) > _HASHED_MAX:
+            _HASHED.popitem(last=False)
+    return size, digest
+
+
 def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -188,12 +230,12 @@ def verify_files(storage: Storage, attempt_dir: str, manifest: Manifest) -> None
     for entry in manifest.files:
         path = file_path(storage, attempt_dir, entry)
         where = storage.uri(path)
-        if not storage.exists(path):
-            raise CorruptArtifactError(f"{where}: listed in the manifest but missing")
-        size = storage.fs.size(path)
+        try:
+            size, digest = file_digest(storage.fs, path)
+        except FileNotFoundError:
+            raise CorruptArtifactError(f"{where}: listed in the manifest but missing") from None
         if size != entry.size:
             raise CorruptArtifactError(f"{where}: size {size} != manifest's {entry.size}")
-        digest = sha256_file(storage.fs, path)
         if digest != entry.sha256:
             raise CorruptArtifactError(f"{where}: sha256 {digest[:12]}… != manifest's {entry.sha256[:12]}…")
 
@@ -288,8 +330,8 @@ class StageWriter:
             rel = p[len(self.attempt_dir) + 1:]
             if rel == MANIFEST_NAME or ".tmp-" in rel:
                 continue
-            entries.append(FileEntry(path=rel, size=fs.size(p), sha256=sha256_file(fs, p),
-                                     uri=None))
+            size, digest = file_digest(fs, p)
+            entries.append(FileEntry(path=rel, size=size, sha256=digest, uri=None))
         return entries
 
     def commit(self, summary: dict | None = None) -> Committed:

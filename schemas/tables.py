@@ -19,7 +19,7 @@ _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the gro
 ]
 _SAMPLE_KEYS = _KEYS + [pa.field("sample_index", pa.int32(), nullable=False)]
 _IDS = pa.list_(pa.int32())
-_FLOATS = pa.list_(pa.float32())
+FLOAT_LISTS = pa.list_(pa.float32())
 
 PROMPTS = pa.schema(_KEYS + [
     pa.field("prompt", pa.string(), nullable=False),
@@ -31,7 +31,7 @@ ROLLOUTS = pa.schema(_SAMPLE_KEYS + [
     pa.field("prompt_ids", _IDS, nullable=False),
     pa.field("response", pa.string(), nullable=False),
     pa.field("response_ids", _IDS, nullable=False),
-    pa.field("sampler_logprobs", _FLOATS, nullable=False),  # log-prob of each sampled token
+    pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),  # log-prob of each sampled token
     pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
     pa.field("ground_truth", pa.string(), nullable=False),
     pa.field("policy_version", pa.string(), nullable=False),  # snapshot identity
@@ -52,8 +52,8 @@ ADVANTAGES = pa.schema(_SAMPLE_KEYS + [
 ])
 
 LOGPROBS = pa.schema(_SAMPLE_KEYS + [  # learner's view before any update, for audits
-    pa.field("old_logprobs", _FLOATS, nullable=False),
-    pa.field("ref_logprobs", _FLOATS, nullable=True),  # null: kl_coef 0, no reference scored
+    pa.field("old_logprobs", FLOAT_LISTS, nullable=False),
+    pa.field("ref_logprobs", FLOAT_LISTS, nullable=True),  # null: kl_coef 0, no reference scored
 ])
 
 LEARN_METRICS = pa.schema([

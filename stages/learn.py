@@ -30,14 +30,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import fsspec
 import numpy as np
+import pyarrow as pa
 import torch
 
 from grpo import core
-from grpo.checkpoint import local_checkpoint, upload_folder
+from grpo.checkpoint import local_checkpoint, tokenizer_and_config, upload_folder
 from grpo.config import LearnConfig, RunConfig
 from grpo.storage import Committed, Storage, StageWriter
 from schemas import read_parquet, write_parquet
+from schemas.tables import FLOAT_LISTS
 from stages.common import StageError, committed_input, load_run, log, run_stage
 from stages.rollouts import iteration_seed
 
@@ -196,6 +199,19 @@ def optimizer_steps(opt) -> int:
     return max(steps, default=0)
 
 
+def logprob_columns(run_id: str, iteration: int, batch: dict) -> dict:
+    """The logprobs table's columns: each sample's old (and reference) log-probs, cut to its response."""
+    mask = batch["response_mask"].bool()  # (N, T), each row a prefix
+    n = len(mask)
+    offsets = pa.array(np.concatenate([[0], mask.sum(1).cumsum(0).numpy()]), pa.int32())
+
+    def per_sample(x):  # (N, T) -> N lists of response length; nulls when not computed
+        return pa.nulls(n, FLOAT_LISTS) if x is None else pa.ListArray.from_arrays(offsets, x[mask].numpy())
+    return {"run_id": [run_id] * n, "iteration": [iteration] * n, "prompt_id": batch["prompt_id"],
+            "sample_index": batch["sample_index"], "old_logprobs": per_sample(batch["old_logprobs"]),
+            "ref_logprobs": per_sample(batch["ref_logprobs"])}
+
+
 def _metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tokens, gap) -> dict:
     return {"run_id": run_id, "iteration": iteration, "step": step, "epoch": epoch,
             "loss": m["loss/total"], "pg_loss": m.get("loss/pg", 0.0), "kl": m.get("loss/kl"),  # None: no reference
@@ -320,14 +336,9 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
         acc.unwrap_model(model).lm.save_pretrained(out / "policy", safe_serialization=True)
         torch.save(opt.state_dict(), out / "optimizer.pt")
         torch.save({"shuffle": shuffle.get_state(), "torch": torch.get_rng_state()}, out / "rng.pt")
-        lengths = mask.sum(1).long().tolist()
-
-        def per_sample(x):  # (N, T) -> N lists of response length, None when not computed
-            return [None] * n if x is None else [r[:k] for r, k in zip(x.tolist(), lengths)]
-        lp_rows = {"run_id": [run_id] * n, "iteration": [iteration] * n, "prompt_id": batch["prompt_id"],
-                   "sample_index": batch["sample_index"], "old_logprobs": per_sample(batch["old_logprobs"]),
-                   "ref_logprobs": per_sample(batch["ref_logprobs"])}
-        torch.save({"metrics": rows, "logprobs": lp_rows}, out / "tables.pt")
+        local = fsspec.filesystem("file")
+        write_parquet(local, str(out / "metrics.parquet"), "learn_metrics", rows)
+        write_parquet(local, str(out / "logprobs.parquet"), "logprobs", logprob_columns(run_id, iteration, batch))
     acc.wait_for_everyone()
     last = rows[-1] if rows else {}
     return {"steps": step, "samples": n, "loss": last.get("loss"), "kl": last.get("kl"),
@@ -358,7 +369,7 @@ def _run_distributed(args: dict, nproc: int) -> dict:
         tail = (tail + [line])[-20:]
     if proc.wait() != 0:
         raise StageError(f"learn under torchrun exited with {proc.returncode}:\n{''.join(tail)}")
-    return json.loads(Path(args["out_dir"], "summary.json").read_text())
+    return json.loads(Path(args["summary"]).read_text())
 
 
 def _worker_main(args_path: str) -> None:
@@ -369,7 +380,7 @@ def _worker_main(args_path: str) -> None:
     learner = Learner(cfg, args["iteration"], args["policy_dir"], args["ref_dir"], args["state_dir"])
     summary = train(learner, args["run_id"], args["iteration"], batch, args["out_dir"])
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(args["out_dir"], "summary.json").write_text(json.dumps(summary))
+        Path(args["summary"]).write_text(json.dumps(summary))
 
 
 def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
@@ -385,9 +396,8 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
 
     def body(writer: StageWriter) -> dict:
         nonlocal learner
-        from transformers import AutoConfig
         policy_dir = local_checkpoint(inputs["snapshot"])
-        pad_id = AutoConfig.from_pretrained(policy_dir).pad_token_id or 0
+        pad_id = tokenizer_and_config(inputs["snapshot"])[1].pad_token_id or 0
         batch = load_batch(storage, inputs["rollouts"], inputs["advantages"], pad_id, cfg.rollout.group_size)
         if len(batch["response_ids"]) < cfg.learn.minibatch_size:
             raise StageError(f"learn: {len(batch['response_ids'])} kept samples, fewer than learn.minibatch_size "
@@ -411,17 +421,13 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
                 torch.save(batch, f"{tmp}/batch.pt")
                 summary = _run_distributed({"config": cfg.to_dict(), "run_id": run_id, "iteration": iteration,
                                             "batch": f"{tmp}/batch.pt", "policy_dir": policy_dir,
-                                            "ref_dir": ref_dir, "state_dir": state_dir, "out_dir": out_dir},
+                                            "ref_dir": ref_dir, "state_dir": state_dir, "out_dir": out_dir,
+                                            "summary": f"{tmp}/summary.json"},
                                            cfg.learn.num_processes)
             for f in Path(policy_dir).iterdir():  # tokenizer and generation config travel with the weights
                 if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
                     shutil.copyfile(f, f"{out_dir}/policy/{f.name}")
-            tables = torch.load(f"{out_dir}/tables.pt", weights_only=False)
-            write_parquet(storage.fs, writer.path("metrics.parquet"), "learn_metrics", tables["metrics"])
-            write_parquet(storage.fs, writer.path("logprobs.parquet"), "logprobs", tables["logprobs"])
-            upload_folder(writer, f"{out_dir}/policy")
-            for name in ("optimizer.pt", "rng.pt"):
-                storage.fs.put_file(f"{out_dir}/{name}", writer.path(name))
+            upload_folder(writer, out_dir, prefix="")  # policy/, optimizer.pt, rng.pt, metrics and logprobs
         return summary
 
     config = {"seed": cfg.seed, "learn": cfg.to_dict()["learn"]}

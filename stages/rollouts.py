@@ -13,9 +13,9 @@ import time
 import fsspec
 import pandas as pd
 
-from grpo.checkpoint import content_hash, local_checkpoint
+from grpo.checkpoint import content_hash, local_checkpoint, tokenizer_and_config
 from grpo.config import RunConfig
-from grpo.generation import SamplingSpec, decode_response, get_generator
+from grpo.generation import Sample, SamplingSpec, decode_response, get_generator
 from grpo.storage import Committed, Storage
 from grpo.tasks import Example, get_task
 from schemas import ParquetWriter
@@ -52,17 +52,34 @@ def policy_and_prompts(policy: Committed, examples: list[Example], max_tokens: i
 
     Prompts with words outside the vocabulary, or too long for the model, fail naming the prompt.
     """
-    from transformers import AutoConfig, AutoTokenizer
     model_dir = local_checkpoint(policy)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    max_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
-    ids = [tokenizer(e.prompt)["input_ids"] for e in examples]
+    tokenizer, config = tokenizer_and_config(policy)
+    max_len = config.max_position_embeddings
+    ids = tokenizer([e.prompt for e in examples])["input_ids"]
     for e, p in zip(examples, ids):
         if tokenizer.unk_token_id in p:
             raise StageError(f"prompt {e.prompt!r} has words outside the model's vocabulary")
         if len(p) >= max_len:
             raise StageError(f"prompt {e.prompt!r} is {len(p)} tokens, the model's limit is {max_len}")
     return model_dir, tokenizer, ids, min(max_tokens, max_len - max(map(len, ids)))
+
+
+def chunk_columns(run_id: str, iteration: int, first_id: int, examples: list[Example], prompt_ids: list[list[int]],
+                  groups: list[list[Sample]], tokenizer, version: str) -> dict[str, list]:
+    """The rollouts table's columns for one chunk: a row per sample, each prompt's group together."""
+    samples = [s for group in groups for s in group]
+    n = len(samples)
+
+    def per_sample(values) -> list:  # one value per prompt -> one per sample
+        return [v for v, group in zip(values, groups) for _ in group]
+    return {"run_id": [run_id] * n, "iteration": [iteration] * n,
+            "prompt_id": per_sample(range(first_id, first_id + len(groups))),
+            "sample_index": [j for group in groups for j in range(len(group))],
+            "prompt": per_sample([e.prompt for e in examples]), "prompt_ids": per_sample(prompt_ids),
+            "response_ids": [s.response_ids for s in samples],
+            "response": [decode_response(tokenizer, s.response_ids) for s in samples],
+            "sampler_logprobs": [s.logprobs for s in samples], "finish_reason": [s.finish_reason for s in samples],
+            "ground_truth": per_sample([e.ground_truth for e in examples]), "policy_version": [version] * n}
 
 
 def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
@@ -87,16 +104,11 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
                 t0 = time.perf_counter()
                 groups = gen.generate(prompt_ids[chunk], spec)
                 generate_s += time.perf_counter() - t0
-                rows = [{"run_id": run_id, "iteration": iteration, "prompt_id": start + i, "sample_index": j,
-                         "prompt": ex.prompt, "prompt_ids": pids, "response_ids": s.response_ids,
-                         "response": decode_response(tokenizer, s.response_ids),
-                         "sampler_logprobs": s.logprobs, "finish_reason": s.finish_reason,
-                         "ground_truth": ex.ground_truth, "policy_version": version}
-                        for i, (ex, pids, group) in enumerate(zip(examples[chunk], prompt_ids[chunk], groups))
-                        for j, s in enumerate(group)]
-                out.write(rows)
-                n_tokens += sum(len(row["response_ids"]) for row in rows)
-                n_stop += sum(row["finish_reason"] == "stop" for row in rows)
+                columns = chunk_columns(run_id, iteration, start, examples[chunk], prompt_ids[chunk], groups,
+                                        tokenizer, version)
+                out.write(columns)
+                n_tokens += sum(map(len, columns["response_ids"]))
+                n_stop += columns["finish_reason"].count("stop")
                 log.info("rollouts iteration %d: %d/%d prompts", iteration, min(start + r.chunk_prompts,
                                                                                 len(examples)), len(examples))
         return {"prompts": len(examples), "samples": out.num_rows, "response_tokens": n_tokens,

@@ -113,10 +113,12 @@ def test_two_deployment_runs_make_two_iterations_one_after_the_other(server, wor
     assert any(re.fullmatch(r"rollouts iteration 0: 16/16 prompts", m) for m in messages)
     assert {m.split()[0] for m in messages if "ran and committed" in m} == set(STAGES)
     assert any(r["name"].startswith("vllm") for r in logs)  # the engine's own log lines, too
-    tables = {a["key"]: a for a in server.artifacts(first)}
-    assert set(tables) == {f"e2e-{s}" for s in STAGES}
-    stats = {row["stat"]: row["value"] for row in json.loads(tables["e2e-rollouts"]["data"])}
-    assert stats["samples"] == 64 and stats["reused"] is False
+    (table,) = server.artifacts(first)  # one per iteration: every stage's attempt and summary
+    assert table["key"] == "e2e-iteration"
+    rows = json.loads(table["data"])
+    assert {row["stage"] for row in rows} == set(STAGES)
+    stats = {row["stat"]: row["value"] for row in rows if row["stage"] == "rollouts"}
+    assert stats["samples"] == 64 and stats["attempt"].startswith("attempt-0001-")
 
 
 def wait_for_partial_output(server, storage, stage_path: str, name: str, flow_run_id: str) -> str:

@@ -1,10 +1,13 @@
 """Storage layer: commit protocol, refusal of uncommitted or corrupt stages, on file:// and S3."""
 import json
+import os
+import time
 
 import pandas as pd
 import pytest
 
-from grpo.storage import (CorruptArtifactError, NotCommittedError, StageWriter, find_committed,
+import grpo.storage
+from grpo.storage import (CorruptArtifactError, NotCommittedError, StageWriter, find_committed, is_local,
                           latest_committed, list_attempts, open_storage)
 from schemas import MANIFEST_NAME, read_parquet, write_parquet
 
@@ -71,6 +74,29 @@ def test_missing_manifest_and_hash_mismatch_are_refused(storage):
     storage.fs.rm(f"{committed.attempt_dir}/{MANIFEST_NAME}")
     with pytest.raises(NotCommittedError, match=MANIFEST_NAME.replace(".", r"\.") + "|no committed"):
         latest_committed(storage, stage_dir)
+
+
+def test_unchanged_files_are_not_reread_and_a_rewrite_is_caught(storage, monkeypatch):
+    """A file this process hashed is not read again while its stamp holds (local: size, mtime,
+    ctime, inode of a file written over a second ago; S3: the ETag); a same-size rewrite is."""
+    stage_dir = storage.path("runs/r/iter-0000/prompts")
+    _, committed = write_stage(storage, stage_dir)
+    fpath = committed.path("prompts.parquet")
+    if is_local(storage.fs):  # just written: its mtime could survive a rewrite in the same tick
+        long_ago = time.time() - 10
+        os.utime(fpath, (long_ago, long_ago))
+    reads = []
+    real = grpo.storage.sha256_file
+    monkeypatch.setattr(grpo.storage, "sha256_file", lambda fs, path: reads.append(path) or real(fs, path))
+    latest_committed(storage, stage_dir)
+    reads.clear()
+    latest_committed(storage, stage_dir)
+    assert reads == []
+    good = storage.read_bytes(fpath)
+    storage.fs.pipe_file(fpath, good[:-1] + bytes([good[-1] ^ 1]))  # same size, one bit off
+    with pytest.raises(CorruptArtifactError, match="sha256"):
+        latest_committed(storage, stage_dir)
+    assert reads == [fpath]
 
 
 def test_corrupt_manifest_json_is_refused(storage):
