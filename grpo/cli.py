@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -55,11 +56,15 @@ def cmd_stage(args, storage):
 
 
 def cmd_run(args, storage):
+    from stages.rewards import WARM_POOLS
     start = next_iteration(storage, args.run) if args.start == "next" else int(args.start)
-    for k in range(start, start + args.iterations):
-        out = run_iteration(storage, args.run, k)
-        print(f"iteration {k}: reward {out['advantages'].manifest.summary['reward_mean']:.3f}  "
-              f"eval exact {out['eval'].manifest.summary['exact_match']:.3f}", flush=True)
+    with WARM_POOLS.keep():  # one reward worker pool for all iterations
+        for k in range(start, start + args.iterations):
+            out = run_iteration(storage, args.run, k)
+            if k == start:
+                gc.freeze()  # see flows.grpo: later full collections skip what the first iteration loaded
+            print(f"iteration {k}: reward {out['advantages'].manifest.summary['reward_mean']:.3f}  "
+                  f"eval exact {out['eval'].manifest.summary['exact_match']:.3f}", flush=True)
 
 
 def cmd_demo(args, storage):
