@@ -30,9 +30,9 @@ from prefect.logging.handlers import APILogHandler
 
 from grpo.cli import next_iteration
 from grpo.config import load_config_file
-from grpo.storage import list_attempts, load_manifest, open_storage
+from grpo.storage import load_manifest, open_storage
 from stages import STAGES, stage_function
-from stages.common import load_run, run_dir, stage_dir
+from stages.common import load_run, run_dir
 from stages.init import init_run
 from stages.rewards import WARM_POOLS
 
@@ -135,18 +135,13 @@ def evaluate(storage_url: str, run_id: str, iteration: int, policy: str, force: 
 
 def run_stage(name: str, storage_url: str, run_id: str, iteration: int, upstream: str | None,
               force: bool) -> str:
-    """Run or reuse stage `name` and say which; return the committed attempt's URI.
+    """Run or reuse stage `name` (it logs which); return the committed attempt's URI.
 
     `upstream` is the URI the previous task returned: the stage must have read exactly that.
     """
-    storage = open_storage(storage_url)
-    before = set(list_attempts(storage, stage_dir(storage, run_id, iteration, name)))
-    out = stage_function(name)(storage, run_id, iteration, force=force)
+    out = stage_function(name)(open_storage(storage_url), run_id, iteration, force=force)
     if upstream and upstream not in {ref.uri for ref in out.manifest.inputs.values()}:
         raise RuntimeError(f"{name} read other inputs than {upstream}: another writer committed meanwhile")
-    reused = out.attempt_dir.rsplit("/", 1)[-1] in before
-    get_run_logger().info("%s iteration %d: %s %s", name, iteration,
-                          "reused committed" if reused else "ran and committed", out.uri)
     return out.uri
 
 

@@ -76,7 +76,7 @@ def run_stage(storage: Storage, run_id: str, iteration: int | None, stage: str, 
         identity = stage_identity(run_id, iteration, stage, config_hash(config), writer_args["inputs"])
         found = find_committed(storage, sdir, identity)
         if found is not None:
-            log.debug("%s iteration %s: reusing committed %s", stage, iteration, found.uri)
+            log.info("%s iteration %s: reused committed %s", stage, iteration, found.uri)
             return found
     writer = StageWriter(storage, sdir, **writer_args)
     log.debug("%s iteration %s: running, writing %s", stage, iteration, storage.uri(writer.attempt_dir))

@@ -4,6 +4,7 @@ pick up after a CLI rerun of one stage; and once on a real S3 server."""
 import hashlib
 import importlib.util
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,8 @@ def committed_hashes(url: str, iteration: int, names=STAGES) -> dict[str, str]:
 
 
 def reuse_messages(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "reused committed" in r.getMessage()]
+    """The stages of an iteration that were reused (not the run's base model)."""
+    return [r.getMessage() for r in caplog.records if re.match(r"\w+ iteration \d+: reused committed ", r.getMessage())]
 
 
 def test_flow_commits_every_stage_then_reuses_all(url, caplog):
