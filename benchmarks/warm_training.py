@@ -3,7 +3,7 @@ on the sort task, where each iteration's time goes, learner throughput, and the 
 one grpo/iteration run.
 
     .venv/bin/python benchmarks/warm_training.py [--config benchmarks/sort.yaml] [--iterations 30]
-        [--target 0.95] [--seeds 0 1 2] [--set learn.lr=1e-3 ...] [--demo-iterations 4]
+        [--target 0.95] [--seeds 0 1 2] [--set learn.lr=1e-3 ...] [--demo-iterations 8]
 
 It starts a Prefect server on 127.0.0.1 (temporary home, SQLite), then
 1. per seed, trains run `sort-s<seed>` warm from scratch and reports the wall-clock seconds from the
@@ -17,6 +17,7 @@ It starts a Prefect server on 127.0.0.1 (temporary home, SQLite), then
    grpo/iteration run: interpreter, imports, engine start, model loads) against a warm one.
 """
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def print_iterations(rows: list[dict]) -> None:
     print(f"{'iter':>4} {'reward':>6} {'exact':>5} {'wall_s':>6} {'gen_s':>6} {'learn_s':>7} {'other_s':>7} "
           f"{'other%':>6}")
     for r in rows:
-        print(f"{r['iteration']:>4} {r['reward']:>6.3f} {r['exact']:>5.2f} {r['wall']:>6.2f} {r['generate']:>6.2f} "
+        print(f"{r['iteration']:>4} {r['reward']:>6.3f} {r['exact']:>5.3f} {r['wall']:>6.2f} {r['generate']:>6.2f} "
               f"{r['learner']:>7.2f} {r['overhead']:>7.2f} {100 * r['overhead'] / r['wall']:>5.1f}%")
 
 
@@ -76,6 +77,20 @@ def train_warm(url: str, run_id: str, iterations: int, config: str | None, overr
     start = time.time()
     grpo(run_id=run_id, iterations=iterations, config_path=config, overrides=overrides, storage_url=url)
     return start
+
+
+def server_cpu_s(server) -> float:
+    """CPU seconds the Prefect server's processes have used so far (it shares the machine's cores)."""
+    import psutil
+    port = server.api_url.rsplit(":", 1)[1].split("/")[0]
+    total = 0.0
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "server" in cmd and "start" in cmd and port in cmd:
+            for q in [p] + p.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    total += sum(q.cpu_times()[:2])
+    return total
 
 
 def cold_iteration(url: str, run_id: str, env: dict) -> float:
@@ -93,7 +108,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--demo-iterations", type=int, default=4, help="warm iterations at the demo size")
+    p.add_argument("--demo-iterations", type=int, default=8, help="warm iterations at the demo size")
     args = p.parse_args()
 
     from prefect_server import prefect_server
@@ -102,7 +117,7 @@ def main() -> None:
     with prefect_server(tmp / "prefect") as server:
         os.environ.update({k: v for k, v in server.env.items() if k.startswith("PREFECT_")})
 
-        hits, all_rows = [], []
+        hits, all_rows, cpu0 = [], [], server_cpu_s(server)
         for seed in args.seeds:
             run_id = f"sort-s{seed}"
             start = train_warm(url, run_id, args.iterations, args.config, args.set + [f"seed={seed}"])
@@ -119,11 +134,13 @@ def main() -> None:
         reached = sorted(h for h in hits if h is not None)
         print(f"time to exact match >= {args.target}: {len(reached)}/{len(hits)} seeds reached it"
               + (f", median {reached[len(reached) // 2]:.1f} s, max {reached[-1]:.1f} s" if reached else ""))
+        server_cpu = (server_cpu_s(server) - cpu0) / sum(len(rows) for rows in all_rows)
         steady = [r for rows in all_rows for r in rows[1:]]
         print(f"warm iteration overhead (iterations 1.., all seeds): "
               f"{100 * sum(r['overhead'] for r in steady) / sum(r['wall'] for r in steady):.1f}% of "
               f"{sum(r['wall'] for r in steady) / len(steady):.2f} s (engine start / weight reloads: iteration 0 "
-              f"{all_rows[0][0]['engine']:.2f} s, later {sum(r['engine'] for r in steady) / len(steady):.3f} s)")
+              f"{all_rows[0][0]['engine']:.2f} s, later {sum(r['engine'] for r in steady) / len(steady):.3f} s); "
+              f"the Prefect server used {1000 * server_cpu:.0f} ms of CPU an iteration")
 
         demo = train_warm(url, "demo", args.demo_iterations, None, [])
         drows = iteration_times(url, "demo", range(args.demo_iterations), demo)

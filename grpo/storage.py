@@ -115,19 +115,22 @@ def sha256_file(fs: AbstractFileSystem, path: str) -> str:
 
 _HASHED: OrderedDict[str, tuple[tuple, str]] = OrderedDict()  # path -> (stamp, sha256) hashed by this process
 _HASHED_MAX = 4096
-_RACY_S = 1.0  # a local file written less than this long before it was hashed may change keeping its mtime
+# a local file last written less than this long before it is hashed may still change keeping its
+# timestamps: they advance in ticks (a few ms on Linux), whole seconds on ext3, FAT and some NFS
+_RACY_S, _RACY_WHOLE_SECOND_S = 0.1, 2.0
 
 
 def _stamp(fs: AbstractFileSystem, path: str) -> tuple[tuple | None, int]:
     """(stamp, size): the stamp changes whenever the file's bytes do, None where nothing does.
 
-    Local: size, mtime, ctime and inode, trusted only for files last written over `_RACY_S` before
+    Local: size, mtime, ctime and inode, trusted only for a file last written well before now
     (timestamps are coarse: a same-size rewrite within one tick keeps them, git's "racy" entries).
     S3: size and ETag (a digest of the content).
     """
     if is_local(fs):
         st = os.stat(path)
-        racy = time.time() - st.st_mtime_ns / 1e9 < _RACY_S
+        margin = _RACY_WHOLE_SECOND_S if st.st_mtime_ns % 1_000_000_000 == 0 else _RACY_S
+        racy = time.time_ns() - st.st_mtime_ns < margin * 1e9
         return (None if racy else (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)), st.st_size
     info = fs.info(path)
     etag = info.get("ETag") or info.get("etag")

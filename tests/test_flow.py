@@ -3,6 +3,7 @@ commit, reuse, resume after a failed stage with earlier outputs byte-identical, 
 pick up after a CLI rerun of one stage; and once on a real S3 server."""
 import hashlib
 import importlib.util
+import json
 import logging
 import re
 import subprocess
@@ -12,6 +13,7 @@ from typing import get_args
 
 import pytest
 from prefect import flow, task
+from prefect.artifacts import Artifact
 from prefect.exceptions import ParameterTypeError
 from prefect.testing.utilities import prefect_test_harness
 
@@ -198,3 +200,5 @@ def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
     # the reloaded engine samples from exactly the committed weights (the learner recomputes them)
     assert warm[1]["logprob_gap"] < 1e-4
     assert warm == cold
+    progress = json.loads(Artifact.get("warm-progress").data)  # the flow's table: a row per iteration
+    assert [(r["iteration"], r["eval_exact_match"]) for r in progress] == [(k, round(warm[k]["eval"], 4)) for k in (0, 1)]
