@@ -201,4 +201,5 @@ def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
     assert warm[1]["logprob_gap"] < 1e-4
     assert warm == cold
     progress = json.loads(Artifact.get("warm-progress").data)  # the flow's table: a row per iteration
-    assert [(r["iteration"], r["eval_exact_match"]) for r in progress] == [(k, round(warm[k]["eval"], 4)) for k in (0, 1)]
+    assert [(r["iteration"], r["eval_exact_match"]) for r in progress] == [(k, round(warm[k]["eval"], 4))
+                                                                           for k in (0, 1)]
