@@ -116,8 +116,8 @@ def sha256_file(fs: AbstractFileSystem, path: str) -> str:
 _HASHED: OrderedDict[str, tuple[tuple, str]] = OrderedDict()  # path -> (stamp, sha256) hashed by this process
 _HASHED_MAX = 4096
 # a local file last written less than this long before it is hashed may still change keeping its
-# timestamps: they advance in ticks (a few ms on Linux), whole seconds on ext3, FAT and some NFS
-_RACY_S, _RACY_WHOLE_SECOND_S = 0.1, 2.0
+# timestamps: they advance in kernel ticks (at most 10 ms on Linux), whole seconds on ext3, FAT, some NFS
+_RACY_S, _RACY_WHOLE_SECOND_S = 0.02, 2.0
 
 
 def _stamp(fs: AbstractFileSystem, path: str) -> tuple[tuple | None, int]:
