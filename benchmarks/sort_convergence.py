@@ -4,10 +4,12 @@
         [--set rollout.backend=hf] [--storage DIR]
 
 Each line is one iteration: mean sampled reward, held-out greedy exact match and reward,
-the AdamW steps and samples so far, and the wall time of the iteration's stages. The last line
-says when exact match first reached --target.
+the AdamW steps and samples so far, the wall time of the iteration's stages and the share of it
+outside sampling and learner compute (the stages' own overhead, without Prefect). The last lines
+say when exact match first reached --target and the mean overhead of iterations 1...
 """
 import argparse
+import gc
 import tempfile
 import time
 
@@ -15,6 +17,7 @@ from grpo.cli import run_iteration
 from grpo.config import load_config_file
 from grpo.storage import open_storage
 from stages.init import init_run
+from stages.rewards import WARM_POOLS
 
 
 def main() -> None:
@@ -28,22 +31,32 @@ def main() -> None:
     storage = open_storage(args.storage or tempfile.mkdtemp(prefix="grpo-bench-"))
     init_run(storage, "bench", load_config_file(args.config, args.set))
     print(f"storage {storage.url}\n{'iter':>4} {'reward':>7} {'eval_exact':>10} {'eval_reward':>11} "
-          f"{'steps':>6} {'samples':>8} {'seconds':>8}")
-    start, steps, samples, hit, exact = time.time(), 0, 0, None, []
-    for k in range(args.iterations):
-        t = time.time()
-        out = run_iteration(storage, "bench", k)
-        ev = out["eval"].manifest.summary
-        steps, samples = steps + out["learn"].manifest.summary["steps"], samples + out["learn"].manifest.summary["samples"]
-        print(f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} {ev['exact_match']:>10.3f} "
-              f"{ev['reward_mean']:>11.3f} {steps:>6} {samples:>8} {time.time() - t:>8.1f}", flush=True)
-        exact.append(ev["exact_match"])
-        if hit is None and ev["exact_match"] >= args.target:
-            hit = (k, steps, samples, time.time() - start)
+          f"{'steps':>6} {'samples':>8} {'seconds':>8} {'other%':>6}")
+    start, steps, samples, hit, exact, walls, others = time.time(), 0, 0, None, [], [], []
+    with WARM_POOLS.keep():  # as grpo run and the flow: one reward pool
+        for k in range(args.iterations):
+            t = time.time()
+            out = run_iteration(storage, "bench", k)
+            wall = time.time() - t
+            if k == 0:
+                gc.freeze()  # as grpo run and the flow
+            ev, le, ro = (out[s].manifest.summary for s in ("eval", "learn", "rollouts"))
+            other = wall - ro["generate_s"] - ev["generate_s"] - le["score_s"] - le["update_s"]
+            walls, others = walls + [wall] * (k > 0), others + [other] * (k > 0)
+            steps, samples = steps + le["steps"], samples + le["samples"]
+            print(f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} {ev['exact_match']:>10.3f} "
+                  f"{ev['reward_mean']:>11.3f} {steps:>6} {samples:>8} {wall:>8.2f} {100 * other / wall:>5.1f}%",
+                  flush=True)
+            exact.append(ev["exact_match"])
+            if hit is None and ev["exact_match"] >= args.target:
+                hit = (k, steps, samples, time.time() - start)
     print(f"total {time.time() - start:.0f} s; exact match >= {args.target}: " +
           (f"iteration {hit[0]} ({hit[1]} AdamW steps, {hit[2]} samples, {hit[3]:.0f} s)" if hit else
            f"not reached in {args.iterations} iterations ({steps} AdamW steps, {samples} samples; "
            f"best {max(exact):.2f}, last {exact[-1]:.2f})"))
+    if walls:
+        print(f"stage overhead (iterations 1..): {1000 * sum(others) / len(others):.0f} ms, "
+              f"{100 * sum(others) / sum(walls):.1f}% of {sum(walls) / len(walls):.2f} s")
 
 
 if __name__ == "__main__":
