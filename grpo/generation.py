@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,11 +170,22 @@ class VLLMGenerator:
         return Sample(ids, logps, "stop" if c.finish_reason == "stop" else "length")
 
     def load_weights(self, model_dir: str) -> None:
-        """Reload the weights of `model_dir` in place: no engine restart, no new KV cache."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
-        # the reload rebuilds parameters layer by layer; a tied lm_head keeps the old tensor
-        self.llm.collective_rpc(_retie_lm_head)
-        self.llm.reset_prefix_cache()
+        """Reload the weights of `model_dir` in place: no engine restart, no new KV cache.
+
+        vLLM logs six lines a reload, two of them warnings that the rotary embedding and the tied
+        lm_head loaded no weights (they have none of their own; `_retie_lm_head` re-ties the head).
+        A warm run reloads every iteration, so below errors they stay out of the run's log.
+        """
+        vllm_logger = logging.getLogger("vllm")
+        level = vllm_logger.level
+        vllm_logger.setLevel(logging.ERROR)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
+            # the reload rebuilds parameters layer by layer; a tied lm_head keeps the old tensor
+            self.llm.collective_rpc(_retie_lm_head)
+            self.llm.reset_prefix_cache()
+        finally:
+            vllm_logger.setLevel(level)
         self.model_dir = model_dir
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -172,7 +173,14 @@ def test_weight_reload_samples_like_a_fresh_generator(tmp_path, backend):
     try:
         warm = get_generator(backend, a)
         warm.generate(prompts, spec)
-        assert get_generator(backend, b) is warm  # same architecture: reloaded, not restarted
+        records, handler = [], logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("vllm").addHandler(handler)
+        try:
+            assert get_generator(backend, b) is warm  # same architecture: reloaded, not restarted
+        finally:
+            logging.getLogger("vllm").removeHandler(handler)
+        assert [r.getMessage() for r in records] == []  # a warm run reloads every iteration: no log lines
         reloaded = warm.generate(prompts, spec)
         close_generators()
         fresh = get_generator(backend, b).generate(prompts, spec)
