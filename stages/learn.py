@@ -38,7 +38,7 @@ import torch
 from grpo import core
 from grpo.checkpoint import local_checkpoint, tokenizer_and_config, upload_folder
 from grpo.config import LearnConfig, RunConfig
-from grpo.storage import Committed, Storage, StageWriter
+from grpo.storage import Committed, Storage, StageWriter, is_local
 from schemas import read_parquet, write_parquet
 from schemas.tables import FLOAT_LISTS
 from stages.common import StageError, committed_input, load_run, log, run_stage
@@ -411,8 +411,9 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
                 os.makedirs(state_dir)
                 for name in ("optimizer.pt", "rng.pt"):
                     storage.fs.get_file(inputs["previous"].path(name), f"{state_dir}/{name}")
-            out_dir = f"{tmp}/out"
-            os.makedirs(out_dir)
+            local = is_local(storage.fs)  # local storage: write into the attempt itself, no copy of the model
+            out_dir = writer.attempt_dir if local else f"{tmp}/out"
+            os.makedirs(out_dir, exist_ok=True)
             ref_dir = local_checkpoint(inputs["reference"])
             if in_process:
                 learner = learner or Learner(cfg, iteration, policy_dir, ref_dir, state_dir)
@@ -427,7 +428,8 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
             for f in Path(policy_dir).iterdir():  # tokenizer and generation config travel with the weights
                 if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
                     shutil.copyfile(f, f"{out_dir}/policy/{f.name}")
-            upload_folder(writer, out_dir, prefix="")  # policy/, optimizer.pt, rng.pt, metrics and logprobs
+            if not local:
+                upload_folder(writer, out_dir, prefix="")  # policy/, optimizer.pt, rng.pt, metrics and logprobs
         return summary
 
     config = {"seed": cfg.seed, "learn": cfg.to_dict()["learn"]}
