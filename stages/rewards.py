@@ -57,9 +57,24 @@ def score_one(task, response: str, ground_truth: str, prompt: str, timeout_s: fl
 
 def _worker_init() -> None:
     """A forked worker drops the handlers it inherited (Prefect's SIGTERM handler would report the
-    parent's task as crashed when the pool terminates its workers)."""
+    parent's task as crashed when the pool terminates its workers), then takes SIGTERM again."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _fork_pool(workers: int):
+    """A fork pool whose workers never run the parent's SIGTERM handler.
+
+    SIGTERM stays blocked from the fork until `_worker_init` has restored its default action: a
+    pool terminated as it starts (a stage failing at once) would otherwise leave a worker that
+    handled SIGTERM the parent's way and lives on, and `terminate()` waits for it forever.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return mp.get_context("fork").Pool(workers, _worker_init)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _score_chunk(task_name: str, params: tuple, timeout_s: float, items: list[tuple[str, str, str]]):
@@ -119,11 +134,11 @@ class _WarmPools:
     @contextmanager
     def pool(self, workers: int):
         if not self.active:
-            with mp.get_context("fork").Pool(workers, _worker_init) as pool:
+            with _fork_pool(workers) as pool:
                 yield pool
             return
         if workers not in self._pools:
-            self._pools[workers] = mp.get_context("fork").Pool(workers, _worker_init)
+            self._pools[workers] = _fork_pool(workers)
         try:
             yield self._pools[workers]
         except BaseException:  # a hung or broken worker must not serve the next stage

@@ -1,4 +1,6 @@
 """Stages on a tiny model in tmp_path: commits, reuse, force, audits, failures and learning."""
+import contextlib
+
 import duckdb
 import pandas as pd
 import pytest
@@ -163,6 +165,31 @@ def test_reward_pool_is_kept_only_while_warm_and_never_after_a_failure():
         with pools.pool(1) as pool:
             assert pool.apply(os.getpid) != warm  # the failed stage's pool is gone
     assert not pools._pools  # and leaving keep() closes what was kept
+
+
+def test_a_pool_failed_as_it_starts_is_terminated_despite_the_parents_sigterm_handler():
+    """Prefect installs a SIGTERM handler that does not exit; a worker forked with it must not run
+    it: a stage that fails as soon as its pool started terminates the pool, and terminate() waits
+    for every worker to die (it hung the flow test that injects a reward fault)."""
+    import signal
+    import threading
+    from stages.rewards import _WarmPools
+    pools, done = _WarmPools(), threading.Event()
+
+    def fail_at_once(times: int):
+        for i in range(times):
+            with pools.keep() if i % 2 else contextlib.nullcontext():  # warm and cold pools
+                with pytest.raises(RuntimeError):
+                    with pools.pool(2):
+                        raise RuntimeError("the stage failed")
+        done.set()
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        threading.Thread(target=fail_at_once, args=(20,), daemon=True).start()
+        assert done.wait(120), "terminate() waits for a worker that survived SIGTERM"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_nan_loss_fails_learn_and_commits_nothing(storage, monkeypatch):
