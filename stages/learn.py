@@ -336,9 +336,9 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
         acc.unwrap_model(model).lm.save_pretrained(out / "policy", safe_serialization=True)
         torch.save(opt.state_dict(), out / "optimizer.pt")
         torch.save({"shuffle": shuffle.get_state(), "torch": torch.get_rng_state()}, out / "rng.pt")
-        local = fsspec.filesystem("file")
-        write_parquet(local, str(out / "metrics.parquet"), "learn_metrics", rows)
-        write_parquet(local, str(out / "logprobs.parquet"), "logprobs", logprob_columns(run_id, iteration, batch))
+        disk = fsspec.filesystem("file")  # out_dir is a local folder whatever the storage
+        write_parquet(disk, str(out / "metrics.parquet"), "learn_metrics", rows)
+        write_parquet(disk, str(out / "logprobs.parquet"), "logprobs", logprob_columns(run_id, iteration, batch))
     acc.wait_for_everyone()
     last = rows[-1] if rows else {}
     return {"steps": step, "samples": n, "loss": last.get("loss"), "kl": last.get("kl"),
