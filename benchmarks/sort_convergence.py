@@ -9,15 +9,13 @@ outside sampling and learner compute (the stages' own overhead, without Prefect)
 say when exact match first reached --target and the mean overhead of iterations 1...
 """
 import argparse
-import gc
 import tempfile
 import time
 
-from grpo.cli import run_iteration
+from grpo.cli import run_warm
 from grpo.config import load_config_file
 from grpo.storage import open_storage
 from stages.init import init_run
-from stages.rewards import WARM_POOLS
 
 
 def main() -> None:
@@ -33,23 +31,20 @@ def main() -> None:
     print(f"storage {storage.url}\n{'iter':>4} {'reward':>7} {'eval_exact':>10} {'eval_reward':>11} "
           f"{'steps':>6} {'samples':>8} {'seconds':>8} {'other%':>6}")
     start, steps, samples, hit, exact, walls, others = time.time(), 0, 0, None, [], [], []
-    with WARM_POOLS.keep():  # as grpo run and the flow: one reward pool
-        for k in range(args.iterations):
-            t = time.time()
-            out = run_iteration(storage, "bench", k)
-            wall = time.time() - t
-            if k == 0:
-                gc.freeze()  # as grpo run and the flow
-            ev, le, ro = (out[s].manifest.summary for s in ("eval", "learn", "rollouts"))
-            other = wall - ro["generate_s"] - ev["generate_s"] - le["score_s"] - le["update_s"]
-            walls, others = walls + [wall] * (k > 0), others + [other] * (k > 0)
-            steps, samples = steps + le["steps"], samples + le["samples"]
-            print(f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} {ev['exact_match']:>10.3f} "
-                  f"{ev['reward_mean']:>11.3f} {steps:>6} {samples:>8} {wall:>8.2f} {100 * other / wall:>5.1f}%",
-                  flush=True)
-            exact.append(ev["exact_match"])
-            if hit is None and ev["exact_match"] >= args.target:
-                hit = (k, steps, samples, time.time() - start)
+    t = time.time()
+    for k, out in run_warm(storage, "bench", 0, args.iterations):  # warm, as `grpo run`
+        wall = time.time() - t
+        ev, le, ro = (out[s].manifest.summary for s in ("eval", "learn", "rollouts"))
+        other = wall - ro["generate_s"] - ev["generate_s"] - le["score_s"] - le["update_s"]
+        walls, others = walls + [wall] * (k > 0), others + [other] * (k > 0)
+        steps, samples = steps + le["steps"], samples + le["samples"]
+        print(f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} {ev['exact_match']:>10.3f} "
+              f"{ev['reward_mean']:>11.3f} {steps:>6} {samples:>8} {wall:>8.2f} {100 * other / wall:>5.1f}%",
+              flush=True)
+        exact.append(ev["exact_match"])
+        if hit is None and ev["exact_match"] >= args.target:
+            hit = (k, steps, samples, time.time() - start)
+        t = time.time()
     print(f"total {time.time() - start:.0f} s; exact match >= {args.target}: " +
           (f"iteration {hit[0]} ({hit[1]} AdamW steps, {hit[2]} samples, {hit[3]:.0f} s)" if hit else
            f"not reached in {args.iterations} iterations ({steps} AdamW steps, {samples} samples; "

@@ -55,16 +55,26 @@ def cmd_stage(args, storage):
     print(f"{args.name} iteration {iteration}: {committed.uri}\n  {committed.manifest.summary}")
 
 
-def cmd_run(args, storage):
+def run_warm(storage: Storage, run_id: str, first: int, iterations: int):
+    """Iterations first.. in this process, warm: yields (k, run_iteration's committed outputs).
+
+    One reward worker pool serves them all, and what the first iteration loaded is frozen out
+    of later full garbage collections (see flows.grpo, which does the same between its tasks).
+    """
     from stages.rewards import WARM_POOLS
+    with WARM_POOLS.keep():
+        for k in range(first, first + iterations):
+            out = run_iteration(storage, run_id, k)
+            if k == first:
+                gc.freeze()
+            yield k, out
+
+
+def cmd_run(args, storage):
     start = next_iteration(storage, args.run) if args.start == "next" else int(args.start)
-    with WARM_POOLS.keep():  # one reward worker pool for all iterations
-        for k in range(start, start + args.iterations):
-            out = run_iteration(storage, args.run, k)
-            if k == start:
-                gc.freeze()  # see flows.grpo: later full collections skip what the first iteration loaded
-            print(f"iteration {k}: reward {out['advantages'].manifest.summary['reward_mean']:.3f}  "
-                  f"eval exact {out['eval'].manifest.summary['exact_match']:.3f}", flush=True)
+    for k, out in run_warm(storage, args.run, start, args.iterations):
+        print(f"iteration {k}: reward {out['advantages'].manifest.summary['reward_mean']:.3f}  "
+              f"eval exact {out['eval'].manifest.summary['exact_match']:.3f}", flush=True)
 
 
 def cmd_demo(args, storage):
