@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from grpo.generation import SamplingSpec, decode_response, get_generator
+from grpo.generation import SamplingSpec, decode_responses, get_generator
 from grpo.storage import Committed, Storage
 from grpo.tasks import get_task
 from schemas import write_parquet
@@ -34,7 +34,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False)
         t1 = time.perf_counter()
         outs = gen.generate(prompt_ids, spec)
         engine_s, generate_s = t1 - t0, time.perf_counter() - t1
-        responses = [decode_response(tokenizer, o[0].response_ids) for o in outs]
+        responses = decode_responses(tokenizer, [o[0].response_ids for o in outs])
         scores = [task.reward(r, e.ground_truth, e.prompt) for r, e in zip(responses, examples)]
         n = len(examples)
         rows = {"run_id": [run_id] * n, "iteration": [iteration] * n, "prompt_id": list(range(n)),

@@ -21,7 +21,8 @@ from grpo.tasks import get_task
 from schemas import ParquetWriter, iter_batches
 from stages.common import StageError, committed_input, load_run, run_stage
 
-_CHUNK = 64  # samples per pool job
+_JOBS_PER_WORKER = 4  # a batch is split into about this many pool jobs per worker
+_MIN_CHUNK = 64  # samples; smaller jobs cost more in pickling and wake-ups than they score
 
 
 class _Timeout(Exception):
@@ -38,8 +39,7 @@ def _task(name: str, params: tuple):
 
 
 def score_one(task, response: str, ground_truth: str, prompt: str, timeout_s: float):
-    """(reward, components, error) of one sample; never raises."""
-    signal.signal(signal.SIGALRM, _alarm)
+    """(reward, components, error) of one sample; never raises. SIGALRM must be handled by `_alarm`."""
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
         components = {k: float(v) for k, v in task.reward(response, ground_truth, prompt).items()}
@@ -79,19 +79,21 @@ def _fork_pool(workers: int):
 
 def _score_chunk(task_name: str, params: tuple, timeout_s: float, items: list[tuple[str, str, str]]):
     task = _task(task_name, params)
+    signal.signal(signal.SIGALRM, _alarm)
     return [score_one(task, *item, timeout_s) for item in items]
 
 
 def score_batch(pool, task_cfg: TaskConfig, cfg: RewardConfig, batch) -> list:
-    """Score one record batch of rollouts in the pool, `_CHUNK` samples per job."""
+    """Score one record batch of rollouts in the pool, in about `_JOBS_PER_WORKER` jobs per worker."""
     items = list(zip(batch.column("response").to_pylist(), batch.column("ground_truth").to_pylist(),
                      batch.column("prompt").to_pylist()))
     params = tuple(sorted(task_cfg.params.items()))
-    jobs = [pool.apply_async(_score_chunk, (task_cfg.name, params, cfg.timeout_s, items[i:i + _CHUNK]))
-            for i in range(0, len(items), _CHUNK)]
+    chunk = max(_MIN_CHUNK, -(-len(items) // (_JOBS_PER_WORKER * cfg.workers)))
+    jobs = [pool.apply_async(_score_chunk, (task_cfg.name, params, cfg.timeout_s, items[i:i + chunk]))
+            for i in range(0, len(items), chunk)]
     results = []
-    for job, start in zip(jobs, range(0, len(items), _CHUNK)):
-        n = min(_CHUNK, len(items) - start)
+    for job, start in zip(jobs, range(0, len(items), chunk)):
+        n = min(chunk, len(items) - start)
         try:  # a hang the in-worker alarm cannot break (C code) still ends here
             results += job.get(timeout=cfg.timeout_s * n + 30)
         except mp.TimeoutError:

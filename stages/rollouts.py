@@ -15,7 +15,7 @@ import pandas as pd
 
 from grpo.checkpoint import content_hash, local_checkpoint, tokenizer_and_config
 from grpo.config import RunConfig
-from grpo.generation import Sample, SamplingSpec, decode_response, get_generator
+from grpo.generation import Sample, SamplingSpec, decode_responses, get_generator
 from grpo.storage import Committed, Storage
 from grpo.tasks import Example, get_task
 from schemas import ParquetWriter
@@ -77,7 +77,7 @@ def chunk_columns(run_id: str, iteration: int, first_id: int, examples: list[Exa
             "sample_index": [j for group in groups for j in range(len(group))],
             "prompt": per_sample([e.prompt for e in examples]), "prompt_ids": per_sample(prompt_ids),
             "response_ids": [s.response_ids for s in samples],
-            "response": [decode_response(tokenizer, s.response_ids) for s in samples],
+            "response": decode_responses(tokenizer, [s.response_ids for s in samples]),
             "sampler_logprobs": [s.logprobs for s in samples], "finish_reason": [s.finish_reason for s in samples],
             "ground_truth": per_sample([e.ground_truth for e in examples]), "policy_version": [version] * n}
 

@@ -1,6 +1,8 @@
 """Tasks: hand-computed rewards, deterministic generation, registry errors."""
 
 import doctest
+import random
+from collections import Counter
 
 import pytest
 
@@ -9,7 +11,7 @@ import grpo.tasks.arithmetic
 import grpo.tasks.sort
 from grpo.tasks import TASKS, Example, get_task
 from grpo.tasks.arithmetic import arithmetic_reward
-from grpo.tasks.sort import parse_numbers, sort_reward
+from grpo.tasks.sort import overlap, parse_numbers, sort_reward
 
 
 @pytest.mark.parametrize("module", [grpo.tasks, grpo.tasks.sort, grpo.tasks.arithmetic])
@@ -73,6 +75,15 @@ def test_sort_credit_is_a_task_parameter():
     assert task.reward("1 3 4 5", "1 1 3 4 5", "")["total"] == pytest.approx(0.8 / 4 + 0.2 / 4)
     with pytest.raises(ValueError, match="credit must be one of ordered, position"):
         get_task("sort", credit="pairs")
+
+
+def test_overlap_is_the_multiset_intersection():
+    rng = random.Random(0)
+    for _ in range(2000):
+        a, b = ([rng.randint(0, 3) for _ in range(rng.randint(0, 7))] for _ in range(2))
+        pairs_a, pairs_b = list(zip(a, a[1:])), list(zip(b, b[1:]))
+        assert overlap(a, b) == sum((Counter(a) & Counter(b)).values())
+        assert overlap(pairs_a, pairs_b) == sum((Counter(pairs_a) & Counter(pairs_b)).values())
 
 
 def test_sort_reward_only_exact_reaches_one():

@@ -53,6 +53,19 @@ def test_tokenizer_special_ids_and_unknown_words():
     assert len(tok) == 6
 
 
+def test_decode_responses_drops_the_final_eos_and_keeps_other_specials(sort_model):
+    import random
+
+    from grpo.generation import decode_responses
+    tok = AutoTokenizer.from_pretrained(sort_model)
+    rng = random.Random(0)
+    rows = [[rng.randrange(len(tok)) for _ in range(rng.randint(0, 6))] for _ in range(300)]
+    rows += [[EOS_ID], [4, EOS_ID], [EOS_ID, 4, EOS_ID], [PAD_ID, BOS_ID, UNK_ID]]
+    expected = [tok.decode(r[:-1] if r and r[-1] == EOS_ID else r, skip_special_tokens=False) for r in rows]
+    assert decode_responses(tok, rows) == expected
+    assert decode_responses(tok, [[EOS_ID, 4, EOS_ID], [PAD_ID, 4]]) == ["<eos> sort", "<pad> sort"]
+
+
 def test_tokenizer_rejects_words_with_spaces():
     with pytest.raises(ValueError, match="whitespace"):
         build_tokenizer(["a b"])

@@ -15,7 +15,6 @@ earns 0.2 instead of 0.75 and learning to repeat a number pays at once.
 
 import random
 import re
-from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -37,6 +36,24 @@ def parse_numbers(text: str) -> list[int]:
     return [int(w) for w in text.split() if _NUMBER.fullmatch(w)]
 
 
+def overlap(got: list, want: list) -> int:
+    """Size of the multiset intersection of `got` and `want` (what `Counter & Counter` counts,
+    without building two Counters: rewards score every sample, and this is their inner loop).
+
+    >>> overlap([1, 3, 3, 4], [1, 1, 3, 4, 5]), overlap([(1, 1)], [(1, 1), (1, 1)]), overlap([], [2])
+    (3, 1, 0)
+    """
+    left: dict = {}
+    for x in want:
+        left[x] = left.get(x, 0) + 1
+    hits = 0
+    for x in got:
+        if left.get(x, 0) > 0:
+            left[x] -= 1
+            hits += 1
+    return hits
+
+
 def present_score(got: list[int], want: list[int]) -> float:
     """Multiset overlap of `got` with `want`, over max(len(want), len(got)).
 
@@ -49,8 +66,7 @@ def present_score(got: list[int], want: list[int]) -> float:
     >>> present_score([], [1, 2])
     0.0
     """
-    overlap = sum((Counter(got) & Counter(want)).values())
-    return overlap / max(len(want), len(got), 1)
+    return overlap(got, want) / max(len(want), len(got), 1)
 
 
 def ordered_score(got: list[int], want: list[int]) -> float:
@@ -73,8 +89,7 @@ def ordered_score(got: list[int], want: list[int]) -> float:
     if n <= 1:
         return float(got[:1] == target)
     head = got[:n]
-    hits = Counter(zip(head, head[1:])) & Counter(zip(target, target[1:]))
-    return sum(hits.values()) / (n - 1)
+    return overlap(list(zip(head, head[1:])), list(zip(target, target[1:]))) / (n - 1)
 
 
 def position_score(words: list[str], want: list[int]) -> float:
