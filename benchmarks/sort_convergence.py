@@ -6,11 +6,14 @@
 Each line is one iteration: mean sampled reward, held-out greedy exact match and reward,
 the AdamW steps and samples so far, the wall time of the iteration's stages and the share of it
 outside sampling and learner compute (the stages' own overhead, without Prefect). The last lines
-say when exact match first reached --target and the mean overhead of iterations 1...
+say when exact match first reached --target and the mean overhead of iterations 1..., and
+that overhead per stage (benchmarks/timing.py).
 """
 import argparse
 import tempfile
 import time
+
+from timing import print_stage_overheads, stage_overheads
 
 from grpo.cli import run_warm
 from grpo.config import load_config_file
@@ -52,6 +55,7 @@ def main() -> None:
     if walls:
         print(f"stage overhead (iterations 1..): {1000 * sum(others) / len(others):.0f} ms, "
               f"{100 * sum(others) / sum(walls):.1f}% of {sum(walls) / len(walls):.2f} s")
+        print_stage_overheads(stage_overheads(storage.url, "bench", range(1, len(walls) + 1)))
 
 
 if __name__ == "__main__":

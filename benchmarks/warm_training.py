@@ -11,7 +11,8 @@ It starts a Prefect server on 127.0.0.1 (temporary home, SQLite), then
    match first reaches --target;
 2. per iteration, from the manifests' commit times and the stages' own timers: generation
    (rollouts + eval decoding), learner compute (old/ref log-prob forwards, forward/backward/AdamW),
-   and the rest, the overhead (Prefect tasks, storage, hashing, rewards, advantages, checkpoint save);
+   and the rest, the overhead (Prefect tasks, storage, hashing, rewards, advantages, checkpoint save),
+   then that overhead per stage: before it starts (task run, inputs) and inside it (its own I/O);
 3. at the default (demo) config: the same overhead, learner tokens/s and the fraction of the learn
    stage outside forward/backward/optimizer, then one more iteration in a new process (a cold
    grpo/iteration run: interpreter, imports, engine start, model loads) against a warm one.
@@ -23,26 +24,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the real-server helper the end-to-end tests use
 
-STAGES = ("snapshot", "rollouts", "rewards", "advantages", "learn", "eval")
-
-
-def manifests(url: str, run_id: str, iteration: int) -> dict:
-    from grpo.storage import latest_committed, open_storage
-    from stages.common import stage_dir
-    storage = open_storage(url)
-    return {s: latest_committed(storage, stage_dir(storage, run_id, iteration, s), verify=False).manifest
-            for s in STAGES}
-
-
-def committed_at(manifest) -> float:
-    return datetime.fromisoformat(manifest.committed_at).timestamp()
-
+from timing import committed_at, manifests, print_stage_overheads, stage_overheads  # noqa: E402
 
 def iteration_times(url: str, run_id: str, iterations: range, start: float) -> list[dict]:
     """Per iteration: wall (previous eval commit -> this eval commit), generation, learner compute."""
@@ -142,10 +129,13 @@ def main() -> None:
               f"{all_rows[0][0]['engine']:.2f} s, later {sum(r['engine'] for r in steady) / len(steady):.3f} s); "
               f"the Prefect server used {1000 * server_cpu:.0f} ms of CPU an iteration")
 
+        print_stage_overheads(stage_overheads(url, f"sort-s{args.seeds[0]}", range(1, args.iterations)))
+
         demo = train_warm(url, "demo", args.demo_iterations, None, [])
         drows = iteration_times(url, "demo", range(args.demo_iterations), demo)
         print(f"== demo size (default config), iterations 1..{args.demo_iterations - 1}")
         print_iterations(drows)
+        print_stage_overheads(stage_overheads(url, "demo", range(1, args.demo_iterations)))
         drows = drows[1:]
         tokens, update = sum(r["tokens"] for r in drows), sum(r["update_s"] for r in drows)
         outside = 1 - sum(r["learner"] for r in drows) / sum(r["learn_wall"] for r in drows)

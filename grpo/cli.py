@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("grpo").setLevel(logging.INFO)
+    from transformers.utils.logging import disable_progress_bar
+    disable_progress_bar()  # a "Writing model shards" bar per learner checkpoint between our lines
     try:
         args.fn(args, open_storage(args.storage))
     except (ConfigError, StageError, ArtifactError, SchemaError) as e:

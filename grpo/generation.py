@@ -146,8 +146,9 @@ class VLLMGenerator:
         # on CPU one scheduler step may hold a whole chunk (chunk_prompts x G sequences): the
         # default of 256 sequences runs a 512 x 8 chunk in 16 waves (GPUs keep vLLM's defaults)
         batch = {} if torch.cuda.is_available() else {"max_num_seqs": 4096, "max_num_batched_tokens": 65536}
+        # no progress bar per weight load: a warm run reloads every iteration
         self.llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=seed,
-                       enable_prefix_caching=False, **batch)
+                       enable_prefix_caching=False, use_tqdm_on_load=False, **batch)
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
         from vllm import SamplingParams
