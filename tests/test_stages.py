@@ -145,6 +145,41 @@ def test_reward_timeout_is_recorded(storage, monkeypatch):
     assert df.error.str.startswith("timeout").all()
 
 
+def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_a_time(monkeypatch):
+    import time
+
+    import pyarrow as pa
+
+    from grpo.config import RewardConfig, TaskConfig
+    from grpo.tasks import get_task, sort
+    from stages.rewards import _fork_pool, score_batch
+    real = sort.SortTask.reward
+
+    def slow_on_marker(self, response, ground_truth, prompt):
+        if response == "slow":
+            time.sleep(5)
+        return real(self, response, ground_truth, prompt)
+
+    monkeypatch.setattr(sort.SortTask, "reward", slow_on_marker)  # the fork pool inherits the patch
+    task = get_task("sort")
+    examples = task.generate(700, seed=0)  # 700 samples: 8 jobs of 88 for 2 workers
+    responses = [e.ground_truth if i % 3 else "1 2" for i, e in enumerate(examples)]
+    slow = {5, 6, 400}  # two in a row in one job, one in another
+    for i in slow:
+        responses[i] = "slow"
+    batch = pa.RecordBatch.from_pydict({"response": responses, "ground_truth": [e.ground_truth for e in examples],
+                                        "prompt": [e.prompt for e in examples]})
+    with _fork_pool(2) as pool:
+        scored = score_batch(pool, TaskConfig(), RewardConfig(workers=2, timeout_s=0.2), batch)
+    assert len(scored) == 700
+    for i, ((reward, components, error), e) in enumerate(zip(scored, examples)):
+        if i in slow:
+            assert (reward, components, error) == (0.0, {}, "timeout after 0.2s")
+        else:  # the samples after a timeout in the same job still score, each with its own limit
+            assert error is None and components == real(task, responses[i], e.ground_truth, e.prompt)
+            assert reward == (1.0 if i % 3 else components["total"])
+
+
 def test_reward_pool_is_kept_only_while_warm_and_never_after_a_failure():
     import os
     from stages.rewards import _WarmPools
