@@ -23,6 +23,7 @@ from stages.common import StageError, committed_input, load_run, run_stage
 
 _JOBS_PER_WORKER = 4  # a batch is split into about this many pool jobs per worker
 _MIN_CHUNK = 64  # samples; smaller jobs cost more in pickling and wake-ups than they score
+_MAX_CHUNK = 256  # samples; bounds how long a job hung in C code (no alarm reaches it) is waited for
 
 
 class _Timeout(Exception):
@@ -88,7 +89,7 @@ def score_batch(pool, task_cfg: TaskConfig, cfg: RewardConfig, batch) -> list:
     items = list(zip(batch.column("response").to_pylist(), batch.column("ground_truth").to_pylist(),
                      batch.column("prompt").to_pylist()))
     params = tuple(sorted(task_cfg.params.items()))
-    chunk = max(_MIN_CHUNK, -(-len(items) // (_JOBS_PER_WORKER * cfg.workers)))
+    chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, -(-len(items) // (_JOBS_PER_WORKER * cfg.workers))))
     jobs = [pool.apply_async(_score_chunk, (task_cfg.name, params, cfg.timeout_s, items[i:i + chunk]))
             for i in range(0, len(items), chunk)]
     results = []
