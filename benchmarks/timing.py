@@ -5,12 +5,12 @@ Each manifest holds when its attempt started and committed and the stage's own c
 """
 from datetime import datetime
 
-STAGES = ("snapshot", "rollouts", "rewards", "advantages", "learn", "eval")
+from grpo.storage import latest_committed, open_storage
+from stages import STAGES
+from stages.common import stage_dir
 
 
 def manifests(url: str, run_id: str, iteration: int) -> dict:
-    from grpo.storage import latest_committed, open_storage
-    from stages.common import stage_dir
     storage = open_storage(url)
     return {s: latest_committed(storage, stage_dir(storage, run_id, iteration, s), verify=False).manifest
             for s in STAGES}
@@ -28,8 +28,9 @@ def stage_overheads(url: str, run_id: str, iterations: range) -> dict[str, tuple
     start (the Prefect task run, reading and verifying inputs), and from its start to its commit
     minus its sampling or learner compute (its own reads, writes, hashing, scoring, reloads)."""
     sums = {s: [0.0, 0.0] for s in STAGES}
+    prev = manifests(url, run_id, iterations[0] - 1)["eval"]
     for k in iterations:
-        m, prev = manifests(url, run_id, k), manifests(url, run_id, k - 1)["eval"]
+        m = manifests(url, run_id, k)
         for s in STAGES:
             started = datetime.fromisoformat(m[s].started_at).timestamp()
             compute = sum(m[s].summary[key] for key in COMPUTE.get(s, ()))

@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the real-server helper the end-to-end
 
 from timing import committed_at, manifests, print_stage_overheads, stage_overheads  # noqa: E402
 
+
 def iteration_times(url: str, run_id: str, iterations: range, start: float) -> list[dict]:
     """Per iteration: wall (previous eval commit -> this eval commit), generation, learner compute."""
     rows, prev = [], start

@@ -15,6 +15,7 @@ earns 0.2 instead of 0.75 and learning to repeat a number pays at once.
 
 import random
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -36,7 +37,7 @@ def parse_numbers(text: str) -> list[int]:
     return [int(w) for w in text.split() if _NUMBER.fullmatch(w)]
 
 
-def overlap(got: list, want: list) -> int:
+def overlap(got: Iterable, want: Iterable) -> int:
     """Size of the multiset intersection of `got` and `want` (what `Counter & Counter` counts,
     without building two Counters: rewards score every sample, and this is their inner loop).
 
@@ -89,7 +90,7 @@ def ordered_score(got: list[int], want: list[int]) -> float:
     if n <= 1:
         return float(got[:1] == target)
     head = got[:n]
-    return overlap(list(zip(head, head[1:])), list(zip(target, target[1:]))) / (n - 1)
+    return overlap(zip(head, head[1:]), zip(target, target[1:])) / (n - 1)
 
 
 def position_score(words: list[str], want: list[int]) -> float:
