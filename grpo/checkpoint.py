@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from collections import OrderedDict
@@ -18,6 +19,44 @@ from grpo.storage import Committed, StageWriter, is_local
 CHECKPOINT_PREFIX = "policy/"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
 _LOADED: OrderedDict[tuple, tuple] = OrderedDict()  # (tokenizer, config) by the files they come from
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# what a checkpoint needs from a hub repo: weights, config, tokenizer, chat template, generation config
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """`model.base_model` names no checkpoint that can be had."""
+
+
+def fetch_model(spec: str, dst: str | Path) -> str:
+    """Copy the HF checkpoint `spec` names into the local folder `dst`; returns where it came from.
+
+    `spec` is a local folder, an fsspec URL (s3://bucket/model), or a hub id resolved through
+    huggingface_hub (its cache first; HF_HUB_OFFLINE=1 never goes online).
+    """
+    import fsspec
+    if "://" in spec or os.path.isdir(spec):
+        fs, root = fsspec.core.url_to_fs(spec)
+        if not fs.exists(f"{root}/config.json"):
+            raise ModelNotFoundError(f"model.base_model {spec}: no config.json, not an HF checkpoint folder")
+        fs.get(root.rstrip("/") + "/", str(dst), recursive=True)
+        return spec
+    if not _HUB_ID.match(spec):
+        raise ModelNotFoundError(f"model.base_model {spec}: no such folder, and not a hub id")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    try:
+        folder = snapshot_download(spec, allow_patterns=HUB_FILES)
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        offline = " (HF_HUB_OFFLINE is set: only the local cache is used)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise ModelNotFoundError(f"model.base_model {spec}: no such local folder, and the hub model could not be "
+                                 f"had{offline}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    if not Path(folder, "config.json").exists():
+        raise ModelNotFoundError(f"model.base_model {spec}: the hub snapshot {folder} has no config.json")
+    shutil.copytree(folder, dst, dirs_exist_ok=True)  # the cache's symlinks resolved: real files
+    return f"hub:{spec}"
 
 
 def cache_root() -> Path:

@@ -10,7 +10,8 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args, get_type_hints
+import types
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -20,17 +21,30 @@ Backend = Literal["vllm", "hf"]
 @dataclass(frozen=True)
 class TaskConfig:
     name: str = "sort"
-    """Registered task (grpo.tasks.TASKS): `sort` or `arithmetic`."""
+    """Registered task (grpo.tasks.TASKS): `sort`, `arithmetic` (toy prompts of their own) or `math`
+    (GSM8K/MATH final answers, needs `dataset`)."""
     params: dict = field(default_factory=dict)
-    """Keyword parameters of the task (its own defaults otherwise: sort takes n_numbers=5, max_value=9)."""
+    """Keyword parameters of the task (its own defaults otherwise: sort takes n_numbers=5, max_value=9;
+    math takes format_weight=0)."""
     dataset: str | None = None
-    """Optional Parquet/JSONL file of rows `prompt`, `ground_truth` to sample prompts from."""
+    """Training prompts: Parquet, JSONL/JSON or CSV at any fsspec URL, or a `datasets` save_to_disk folder;
+    None uses the task's own prompt generator."""
+    prompt_column: str = "prompt"
+    """Dataset column of the prompt: a string, or a list of chat messages `{role, content}` (GSM8K: question)."""
+    answer_column: str = "ground_truth"
+    """Dataset column of the ground truth the reward checks (GSM8K: answer, ending in `#### N`)."""
+    prompt_format: Literal["auto", "chat", "text"] = "auto"
+    """`auto`: chat messages go through the tokenizer's chat template, strings are used as they are;
+    `chat`: a string becomes one user message, then the template; `text`: strings as they are."""
+    system_prompt: str | None = None
+    """Chat formats: a system message put before each prompt's messages."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     base_model: str | None = None
-    """HF-format checkpoint folder (local path or URL); None builds the tiny model for the task."""
+    """HF checkpoint: a local folder, an fsspec URL (s3://...), or a hub id (`Qwen/Qwen2.5-0.5B-Instruct`,
+    resolved through huggingface_hub's cache; HF_HUB_OFFLINE respected); None builds the tiny model."""
     hidden_size: int = 128
     """Tiny model only: width (head_dim = hidden_size / num_heads must be >= 32 for vLLM on CPU)."""
     num_layers: int = 2
@@ -64,13 +78,22 @@ class RolloutConfig:
     max_tokens: int = 16
     """Longest response, in tokens."""
     stop: list[str] = field(default_factory=list)
-    """Stop strings (the tokenizer's eos always stops)."""
+    """Stop strings (every eos id of the tokenizer and generation_config.json always stops)."""
+    max_prompt_tokens: int | None = None
+    """Longer prompts are skipped (counted in the manifest summary as `skipped_prompts`); prompts that
+    leave no room for a response within the model's context are skipped too. None: no limit of its own."""
     chunk_prompts: int = 512
     """Prompts generated and written per Parquet row group; bounds memory."""
 
 
 @dataclass(frozen=True)
 class RewardConfig:
+    functions: list[str] = field(default_factory=list)
+    """Your own rewards instead of the task's: `path/to/file.py:function` or `package.module:function`,
+    each `(response, ground_truth, prompt, **row) -> float | dict with "total"` (row: the dataset's
+    other columns). A file is copied into the run at `grpo init`."""
+    weights: list[float] | None = None
+    """Weight of each function's total in the reward (default 1 each)."""
     workers: int = 2
     """Processes scoring responses in parallel."""
     timeout_s: float = 10.0
@@ -128,9 +151,16 @@ class LearnConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     n_prompts: int = 64
-    """Held-out prompts, greedy-decoded every iteration."""
+    """Held-out prompts, greedy-decoded every iteration (at most that many of a held-out dataset)."""
     seed: int = 1_000_003
-    """Seed of the held-out prompts; kept apart from the training seeds."""
+    """Seed of the held-out prompts and of the held-out split; kept apart from the training seeds."""
+    dataset: str | None = None
+    """Held-out prompts (same formats and columns as task.dataset); None with a task.dataset holds out
+    `split_fraction` of it."""
+    split_fraction: float = 0.1
+    """With task.dataset and no eval.dataset: the seeded share of its rows held out, never trained on."""
+    samples_per_prompt: int = 1
+    """k > 1 also samples k responses per prompt at rollout.temperature: avg@k and pass@k."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +192,23 @@ def _hints(cls) -> dict[str, Any]:
 def _coerce(cls, name: str, value: Any, where: str) -> Any:
     """Check `value` against the annotated type of field `name` of `cls`."""
     hint = _hints(cls)[name]
+    if get_origin(hint) in (Union, types.UnionType):  # X | None
+        if value is None:
+            return None
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    if get_origin(hint) is list:
+        item = get_args(hint)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        if item is str and not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+        if item is float:
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                raise ConfigError(f"{where}: expected a list of numbers, got {value!r}")
+            return [float(v) for v in value]
+        return value
+    if hint is str and not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
     if getattr(hint, "__origin__", None) is Literal:
         if value not in get_args(hint):
             raise ConfigError(f"{where}: {value!r} is not one of {list(get_args(hint))}")
@@ -246,11 +293,27 @@ def load_config_file(path: str | None, overrides: list[str] | None = None) -> Ru
 
 def validate(cfg: RunConfig) -> None:
     """Check cross-field constraints before any work starts; each error names its field."""
-    from grpo.tasks import get_task
+    from grpo.tasks import generates, get_task
     try:
-        get_task(cfg.task.name, **cfg.task.params)
+        task = get_task(cfg.task.name, **cfg.task.params)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"task: {e}") from e
+    if not generates(task) and not cfg.task.dataset:
+        raise ConfigError(f"task.dataset: task {cfg.task.name!r} makes no prompts of its own; name a dataset")
+    if not generates(task) and not cfg.model.base_model:
+        raise ConfigError(f"model.base_model: task {cfg.task.name!r} has no vocabulary for the tiny model; "
+                          "name an HF model (folder, URL or hub id)")
+    e = cfg.eval
+    if cfg.task.dataset and not e.dataset and not 0 < e.split_fraction < 1:
+        raise ConfigError(f"eval.split_fraction must be in (0, 1) when task.dataset has no eval.dataset, "
+                          f"got {e.split_fraction}")
+    if e.samples_per_prompt < 1:
+        raise ConfigError(f"eval.samples_per_prompt must be >= 1, got {e.samples_per_prompt}")
+    fns, weights = cfg.reward.functions, cfg.reward.weights
+    if weights is not None and len(weights) != len(fns):
+        raise ConfigError(f"reward.weights has {len(weights)} weight(s) for {len(fns)} reward.functions")
+    if cfg.rollout.max_prompt_tokens is not None and cfg.rollout.max_prompt_tokens < 1:
+        raise ConfigError(f"rollout.max_prompt_tokens must be >= 1 or null, got {cfg.rollout.max_prompt_tokens}")
     r, a, l = cfg.rollout, cfg.advantage, cfg.learn
     positive = {"rollout.prompts_per_iteration": r.prompts_per_iteration, "rollout.group_size": r.group_size,
                 "rollout.max_tokens": r.max_tokens, "rollout.chunk_prompts": r.chunk_prompts,

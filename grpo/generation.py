@@ -40,8 +40,10 @@ class Sample:
 class Generator(Protocol):
     model_dir: str
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
-        """prompts: token ids (bos included) -> per prompt, spec.n samples."""
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec,
+                 budgets: list[int] | None = None) -> list[list[Sample]]:
+        """prompts: token ids (bos included) -> per prompt, spec.n samples of at most its budget
+        (default spec.max_tokens) tokens; every eos id of the checkpoint (`stop_token_ids`) stops."""
         ...
 
     def load_weights(self, model_dir: str) -> None:
@@ -64,11 +66,13 @@ class HFGenerator:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.model_dir, self.batch_size = model_dir, batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos = torch.tensor(stop_token_ids(self.tokenizer, model_dir))
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     @torch.no_grad()
-    def _batch(self, prompts: list[list[int]], spec: SamplingSpec, rng: torch.Generator) -> list[list[Sample]]:
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+    def _batch(self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int],
+               rng: torch.Generator) -> list[list[Sample]]:
+        pad = pad_token_id(self.tokenizer)
         width = max(map(len, prompts))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         attn = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
@@ -81,27 +85,30 @@ class HFGenerator:
         position = attn.sum(1, keepdim=True)  # (B*n, 1): where the next token sits
         tokens, logps = [], []
         done = torch.zeros(len(logits), dtype=torch.bool)
-        length = torch.full((len(logits),), spec.max_tokens)  # tokens kept per row
-        for t in range(spec.max_tokens):
+        stopped = done.clone()  # ended by an eos or a stop string
+        limit = torch.tensor(budgets).repeat_interleave(spec.n)  # (B*n,) each prompt's own budget
+        length = limit.clone()  # tokens kept per row
+        for t in range(int(limit.max())):
             logp = logits.float().log_softmax(-1)  # the raw distribution, before temperature and top-p
             tok = logp.argmax(-1) if spec.temperature == 0 else sample_token(logits.float() / spec.temperature,
                                                                               spec.top_p, rng)
             tok = tok.masked_fill(done, pad)
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
-            ended = ~done & (tok == eos)
+            ended = ~done & torch.isin(tok, self.eos)
             if spec.stop:
                 ended |= ~done & self._stop_strings_seen(tokens, spec.stop)
-            length[ended], done = t + 1, done | ended
-            if done.all() or t + 1 == spec.max_tokens:
+            length[ended], done, stopped = t + 1, done | ended, stopped | ended
+            done |= limit == t + 1  # out of budget: "length" (length stays at the budget)
+            if done.all():
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=position,
                              past_key_values=cache, use_cache=True)
             logits, position = out.logits[:, -1], position + 1
         rows, row_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
-        samples = [Sample(r[:k], lp[:k], "stop" if stopped else "length")
-                   for r, lp, k, stopped in zip(rows, row_logps, length.tolist(), done.tolist())]
+        samples = [Sample(r[:k], lp[:k], "stop" if s else "length")
+                   for r, lp, k, s in zip(rows, row_logps, length.tolist(), stopped.tolist())]
         return [samples[i * spec.n:(i + 1) * spec.n] for i in range(len(prompts))]
 
     def _stop_strings_seen(self, tokens: list[torch.Tensor], stop: tuple[str, ...]) -> torch.Tensor:
@@ -109,12 +116,14 @@ class HFGenerator:
         rows = torch.stack(tokens, 1).tolist()
         return torch.tensor([any(s in self.tokenizer.decode(r) for s in stop) for r in rows])
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec,
+                 budgets: list[int] | None = None) -> list[list[Sample]]:
         rng = torch.Generator().manual_seed(spec.seed)
+        budgets = budgets or [spec.max_tokens] * len(prompts)
         step = max(1, self.batch_size // spec.n)
         out: list[list[Sample]] = []
         for i in range(0, len(prompts), step):
-            out += self._batch(prompts[i:i + step], spec, rng)
+            out += self._batch(prompts[i:i + step], spec, budgets[i:i + step], rng)
         return out
 
     def load_weights(self, model_dir: str) -> None:
@@ -143,6 +152,7 @@ class VLLMGenerator:
         _fixed_mmap_threshold()
         from vllm import LLM
         self.model_dir = model_dir
+        self.eos = stop_token_ids(None, model_dir)
         # on CPU one scheduler step may hold a whole chunk (chunk_prompts x G sequences): the
         # default of 256 sequences runs a 512 x 8 chunk in 16 waves (GPUs keep vLLM's defaults)
         batch = {} if torch.cuda.is_available() else {"max_num_seqs": 4096, "max_num_batched_tokens": 65536}
@@ -150,15 +160,18 @@ class VLLMGenerator:
         self.llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=seed,
                        enable_prefix_caching=False, use_tqdm_on_load=False, **batch)
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec,
+                 budgets: list[int] | None = None) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         # one seed per prompt (prompts sharing one draw the same random numbers); vLLM seeds
         # the n samples of a request with seed + j, hence the stride of n
         # the rollouts stage decodes the ids itself; vLLM's incremental detokenizer is only
         # needed to spot stop strings (it costs ~30% of a step on a tiny model)
+        budgets = budgets or [spec.max_tokens] * len(prompts)
         params = [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
-                                 max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
+                                 max_tokens=budgets[i], stop=list(spec.stop) or None,
+                                 stop_token_ids=list(self.eos),
                                  seed=(spec.seed + i * spec.n) % 2**31, logprobs=0, detokenize=bool(spec.stop))
                   for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -229,16 +242,40 @@ def _retie_lm_head(worker) -> None:
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
-def decode_responses(tokenizer, rows: list[list[int]]) -> list[str]:
-    """Each response's text: the eos that ended it dropped, other special tokens kept.
+def _generation_config_eos(model_dir: str) -> list[int]:
+    path = Path(model_dir, "generation_config.json")
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def stop_token_ids(tokenizer, model_dir: str) -> tuple[int, ...]:
+    """Every eos id of a checkpoint: the tokenizer's and generation_config.json's (Qwen2.5 lists
+    `[<|im_end|>, <|endoftext|>]`). Either backend stops on each and strips it from the text."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []) + _generation_config_eos(model_dir)
+    if not ids:
+        raise ValueError(f"{model_dir}: no eos token in the tokenizer or generation_config.json")
+    return tuple(dict.fromkeys(ids))
+
+
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad id, or its eos id when it has none (padding is masked out anyway)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def decode_responses(tokenizer, rows: list[list[int]], eos_ids: tuple[int, ...] | None = None) -> list[str]:
+    """Each response's text: the eos that ended it dropped (any of `eos_ids`, default the
+    tokenizer's), other special tokens kept.
 
     Keeping a sampled `<pad>` or `<bos>` visible means the reward sees it (it is
     not an exact answer), instead of a decode that silently hides it. A fast
     tokenizer without clean-up decodes through its `tokenizers` object: the same
     text without transformers' per-call argument handling (3x the decode itself).
     """
-    eos = tokenizer.eos_token_id
-    rows = [ids[:-1] if ids and ids[-1] == eos else ids for ids in rows]
+    eos = set(eos_ids or [tokenizer.eos_token_id])
+    rows = [ids[:-1] if ids and ids[-1] in eos else ids for ids in rows]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     decode = tokenizer.decode if backend is None or tokenizer.clean_up_tokenization_spaces else backend.decode
     return [decode(ids, skip_special_tokens=False) for ids in rows]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
+SCHEMA_VERSION = 3  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
+# 3: rollouts.row (the dataset's other columns), eval.avg_at_k and eval.pass_at_k
 
 _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
     pa.field("run_id", pa.string(), nullable=False),
@@ -34,6 +35,7 @@ ROLLOUTS = pa.schema(_SAMPLE_KEYS + [
     pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),  # log-prob of each sampled token
     pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
     pa.field("ground_truth", pa.string(), nullable=False),
+    pa.field("row", pa.string(), nullable=False),  # JSON object: the dataset row's other columns
     pa.field("policy_version", pa.string(), nullable=False),  # snapshot identity
 ])
 
@@ -79,8 +81,10 @@ EVAL = pa.schema(_KEYS + [
     pa.field("prompt", pa.string(), nullable=False),
     pa.field("response", pa.string(), nullable=False),
     pa.field("ground_truth", pa.string(), nullable=False),
-    pa.field("reward", pa.float64(), nullable=False),
-    pa.field("exact", pa.float64(), nullable=False),
+    pa.field("reward", pa.float64(), nullable=False),  # greedy response
+    pa.field("exact", pa.float64(), nullable=False),  # greedy response correct: accuracy
+    pa.field("avg_at_k", pa.float64(), nullable=True),  # share of k samples correct; null: k = 1
+    pa.field("pass_at_k", pa.float64(), nullable=True),  # any of k samples correct; null: k = 1
 ])
 
 SCHEMAS: dict[str, pa.Schema] = {

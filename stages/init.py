@@ -1,9 +1,15 @@
-"""Create a run: write its resolved config and commit the base model it starts from.
+"""Create a run: check its inputs, write its resolved config, commit the base model it starts from.
 
 The base model is the policy of iteration 0 and the frozen reference for the KL
 penalty. With no `model.base_model` the tiny model for the task is built from a
-config; otherwise the given HF-format folder is copied in once, so every later
-stage references immutable, hashed files.
+config; otherwise the checkpoint (a local folder, an fsspec URL or a hub id) is
+copied in once, so every later stage references immutable, hashed files. Reward
+files named in `reward.functions` are copied beside it (`reward/`).
+
+Everything a later stage needs is checked before run.json is written: the model and
+its tokenizer load, the chat template exists where the prompt format needs one, the
+datasets have their columns, the reward functions import and take the right
+arguments. A typo fails here, naming the field, and leaves no run behind.
 """
 from __future__ import annotations
 
@@ -11,11 +17,11 @@ import json
 import tempfile
 from pathlib import Path
 
-import fsspec
-
-from grpo.checkpoint import upload_folder
-from grpo.config import RunConfig
+from grpo import data
+from grpo.checkpoint import ModelNotFoundError, fetch_model, upload_folder
+from grpo.config import ConfigError, RunConfig, load_config
 from grpo.storage import Committed, Storage, is_local
+from grpo.tasks import functions, generates, get_task
 from grpo.tiny_model import build_for_task
 from stages.common import StageError, log, run_dir, run_stage
 
@@ -23,23 +29,16 @@ from stages.common import StageError, log, run_dir, run_stage
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     """Write run.json once; a different config for an existing run is refused."""
     path = f"{run_dir(storage, run_id)}/run.json"
-    data = json.dumps({"run_id": run_id, "config": cfg.to_dict()}, indent=1, sort_keys=True).encode()
+    data_ = json.dumps({"run_id": run_id, "config": cfg.to_dict()}, indent=1, sort_keys=True).encode()
     if storage.exists(path):
         existing = json.loads(storage.read_bytes(path))
-        if existing.get("config") != cfg.to_dict():
+        if load_config(existing.get("config")).to_dict() != cfg.to_dict():  # defaults of newer fields filled in
             raise StageError(f"{storage.uri(path)}: run {run_id!r} exists with a different config; "
                              "use a new run id")
         return
     if is_local(storage.fs):  # object stores need no folders
         storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)
-    storage.write_bytes_atomic(path, data)
-
-
-def _copy_base(src: str, dst: Path) -> None:
-    fs, root = fsspec.core.url_to_fs(src)
-    if not fs.exists(f"{root}/config.json"):
-        raise StageError(f"model.base_model {src}: no config.json, not an HF-format checkpoint folder")
-    fs.get(root.rstrip("/") + "/", str(dst), recursive=True)
+    storage.write_bytes_atomic(path, data_)
 
 
 def build_tiny_base(out_dir: str, cfg: RunConfig) -> str:
@@ -51,20 +50,86 @@ def build_tiny_base(out_dir: str, cfg: RunConfig) -> str:
                           tie_embeddings=m.tie_embeddings, initializer_range=m.initializer_range)
 
 
+def _sample_prompts(cfg: RunConfig) -> list:
+    """A few prompts of each source the run reads, to check that they load and render."""
+    examples = []
+    for name, uri in (("task.dataset", cfg.task.dataset), ("eval.dataset", cfg.eval.dataset)):
+        if uri:
+            try:
+                rows = data.load_examples(uri, cfg.task.prompt_column, cfg.task.answer_column)
+            except data.DatasetError as e:
+                raise ConfigError(f"{name}: {e}") from e
+            examples += [next((e for e in rows if isinstance(e.prompt, list)), rows[0]), rows[0]]
+    task = get_task(cfg.task.name, **cfg.task.params)
+    if generates(task):
+        examples += task.generate(1, seed=0)
+    if cfg.task.dataset and not cfg.eval.dataset:
+        from stages.rollouts import held_out_split
+        try:
+            held_out_split(cfg)
+        except StageError as e:
+            raise ConfigError(f"eval.split_fraction: {e}") from e
+    return examples
+
+
+def check_inputs(cfg: RunConfig, model_dir: str) -> None:
+    """Fail with a ConfigError naming the field if anything a stage will read is missing or wrong."""
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a broken folder)
+        raise ConfigError(f"model.base_model {cfg.model.base_model}: the tokenizer does not load: "
+                          f"{type(e).__name__}: {e}") from e
+    for example in _sample_prompts(cfg):
+        try:
+            data.render(tokenizer, example.prompt, cfg.task.prompt_format, cfg.task.system_prompt)
+        except data.DatasetError as e:
+            raise ConfigError(f"task.prompt_format={cfg.task.prompt_format}: {e}") from e
+    for spec in cfg.reward.functions:
+        try:
+            functions.load_function(spec)
+        except functions.RewardFunctionError as e:
+            raise ConfigError(str(e)) from e
+
+
+def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
+    """(local folder of the checked base model, where it came from), inside `tmp`."""
+    folder = f"{tmp}/model"
+    if cfg.model.base_model:
+        try:
+            source = fetch_model(cfg.model.base_model, folder)
+        except ModelNotFoundError as e:
+            raise ConfigError(str(e)) from e
+    else:
+        build_tiny_base(folder, cfg)
+        source = f"tiny {cfg.model.arch} for {cfg.task.name}"
+    check_inputs(cfg, folder)
+    return folder, source
+
+
 def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False) -> Committed:
-    """Write run.json and commit the base model under `runs/<run_id>/base`."""
-    write_run_json(storage, run_id, cfg)
+    """Check the run's inputs, write run.json and commit the base model under `runs/<run_id>/base`."""
+    exists = storage.exists(f"{run_dir(storage, run_id)}/run.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        prepared = None
+        if exists:
+            write_run_json(storage, run_id, cfg)  # only checks that the config is the same
+        else:
+            prepared = prepare_base(cfg, tmp)  # before anything is written
+            write_run_json(storage, run_id, cfg)
 
-    def body(writer):
-        with tempfile.TemporaryDirectory() as tmp:
-            if cfg.model.base_model:
-                _copy_base(cfg.model.base_model, Path(tmp))
-            else:
-                build_tiny_base(tmp, cfg)
-            upload_folder(writer, tmp)
-        return {"base_model": cfg.model.base_model or f"tiny {cfg.model.arch} for {cfg.task.name}"}
+        def body(writer):
+            folder, source = prepared or prepare_base(cfg, tmp)
+            upload_folder(writer, folder)
+            for i, spec in enumerate(cfg.reward.functions):  # the code that scores travels with the run
+                if functions.is_file_spec(spec):
+                    path = functions.split_spec(spec)[0]
+                    writer.storage.fs.put_file(str(Path(path)), writer.path(functions.committed_name(i, spec)))
+            return {"base_model": source}
 
-    stage_cfg = {"model": cfg.to_dict()["model"], "task": cfg.to_dict()["task"], "seed": cfg.seed}
-    base = run_stage(storage, run_id, None, "base", config=stage_cfg, inputs={}, body=body, force=force)
+        stage_cfg = {"model": cfg.to_dict()["model"], "task": cfg.to_dict()["task"], "seed": cfg.seed}
+        if cfg.reward.functions:
+            stage_cfg["reward_functions"] = cfg.reward.functions
+        base = run_stage(storage, run_id, None, "base", config=stage_cfg, inputs={}, body=body, force=force)
     log.info("run %s ready at %s", run_id, storage.uri(run_dir(storage, run_id)))
     return base

@@ -36,7 +36,7 @@ import pyarrow as pa
 import torch
 
 from grpo import core
-from grpo.checkpoint import local_checkpoint, tokenizer_and_config, upload_folder
+from grpo.checkpoint import WEIGHT_SUFFIXES, local_checkpoint, tokenizer_and_config, upload_folder
 from grpo.config import LearnConfig, RunConfig
 from grpo.storage import Committed, Storage, StageWriter, is_local
 from schemas import read_parquet, write_parquet
@@ -351,6 +351,19 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
 
 # ---------------------------------------------------------------- stage
 
+def carry_checkpoint_files(policy_dir: str, out_dir: str) -> list[str]:
+    """Copy what save_pretrained does not write (tokenizer files, chat_template.jinja, special tokens,
+    a hub model's extras) from the snapshot into the new checkpoint: every later stage and the user
+    load the trained policy exactly like the base. Weights are never carried: the new ones are."""
+    written = {f.name for f in Path(out_dir).iterdir()}
+    carried = []
+    for f in sorted(Path(policy_dir).iterdir()):
+        if f.is_file() and f.name not in written and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copyfile(f, f"{out_dir}/{f.name}")
+            carried.append(f.name)
+    return carried
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -427,9 +440,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
                                             "ref_dir": ref_dir, "state_dir": state_dir, "out_dir": out_dir,
                                             "summary": f"{tmp}/summary.json"},
                                            cfg.learn.num_processes)
-            for f in Path(policy_dir).iterdir():  # tokenizer and generation config travel with the weights
-                if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-                    shutil.copyfile(f, f"{out_dir}/policy/{f.name}")
+            carry_checkpoint_files(policy_dir, f"{out_dir}/policy")
             if not local:
                 upload_folder(writer, out_dir, prefix="")  # policy/, optimizer.pt, rng.pt, metrics and logprobs
         return summary

@@ -1,4 +1,8 @@
-"""Stage 3: score every rollout with the task's verifiable reward.
+"""Stage 3: score every rollout with the task's verifiable reward, or the user's functions.
+
+`reward.functions` replace the task's reward: they are loaded from the run's base commit
+(a file is copied there at `grpo init`) or imported by module name, and get each sample's
+dataset row as keyword arguments (grpo.tasks.functions).
 
 Rewards run in a process pool; each sample has a time limit. A response cut off
 at max_tokens scores `reward.truncated_reward` when that is set (an unfinished
@@ -9,15 +13,15 @@ the stage fails (committing nothing) when more than `max_error_fraction` errs.
 """
 from __future__ import annotations
 
-import functools
-import math
+import json
 import multiprocessing as mp
 import signal
 from contextlib import contextmanager
 
-from grpo.config import RewardConfig, TaskConfig
+from grpo.checkpoint import local_checkpoint
+from grpo.config import RewardConfig, RunConfig
 from grpo.storage import Committed, Storage
-from grpo.tasks import get_task
+from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches
 from stages.common import StageError, committed_input, load_run, run_stage
 
@@ -34,20 +38,25 @@ def _alarm(signum, frame):
     raise _Timeout()
 
 
-@functools.lru_cache(maxsize=4)
-def _task(name: str, params: tuple):
-    return get_task(name, **dict(params))
+def scorer_key(cfg: RunConfig, base: Committed | None) -> tuple:
+    """Plain values a pool worker builds the run's scorer from (functions.cached): the task, or the
+    reward functions with the local paths of the files committed in `base`."""
+    specs = tuple(cfg.reward.functions)
+    files: list[str | None] = [None] * len(specs)
+    if any(functions.is_file_spec(s) for s in specs):
+        folder = local_checkpoint(base, prefix=functions.REWARD_PREFIX)
+        files = [f"{folder}/{functions.committed_name(i, s)[len(functions.REWARD_PREFIX):]}"
+                 if functions.is_file_spec(s) else None for i, s in enumerate(specs)]
+    weights = tuple(cfg.reward.weights) if cfg.reward.weights else None
+    return cfg.task.name, tuple(sorted(cfg.task.params.items())), specs, weights, tuple(files)
 
 
-def score_one(task, response: str, ground_truth: str, prompt: str, timeout_s: float):
+def score_one(scorer, response: str, ground_truth: str, prompt: str, row: dict, timeout_s: float):
     """(reward, components, error) of one sample; never raises. SIGALRM must be handled by `_alarm`."""
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        components = {k: float(v) for k, v in task.reward(response, ground_truth, prompt).items()}
-        reward = components["total"]
-        if not math.isfinite(reward):
-            raise ValueError(f"non-finite reward {reward}")
-        return reward, components, None
+        components = scorer(response, ground_truth, prompt, row)
+        return components["total"], components, None
     except _Timeout:
         return 0.0, {}, f"timeout after {timeout_s}s"
     except Exception as e:  # noqa: BLE001 (a reward bug must not kill the stage)
@@ -78,19 +87,27 @@ def _fork_pool(workers: int):
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _score_chunk(task_name: str, params: tuple, timeout_s: float, items: list[tuple[str, str, str]]):
-    task = _task(task_name, params)
+def _score_chunk(key: tuple, timeout_s: float, items: list[tuple[str, str, str, dict]]):
+    try:
+        scorer = functions.cached(*key)
+    except Exception as e:  # noqa: BLE001 (a reward module failing to load fails every sample, said once)
+        return [(0.0, {}, f"{type(e).__name__}: {e}")] * len(items)
     signal.signal(signal.SIGALRM, _alarm)
-    return [score_one(task, *item, timeout_s) for item in items]
+    return [score_one(scorer, *item, timeout_s) for item in items]
 
 
-def score_batch(pool, task_cfg: TaskConfig, cfg: RewardConfig, batch) -> list:
-    """Score one record batch of rollouts in the pool, in about `_JOBS_PER_WORKER` jobs per worker."""
-    items = list(zip(batch.column("response").to_pylist(), batch.column("ground_truth").to_pylist(),
-                     batch.column("prompt").to_pylist()))
-    params = tuple(sorted(task_cfg.params.items()))
+def batch_items(batch) -> list[tuple[str, str, str, dict]]:
+    """(response, ground_truth, prompt, row) of each sample of a rollouts record batch."""
+    rows = [json.loads(r) for r in batch.column("row").to_pylist()]
+    return list(zip(batch.column("response").to_pylist(), batch.column("ground_truth").to_pylist(),
+                    batch.column("prompt").to_pylist(), rows))
+
+
+def score_batch(pool, key: tuple, cfg: RewardConfig, items: list[tuple[str, str, str, dict]]) -> list:
+    """Score samples (response, ground_truth, prompt, row) in the pool, in about `_JOBS_PER_WORKER`
+    jobs per worker; returns (reward, components, error) per sample, in order."""
     chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, -(-len(items) // (_JOBS_PER_WORKER * cfg.workers))))
-    jobs = [pool.apply_async(_score_chunk, (task_cfg.name, params, cfg.timeout_s, items[i:i + chunk]))
+    jobs = [pool.apply_async(_score_chunk, (key, cfg.timeout_s, items[i:i + chunk]))
             for i in range(0, len(items), chunk)]
     results = []
     for job, start in zip(jobs, range(0, len(items), chunk)):
@@ -155,6 +172,9 @@ WARM_POOLS = _WarmPools()
 def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)
     rollouts = committed_input(storage, run_id, iteration, "rollouts")
+    inputs = {"rollouts": rollouts}
+    if cfg.reward.functions:  # the committed copies of reward files, and their hashes in the identity
+        inputs["base"] = committed_input(storage, run_id, None, "base")
 
     def body(writer):
         n = n_err = 0
@@ -163,8 +183,9 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
         keys = ["run_id", "iteration", "prompt_id", "sample_index"]
         with WARM_POOLS.pool(cfg.reward.workers) as pool, \
                 ParquetWriter(storage.fs, writer.path("rewards.parquet"), "rewards") as out:
+            key = scorer_key(cfg, inputs.get("base"))
             for batch in iter_batches(storage.fs, path, "rollouts", batch_size=8192):
-                scored = score_batch(pool, cfg.task, cfg.reward, batch)
+                scored = score_batch(pool, key, cfg.reward, batch_items(batch))
                 if cfg.reward.truncated_reward is not None:
                     scored = [truncated(item, fr, cfg.reward.truncated_reward)
                               for item, fr in zip(scored, batch.column("finish_reason").to_pylist())]
@@ -185,5 +206,4 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
         return {"samples": n, "errors": n_err, "reward_mean": total / n}
 
     config = {"task": cfg.to_dict()["task"], "reward": cfg.to_dict()["reward"]}
-    return run_stage(storage, run_id, iteration, "rewards", config=config,
-                     inputs={"rollouts": rollouts}, body=body, force=force)
+    return run_stage(storage, run_id, iteration, "rewards", config=config, inputs=inputs, body=body, force=force)

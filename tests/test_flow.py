@@ -87,10 +87,8 @@ def test_flow_commits_every_stage_then_reuses_all(url, caplog):
 def test_failed_stage_resumes_there_and_earlier_outputs_stay_byte_identical(url, monkeypatch, caplog):
     real = stages.rewards.score_batch
 
-    def broken(pool, task_cfg, cfg, batch):
-        if batch.column("iteration")[0].as_py() == 1:
-            raise RuntimeError("injected reward fault")
-        return real(pool, task_cfg, cfg, batch)
+    def broken(pool, key, cfg, items):  # iteration 1's first scoring: its rewards stage
+        raise RuntimeError("injected reward fault")
 
     monkeypatch.setattr(stages.rewards, "score_batch", broken)
     state = grpo(run_id=RUN, iteration=1, storage_url=url, return_state=True)

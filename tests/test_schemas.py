@@ -13,7 +13,7 @@ def rollout_row(i=0):
     return {"run_id": "r", "iteration": 0, "prompt_id": i // 2, "sample_index": i % 2,
             "prompt": "sort 2 1 :", "prompt_ids": [2, 5, 4, 6], "response": "1 2",
             "response_ids": [4, 5, 3], "sampler_logprobs": [-0.1, -0.2, -0.05],
-            "finish_reason": "stop", "ground_truth": "1 2", "policy_version": "abc"}
+            "finish_reason": "stop", "ground_truth": "1 2", "row": "{}", "policy_version": "abc"}
 
 
 def test_every_table_round_trips(tmp_path):

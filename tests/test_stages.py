@@ -150,9 +150,9 @@ def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_
 
     import pyarrow as pa
 
-    from grpo.config import RewardConfig, TaskConfig
+    from grpo.config import RewardConfig
     from grpo.tasks import get_task, sort
-    from stages.rewards import _fork_pool, score_batch
+    from stages.rewards import _fork_pool, batch_items, score_batch, scorer_key
     real = sort.SortTask.reward
 
     def slow_on_marker(self, response, ground_truth, prompt):
@@ -168,9 +168,10 @@ def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_
     for i in slow:
         responses[i] = "slow"
     batch = pa.RecordBatch.from_pydict({"response": responses, "ground_truth": [e.ground_truth for e in examples],
-                                        "prompt": [e.prompt for e in examples]})
+                                        "prompt": [e.prompt for e in examples], "row": ["{}"] * len(examples)})
     with _fork_pool(2) as pool:
-        scored = score_batch(pool, TaskConfig(), RewardConfig(workers=2, timeout_s=0.2), batch)
+        scored = score_batch(pool, scorer_key(load_config(), None), RewardConfig(workers=2, timeout_s=0.2),
+                             batch_items(batch))
     assert len(scored) == 700
     for i, ((reward, components, error), e) in enumerate(zip(scored, examples)):
         if i in slow:
@@ -345,7 +346,6 @@ def test_user_dataset_and_arithmetic_task(storage, tmp_path):
     assert {"format", "correct"} <= set(dict(rw.components[0]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1 + 1 ="}\n')
-    make_run(storage, "bad", extra=["task.name=arithmetic", f"task.dataset={bad}"])
-    stage_function("snapshot")(storage, "bad", 0)
-    with pytest.raises(StageError, match=r"bad\.jsonl.*ground_truth"):
-        stage_function("rollouts")(storage, "bad", 0)
+    with pytest.raises(ConfigError, match=r"task.dataset.*bad\.jsonl.*no column 'prompt'"):  # at init, before anything is written
+        make_run(storage, "bad", extra=["task.name=arithmetic", f"task.dataset={bad}"])
+    assert not storage.exists(storage.path("runs", "bad", "run.json"))

@@ -1,8 +1,9 @@
 """Tasks with verifiable rewards, collected in a registry.
 
-A task knows its vocabulary (`words`), makes prompts with known answers
-(`generate`), and scores a response (`reward`). Prompts and responses are
-space-separated words, so a whitespace word-level tokenizer covers them.
+A task scores a response (`reward`). The toy tasks also know their vocabulary
+(`words`) and make prompts with known answers (`generate`): their prompts and
+responses are space-separated words, so a whitespace word-level tokenizer covers
+them. A task without `generate` (`math`) scores a dataset (`task.dataset`).
 
     >>> task = get_task("sort", n_numbers=3)
     >>> ex = task.generate(1, seed=0)[0]
@@ -19,8 +20,11 @@ from typing import Protocol
 class Example:
     """One prompt and the answer its reward is checked against."""
 
-    prompt: str
+    prompt: str | list[dict]
+    """Text, or chat messages `{role, content}` (rendered with the model's chat template)."""
     ground_truth: str
+    row: dict | None = None
+    """A dataset row's other columns, passed to user reward functions as keyword arguments."""
 
 
 class Task(Protocol):
@@ -43,9 +47,10 @@ class Task(Protocol):
 
 # imported after Example is defined: the task modules import it from here
 from grpo.tasks.arithmetic import ArithmeticTask  # noqa: E402
+from grpo.tasks.math import MathTask  # noqa: E402
 from grpo.tasks.sort import SortTask  # noqa: E402
 
-TASKS: dict[str, type] = {"sort": SortTask, "arithmetic": ArithmeticTask}
+TASKS: dict[str, type] = {"sort": SortTask, "arithmetic": ArithmeticTask, "math": MathTask}
 
 
 def get_task(name: str, **params) -> Task:
@@ -56,7 +61,7 @@ def get_task(name: str, **params) -> Task:
     >>> get_task("nope")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'nope'; valid tasks: arithmetic, sort
+    ValueError: unknown task 'nope'; valid tasks: arithmetic, math, sort
     >>> get_task("sort", size=4)
     Traceback (most recent call last):
     ...
@@ -74,4 +79,9 @@ def get_task(name: str, **params) -> Task:
     return cls(**params)
 
 
-__all__ = ["Example", "Task", "TASKS", "get_task", "SortTask", "ArithmeticTask"]
+def generates(task: Task) -> bool:
+    """Whether the task makes its own prompts (else it needs `task.dataset`)."""
+    return callable(getattr(task, "generate", None))
+
+
+__all__ = ["Example", "Task", "TASKS", "get_task", "generates", "SortTask", "ArithmeticTask", "MathTask"]

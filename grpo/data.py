@@ -1,0 +1,174 @@
+"""A user's dataset: load it, split off the held-out set, draw prompts epoch by epoch, render them.
+
+A dataset is a Parquet, JSONL/JSON or CSV file at any fsspec URL, or a folder written by
+`datasets`' `save_to_disk`. Its prompt column holds a string or a list of `{role, content}`
+chat messages; its answer column the ground truth; every other column travels with each
+sample (`Example.row`) to user reward functions.
+
+Training draws without replacement: a seeded permutation per epoch, the position derived
+from the iteration, so a resumed run draws exactly the prompts an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import random
+from typing import Any, Literal
+
+import fsspec
+import numpy as np
+import pandas as pd
+
+from grpo.tasks import Example
+
+PromptFormat = Literal["auto", "chat", "text"]
+_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be read or lacks what the config names."""
+
+
+def _read_frame(uri: str) -> pd.DataFrame:
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.exists(path):
+        raise DatasetError(f"dataset {uri}: no such file or folder")
+    if fs.isdir(path):
+        if not fs.exists(f"{path}/state.json"):
+            splits = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False) if fs.exists(f"{p}/state.json")]
+            hint = f"; name one split's folder, e.g. {uri.rstrip('/')}/{splits[0]}" if splits else ""
+            raise DatasetError(f"dataset {uri}: a folder must be one split saved by datasets' save_to_disk{hint}")
+        import datasets
+        return datasets.load_from_disk(uri).to_pandas()
+    kind = next((k for s, k in _SUFFIXES.items() if path.endswith(s)), None)
+    if kind is None:
+        raise DatasetError(f"dataset {uri}: unknown format; use .parquet, .jsonl, .json, .csv or a save_to_disk folder")
+    with fs.open(path, "rb") as f:
+        try:
+            if kind == "parquet":
+                return pd.read_parquet(f)
+            if kind == "csv":
+                return pd.read_csv(f, dtype=str, keep_default_na=False)
+            return pd.read_json(f, lines=path.endswith(".jsonl"), dtype=False)
+        except Exception as e:  # noqa: BLE001 (pandas and arrow raise many kinds; name the file)
+            raise DatasetError(f"dataset {uri}: cannot be read as {kind}: {type(e).__name__}: {e}") from e
+
+
+def _plain(value: Any) -> Any:
+    """A cell as plain Python (numpy arrays and scalars out), so it pickles and JSON-encodes."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _prompt(value: Any, where: str) -> str | list[dict]:
+    """A prompt cell: a string, or a list of {role, content} messages."""
+    value = _plain(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                                 for m in value):
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+    raise DatasetError(f"{where}: a prompt must be a string or a list of {{role, content}} messages, "
+                       f"got {str(value)[:80]!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def load_examples(uri: str, prompt_column: str = "prompt", answer_column: str = "ground_truth") -> tuple[Example, ...]:
+    """Every row of the dataset at `uri` as an Example (cached per process: read once a run)."""
+    df = _read_frame(uri)
+    missing = [c for c in (prompt_column, answer_column) if c not in df.columns]
+    if missing:
+        raise DatasetError(f"dataset {uri}: no column {missing[0]!r} (columns: {', '.join(map(str, df.columns))}); "
+                           "set task.prompt_column / task.answer_column")
+    if df.empty:
+        raise DatasetError(f"dataset {uri}: no rows")
+    others = [c for c in df.columns if c not in (prompt_column, answer_column)]
+    out = []
+    for i, rec in enumerate(df.to_dict("records")):
+        row = {str(c): _plain(rec[c]) for c in others}
+        out.append(Example(_prompt(rec[prompt_column], f"dataset {uri} row {i}"), str(rec[answer_column]), row))
+    return tuple(out)
+
+
+def split(examples: tuple[Example, ...], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """(train, held out): a seeded `fraction` of the rows held out, never drawn for training."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_out = round(len(examples) * fraction)
+    held = sorted(order[:n_out])
+    held_set = set(held)
+    return [e for i, e in enumerate(examples) if i not in held_set], [examples[i] for i in held]
+
+
+def draw(n_rows: int, n: int, iteration: int, seed: int) -> list[int]:
+    """Row indices of iteration `iteration`'s `n` prompts: epoch by epoch without replacement.
+
+    Draw i of the run (i = iteration * n + j) is row perm_e[i mod n_rows] of epoch e = i // n_rows,
+    perm_e a permutation seeded by (seed, e): every row once per epoch.
+
+    >>> [draw(4, 2, k, seed=0) for k in range(4)] == [draw(4, 4, 0, 0)[:2], draw(4, 4, 0, 0)[2:],
+    ...                                                 draw(4, 4, 1, 0)[:2], draw(4, 4, 1, 0)[2:]]
+    True
+    >>> sorted(draw(5, 5, 3, seed=1))
+    [0, 1, 2, 3, 4]
+    """
+    perms: dict[int, list[int]] = {}
+    out = []
+    for i in range(iteration * n, (iteration + 1) * n):
+        epoch = i // n_rows
+        if epoch not in perms:
+            perms[epoch] = list(range(n_rows))
+            random.Random(f"{seed}:{epoch}").shuffle(perms[epoch])
+        out.append(perms[epoch][i % n_rows])
+    return out
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render(tokenizer, prompt: str | list[dict], fmt: PromptFormat, system_prompt: str | None) -> tuple[str, bool]:
+    """(prompt text the model sees, whether it came from the chat template).
+
+    `auto`: messages go through the template, a string is used as is; `chat`: a string becomes
+    one user message first; `text`: a string as is (messages are refused). `system_prompt`
+    goes first as a system message in chat formats (unless the messages start with one).
+    """
+    if fmt == "text" or (fmt == "auto" and isinstance(prompt, str)):
+        if not isinstance(prompt, str):
+            raise DatasetError("task.prompt_format is text, but a prompt is a list of chat messages; use auto or chat")
+        return prompt, False
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    if not has_chat_template(tokenizer):
+        raise DatasetError("the model's tokenizer has no chat template; use task.prompt_format=text "
+                           "or a model with one")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
+
+
+def tokenize_prompts(tokenizer, examples: list[Example], fmt: PromptFormat,
+                     system_prompt: str | None) -> tuple[list[str], list[list[int]]]:
+    """Rendered texts and token ids; a templated prompt carries its own special tokens."""
+    rendered = [render(tokenizer, e.prompt, fmt, system_prompt) for e in examples]
+    texts = [t for t, _ in rendered]
+    ids: list[list[int]] = [[] for _ in texts]
+    for templated in (False, True):
+        idx = [i for i, (_, t) in enumerate(rendered) if t == templated]
+        if idx:
+            enc = tokenizer([texts[i] for i in idx], add_special_tokens=not templated)["input_ids"]
+            for i, row in zip(idx, enc):
+                ids[i] = row
+    return texts, ids
+
+
+def row_json(example: Example) -> str:
+    """The dataset's other columns of a sample, as stored in the rollouts table."""
+    return json.dumps(example.row or {}, sort_keys=True, default=str)

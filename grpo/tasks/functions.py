@@ -1,0 +1,169 @@
+"""User reward functions (`reward.functions`) and the one scorer every stage calls.
+
+A reward function is a plain function `(response, ground_truth, prompt, **row)` returning a
+float, or a dict of named components with `total`; `row` holds the dataset's other columns
+(a function gets those it names, or all of them with `**row`). It is named as
+`path/to/file.py:function` (the file is copied into the run at `grpo init`, so every stage,
+worker and machine scores with the same code) or `package.module:function` (imported by name).
+
+With several functions, a sample's reward is the weighted sum of their totals; each one's
+total is stored under its name and its other components as `name/component`.
+
+    >>> score = Scorer.for_task("arithmetic", {})
+    >>> score("11", "11", "3 + 4 * 2 =", {})
+    {'format': 1.0, 'correct': 1.0, 'total': 1.0}
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import sys
+from typing import Callable
+
+from grpo.tasks import get_task
+
+REWARD_PREFIX = "reward/"  # where a run's base commit keeps copies of reward files
+
+
+class RewardFunctionError(ValueError):
+    """A reward function cannot be found, imported or called as a reward."""
+
+
+def is_file_spec(spec: str) -> bool:
+    """Whether `spec` names a file (`path.py:function`) rather than a module.
+
+    >>> is_file_spec("rewards/mine.py:score"), is_file_spec("mypkg.rewards:score")
+    (True, False)
+    """
+    return spec.rpartition(":")[0].endswith(".py")
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """`target:function` -> (target, function); a spec without both fails naming it."""
+    target, _, name = spec.rpartition(":")
+    if not target or not name.isidentifier():
+        raise RewardFunctionError(f"reward.functions: {spec!r} is not of the form path/to/file.py:function "
+                                  "or package.module:function")
+    return target, name
+
+
+def committed_name(index: int, spec: str) -> str:
+    """File name of the copy of reward file `index` in the run's base commit."""
+    return f"{REWARD_PREFIX}{index}-{os.path.basename(split_spec(spec)[0])}"
+
+
+def _module_from_file(path: str):
+    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
+    name = f"grpo_reward_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_function(spec: str, file: str | None = None) -> Callable:
+    """The function `spec` names, checked to take (response, ground_truth, prompt).
+
+    `file` overrides the path of a file spec (the run's committed copy).
+    """
+    target, name = split_spec(spec)
+    try:
+        if is_file_spec(spec):
+            path = file or target
+            if not os.path.isfile(path):
+                raise RewardFunctionError(f"reward.functions: {spec!r}: no file {path}")
+            module = _module_from_file(path)
+        else:
+            module = importlib.import_module(target)
+    except RewardFunctionError:
+        raise
+    except Exception as e:  # noqa: BLE001 (whatever the user's module raises on import)
+        raise RewardFunctionError(f"reward.functions: {spec!r}: import failed: {type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardFunctionError(f"reward.functions: {spec!r}: {target} has no function {name!r}")
+    try:
+        inspect.signature(fn).bind("response", "ground_truth", "prompt")
+    except (TypeError, ValueError) as e:
+        raise RewardFunctionError(f"reward.functions: {spec!r}: signature {inspect.signature(fn)} does not take "
+                                  "(response, ground_truth, prompt, **row)") from e
+    return fn
+
+
+def _row_keywords(fn: Callable) -> Callable[[dict], dict]:
+    """What of a row `fn` takes: all of it with **kwargs, else the keyword names it declares."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return lambda row: row
+    names = {p.name for p in list(params)[3:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return lambda row: {k: v for k, v in row.items() if k in names}
+
+
+def components_of(value, where: str) -> dict[str, float]:
+    """A reward function's return value as named float components with `total`."""
+    comps = {"total": value} if isinstance(value, (int, float)) else value
+    if not isinstance(comps, dict) or "total" not in comps:
+        raise TypeError(f"{where} returned {type(value).__name__}; return a float or a dict with 'total'")
+    out = {str(k): float(v) for k, v in comps.items()}
+    if not math.isfinite(out["total"]):
+        raise ValueError(f"{where}: non-finite reward {out['total']}")
+    return out
+
+
+class Scorer:
+    """Scores one sample: the task's reward, or the weighted user functions.
+
+    Built from plain values, so a forked worker builds the same one (`cached`).
+    """
+
+    def __init__(self, fns: list[tuple[str, Callable]], weights: list[float]):
+        self.fns = [(name, fn, _row_keywords(fn)) for name, fn in fns]
+        self.weights = weights
+
+    @classmethod
+    def for_task(cls, task_name: str, params: dict) -> Scorer:
+        task = get_task(task_name, **params)
+        return cls([(task_name, lambda response, ground_truth, prompt, **_: task.reward(response, ground_truth,
+                                                                                         prompt))], [1.0])
+
+    @classmethod
+    def for_functions(cls, specs: list[str], weights: list[float] | None, files: list[str | None]) -> Scorer:
+        names = []
+        for spec in specs:
+            name = split_spec(spec)[1]
+            names.append(name if name not in names else f"{name}_{len(names)}")
+        fns = [(n, load_function(s, f)) for n, s, f in zip(names, specs, files)]
+        return cls(fns, list(weights) if weights else [1.0] * len(fns))
+
+    def __call__(self, response: str, ground_truth: str, prompt: str, row: dict) -> dict[str, float]:
+        if len(self.fns) == 1 and self.weights == [1.0]:
+            name, fn, keywords = self.fns[0]
+            return components_of(fn(response, ground_truth, prompt, **keywords(row)), name)
+        out, total = {}, 0.0
+        for (name, fn, keywords), w in zip(self.fns, self.weights):
+            comps = components_of(fn(response, ground_truth, prompt, **keywords(row)), name)
+            out.update({f"{name}/{k}": v for k, v in comps.items() if k != "total"})
+            out[name] = comps["total"]
+            total += w * comps["total"]
+        out["total"] = total
+        return out
+
+
+@functools.lru_cache(maxsize=4)
+def cached(task_name: str, params: tuple, specs: tuple, weights: tuple | None, files: tuple) -> Scorer:
+    """The scorer of these plain values, built once per process (a pool worker scores many jobs)."""
+    if specs:
+        return Scorer.for_functions(list(specs), list(weights) if weights else None, list(files))
+    return Scorer.for_task(task_name, dict(params))
