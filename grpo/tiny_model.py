@@ -104,3 +104,58 @@ def build_for_task(out_dir: str, task_name: str, task_params: dict | None = None
     """`build_tiny_model` with the vocabulary of task `task_name`; `kw` go to it."""
     words = get_task(task_name, **(task_params or {})).words()
     return build_tiny_model(out_dir, words, **kw)
+
+
+# ---------------------------------------------------------------- a small chat model (the real path's shape)
+
+CHAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2.5's chat template, without tools: a system message when given, each turn in
+# <|im_start|>role ... <|im_end|>, and the assistant's header as the generation prompt
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_chat_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `texts`, with Qwen's special tokens and chat template:
+    eos `<|im_end|>`, pad `<|endoftext|>` (distinct from eos, as in Qwen2.5-Instruct)."""
+    from tokenizers import decoders, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=CHAT_SPECIAL_TOKENS[1:],
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_chat_model(out_dir: str, texts: list[str], *, vocab_size: int = 512, hidden_size: int = 64,
+                     num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 1, intermediate_size: int = 128,
+                     max_position_embeddings: int = 256, seed: int = 0) -> str:
+    """Save a randomly initialised Qwen2 model (grouped-query attention) with a BPE tokenizer trained
+    on `texts`, a chat template, and generation_config.json listing two eos ids (`<|im_end|>`,
+    `<|endoftext|>`, like Qwen2.5). What a user's own HF checkpoint looks like, at toy size."""
+    from transformers import Qwen2Config
+    tokenizer = build_chat_tokenizer(texts, vocab_size)
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+                         tie_word_embeddings=True, bos_token_id=endoftext, eos_token_id=im_end,
+                         pad_token_id=endoftext, dtype="float32")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=endoftext, eos_token_id=[im_end, endoftext],
+                                               pad_token_id=endoftext)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -80,16 +80,21 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
     except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a broken folder)
         raise ConfigError(f"model.base_model {cfg.model.base_model}: the tokenizer does not load: "
                           f"{type(e).__name__}: {e}") from e
-    for example in _sample_prompts(cfg):
+    examples = _sample_prompts(cfg)
+    for example in examples:
         try:
             data.render(tokenizer, example.prompt, cfg.task.prompt_format, cfg.task.system_prompt)
         except data.DatasetError as e:
             raise ConfigError(f"task.prompt_format={cfg.task.prompt_format}: {e}") from e
+    columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
     for spec in cfg.reward.functions:
         try:
-            functions.load_function(spec)
+            missing = functions.required_columns(functions.load_function(spec)) - columns
         except functions.RewardFunctionError as e:
             raise ConfigError(str(e)) from e
+        if missing:
+            raise ConfigError(f"reward.functions: {spec!r} needs dataset column(s) {sorted(missing)}, which "
+                              f"{cfg.task.dataset or 'the task generator'} lacks (columns: {sorted(columns)})")
 
 
 def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:

@@ -95,11 +95,18 @@ def load_function(spec: str, file: str | None = None) -> Callable:
     if not callable(fn):
         raise RewardFunctionError(f"reward.functions: {spec!r}: {target} has no function {name!r}")
     try:
-        inspect.signature(fn).bind("response", "ground_truth", "prompt")
+        sig = inspect.signature(fn)
+        sig.bind("response", "ground_truth", "prompt", **{n: None for n in required_columns(fn)})
     except (TypeError, ValueError) as e:
         raise RewardFunctionError(f"reward.functions: {spec!r}: signature {inspect.signature(fn)} does not take "
                                   "(response, ground_truth, prompt, **row)") from e
     return fn
+
+
+def required_columns(fn: Callable) -> set[str]:
+    """Dataset columns `fn` needs: its parameters after the first three that have no default."""
+    params = list(inspect.signature(fn).parameters.values())[3:]
+    return {p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _row_keywords(fn: Callable) -> Callable[[dict], dict]:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # 1,200  3.5  14/2  .5
 _ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(.+)", re.IGNORECASE | re.DOTALL)
 
 
@@ -65,6 +65,8 @@ def extract_answer(response: str) -> tuple[str | None, bool]:
     ('1200', True)
     >>> extract_answer("3 apples and 4 more make 7")
     ('7', False)
+    >>> extract_answer("The answer is 8. Earlier I wrote 7"), extract_answer("half: 14/2")
+    (('8', True), ('14/2', False))
     >>> extract_answer("no idea")
     (None, False)
     """
@@ -74,8 +76,10 @@ def extract_answer(response: str) -> tuple[str | None, bool]:
     if "####" in response:
         return _clean(response.rsplit("####", 1)[1]), True
     found = list(_ANSWER_IS.finditer(response))
-    if found:
-        return _clean(found[-1].group(1)), True
+    if found:  # a number right after it, else the rest of its sentence
+        rest = found[-1].group(1).lstrip("$ ")
+        number = _NUMBER.match(rest)
+        return _clean(number.group(0) if number else re.split(r"\.\s|\n", rest)[0]), True
     numbers = _NUMBER.findall(response)
     return (_clean(numbers[-1]), False) if numbers else (None, False)
 
