@@ -248,8 +248,20 @@ def _build(cls, raw: dict, where: str):
     return cls(**kwargs)
 
 
+def _is_text_field(path: list[str]) -> bool:
+    """Whether `section.field` is a string setting (its value is taken as typed, not parsed as YAML)."""
+    cls = RunConfig
+    for name in path[:-1]:
+        cls = _hints(cls).get(name)
+        if not dataclasses.is_dataclass(cls):
+            return False
+    hint = _hints(cls).get(path[-1])
+    return hint is str or (get_origin(hint) in (Union, types.UnionType) and str in get_args(hint))
+
+
 def parse_overrides(overrides: list[str]) -> dict:
-    """`["learn.lr=1e-3", "task.params={n_numbers: 4}"]` -> nested dict (values parsed as YAML)."""
+    """`["learn.lr=1e-3", "task.params={n_numbers: 4}"]` -> nested dict (values parsed as YAML; a string
+    setting takes the text as typed, so `task.system_prompt=Answer: N` stays a string; `null` is None)."""
     out: dict = {}
     for item in overrides:
         if "=" not in item:
@@ -259,7 +271,8 @@ def parse_overrides(overrides: list[str]) -> dict:
         *parents, leaf = key.strip().split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(value)
+        text = _is_text_field(parents + [leaf]) and value.strip() not in ("null", "~")
+        node[leaf] = value if text else yaml.safe_load(value)
     return out
 
 

@@ -290,7 +290,7 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torc
 
 
 def same_architecture(dir_a: str, dir_b: str) -> bool:
-    """Whether two checkpoint folders differ only in their weights (config and tokenizer equal)."""
+    """Whether two checkpoint folders differ only in their weights (config, tokenizer and eos ids equal)."""
     def read(d: str, name: str) -> bytes | None:
         p = Path(d, name)
         return p.read_bytes() if p.exists() else None
@@ -301,7 +301,8 @@ def same_architecture(dir_a: str, dir_b: str) -> bool:
 
     config_a = config(dir_a)
     return (config_a is not None and config_a == config(dir_b)
-            and all(read(dir_a, f) == read(dir_b, f) for f in ("tokenizer.json", "tokenizer_config.json")))
+            and all(read(dir_a, f) == read(dir_b, f) for f in ("tokenizer.json", "tokenizer_config.json"))
+            and _generation_config_eos(dir_a) == _generation_config_eos(dir_b))  # what stops sampling
 
 
 def get_generator(backend: str, model_dir: str, **kw) -> Generator:

@@ -272,3 +272,20 @@ def test_tokenizer_without_pad_token_pads_with_eos(world, tmp_path):
     assert gen.tokenizer.pad_token_id is None
     out = gen.generate([[1, 40, 41], [1, 40, 41, 42, 43]], SamplingSpec(n=2, max_tokens=4))
     assert [len(g) for g in out] == [2, 2]
+
+
+def test_a_warm_engine_restarts_when_the_eos_ids_change(world, tmp_path):
+    """Reloading weights in place keeps the old stop ids: a checkpoint with other eos ids is not 'the same'."""
+    from grpo.generation import same_architecture
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(world / "model", a)
+    shutil.copytree(world / "model", b)
+    assert same_architecture(str(a), str(b))
+    gen_cfg = json.loads((b / "generation_config.json").read_text())
+    (b / "generation_config.json").write_text(json.dumps({**gen_cfg, "eos_token_id": [2]}))
+    assert not same_architecture(str(a), str(b))
+    try:
+        assert get_generator("hf", str(a)).eos.tolist() == [2, 0]
+        assert get_generator("hf", str(b)).eos.tolist() == [2]
+    finally:
+        close_generators()
