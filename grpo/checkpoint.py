@@ -59,6 +59,20 @@ def fetch_model(spec: str, dst: str | Path) -> str:
     return f"hub:{spec}"
 
 
+def non_finite_weights(model_dir: str | Path) -> list[str]:
+    """Names of the tensors in a folder's safetensors files holding NaN or inf (read one at a time)."""
+    import torch
+    from safetensors import safe_open
+    bad = []
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    bad.append(name)
+    return bad
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-flow"))
 

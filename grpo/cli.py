@@ -15,7 +15,8 @@ import logging
 import sys
 
 from grpo.config import ConfigError, load_config_file
-from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, open_storage
+from grpo.storage import (ArtifactError, Committed, Storage, committed_attempts, list_attempts, load_manifest,
+                          open_storage)
 from schemas import SchemaError
 from stages import STAGES, StageError, stage_function
 from stages.common import stage_dir
@@ -25,13 +26,23 @@ def _committed(storage: Storage, run_id: str, k: int, stage: str) -> bool:
     return bool(committed_attempts(storage, stage_dir(storage, run_id, k, stage)))
 
 
+def _finished(storage: Storage, run_id: str, k: int) -> bool:
+    """Iteration k has a committed eval whose chain (learn, advantages, ..., snapshot) is current."""
+    from stages.common import stale_input
+    attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
+    if not attempts:
+        return False
+    manifest, sha = load_manifest(storage, attempts[-1], verify=False)
+    return stale_input(storage, Committed(storage, attempts[-1], manifest, sha)) is None
+
+
 def next_iteration(storage: Storage, run_id: str) -> int:
-    """The first unfinished iteration: the first without a committed `learn`,
-    or the one before it while that one's `eval` is still missing (a retry finishes it)."""
-    k = 0
-    while _committed(storage, run_id, k, "learn"):
-        k += 1
-    return k - 1 if k and not _committed(storage, run_id, k - 1, "eval") else k
+    """The first unfinished iteration: the first without a committed `eval`, or whose stages were
+    made stale by a forced rerun of an earlier stage (the run resumes there and rebuilds them)."""
+    last = 0
+    while _committed(storage, run_id, last, "learn"):
+        last += 1
+    return next((k for k in range(last) if not _finished(storage, run_id, k)), last)
 
 
 def run_iteration(storage: Storage, run_id: str, iteration: int, force: bool = False) -> dict:
@@ -43,8 +54,12 @@ def run_iteration(storage: Storage, run_id: str, iteration: int, force: bool = F
 
 
 def cmd_init(args, storage):
+    from stages.common import load_run, run_dir
     from stages.init import init_run
-    cfg = load_config_file(args.config, args.set)
+    exists = storage.exists(f"{run_dir(storage, args.run)}/run.json")
+    # an existing run and no config: finish its init (a base model not yet committed) with run.json's
+    cfg = load_run(storage, args.run) if exists and not (args.config or args.set) else \
+        load_config_file(args.config, args.set)
     init_run(storage, args.run, cfg)
     print(f"run {args.run}: {storage.uri(storage.path('runs', args.run))}")
 
@@ -88,15 +103,24 @@ def cmd_status(args, storage):
     from stages.common import load_run
     load_run(storage, args.run)
     last = next_iteration(storage, args.run)
+    while list_attempts(storage, stage_dir(storage, args.run, last + 1, "snapshot")):  # tried after a stale one
+        last += 1
     print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in STAGES))
     for k in range(last + 1):
         cells = []
         for s in STAGES:
             d = stage_dir(storage, args.run, k, s)
-            tried, done = len(list_attempts(storage, d)), len(committed_attempts(storage, d))
-            failed = f" +{tried - done}f" if tried > done else ""
-            cells.append("missing" if not tried else f"ok x{done}{failed}" if done else f"failed x{tried}")
+            tried, done = list_attempts(storage, d), committed_attempts(storage, d)
+            failed = f" +{len(tried) - len(done)}f" if len(tried) > len(done) else ""
+            state = "stale" if done and _stale(storage, done[-1]) else "ok"
+            cells.append("missing" if not tried else f"{state} x{len(done)}{failed}" if done else f"failed x{len(tried)}")
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
+
+
+def _stale(storage: Storage, attempt_dir: str) -> bool:
+    from stages.common import stale_input
+    manifest, sha = load_manifest(storage, attempt_dir, verify=False)
+    return stale_input(storage, Committed(storage, attempt_dir, manifest, sha)) is not None
 
 
 def cmd_query(args, storage):

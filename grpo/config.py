@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -225,8 +226,13 @@ def _coerce(cls, name: str, value: Any, where: str) -> Any:
     if hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if hint is float:
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if hint == tuple[float, float]:
+        if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+            raise ConfigError(f"{where}: expected two numbers, e.g. [0.9, 0.99], got {value!r}")
         return tuple(float(v) for v in value)
     return value
 
@@ -360,5 +366,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"model.initializer_range must be > 0, got {cfg.model.initializer_range}")
     if l.clip_eps <= 0 or l.lr <= 0 or l.kl_coef < 0:
         raise ConfigError("learn.clip_eps and learn.lr must be > 0 and learn.kl_coef >= 0")
+    if l.clip_eps_high is not None and l.clip_eps_high <= 0:
+        raise ConfigError(f"learn.clip_eps_high must be > 0 or null (= clip_eps), got {l.clip_eps_high}")
+    if not all(0 <= b < 1 for b in l.betas):
+        raise ConfigError(f"learn.betas must each be in [0, 1), got {list(l.betas)}")
     if l.lr_decay_steps < 0:
         raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {l.lr_decay_steps}")

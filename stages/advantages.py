@@ -12,12 +12,13 @@ import torch
 from grpo.core import group_advantages
 from grpo.storage import Committed, Storage
 from schemas import read_parquet, write_parquet
-from stages.common import StageError, committed_input, load_run, run_stage
+from stages.common import StageError, check_chain, committed_input, load_run, run_stage
 
 
 def advantages(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)
     rewards_in = committed_input(storage, run_id, iteration, "rewards")
+    check_chain(storage, run_id, iteration, "advantages", {"rewards": rewards_in})
     group_size, acfg = cfg.rollout.group_size, cfg.advantage
 
     def body(writer):

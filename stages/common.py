@@ -10,13 +10,16 @@ writes a new attempt beside the old one.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Callable
 
-from grpo.config import RunConfig, load_config
-from grpo.storage import (Committed, NotCommittedError, StageWriter, Storage, config_hash, find_committed,
-                          latest_committed, stage_identity)
+import fsspec
+
+from grpo.config import ConfigError, RunConfig, load_config
+from grpo.storage import (Committed, NotCommittedError, StageWriter, Storage, committed_attempts, config_hash,
+                          find_committed, latest_committed, load_manifest, stage_identity)
 
 log = logging.getLogger("grpo.stages")
 
@@ -49,7 +52,62 @@ def load_run(storage: Storage, run_id: str) -> RunConfig:
         raw = json.loads(storage.read_bytes(path))
     except ValueError as e:
         raise StageError(f"{storage.uri(path)}: not valid JSON: {e}") from e
-    return load_config(raw["config"])
+    config = raw.get("config") if isinstance(raw, dict) else None
+    sections = [f.name for f in dataclasses.fields(RunConfig)]
+    missing = sections if not isinstance(config, dict) else [s for s in sections if s not in config]
+    if missing:  # run.json is written whole by `grpo init`: a partial one was edited or damaged
+        raise StageError(f"{storage.uri(path)}: config lacks {', '.join(missing)}; run.json is written whole "
+                         f"by `grpo init`, so this one was edited or damaged: restore it or make a new run")
+    try:
+        return load_config(config)
+    except ConfigError as e:
+        raise StageError(f"{storage.uri(path)}: {e}") from e
+
+
+def _newest_ref(storage: Storage, stage_dir: str) -> tuple[str, str] | None:
+    """(uri, manifest sha256) of the newest committed attempt in `stage_dir`, or None."""
+    attempts = committed_attempts(storage, stage_dir)
+    if not attempts:
+        return None
+    return storage.uri(attempts[-1]), load_manifest(storage, attempts[-1], verify=False)[1]
+
+
+def stale_input(storage: Storage, committed: Committed, seen: set | None = None) -> tuple[str, str, str] | None:
+    """The first input of `committed`'s chain that a newer attempt replaced: (attempt that read it,
+    the input it read, the newer one); None when the chain is current.
+
+    Follows the inputs of the same run down to the previous iteration's `learn` and the base model
+    (their own chains were checked when they ran): after `grpo stage rollouts --force`, the rewards,
+    advantages and learn made from the old rollouts are stale.
+    """
+    seen = set() if seen is None else seen
+    for name, ref in sorted(committed.manifest.inputs.items()):
+        path = fsspec.core.strip_protocol(ref.uri) if "://" in ref.uri else ref.uri
+        newest = _newest_ref(storage, path.rstrip("/").rsplit("/", 1)[0])
+        if newest is not None and newest[1] != ref.manifest_sha256:
+            return committed.uri, ref.uri, newest[0]
+        if ref.manifest_sha256 in seen:
+            continue
+        seen.add(ref.manifest_sha256)
+        manifest, sha = load_manifest(storage, path, verify=False)
+        if manifest.iteration is not None and manifest.iteration == committed.manifest.iteration:
+            found = stale_input(storage, Committed(storage, path, manifest, sha), seen)
+            if found:
+                return found
+    return None
+
+
+def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, inputs: dict[str, Committed]) -> None:
+    """Every input of a stage must come from the current chain of its iteration (see stale_input);
+    the error names both attempts and the command that rebuilds the chain."""
+    seen: set = set()
+    for name, committed in inputs.items():
+        found = stale_input(storage, committed, seen)
+        if found:
+            reader, old, new = found
+            raise StageError(f"{stage} iteration {iteration}: input {name} is stale: {reader} was made from {old}, "
+                             f"which {new} replaced; rebuild the chain with `grpo run --run {run_id} --start "
+                             f"{iteration}` (it reruns only the stale stages)")
 
 
 def committed_input(storage: Storage, run_id: str, iteration: int | None, stage: str) -> Committed:
@@ -57,8 +115,11 @@ def committed_input(storage: Storage, run_id: str, iteration: int | None, stage:
     try:
         return latest_committed(storage, stage_dir(storage, run_id, iteration, stage))
     except NotCommittedError as e:
-        where = "" if iteration is None else f" --iteration {iteration}"
-        raise StageError(f"input missing: {e}; run `grpo stage {stage} --run {run_id}{where}` first") from e
+        if stage == "base":  # an init that stopped after run.json: running it again finishes it
+            raise StageError(f"input missing: {e}; run `grpo init --run {run_id}` (it reads run.json) to "
+                             "commit the base model") from e
+        raise StageError(f"input missing: {e}; run `grpo stage {stage} --run {run_id} --iteration {iteration}` "
+                         "first") from e
 
 
 def run_stage(storage: Storage, run_id: str, iteration: int | None, stage: str, *, config: dict,

@@ -14,7 +14,7 @@ import time
 from grpo.generation import SamplingSpec, decode_responses, get_generator
 from grpo.storage import Committed, Storage
 from schemas import write_parquet
-from stages.common import committed_input, load_run, run_stage
+from stages.common import check_chain, committed_input, load_run, run_stage
 from stages.rewards import WARM_POOLS, score_batch, scorer_key
 from stages.rollouts import eval_prompts, held_out_config, policy_and_prompts
 
@@ -29,6 +29,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False)
     inputs = {"policy": committed_input(storage, run_id, iteration, "learn")}
     if cfg.reward.functions:
         inputs["base"] = committed_input(storage, run_id, None, "base")
+    check_chain(storage, run_id, iteration, "eval", inputs)
     k = cfg.eval.samples_per_prompt
 
     def body(writer):

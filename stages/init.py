@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from grpo import data
-from grpo.checkpoint import ModelNotFoundError, fetch_model, upload_folder
+from grpo.checkpoint import ModelNotFoundError, fetch_model, non_finite_weights, upload_folder
 from grpo.config import ConfigError, RunConfig, load_config
 from grpo.storage import Committed, Storage, is_local
 from grpo.tasks import functions, generates, get_task
@@ -109,6 +109,9 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
         build_tiny_base(folder, cfg)
         source = f"tiny {cfg.model.arch} for {cfg.task.name}"
     check_inputs(cfg, folder)
+    bad = non_finite_weights(folder)
+    if bad:
+        raise ConfigError(f"model.base_model {source}: non-finite weights in {', '.join(bad[:3])}")
     return folder, source
 
 

@@ -41,7 +41,7 @@ from grpo.config import LearnConfig, RunConfig
 from grpo.storage import Committed, Storage, StageWriter, is_local
 from schemas import read_parquet, write_parquet
 from schemas.tables import FLOAT_LISTS
-from stages.common import StageError, committed_input, load_run, log, run_stage
+from stages.common import StageError, check_chain, committed_input, load_run, log, run_stage
 from stages.rollouts import iteration_seed
 
 KEYS = ["prompt_id", "sample_index"]
@@ -160,10 +160,11 @@ def forward_logprobs(model, batch: dict, groups: torch.Tensor, with_entropy: boo
 
 
 @torch.no_grad()
-def score(model, batch: dict, chunk_groups: int) -> torch.Tensor:
-    """Log-probs (N, T) of every response under `model`, `chunk_groups` groups a forward."""
+def score(model, batch: dict, chunk_groups: int, groups: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probs (N, T) of every response (of `groups`, default all) under `model`, `chunk_groups`
+    groups a forward."""
     model.eval()
-    groups = torch.arange(len(batch["prompt_ids"]))
+    groups = torch.arange(len(batch["prompt_ids"])) if groups is None else groups
     return torch.cat([forward_logprobs(model, batch, c) for c in groups.split(chunk_groups)])
 
 
@@ -333,6 +334,14 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
             log.info("learn iteration %d: epoch %d/%d, %d steps, %s", iteration, epoch + 1, lcfg.epochs,
                      len(epoch_rows), _epoch_means(epoch_rows))
 
+    bad = [name for name, p in acc.unwrap_model(model).named_parameters() if not bool(torch.isfinite(p).all())]
+    if not bad:  # finite weights can still be huge (a huge lr): the first group's log-probs must be finite too
+        probe = score(acc.unwrap_model(model), batch, 1, groups=torch.arange(1))
+        bad = [] if bool(torch.isfinite(probe[batch["response_mask"][:probe.shape[0]].bool()]).all()) else \
+            ["log-probs of the new weights"]
+    if bad:  # never commit weights the sampler cannot sample from
+        raise StageError(f"learn iteration {iteration}: non-finite weights after {step} steps ({', '.join(bad[:3])}); "
+                         f"nothing committed; lower learn.lr (now {lcfg.lr})")
     if acc.is_main_process:
         out = Path(out_dir)
         acc.unwrap_model(model).lm.save_pretrained(out / "policy", safe_serialization=True)
@@ -406,6 +415,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
               "advantages": committed_input(storage, run_id, iteration, "advantages")}
     if iteration > 0:
         inputs["previous"] = committed_input(storage, run_id, iteration - 1, "learn")
+    check_chain(storage, run_id, iteration, "learn", inputs)
     in_process = cfg.learn.num_processes == 1
     learner: Learner | None = None
 

@@ -23,7 +23,7 @@ from grpo.config import RewardConfig, RunConfig
 from grpo.storage import Committed, Storage
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches
-from stages.common import StageError, committed_input, load_run, run_stage
+from stages.common import StageError, check_chain, committed_input, load_run, run_stage
 
 _JOBS_PER_WORKER = 4  # a batch is split into about this many pool jobs per worker
 _MIN_CHUNK = 64  # samples; smaller jobs cost more in pickling and wake-ups than they score
@@ -175,6 +175,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
     inputs = {"rollouts": rollouts}
     if cfg.reward.functions:  # the committed copies of reward files, and their hashes in the identity
         inputs["base"] = committed_input(storage, run_id, None, "base")
+    check_chain(storage, run_id, iteration, "rewards", inputs)
 
     def body(writer):
         n = n_err = 0

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from tokenizers import models as tokenizer_models
 
 from grpo import data
-from grpo.checkpoint import content_hash, local_checkpoint, tokenizer_and_config
+from grpo.checkpoint import content_hash, local_checkpoint, non_finite_weights, tokenizer_and_config
 from grpo.config import RunConfig
 from grpo.generation import Sample, SamplingSpec, decode_responses, get_generator, stop_token_ids
 from grpo.storage import Committed, Storage
 from grpo.tasks import Example, get_task
 from schemas import ParquetWriter
-from stages.common import StageError, committed_input, load_run, log, run_stage
+from stages.common import StageError, check_chain, committed_input, load_run, log, run_stage
 
 
 def iteration_seed(run_seed: int, iteration: int, salt: int = 0) -> int:
@@ -143,10 +143,15 @@ def chunk_columns(run_id: str, iteration: int, p: Prompts, chunk: slice, groups:
 def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)
     snap = committed_input(storage, run_id, iteration, "snapshot")
+    check_chain(storage, run_id, iteration, "rollouts", {"snapshot": snap})
     r = cfg.rollout
 
     def body(writer):
         p = policy_and_prompts(snap, iteration_prompts(cfg, iteration), cfg)
+        bad = non_finite_weights(p.model_dir)
+        if bad:  # sampling would die in torch ("probability tensor contains inf/nan") or sample garbage
+            raise StageError(f"{snap.uri}: the policy has non-finite weights ({', '.join(bad[:3])}); "
+                             f"nothing sampled. Rerun the learn that made it with a lower learn.lr")
         t0 = time.perf_counter()
         gen = get_generator(r.backend, p.model_dir)  # starts the engine, or reloads a warm one's weights
         engine_s, generate_s = time.perf_counter() - t0, 0.0

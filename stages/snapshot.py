@@ -9,7 +9,7 @@ from __future__ import annotations
 from grpo.checkpoint import CHECKPOINT_PREFIX
 from grpo.storage import Committed, Storage
 from schemas import FileEntry
-from stages.common import committed_input, load_run, run_stage
+from stages.common import check_chain, committed_input, load_run, run_stage
 
 
 def policy_source(storage: Storage, run_id: str, iteration: int) -> Committed:
@@ -22,6 +22,7 @@ def policy_source(storage: Storage, run_id: str, iteration: int) -> Committed:
 def snapshot(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     load_run(storage, run_id)  # fails early, naming run.json, if the run does not exist
     source = policy_source(storage, run_id, iteration)
+    check_chain(storage, run_id, iteration, "snapshot", {"policy": source})
 
     def body(writer):
         n_bytes = 0

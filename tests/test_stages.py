@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from grpo.cli import main, next_iteration, run_iteration
 from grpo.config import ConfigError, load_config
-from grpo.storage import latest_committed, list_attempts, open_storage
+from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
 from stages import STAGES, StageError, stage_function
 from stages.common import stage_dir
 from stages.init import init_run
@@ -98,9 +98,33 @@ def test_config_errors_name_the_field():
                        (["model.initializer_range=0"], "model.initializer_range"),
                        (["advantage.mode=zscore"], "advantage.mode"),
                        (["rollout.backend=tgi"], "rollout.backend"),
-                       (["task.name=chess"], "valid tasks")]:
+                       (["task.name=chess"], "valid tasks"),
+                       (["learn.clip_eps_high=-1"], "learn.clip_eps_high"),
+                       (["rollout.temperature=.nan"], "rollout.temperature: expected a finite number"),
+                       (["rollout.stop=5"], "rollout.stop: expected a list"),
+                       (["rollout.stop=[5]"], "rollout.stop: expected a list of strings"),
+                       (["learn.betas=[1,2,3]"], "learn.betas: expected two numbers"),
+                       (["learn.betas=5"], "learn.betas: expected two numbers"),
+                       (["learn.betas=[0.9, 1.5]"], r"learn.betas must each be in \[0, 1\)"),
+                       (["task.system_prompt=[1]"], None),  # a string setting takes the text as typed
+                       (["reward.weights=[1.0]"], "reward.weights has 1 weight"),
+                       (["task.name=math"], "task.dataset: task 'math' makes no prompts"),
+                       (["eval.samples_per_prompt=0"], "eval.samples_per_prompt")]:
+        if field is None:
+            assert load_config(None, TINY + bad)
+            continue
         with pytest.raises(ConfigError, match=field):
             load_config(None, TINY + bad)
+
+
+@pytest.mark.parametrize("config", [None, {}, [], {"task": {}}, "x"])
+def test_a_partial_or_damaged_run_json_is_refused(storage, config):
+    import json
+    make_run(storage)
+    path = storage.path("runs", "t", "run.json")
+    storage.fs.pipe_file(path, json.dumps({"run_id": "t", "config": config}).encode())
+    with pytest.raises(StageError, match=r"run.json: config lacks .*edited or damaged"):
+        stage_function("snapshot")(storage, "t", 0)
 
 
 def test_reward_errors_recorded_then_stage_fails_over_threshold(storage, monkeypatch):
@@ -349,3 +373,56 @@ def test_user_dataset_and_arithmetic_task(storage, tmp_path):
     with pytest.raises(ConfigError, match=r"task.dataset.*bad\.jsonl.*no column 'prompt'"):  # at init, before anything is written
         make_run(storage, "bad", extra=["task.name=arithmetic", f"task.dataset={bad}"])
     assert not storage.exists(storage.path("runs", "bad", "run.json"))
+
+
+def test_a_forced_earlier_stage_makes_the_later_ones_stale_and_grpo_run_rebuilds_them(storage, capsys):
+    """After `rollouts --force`, learn must not train on advantages of the old samples (issue: lineage)."""
+    make_run(storage)
+    run_iteration(storage, "t", 0)
+    run_iteration(storage, "t", 1)
+    stage_function("rollouts")(storage, "t", 1, force=True)  # new samples (another attempt, same seeds)
+    with pytest.raises(StageError, match=r"learn iteration 1: input .* is stale: .*rewards.* was made from "
+                                         r".*rollouts/attempt-0001.* which .*rollouts/attempt-0002.* replaced"):
+        stage_function("learn")(storage, "t", 1)
+    with pytest.raises(StageError, match="grpo run --run t --start 1"):
+        stage_function("advantages")(storage, "t", 1)
+    assert next_iteration(storage, "t") == 1  # iteration 1 is unfinished again
+    assert main(["--storage", storage.url, "status", "--run", "t"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["1"][:2] == ["ok", "x1"] and "stale" in " ".join(rows["1"])
+    before = {s: list_attempts(storage, stage_dir(storage, "t", 1, s)) for s in STAGES}
+    assert main(["--storage", storage.url, "run", "--run", "t", "--iterations", "1"]) == 0
+    after = {s: list_attempts(storage, stage_dir(storage, "t", 1, s)) for s in STAGES}
+    assert {s for s in STAGES if after[s] != before[s]} == {"rewards", "advantages", "learn", "eval"}
+    assert next_iteration(storage, "t") == 2
+
+
+def test_exploded_weights_are_never_committed_nor_sampled_from(storage, tmp_path):
+    make_run(storage, extra=["learn.lr=1e9", "learn.max_grad_norm=1e9", "learn.minibatch_size=64"])  # one step
+    run_iteration_until = [stage_function(s)(storage, "t", 0) for s in STAGES[:4]]
+    assert run_iteration_until
+    with pytest.raises(StageError, match=r"learn iteration 0: non-finite weights .* nothing committed; lower learn.lr"):
+        stage_function("learn")(storage, "t", 0)
+    assert not committed_attempts(storage, stage_dir(storage, "t", 0, "learn"))
+    # a base model with a NaN weight is refused at init, before anything is written
+    from safetensors.torch import load_file, save_file
+    from grpo.tiny_model import build_for_task
+    model = build_for_task(str(tmp_path / "nan"), "sort", hidden_size=64, num_heads=2, intermediate_size=128)
+    weights = load_file(f"{model}/model.safetensors")
+    name = sorted(weights)[0]
+    weights[name][0, 0] = float("nan")
+    save_file(weights, f"{model}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=rf"non-finite weights in {name}"):
+        make_run(storage, "nan", extra=[f"model.base_model={model}"])
+    assert not storage.exists(storage.path("runs", "nan", "run.json"))
+
+
+def test_an_init_killed_after_run_json_is_finished_by_the_command_the_error_names(storage, capsys):
+    import shutil
+    make_run(storage)
+    shutil.rmtree(stage_dir(storage, "t", None, "base"))  # as if killed before the base model committed
+    with pytest.raises(StageError, match=r"run `grpo init --run t` \(it reads run.json\)") as err:
+        stage_function("snapshot")(storage, "t", 0)
+    command = str(err.value).split("`")[1].split()
+    assert main(["--storage", storage.url] + command[1:]) == 0
+    assert stage_function("snapshot")(storage, "t", 0)
