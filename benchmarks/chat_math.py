@@ -8,8 +8,10 @@ held-out accuracy before GRPO and after each iteration.
    (eval.split_fraction).
 2. A Qwen2 model (grouped-query attention) with a byte-level BPE tokenizer trained on those
    texts and Qwen's chat template, made on the spot; then a short supervised warm start on the
-   answer format ("a + b = c. The answer is c.") over the training problems: enough to learn the
-   format, too short to learn the sums.
+   answer format ("a + b = c. The answer is c.") over the training problems: 600 steps learn the
+   format and some of the sums. `--answer-noise 0.5` makes half the warm-start solutions state a
+   wrong final number after the right working (a model that works sums out but reports them
+   unreliably, as weak SFT models do: only the verifiable reward tells the two apart).
 3. GRPO with the `math` task (math-verify) through the real stages: prompts rendered with the
    chat template, every eos id stopping, the held-out set scored greedily each iteration.
 """
@@ -52,12 +54,14 @@ def problem(rng: random.Random, top: int) -> dict:
     return {"question": q, "answer": f"{name} has {work} {thing}.\n#### {c}", "work": work, "result": c}
 
 
-def solution(row: dict) -> str:
-    return f"{row['work']}. The answer is {row['result']}."
+def solution(row: dict, stated: int | None = None) -> str:
+    """The worked answer; `stated` puts another number in its final sentence (a noisy warm start)."""
+    return f"{row['work']}. The answer is {row['result'] if stated is None else stated}."
 
 
-def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: int) -> None:
-    """Supervised steps on (chat prompt, formatted solution + <|im_end|>), loss on the response only."""
+def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: int, noise: float = 0.0) -> None:
+    """Supervised steps on (chat prompt, formatted solution + <|im_end|>), loss on the response only;
+    a `noise` share of the solutions state a wrong final answer after the right working."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -68,7 +72,8 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: in
         prompt = tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}],
                                          tokenize=False, add_generation_prompt=True)
         p = tok(prompt, add_special_tokens=False)["input_ids"]
-        a = tok(solution(r) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        wrong = rng.choice([n for n in range(0, 19) if n != r["result"]]) if rng.random() < noise else None
+        a = tok(solution(r, wrong) + "<|im_end|>", add_special_tokens=False)["input_ids"]
         examples.append((p, a))
     model.train()
     for _ in range(steps):
@@ -104,6 +109,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=9, help="largest number in a problem")
     p.add_argument("--sft-steps", type=int, default=600)
     p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--answer-noise", type=float, default=0.0,
+                   help="share of warm-start solutions whose final sentence states a wrong number")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
@@ -129,7 +136,8 @@ def main() -> None:
     train, _ = held_out_split(cfg)
     held = {e.ground_truth for e in eval_prompts(cfg)}
     trained = {e.prompt for e in train}  # the warm start sees training problems only
-    warm_start(model, [r for r in rows if r["question"] in trained], args.sft_steps, args.sft_lr, args.seed)
+    warm_start(model, [r for r in rows if r["question"] in trained], args.sft_steps, args.sft_lr, args.seed,
+               args.answer_noise)
     before = accuracy(model, cfg)
     print(f"{len(train)} training and {len(held)} held-out problems; model made and warm-started "
           f"({args.sft_steps} steps) in {time.time() - t0:.0f} s; held-out greedy accuracy before GRPO: {before:.3f}")

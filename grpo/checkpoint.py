@@ -14,7 +14,7 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
-from grpo.storage import Committed, StageWriter, is_local
+from grpo.storage import Committed, StageWriter, is_local, url_to_fs
 
 CHECKPOINT_PREFIX = "policy/"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
@@ -36,9 +36,8 @@ def fetch_model(spec: str, dst: str | Path) -> str:
     `spec` is a local folder, an fsspec URL (s3://bucket/model), or a hub id resolved through
     huggingface_hub (its cache first; HF_HUB_OFFLINE=1 never goes online).
     """
-    import fsspec
     if "://" in spec or os.path.isdir(spec):
-        fs, root = fsspec.core.url_to_fs(spec)
+        fs, root = url_to_fs(spec)
         if not fs.exists(f"{root}/config.json"):
             raise ModelNotFoundError(f"model.base_model {spec}: no config.json, not an HF checkpoint folder")
         fs.get(root.rstrip("/") + "/", str(dst), recursive=True)

@@ -15,10 +15,10 @@ import json
 import random
 from typing import Any, Literal
 
-import fsspec
 import numpy as np
 import pandas as pd
 
+from grpo.storage import url_to_fs
 from grpo.tasks import Example
 
 PromptFormat = Literal["auto", "chat", "text"]
@@ -30,7 +30,7 @@ class DatasetError(ValueError):
 
 
 def _read_frame(uri: str) -> pd.DataFrame:
-    fs, path = fsspec.core.url_to_fs(uri)
+    fs, path = url_to_fs(uri)
     if not fs.exists(path):
         raise DatasetError(f"dataset {uri}: no such file or folder")
     if fs.isdir(path):
@@ -39,7 +39,7 @@ def _read_frame(uri: str) -> pd.DataFrame:
             hint = f"; name one split's folder, e.g. {uri.rstrip('/')}/{splits[0]}" if splits else ""
             raise DatasetError(f"dataset {uri}: a folder must be one split saved by datasets' save_to_disk{hint}")
         import datasets
-        return datasets.load_from_disk(uri).to_pandas()
+        return datasets.load_from_disk(uri, storage_options=fs.storage_options or None).to_pandas()
     kind = next((k for s, k in _SUFFIXES.items() if path.endswith(s)), None)
     if kind is None:
         raise DatasetError(f"dataset {uri}: unknown format; use .parquet, .jsonl, .json, .csv or a save_to_disk folder")

@@ -92,6 +92,11 @@ def _s3_options() -> dict:
     return opts
 
 
+def url_to_fs(url: str):
+    """(filesystem, path) of any fsspec URL; s3:// takes the same endpoint settings as the storage."""
+    return fsspec.core.url_to_fs(url, **(_s3_options() if url.startswith(("s3://", "s3a://")) else {}))
+
+
 def open_storage(url: str | None = None) -> Storage:
     """Open `url` (default: $GRPO_STORAGE or ./storage); local roots are created."""
     url = url or default_storage_url()

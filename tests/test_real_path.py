@@ -289,3 +289,20 @@ def test_a_warm_engine_restarts_when_the_eos_ids_change(world, tmp_path):
         assert get_generator("hf", str(b)).eos.tolist() == [2]
     finally:
         close_generators()
+
+
+@pytest.mark.s3
+def test_model_and_dataset_from_s3_urls(world, s3, monkeypatch, tmp_path):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage(f"s3://{s3.bucket}/real-{tmp_path.name}")
+    storage.fs.put(str(world / "model") + "/", storage.path("inputs", "model") + "/", recursive=True)
+    storage.fs.put_file(str(world / "gsm8k.parquet"), storage.path("inputs", "gsm8k.parquet"))
+    model, data_url = storage.uri(storage.path("inputs", "model")), storage.uri(storage.path("inputs", "gsm8k.parquet"))
+    base = init_run(storage, "s3", load_config(None, chat_config(world, f"model.base_model={model}",
+                                                               f"task.dataset={data_url}")))
+    assert "policy/chat_template.jinja" in {f.path for f in base.manifest.files}
+    out = run_iteration(storage, "s3", 0)
+    summary = out["eval"].manifest.summary
+    assert summary["prompts"] + summary["skipped_prompts"] == 8 and summary["skipped_prompts"] <= 1
