@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 
 from grpo.config import ConfigError, load_config_file
@@ -65,7 +66,7 @@ def cmd_init(args, storage):
 
 
 def cmd_stage(args, storage):
-    iteration = next_iteration(storage, args.run) if args.iteration == "next" else int(args.iteration)
+    iteration = next_iteration(storage, args.run) if args.iteration == "next" else args.iteration
     committed = stage_function(args.name)(storage, args.run, iteration, force=args.force)
     print(f"{args.name} iteration {iteration}: {committed.uri}\n  {committed.manifest.summary}")
 
@@ -86,7 +87,7 @@ def run_warm(storage: Storage, run_id: str, first: int, iterations: int):
 
 
 def cmd_run(args, storage):
-    start = next_iteration(storage, args.run) if args.start == "next" else int(args.start)
+    start = next_iteration(storage, args.run) if args.start == "next" else args.start
     for k, out in run_warm(storage, args.run, start, args.iterations):
         print(f"iteration {k}: reward {out['advantages'].manifest.summary['reward_mean']:.3f}  "
               f"eval exact {out['eval'].manifest.summary['exact_match']:.3f}", flush=True)
@@ -133,6 +134,35 @@ def cmd_query(args, storage):
     print(df.to_string(index=False) if len(df) else f"(no rows; columns: {', '.join(df.columns)})")
 
 
+def _iteration(text: str) -> int | str:
+    """An iteration argument: 'next' or an integer >= 0."""
+    if text == "next":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an iteration: give an integer >= 0 or 'next'")
+    return int(text)
+
+
+def describe(e: BaseException, storage_url: str = "") -> str:
+    """One line for an error from storage, the network, the OS or a parser: what failed, where, what to do."""
+    import errno
+    name = type(e).__name__
+    text = " ".join(str(e).split())
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return f"no space left on the device writing {e.filename or 'storage'}: free space, then rerun (nothing was committed)"
+    if name in ("EndpointConnectionError", "ConnectTimeoutError") or "Could not connect to the endpoint" in text:
+        return f"S3 endpoint unreachable ({text}): check AWS_ENDPOINT_URL and that the server is up"
+    if name == "NoCredentialsError":
+        return "S3: no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    on_s3 = storage_url.startswith("s3://")
+    if name == "ClientError" or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or \
+            (on_s3 and isinstance(e, PermissionError)):
+        return f"S3 refused the request ({text}): check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket"
+    if isinstance(e, OSError) and e.filename:
+        return f"{e.filename}: {e.strerror or text}"
+    return f"{name}: {text}"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--storage", help="storage URL (default $GRPO_STORAGE or ./storage)")
@@ -150,13 +180,13 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("stage", help="run one stage of one iteration")
     sp.add_argument("name", choices=STAGES)
     sp.add_argument("--run", required=True)
-    sp.add_argument("--iteration", required=True, help="an integer, or 'next'")
+    sp.add_argument("--iteration", required=True, type=_iteration, help="an integer >= 0, or 'next'")
     sp.add_argument("--force", action="store_true", help="write a new attempt even if one is committed")
     sp.set_defaults(fn=cmd_stage)
     sp = sub.add_parser("run", help="run whole iterations")
     sp.add_argument("--run", required=True)
     sp.add_argument("--iterations", type=int, default=1)
-    sp.add_argument("--start", default="next", help="first iteration (default: next uncommitted)")
+    sp.add_argument("--start", default="next", type=_iteration, help="first iteration (default: next unfinished)")
     sp.set_defaults(fn=cmd_run)
     sp = sub.add_parser("demo", help="init (if needed) and train the tiny sort model")
     sp.add_argument("--run", default="demo")
@@ -187,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         args.fn(args, open_storage(args.storage))
     except (ConfigError, StageError, ArtifactError, SchemaError) as e:
         print(f"grpo: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # storage, network, OS, parsing: one line; -v or GRPO_DEBUG=1 shows the traceback
+        if args.verbose or os.environ.get("GRPO_DEBUG"):
+            raise
+        print(f"grpo: error: {describe(e, args.storage or os.environ.get('GRPO_STORAGE', ''))} "
+              "(-v for the traceback)", file=sys.stderr)
         return 2
     return 0
 

@@ -31,8 +31,9 @@ class StageError(RuntimeError):
 
 
 def run_dir(storage: Storage, run_id: str) -> str:
-    if not run_id or "/" in run_id or run_id.startswith("."):
-        raise StageError(f"run id {run_id!r} must be a non-empty name without '/'")
+    if not run_id or "/" in run_id or run_id.startswith(".") or len(run_id) > 128:
+        raise StageError(f"run id {run_id[:40]!r}{'...' if len(run_id) > 40 else ''} must be a name of 1-128 "
+                         "characters without '/', not starting with '.'")
     return storage.path("runs", run_id)
 
 
