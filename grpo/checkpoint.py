@@ -14,7 +14,7 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
-from grpo.storage import Committed, StageWriter, is_local, url_to_fs
+from grpo.storage import Committed, StageWriter, file_digest, is_local, url_to_fs
 
 CHECKPOINT_PREFIX = "policy/"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
@@ -105,8 +105,10 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
     if is_local(fs):  # links point into this storage: key on where they point too
         key = hashlib.sha256((key + repr(sorted(files.items()))).encode()).hexdigest()
     target = cache_root() / "checkpoints" / key[:32]
-    if target.exists():
+    if target.exists() and (is_local(fs) or _cache_intact(committed, target, prefix)):
         return str(target)
+    if target.exists():  # an edited or truncated download: never load it under the committed version
+        shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     for name, path in files.items():
@@ -121,6 +123,19 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
     except OSError:  # another process made it first
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def _cache_intact(committed: Committed, target: Path, prefix: str) -> bool:
+    """Whether a downloaded checkpoint folder still holds exactly the manifest's bytes (size and
+    sha256; a file this process hashed before is trusted while its size, times and inode hold)."""
+    from fsspec.implementations.local import LocalFileSystem
+    disk = LocalFileSystem()
+    for f in committed.manifest.files:
+        if f.path.startswith(prefix):
+            path = target / f.path[len(prefix):]
+            if not path.is_file() or file_digest(disk, str(path)) != (f.size, f.sha256):
+                return False
+    return True
 
 
 def tokenizer_and_config(committed: Committed, prefix: str = CHECKPOINT_PREFIX):

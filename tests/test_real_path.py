@@ -306,3 +306,21 @@ def test_model_and_dataset_from_s3_urls(world, s3, monkeypatch, tmp_path):
     out = run_iteration(storage, "s3", 0)
     summary = out["eval"].manifest.summary
     assert summary["prompts"] + summary["skipped_prompts"] == 8 and summary["skipped_prompts"] <= 1
+
+
+@pytest.mark.s3
+def test_an_edited_download_cache_is_fetched_again(world, s3, monkeypatch, tmp_path):
+    """A checkpoint cached from S3 is checked against its manifest before each use in a process."""
+    import time
+    from grpo.checkpoint import local_checkpoint
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage(f"s3://{s3.bucket}/cache-{tmp_path.name}")
+    base = init_run(storage, "c", load_config(None, chat_config(world)))
+    folder = Path(local_checkpoint(base))
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    time.sleep(0.05)  # past the hash cache's racy window
+    weights.write_bytes(good[:-8] + b"\0" * 8)  # same size, other bytes
+    assert Path(local_checkpoint(base)) == folder and weights.read_bytes() == good
