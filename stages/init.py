@@ -61,7 +61,7 @@ def _sample_prompts(cfg: RunConfig) -> list:
                 raise ConfigError(f"{name}: {e}") from e
             examples += [next((e for e in rows if isinstance(e.prompt, list)), rows[0]), rows[0]]
     task = get_task(cfg.task.name, **cfg.task.params)
-    if generates(task):
+    if generates(task) and not cfg.task.dataset:  # the task's own prompts, for training and eval
         examples += task.generate(1, seed=0)
     if cfg.task.dataset and not cfg.eval.dataset:
         from stages.rollouts import held_out_split

@@ -8,6 +8,16 @@ from grpo.cli import main
 from grpo.storage import Storage
 
 
+@pytest.fixture(autouse=True)
+def fresh_s3_clients():
+    """s3fs caches one client per set of arguments, not per environment: the wrong keys of a test
+    must not serve the next test's storage."""
+    import s3fs
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 def run(capsys, *argv):
     code = main(list(argv))
     err = capsys.readouterr().err.strip()
