@@ -147,6 +147,14 @@ class LearnConfig:
     """KL estimator; k3 = r - log r - 1 with r = pi_ref / pi."""
     num_processes: int = 1
     """>1 runs the learner under torchrun with that many processes (gloo on CPU)."""
+    importance_correction: Literal["none", "tis"] = "none"
+    """`tis`: weigh each token's loss by min(pi_old / pi_sampler, tis_cap) (truncated importance sampling),
+    for samplers whose numerics differ from the learner's (bf16 vLLM); = grpo.core.ImportanceCorrection."""
+    tis_cap: float = 2.0
+    """Upper bound of the TIS weight."""
+    max_logprob_gap: float | None = None
+    """Fail the stage when the mean |sampler - learner| log-prob of the sampled tokens exceeds this (a
+    sampler serving stale weights shows as a jump); None: only recorded (`logprob_gap`)."""
 
 
 @dataclass(frozen=True)
@@ -370,5 +378,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"learn.clip_eps_high must be > 0 or null (= clip_eps), got {l.clip_eps_high}")
     if not all(0 <= b < 1 for b in l.betas):
         raise ConfigError(f"learn.betas must each be in [0, 1), got {list(l.betas)}")
+    if l.tis_cap <= 0 or (l.max_logprob_gap is not None and l.max_logprob_gap <= 0):
+        raise ConfigError(f"learn.tis_cap and learn.max_logprob_gap must be > 0, got {l.tis_cap}, {l.max_logprob_gap}")
     if l.lr_decay_steps < 0:
         raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {l.lr_decay_steps}")

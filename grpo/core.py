@@ -10,6 +10,9 @@ Stanford CS336 (2025) lecture 17 / assignment 5 reference, with these departures
   folded into the reward, and is off by default (kl_coef=0) as in DAPO / Dr.GRPO.
 - aggregation offers the paper's per-sequence mean plus DAPO's token mean and
   Dr.GRPO's sum divided by a constant.
+- optional truncated importance sampling (TIS, Yao et al. 2025) reweights each token's
+  loss by min(pi_old / pi_sampler, cap) when the sampler's numerics (bf16 vLLM) differ
+  from the learner's.
 Shapes: B responses, T response tokens (right-padded), V vocab, G groups of K.
 Variants are picked by name from small registries; unknown names raise ValueError.
 """
@@ -22,6 +25,7 @@ AdvantageMode = Literal["naive", "centered", "normalized"]
 LossType = Literal["naive", "reinforce_baseline", "grpo_clip"]
 KLEstimator = Literal["k1", "k2", "k3"]
 AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+ImportanceCorrection = Literal["none", "tis"]
 
 
 def _lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
@@ -217,6 +221,33 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
     return kl_fn(logprobs, ref_logprobs.detach())
 
 
+# ---------------------------------------------------------------- sampler/learner mismatch
+def _tis(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
+    """min(pi_old / pi_sampler, cap) per token; (B, T) -> (B, T)."""
+    return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap)
+
+
+_CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
+    "none": lambda old_logprobs, sampler_logprobs, cap: torch.ones_like(old_logprobs),
+    "tis": _tis,
+}
+
+
+def importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mode: ImportanceCorrection,
+                       cap: float = 2.0) -> Tensor:
+    """Per-token weights correcting for sampling from pi_sampler instead of pi_old; no gradient.
+
+    old_logprobs (the learner's, of the snapshot), sampler_logprobs (the sampler's): (B, T) -> (B, T).
+    none: 1; tis: min(exp(old - sampler), cap), truncated importance sampling.
+
+    >>> lp = torch.log(torch.tensor([[0.5, 0.2]]))
+    >>> importance_weights(lp, torch.log(torch.tensor([[0.25, 0.4]])), "tis", cap=1.5)
+    tensor([[1.5000, 0.5000]])
+    """
+    return _lookup(_CORRECTIONS, mode, "importance correction")(old_logprobs.detach(), sampler_logprobs.detach(),
+                                                                 cap)
+
+
 # ---------------------------------------------------------------- aggregation
 def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, max_tokens: float | None) -> Tensor:
     """Per-sequence masked sum / max_tokens, mean over sequences; (B, T) -> scalar."""
@@ -264,11 +295,15 @@ def grpo_microbatch_step(
     old_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0, kl_estimator: KLEstimator = "k3",
     clip_eps: float = 0.2, clip_eps_high: float | None = None, max_tokens: float | None = None,
+    sampler_logprobs: Tensor | None = None, importance_correction: ImportanceCorrection = "none",
+    tis_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one microbatch, scaled by 1/gradient_accumulation_steps, then .backward().
 
     logprobs, response_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards,
-    advantages: (B, 1). The KL term is added only when kl_coef > 0; with kl_coef == 0
+    advantages: (B, 1); sampler_logprobs (B, T), needed by importance_correction "tis", which
+    weighs each token's policy-gradient loss by min(pi_old / pi_sampler, tis_cap).
+    The KL term is added only when kl_coef > 0; with kl_coef == 0
     a given ref_logprobs is still reported as loss/kl. Equal-size microbatches
     reproduce the full-batch gradient for the seq_* modes; token_mean becomes a
     mean of per-microbatch token means.
@@ -282,6 +317,12 @@ def grpo_microbatch_step(
     pg_loss, meta = policy_gradient_loss(
         loss_type, logprobs, raw_rewards=raw_rewards, advantages=advantages,
         old_logprobs=old_logprobs, clip_eps=clip_eps, clip_eps_high=clip_eps_high)
+    if importance_correction != "none":
+        weights = importance_weights(_require(old_logprobs, "old_logprobs", "importance_correction"),
+                                     _require(sampler_logprobs, "sampler_logprobs", "importance_correction"),
+                                     importance_correction, tis_cap)  # (B, T)
+        pg_loss = pg_loss * weights
+        meta["is_weight"] = weights
     per_token = pg_loss  # (B, T)
     metrics = {"loss/pg": aggregate_loss(pg_loss, response_mask, agg_mode, max_tokens).detach()}
     if ref_logprobs is not None:
@@ -293,4 +334,6 @@ def grpo_microbatch_step(
     loss = loss / gradient_accumulation_steps
     loss.backward()
     metrics.update(_actor_metrics(meta, response_mask))
+    if "is_weight" in meta:
+        metrics["actor/is_weight_mean"] = masked_mean(meta["is_weight"], response_mask)
     return loss.detach(), metrics

@@ -185,7 +185,8 @@ def minibatch_step(model, batch: dict, groups: torch.Tensor, lcfg: LearnConfig, 
             raw_rewards=batch["rewards"][mb, None], advantages=batch["advantages"][mb, None],
             old_logprobs=batch["old_logprobs"][mb], ref_logprobs=None if ref is None else ref[mb],
             kl_coef=lcfg.kl_coef, kl_estimator=lcfg.kl_estimator, clip_eps=lcfg.clip_eps,
-            clip_eps_high=lcfg.clip_eps_high, max_tokens=max_tokens)
+            clip_eps_high=lcfg.clip_eps_high, max_tokens=max_tokens, sampler_logprobs=batch["sampler_logprobs"][mb],
+            importance_correction=lcfg.importance_correction, tis_cap=lcfg.tis_cap)
         metrics["loss/total"] = loss.detach() * accum
         metrics["actor/entropy"] = core.masked_mean(entropy.detach(), mask)
         for k, v in metrics.items():  # extremes over microbatches, means of the rest
@@ -299,6 +300,10 @@ def train(learner: Learner, run_id: str, iteration: int, batch: dict, out_dir: s
     score_s, update_s = time.perf_counter() - t0, 0.0
     mask = batch["response_mask"]
     gap = float(core.masked_mean((batch["sampler_logprobs"] - batch["old_logprobs"]).abs(), mask))
+    if lcfg.max_logprob_gap is not None and gap > lcfg.max_logprob_gap:
+        raise StageError(f"learn iteration {iteration}: the sampler's log-probs differ from the snapshot's by "
+                         f"{gap:.4g} a token on average (> learn.max_logprob_gap={lcfg.max_logprob_gap}): the sampler "
+                         "may have served other weights; nothing committed. Rerun rollouts (--force)")
     shuffle = learner.shuffle
     model.train()
 

@@ -475,11 +475,13 @@ def _call(entry, name):
                                              advantages=torch.ones(2, 1), old_logprobs=lp),
         "kl": lambda: kl_penalty(lp, lp, name),
         "agg": lambda: aggregate_loss(lp, mask, name, max_tokens=4.0),
+        "correction": lambda: core.importance_weights(lp, lp, name),
     }
     return calls[entry]()
 
 
-ENTRIES = [("advantage", AdvantageMode), ("loss", LossType), ("kl", KLEstimator), ("agg", AggMode)]
+ENTRIES = [("advantage", AdvantageMode), ("loss", LossType), ("kl", KLEstimator), ("agg", AggMode),
+           ("correction", core.ImportanceCorrection)]
 
 
 @pytest.mark.parametrize("entry,literal", ENTRIES)
@@ -514,3 +516,34 @@ def test_module_is_pure_torch():
 def test_linear_decay_lr():
     assert [core.linear_decay_lr(2.0, s, 4) for s in range(6)] == [2.0, 1.5, 1.0, 0.5, 0.0, 0.0]
     assert core.linear_decay_lr(2.0, 1000, 0) == 2.0  # 0: constant
+
+
+def test_config_names_the_same_variants_as_the_math():
+    """The config's Literals are the math's: a name added to one must be added to the other."""
+    from typing import get_type_hints
+
+    from grpo.config import AdvantageConfig, LearnConfig
+    learn, adv = get_type_hints(LearnConfig), get_type_hints(AdvantageConfig)
+    assert get_args(learn["loss_type"]) == get_args(LossType) and get_args(learn["agg_mode"]) == get_args(AggMode)
+    assert get_args(learn["kl_estimator"]) == get_args(KLEstimator) and get_args(adv["mode"]) == get_args(AdvantageMode)
+    assert get_args(learn["importance_correction"]) == get_args(core.ImportanceCorrection)
+
+
+def test_tis_weighs_each_token_by_the_truncated_ratio_hand_computed():
+    # pi_old / pi_sampler = 2 (capped at 1.5), 0.5, 1; advantage 1, grpo_clip at ratio 1 (logp = old)
+    old = torch.log(torch.tensor([[0.4, 0.1, 0.3]]))
+    sampler = torch.log(torch.tensor([[0.2, 0.2, 0.3]]))
+    logp = old.clone().requires_grad_(True)
+    mask = torch.ones(1, 3)
+    loss, m = grpo_microbatch_step(logp, mask, gradient_accumulation_steps=1, loss_type="grpo_clip",
+                                   agg_mode="token_mean", advantages=torch.ones(1, 1), old_logprobs=old,
+                                   sampler_logprobs=sampler, importance_correction="tis", tis_cap=1.5)
+    # per-token loss -A * ratio * w = -w at ratio 1; token mean: -(1.5 + 0.5 + 1) / 3 = -1
+    assert loss.item() == pytest.approx(-1.0)
+    assert logp.grad[0].tolist() == pytest.approx([-0.5, -1 / 6, -1 / 3])  # d(-w * exp(lp - old))/dlp / 3
+    assert m["actor/is_weight_mean"].item() == pytest.approx(1.0)
+    plain = old.clone().requires_grad_(True)
+    loss_none, _ = grpo_microbatch_step(plain, mask, gradient_accumulation_steps=1, loss_type="grpo_clip",
+                                        agg_mode="token_mean", advantages=torch.ones(1, 1), old_logprobs=old,
+                                        sampler_logprobs=sampler, importance_correction="none")
+    assert loss_none.item() == pytest.approx(-1.0) and plain.grad[0].tolist() == pytest.approx([-1 / 3] * 3)

@@ -426,3 +426,26 @@ def test_an_init_killed_after_run_json_is_finished_by_the_command_the_error_name
     command = str(err.value).split("`")[1].split()
     assert main(["--storage", storage.url] + command[1:]) == 0
     assert stage_function("snapshot")(storage, "t", 0)
+
+
+def test_a_sampler_serving_stale_weights_trips_max_logprob_gap_and_tis_trains_through_it(storage, monkeypatch):
+    from grpo.generation import HFGenerator, close_generators
+    make_run(storage, extra=["learn.max_logprob_gap=0.01", "learn.lr=1e-2"])
+    close_generators()
+    for s in STAGES[:5]:
+        stage_function(s)(storage, "t", 0)
+    # from here the sampler keeps the base weights: iteration 1 samples from them, not from learn 0's
+    monkeypatch.setattr(HFGenerator, "load_weights", lambda self, model_dir: setattr(self, "model_dir", model_dir))
+    stage_function("eval")(storage, "t", 0)
+    for s in STAGES[:4]:
+        stage_function(s)(storage, "t", 1)
+    with pytest.raises(StageError, match=r"learn iteration 1: the sampler's log-probs differ .*learn.max_logprob_gap=0.01"):
+        stage_function("learn")(storage, "t", 1)
+    close_generators()  # a fresh sampler loads the base weights, then (still patched) keeps them
+    make_run(storage, "tis", extra=["learn.importance_correction=tis", "learn.tis_cap=2", "learn.lr=1e-2"])
+    run_iteration(storage, "tis", 0)
+    for s in STAGES[:4]:
+        stage_function(s)(storage, "tis", 1)
+    out = stage_function("learn")(storage, "tis", 1)
+    assert out.manifest.summary["logprob_gap"] > 0.01  # recorded, and corrected for rather than refused
+    close_generators()
