@@ -113,9 +113,34 @@ def cmd_status(args, storage):
             d = stage_dir(storage, args.run, k, s)
             tried, done = list_attempts(storage, d), committed_attempts(storage, d)
             failed = f" +{len(tried) - len(done)}f" if len(tried) > len(done) else ""
-            state = "stale" if done and _stale(storage, done[-1]) else "ok"
+            state = "corrupt" if done and args.verify and _corrupt(storage, done[-1]) else \
+                "stale" if done and _stale(storage, done[-1]) else "ok"
             cells.append("missing" if not tried else f"{state} x{len(done)}{failed}" if done else f"failed x{len(tried)}")
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
+
+
+def _corrupt(storage: Storage, attempt_dir: str) -> bool:
+    """Whether a committed attempt's files no longer match its manifest (size or sha256)."""
+    try:
+        load_manifest(storage, attempt_dir, verify=True)
+    except ArtifactError:
+        return True
+    return False
+
+
+def cmd_gc(args, storage):
+    from stages.common import load_run
+    from stages.gc import find_garbage, remove
+    load_run(storage, args.run)
+    garbage = find_garbage(storage, args.run, min_age_s=args.older_than_s)
+    for g in garbage:
+        print(f"{g.why:>10}  {g.bytes / 1e6:9.1f} MB  {storage.uri(g.path)}")
+    total = sum(g.bytes for g in garbage) / 1e6
+    if args.delete:
+        remove(storage, garbage)
+        print(f"removed {len(garbage)} item(s), {total:.1f} MB")
+    else:
+        print(f"{len(garbage)} item(s), {total:.1f} MB; nothing removed (dry run): add --delete to remove them")
 
 
 def _stale(storage: Storage, attempt_dir: str) -> bool:
@@ -195,7 +220,14 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_demo)
     sp = sub.add_parser("status", help="iterations x stages of a run")
     sp.add_argument("--run", required=True)
+    sp.add_argument("--verify", action="store_true", help="re-hash the newest attempts: 'corrupt' if they changed")
     sp.set_defaults(fn=cmd_status)
+    sp = sub.add_parser("gc", help="list (or --delete) failed and superseded attempts and temporary files")
+    sp.add_argument("--run", required=True)
+    sp.add_argument("--delete", action="store_true", help="remove them (default: only list)")
+    sp.add_argument("--older-than-s", type=float, default=3600.0,
+                    help="leave anything written more recently (a stage may be running): default 3600")
+    sp.set_defaults(fn=cmd_gc)
     sp = sub.add_parser("query", help="DuckDB SQL over the committed tables of a run",
                         description="views: rollouts, rewards, advantages, logprobs, learn_metrics, eval "
                                     "(newest committed attempt of each iteration; see grpo/query.py)")

@@ -18,7 +18,7 @@ from typing import Callable
 import fsspec
 
 from grpo.config import ConfigError, RunConfig, load_config
-from grpo.storage import (Committed, NotCommittedError, StageWriter, Storage, committed_attempts, config_hash,
+from grpo.storage import (Committed, CorruptArtifactError, NotCommittedError, StageWriter, Storage, committed_attempts, config_hash,
                           find_committed, latest_committed, load_manifest, stage_identity)
 
 log = logging.getLogger("grpo.stages")
@@ -115,6 +115,13 @@ def committed_input(storage: Storage, run_id: str, iteration: int | None, stage:
     """The newest committed output of `stage`, verified; a clear error says what to run."""
     try:
         return latest_committed(storage, stage_dir(storage, run_id, iteration, stage))
+    except CorruptArtifactError as e:
+        if stage == "base":
+            raise StageError(f"{e}: the run's base model changed after its commit; restore its files or "
+                             "make a new run") from e
+        raise StageError(f"{e}: the committed {stage} changed after its commit; make a new attempt with "
+                         f"`grpo stage {stage} --run {run_id} --iteration {iteration} --force` (the damaged "
+                         "one stays for inspection)") from e
     except NotCommittedError as e:
         if stage == "base":  # an init that stopped after run.json: running it again finishes it
             raise StageError(f"input missing: {e}; run `grpo init --run {run_id}` (it reads run.json) to "

@@ -449,3 +449,45 @@ def test_a_sampler_serving_stale_weights_trips_max_logprob_gap_and_tis_trains_th
     out = stage_function("learn")(storage, "tis", 1)
     assert out.manifest.summary["logprob_gap"] > 0.01  # recorded, and corrected for rather than refused
     close_generators()
+
+
+def test_status_verify_shows_corrupt_the_error_says_what_to_run_and_gc_lists_then_removes(storage, capsys):
+    import os
+    from pathlib import Path
+    make_run(storage)
+    run_iteration(storage, "t", 0)
+    first = latest_committed(storage, stage_dir(storage, "t", 0, "rewards"))
+    stage_function("rewards")(storage, "t", 0, force=True)  # supersedes attempt 1
+    run_iteration(storage, "t", 0)  # advantages, learn, eval rebuilt on it
+    failed = Path(stage_dir(storage, "t", 0, "advantages")) / "attempt-0009-dead00"  # a crashed attempt
+    failed.mkdir()
+    (failed / "advantages.parquet").write_bytes(b"half")
+    (Path(storage.path("runs", "t")) / "run.json.tmp-1234").write_bytes(b"{")
+    old = 1_000_000_000
+    for p in [failed, failed / "advantages.parquet", Path(storage.path("runs", "t", "run.json.tmp-1234"))]:
+        os.utime(p, (old, old))
+    capsys.readouterr()
+    assert main(["--storage", storage.url, "gc", "--run", "t"]) == 0
+    listed = capsys.readouterr().out
+    assert "failed" in listed and "attempt-0009-dead00" in listed and "run.json.tmp-1234" in listed
+    assert "superseded" in listed and first.attempt_dir.rsplit("/", 1)[-1] in listed
+    assert "nothing removed (dry run)" in listed and failed.exists()
+    snap = latest_committed(storage, stage_dir(storage, "t", 0, "snapshot"))
+    assert snap.manifest.files[0].uri and "base" not in [line.split()[0] for line in listed.splitlines()]
+    assert main(["--storage", storage.url, "gc", "--run", "t", "--delete"]) == 0
+    assert not failed.exists() and not Path(first.attempt_dir).exists()
+    assert run_iteration(storage, "t", 0)  # the kept chain still reads and verifies
+    # a committed file edited afterwards: status --verify says corrupt, the next reader says what to run
+    eval_dir = latest_committed(storage, stage_dir(storage, "t", 0, "eval")).attempt_dir
+    with open(f"{eval_dir}/eval.parquet", "r+b") as f:
+        f.seek(20)
+        f.write(b"\xff")
+    capsys.readouterr()
+    assert main(["--storage", storage.url, "status", "--run", "t", "--verify"]) == 0
+    assert "corrupt" in capsys.readouterr().out
+    adv_dir = latest_committed(storage, stage_dir(storage, "t", 0, "advantages")).attempt_dir
+    with open(f"{adv_dir}/advantages.parquet", "r+b") as f:
+        f.seek(20)
+        f.write(b"\xff")
+    with pytest.raises(StageError, match=r"grpo stage advantages --run t --iteration 0 --force"):
+        stage_function("learn")(storage, "t", 0, force=True)
