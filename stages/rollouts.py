@@ -43,7 +43,8 @@ def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Example]:
     n, seed = cfg.rollout.prompts_per_iteration, iteration_seed(cfg.seed, iteration, salt=1)
     if cfg.task.dataset:
         train, _ = held_out_split(cfg)
-        return [train[i] for i in data.draw(len(train), n, iteration, iteration_seed(cfg.seed, 0, salt=5))]
+        epochs_seed = iteration_seed(cfg.seed, 0, salt=5)  # one seed for every epoch's permutation (salt 5: draws)
+        return [train[i] for i in data.draw(len(train), n, iteration, epochs_seed)]
     return get_task(cfg.task.name, **cfg.task.params).generate(n, seed)
 
 
