@@ -31,11 +31,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.logging.handlers import APILogHandler
 
 from grpo.cli import next_iteration
-from grpo.config import load_config_file
 from grpo.storage import load_manifest, open_storage
 from stages import STAGES, stage_function
-from stages.common import load_run, run_dir
-from stages.init import init_run
+from stages.init import init_run, run_config
 from stages.rewards import WARM_POOLS
 
 Stage = Literal["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]  # = stages.STAGES
@@ -91,10 +89,7 @@ def transient(task, task_run, state) -> bool:
 def create_run(storage_url: str, run_id: str, config_path: str | None, overrides: list[str]) -> str:
     """Write run.json and commit the base model (idempotent); an existing run keeps its config."""
     storage = open_storage(storage_url)
-    exists = storage.exists(f"{run_dir(storage, run_id)}/run.json")
-    cfg = load_run(storage, run_id) if exists and not (config_path or overrides) else \
-        load_config_file(config_path, overrides)  # a different config for an existing run is refused
-    base = init_run(storage, run_id, cfg)
+    base = init_run(storage, run_id, run_config(storage, run_id, config_path, overrides))
     get_run_logger().info("run %s: base model %s", run_id, base.uri)
     return base.uri
 

@@ -16,8 +16,7 @@ import os
 import sys
 
 from grpo.config import ConfigError, load_config_file
-from grpo.storage import (ArtifactError, Committed, Storage, committed_attempts, list_attempts, load_manifest,
-                          open_storage)
+from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
 from schemas import SchemaError
 from stages import STAGES, StageError, stage_function
 from stages.common import stage_dir
@@ -29,12 +28,9 @@ def _committed(storage: Storage, run_id: str, k: int, stage: str) -> bool:
 
 def _finished(storage: Storage, run_id: str, k: int) -> bool:
     """Iteration k has a committed eval whose chain (learn, advantages, ..., snapshot) is current."""
-    from stages.common import stale_input
+    from stages.common import stale_attempt
     attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
-    if not attempts:
-        return False
-    manifest, sha = load_manifest(storage, attempts[-1], verify=False)
-    return stale_input(storage, Committed(storage, attempts[-1], manifest, sha)) is None
+    return bool(attempts) and not stale_attempt(storage, attempts[-1])
 
 
 def next_iteration(storage: Storage, run_id: str) -> int:
@@ -55,12 +51,8 @@ def run_iteration(storage: Storage, run_id: str, iteration: int, force: bool = F
 
 
 def cmd_init(args, storage):
-    from stages.common import load_run, run_dir
-    from stages.init import init_run
-    exists = storage.exists(f"{run_dir(storage, args.run)}/run.json")
-    # an existing run and no config: finish its init (a base model not yet committed) with run.json's
-    cfg = load_run(storage, args.run) if exists and not (args.config or args.set) else \
-        load_config_file(args.config, args.set)
+    from stages.init import init_run, run_config
+    cfg = run_config(storage, args.run, args.config, args.set)
     init_run(storage, args.run, cfg)
     print(f"run {args.run}: {storage.uri(storage.path('runs', args.run))}")
 
@@ -101,7 +93,7 @@ def cmd_demo(args, storage):
 
 
 def cmd_status(args, storage):
-    from stages.common import load_run
+    from stages.common import load_run, stale_attempt
     load_run(storage, args.run)
     last = next_iteration(storage, args.run)
     while list_attempts(storage, stage_dir(storage, args.run, last + 1, "snapshot")):  # tried after a stale one
@@ -114,7 +106,7 @@ def cmd_status(args, storage):
             tried, done = list_attempts(storage, d), committed_attempts(storage, d)
             failed = f" +{len(tried) - len(done)}f" if len(tried) > len(done) else ""
             state = "corrupt" if done and args.verify and _corrupt(storage, done[-1]) else \
-                "stale" if done and _stale(storage, done[-1]) else "ok"
+                "stale" if done and stale_attempt(storage, done[-1]) else "ok"
             cells.append("missing" if not tried else f"{state} x{len(done)}{failed}" if done else f"failed x{len(tried)}")
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
 
@@ -141,12 +133,6 @@ def cmd_gc(args, storage):
         print(f"removed {len(garbage)} item(s), {total:.1f} MB")
     else:
         print(f"{len(garbage)} item(s), {total:.1f} MB; nothing removed (dry run): add --delete to remove them")
-
-
-def _stale(storage: Storage, attempt_dir: str) -> bool:
-    from stages.common import stale_input
-    manifest, sha = load_manifest(storage, attempt_dir, verify=False)
-    return stale_input(storage, Committed(storage, attempt_dir, manifest, sha)) is not None
 
 
 def cmd_query(args, storage):

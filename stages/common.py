@@ -98,6 +98,12 @@ def stale_input(storage: Storage, committed: Committed, seen: set | None = None)
     return None
 
 
+def stale_attempt(storage: Storage, attempt_dir: str) -> bool:
+    """Whether a committed attempt was made from inputs a newer attempt replaced (stale_input)."""
+    manifest, sha = load_manifest(storage, attempt_dir, verify=False)
+    return stale_input(storage, Committed(storage, attempt_dir, manifest, sha)) is not None
+
+
 def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, inputs: dict[str, Committed]) -> None:
     """Every input of a stage must come from the current chain of its iteration (see stale_input);
     the error names both attempts and the command that rebuilds the chain."""

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from grpo import data
 from grpo.checkpoint import ModelNotFoundError, fetch_model, non_finite_weights, upload_folder
-from grpo.config import ConfigError, RunConfig, load_config
+from grpo.config import ConfigError, RunConfig, load_config, load_config_file
 from grpo.storage import Committed, Storage, is_local
 from grpo.tasks import functions, generates, get_task
 from grpo.tiny_model import build_for_task
-from stages.common import StageError, log, run_dir, run_stage
+from stages.common import StageError, load_run, log, run_dir, run_stage
 
 
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
@@ -39,6 +39,15 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     if is_local(storage.fs):  # object stores need no folders
         storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)
     storage.write_bytes_atomic(path, data_)
+
+
+def run_config(storage: Storage, run_id: str, config_path: str | None, overrides: list[str]) -> RunConfig:
+    """The config to init `run_id` with: run.json's for an existing run given no config (finishing
+    an init that stopped before its base model committed), else the file and overrides (a
+    different config for an existing run is then refused by write_run_json)."""
+    if storage.exists(f"{run_dir(storage, run_id)}/run.json") and not (config_path or overrides):
+        return load_run(storage, run_id)
+    return load_config_file(config_path, overrides)
 
 
 def build_tiny_base(out_dir: str, cfg: RunConfig) -> str:

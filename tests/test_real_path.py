@@ -291,12 +291,18 @@ def test_a_warm_engine_restarts_when_the_eos_ids_change(world, tmp_path):
         close_generators()
 
 
-@pytest.mark.s3
-def test_model_and_dataset_from_s3_urls(world, s3, monkeypatch, tmp_path):
+@pytest.fixture
+def s3_storage(s3, monkeypatch, tmp_path):
+    """A storage of its own on the test S3 server, the AWS variables set, checkpoints cached in tmp_path."""
     for k, v in s3.env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
-    storage = open_storage(f"s3://{s3.bucket}/real-{tmp_path.name}")
+    return open_storage(f"s3://{s3.bucket}/real-{tmp_path.name}")
+
+
+@pytest.mark.s3
+def test_model_and_dataset_from_s3_urls(world, s3_storage):
+    storage = s3_storage
     storage.fs.put(str(world / "model") + "/", storage.path("inputs", "model") + "/", recursive=True)
     storage.fs.put_file(str(world / "gsm8k.parquet"), storage.path("inputs", "gsm8k.parquet"))
     model, data_url = storage.uri(storage.path("inputs", "model")), storage.uri(storage.path("inputs", "gsm8k.parquet"))
@@ -309,15 +315,11 @@ def test_model_and_dataset_from_s3_urls(world, s3, monkeypatch, tmp_path):
 
 
 @pytest.mark.s3
-def test_an_edited_download_cache_is_fetched_again(world, s3, monkeypatch, tmp_path):
+def test_an_edited_download_cache_is_fetched_again(world, s3_storage):
     """A checkpoint cached from S3 is checked against its manifest before each use in a process."""
     import time
     from grpo.checkpoint import local_checkpoint
-    for k, v in s3.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
-    storage = open_storage(f"s3://{s3.bucket}/cache-{tmp_path.name}")
-    base = init_run(storage, "c", load_config(None, chat_config(world)))
+    base = init_run(s3_storage, "c", load_config(None, chat_config(world)))
     folder = Path(local_checkpoint(base))
     weights = folder / "model.safetensors"
     good = weights.read_bytes()
