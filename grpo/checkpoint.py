@@ -72,6 +72,25 @@ def non_finite_weights(model_dir: str | Path) -> list[str]:
     return bad
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # what config.json's `dtype` may name and the samplers run
+
+
+def checkpoint_dtype_name(model_dir: str | Path) -> str:
+    """The dtype a checkpoint was saved in: config.json's `dtype` (`torch_dtype` before
+    transformers 5); float32 when it names none (or one outside DTYPES)."""
+    import json
+    path = Path(model_dir, "config.json")
+    config = json.loads(path.read_text()) if path.exists() else {}
+    name = config.get("dtype") or config.get("torch_dtype")
+    return name if name in DTYPES else "float32"
+
+
+def checkpoint_dtype(model_dir: str | Path):
+    """checkpoint_dtype_name as a torch dtype."""
+    import torch
+    return getattr(torch, checkpoint_dtype_name(model_dir))
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-flow"))
 

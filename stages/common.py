@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 from typing import Callable
 
 import fsspec
@@ -136,6 +137,16 @@ def committed_input(storage: Storage, run_id: str, iteration: int | None, stage:
                          "first") from e
 
 
+def gpu_memory() -> dict[str, float]:
+    """On a GPU: this process's peak allocation through torch since the stage began (`gpu_peak_gib`)
+    and the device's memory in use by every process now (`gpu_used_gib`); nothing on a CPU."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_used_gib": (total - free) / 2**30}
+
+
 def run_stage(storage: Storage, run_id: str, iteration: int | None, stage: str, *, config: dict,
               inputs: dict[str, Committed], body: Callable[[StageWriter], dict],
               force: bool = False) -> Committed:
@@ -155,7 +166,10 @@ def run_stage(storage: Storage, run_id: str, iteration: int | None, stage: str, 
             return found
     writer = StageWriter(storage, sdir, **writer_args)
     log.debug("%s iteration %s: running, writing %s", stage, iteration, storage.uri(writer.attempt_dir))
-    summary = body(writer)
+    torch = sys.modules.get("torch")  # not imported yet: nothing on a GPU yet either
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    summary = {**body(writer), **gpu_memory()}
     committed = writer.commit(summary=summary)
     log.info("%s iteration %s: committed %s %s", stage, iteration, committed.uri, summary)
     return committed

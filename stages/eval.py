@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import time
 
-from grpo.generation import SamplingSpec, decode_responses, get_generator
+from grpo.generation import SamplingSpec, decode_responses
 from grpo.storage import Committed, Storage
 from schemas import write_parquet
 from stages.common import check_chain, committed_input, load_run, run_stage
 from stages.rewards import WARM_POOLS, score_batch, scorer_key
-from stages.rollouts import eval_prompts, held_out_config, policy_and_prompts
+from stages.rollouts import eval_prompts, held_out_config, policy_and_prompts, sampler
 
 
 def exact_match(components: dict[str, float]) -> float:
@@ -35,7 +35,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False)
     def body(writer):
         p = policy_and_prompts(inputs["policy"], eval_prompts(cfg), cfg)
         t0 = time.perf_counter()
-        gen = get_generator(cfg.rollout.backend, p.model_dir)
+        gen, settings = sampler(p, cfg)
         t1 = time.perf_counter()
         greedy = [g[0] for g in gen.generate(p.ids, SamplingSpec(n=1, temperature=0.0, stop=tuple(cfg.rollout.stop)),
                                              p.budgets)]
@@ -60,7 +60,8 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False)
                 "pass_at_k": [None if c is None else float(max(c)) for c in per_prompt]}
         write_parquet(storage.fs, writer.path("eval.parquet"), "eval", rows)
         summary = {"prompts": n, "skipped_prompts": p.skipped, "reward_mean": sum(rows["reward"]) / n,
-                   "exact_match": sum(rows["exact"]) / n, "engine_s": engine_s, "generate_s": generate_s}
+                   "exact_match": sum(rows["exact"]) / n, "engine_s": engine_s, "generate_s": generate_s,
+                   "sampler": settings}
         if k > 1:
             summary.update({f"avg@{k}": sum(rows["avg_at_k"]) / n, f"pass@{k}": sum(rows["pass_at_k"]) / n})
         return summary

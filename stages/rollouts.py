@@ -19,7 +19,7 @@ from tokenizers import models as tokenizer_models
 from grpo import data
 from grpo.checkpoint import content_hash, local_checkpoint, non_finite_weights, tokenizer_and_config
 from grpo.config import RunConfig
-from grpo.generation import Sample, SamplingSpec, decode_responses, get_generator, stop_token_ids
+from grpo.generation import Generator, Sample, SamplingSpec, decode_responses, engine_settings, get_generator, stop_token_ids
 from grpo.storage import Committed, Storage
 from grpo.tasks import Example, get_task
 from schemas import ParquetWriter
@@ -104,6 +104,8 @@ def policy_and_prompts(policy: Committed, examples: list[Example], cfg: RunConfi
     model_dir = local_checkpoint(policy)
     tokenizer, config = tokenizer_and_config(policy)
     max_len = config.max_position_embeddings
+    if cfg.rollout.backend == "vllm" and cfg.rollout.vllm.max_model_len:  # the engine's own limit
+        max_len = min(max_len, cfg.rollout.vllm.max_model_len)
     try:
         texts, ids = data.tokenize_prompts(tokenizer, examples, cfg.task.prompt_format, cfg.task.system_prompt)
     except data.DatasetError as e:
@@ -120,6 +122,13 @@ def policy_and_prompts(policy: Committed, examples: list[Example], cfg: RunConfi
     return Prompts(model_dir, tokenizer, stop_token_ids(tokenizer, model_dir), keep, [examples[i] for i in keep],
                    [texts[i] for i in keep], [ids[i] for i in keep],
                    [min(cfg.rollout.max_tokens, max_len - len(ids[i])) for i in keep], len(ids) - len(keep))
+
+
+def sampler(p: Prompts, cfg: RunConfig) -> tuple[Generator, dict]:
+    """The live generator for the prompts' checkpoint (started, woken, or reloaded in place) and what
+    it runs with: backend, dtype and engine settings, for the manifest's summary."""
+    settings = engine_settings(cfg.rollout.backend, cfg.rollout, cfg.model.dtype, p.model_dir)
+    return get_generator(cfg.rollout.backend, p.model_dir, **settings), {"backend": cfg.rollout.backend, **settings}
 
 
 def chunk_columns(run_id: str, iteration: int, p: Prompts, chunk: slice, groups: list[list[Sample]],
@@ -154,7 +163,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
             raise StageError(f"{snap.uri}: the policy has non-finite weights ({', '.join(bad[:3])}); "
                              f"nothing sampled. Rerun the learn that made it with a lower learn.lr")
         t0 = time.perf_counter()
-        gen = get_generator(r.backend, p.model_dir)  # starts the engine, or reloads a warm one's weights
+        gen, settings = sampler(p, cfg)  # starts the engine, or wakes a warm one and reloads its weights
         engine_s, generate_s = time.perf_counter() - t0, 0.0
         spec = SamplingSpec(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                             stop=tuple(r.stop), seed=iteration_seed(cfg.seed, iteration, salt=2))
@@ -175,7 +184,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
         return {"prompts": len(p.ids), "skipped_prompts": p.skipped, "samples": out.num_rows,
                 "response_tokens": n_tokens,
                 "stop_fraction": n_stop / max(out.num_rows, 1), "policy_version": version,
-                "engine_s": engine_s, "generate_s": generate_s}
+                "engine_s": engine_s, "generate_s": generate_s, "sampler": settings}
 
     config = {"seed": cfg.seed, "task": cfg.to_dict()["task"], "rollout": cfg.to_dict()["rollout"]}
     if cfg.task.dataset:  # the held-out rows are never drawn

@@ -19,6 +19,7 @@ from grpo.core import (
     masked_normalize,
     policy_gradient_loss,
     token_entropy,
+    chunked_token_logprobs,
     token_logprobs,
 )
 
@@ -166,6 +167,31 @@ def test_token_logprobs_are_stable_for_large_logits():
     lp = token_logprobs(logits, torch.tensor([[1]]))
     torch.testing.assert_close(lp, torch.tensor([[-1e4]]))
     assert torch.isfinite(token_entropy(logits)).all()
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 100])
+def test_chunked_logprobs_equal_full_logits_values_and_gradients(chunk):
+    """The LM head applied chunk by chunk (recomputed in backward) gives the log-probs, entropy
+    and gradients of the full (B, T, V) logits, whatever the chunk size (5: a ragged last chunk)."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(6, 11, bias=False).double()
+    hidden = torch.randn(3, 4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 4), generator=g)
+    weights = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    grads = []
+    for chunked in (False, True):
+        head.zero_grad()
+        hidden.grad = None
+        if chunked:
+            logp, ent = chunked_token_logprobs(hidden, head, labels, chunk, with_entropy=True)
+        else:
+            logits = head(hidden)
+            logp, ent = token_logprobs(logits, labels), token_entropy(logits)
+        (logp * weights).sum().backward()
+        grads.append((logp.detach(), ent.detach(), hidden.grad.clone(), head.weight.grad.clone()))
+    for full, chunked in zip(*grads):
+        torch.testing.assert_close(chunked, full)
+    assert not chunked_token_logprobs(hidden, head, labels, chunk, with_entropy=True)[1].requires_grad
 
 
 def test_token_logprobs_upcast_half_precision():

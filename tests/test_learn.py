@@ -10,7 +10,8 @@ from schemas import read_parquet, write_parquet
 from stages import StageError, stage_function
 from stages.common import stage_dir
 from stages.init import build_tiny_base, init_run
-from stages.learn import SharedPromptLM, _padded, load_batch
+from grpo.learner import PolicyLM
+from stages.learn import _padded, load_batch
 
 TINY = ["rollout.backend=hf", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
         "learn.minibatch_size=32", "learn.microbatch_size=16", "eval.n_prompts=16",
@@ -57,16 +58,26 @@ def test_shared_prompt_forward_equals_full_sequences(lm):
     for i, r in enumerate(responses):
         response_ids[i, :len(r)], response_mask[i, :len(r)] = torch.tensor(r), 1
 
-    shared = core.token_logprobs(SharedPromptLM(lm)(prompt_ids, prompt_mask, response_ids, response_mask),
-                                 response_ids) * response_mask
     full = full_sequence_logprobs(lm, [p for p in prompts for _ in range(g)], responses) * response_mask
-    assert (shared - full).abs().max() < 1e-5
+    # shared prompt; then chunked logits (4 tokens at a time); then the full-sequence training forward
+    # of gradient checkpointing, with checkpointing on
+    models = [PolicyLM(lm), PolicyLM(lm, logprob_chunk=4), PolicyLM(lm, full_sequences_in_training=True).train()]
+    for model in models:
+        logp = model(prompt_ids, prompt_mask, response_ids, response_mask)[0] * response_mask
+        assert (logp - full).abs().max() < 1e-5
     grads = []
-    for logp in (shared, full):
+    for i, model in enumerate(models + [None]):
         lm.zero_grad()
-        logp.sum().backward()
+        if i == 2:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        logp = full if model is None else model(prompt_ids, prompt_mask, response_ids, response_mask)[0]
+        if model is None:
+            logp = full_sequence_logprobs(lm, [p for p in prompts for _ in range(g)], responses)
+        (logp * response_mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in lm.parameters()]))
-    assert (grads[0] - grads[1]).norm() / grads[1].norm() < 1e-5
+        lm.gradient_checkpointing_disable()
+    for grad in grads[:-1]:
+        assert (grad - grads[-1]).norm() / grads[-1].norm() < 1e-5
 
 
 def test_padded_rows_right_and_left():
@@ -91,11 +102,11 @@ def test_batch_holds_whole_groups_and_rejects_a_broken_one(storage):
     ro = latest_committed(storage, stage_dir(storage, "t", 0, "rollouts"))
     ad = latest_committed(storage, stage_dir(storage, "t", 0, "advantages"))
     batch = load_batch(storage, ro, ad, pad_id=0, group_size=4)
-    assert batch["prompt_ids"].shape[0] * 4 == batch["response_ids"].shape[0] == 64
-    assert batch["prompt_id"] == sorted(batch["prompt_id"]) and batch["prompt_id"][:5] == [0, 0, 0, 0, 1]
+    assert batch.prompt_ids.shape[0] * 4 == batch.response_ids.shape[0] == 64
+    assert batch.prompt_id == sorted(batch.prompt_id) and batch.prompt_id[:5] == [0, 0, 0, 0, 1]
     rows = pd.read_parquet(storage.uri(ro.path("rollouts.parquet"))).sort_values(["prompt_id", "sample_index"])
-    assert batch["prompt_ids"][1][batch["prompt_mask"][1].bool()].tolist() == rows.prompt_ids.iloc[4].tolist()
-    assert batch["response_mask"].sum(1).tolist() == rows.response_ids.map(len).tolist()
+    assert batch.prompt_ids[1][batch.prompt_mask[1].bool()].tolist() == rows.prompt_ids.iloc[4].tolist()
+    assert batch.response_mask.sum(1).tolist() == rows.response_ids.map(len).tolist()
 
     # one sample of group 0 left out: the learner could not score that group's prompt once for G
     table = read_parquet(storage.fs, ad.path("advantages.parquet"), "advantages").to_pandas()

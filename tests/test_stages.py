@@ -309,6 +309,10 @@ def test_two_processes_give_the_same_update_as_one(storage):
     m1, m2 = (pd.read_parquet(c.path("metrics.parquet")) for c in (one, two))
     for col in ["loss", "grad_norm"]:  # every step saw the same minibatch and gradient
         assert m1[col].tolist() == pytest.approx(m2[col].tolist(), rel=1e-4, abs=1e-6), col
+    # the extremes are the extremes over both ranks' samples (a mean of the ranks' maxima is lower)
+    assert m1.ratio_max.iloc[-1] > 1 + 1e-4 > 1 - 1e-4 > m1.ratio_min.iloc[-1]  # the second step moved off 1
+    for col in ["ratio_max", "ratio_min"]:
+        assert m1[col].tolist() == pytest.approx(m2[col].tolist(), rel=1e-5), col
 
 
 def test_cli_stage_and_status(storage, capsys):

@@ -1,0 +1,365 @@
+"""The learner: the policy model, the GRPO update loop and its state; no storage.
+
+`train` takes one iteration's `Batch` (the kept samples, grouped by prompt) and a `Learner`
+(policy, AdamW, shuffling RNG, frozen reference), and runs the update:
+1. the snapshot policy scores the rollouts under no_grad (old log-probs) and, when kl_coef > 0,
+   so does the reference (both returned, so an audit can recompute every loss);
+2. `epochs` passes over minibatches of whole groups in shuffled order, gradient accumulation
+   over microbatches, loss = clipped policy gradient + kl_coef * KL (grpo.core), grad-norm
+   clipping, AdamW with lr optionally decayed over the run's steps.
+Rank r of a multi-process run (torchrun) takes every r-th group of each minibatch; DDP's
+gradient average then equals the one-process gradient for the per-sequence aggregation modes.
+
+Precision and memory, as on a GPU: the weights and AdamW state stay float32 (master weights);
+learn.mixed_precision=bf16 runs forwards and backwards under bf16 autocast; checkpoints are
+written in the base model's dtype, with the float32 master weights beside them when that dtype
+is narrower, so the next iteration resumes exactly. Log-probs never materialize float32
+(B, T, V) logits (grpo.core.chunked_token_logprobs); learn.gradient_checkpointing recomputes
+the transformer blocks' activations in backward. Every tensor lives on the accelerator's device.
+
+stages/learn.py joins the data, hands a warm Learner from one iteration to the next, launches
+torchrun and commits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from grpo import core
+from grpo.checkpoint import checkpoint_dtype
+from grpo.config import LearnConfig, RunConfig
+
+log = logging.getLogger("grpo.learner")
+MASTER_WEIGHTS = "master.safetensors"  # float32 weights, written when the checkpoint's dtype is narrower
+
+
+class LearnError(RuntimeError):
+    """The update cannot be committed: non-finite loss, gradients or weights, or a sampler gap."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One iteration's kept samples, whole groups in (prompt_id, sample_index) order.
+
+    Group g (one prompt, G = group_size samples) holds samples g*G .. g*G+G-1; P groups, N = P*G.
+    """
+    prompt_ids: Tensor  # (P, Lp) long, left-padded: one row per group
+    prompt_mask: Tensor  # (P, Lp) long
+    response_ids: Tensor  # (N, T) long, right-padded
+    response_mask: Tensor  # (N, T) float, each row a prefix of ones
+    sampler_logprobs: Tensor  # (N, T) the sampler's log-prob of each sampled token
+    advantages: Tensor  # (N,)
+    rewards: Tensor  # (N,)
+    group_size: int
+    prompt_id: list[int]  # (N,) the keys of each sample, for the log-probs table
+    sample_index: list[int]
+
+    def to(self, device) -> Batch:
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if torch.is_tensor(getattr(self, f.name))})
+
+    def rows(self, groups: Tensor) -> Tensor:
+        """Sample rows of `groups`: (P',) -> (P' * G,), group by group."""
+        g = self.group_size
+        return (groups[:, None] * g + torch.arange(g, device=groups.device)).reshape(-1)
+
+
+class PolicyLM(torch.nn.Module):
+    """A causal LM giving the per-token log-probs (and entropy) of each group's G responses.
+
+    Shared prompt (the default): the prompt's keys and values are computed once per group and
+    shared by its G responses (gradients from every response flow back into them), instead of
+    G forwards over the same prompt tokens. With gradient checkpointing the training forward
+    goes over each full sequence instead (checkpointing keeps no KV cache to share); scoring
+    under no_grad still shares the prompt. Both give the same log-probs and gradients. One
+    module, so DDP sees a single forward per backward.
+    """
+
+    def __init__(self, lm, logprob_chunk: int = 4096, full_sequences_in_training: bool = False):
+        super().__init__()
+        self.lm, self.logprob_chunk, self.full_sequences_in_training = lm, logprob_chunk, full_sequences_in_training
+
+    def forward(self, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy: bool = False):
+        """prompt_ids, prompt_mask (P, Lp) left-padded; response_ids, response_mask (P*G, T)
+        right-padded -> log-probs (P*G, T) of response_ids and their entropy (or None)."""
+        full = self.full_sequences_in_training and self.training and torch.is_grad_enabled()
+        hidden = (self._full_sequences if full else self._shared_prompt)(prompt_ids, prompt_mask, response_ids,
+                                                                         response_mask)
+        return core.chunked_token_logprobs(hidden, self.lm.get_output_embeddings(), response_ids,
+                                           self.logprob_chunk, with_entropy)
+
+    def _shared_prompt(self, prompt_ids, prompt_mask, response_ids, response_mask) -> Tensor:
+        """Hidden states (P*G, T, H), [:, t] predicting response_ids[:, t]."""
+        g = response_ids.shape[0] // prompt_ids.shape[0]
+        out = self.lm.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                 position_ids=(prompt_mask.cumsum(1) - 1).clamp_min(0), use_cache=True)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(g)  # (P, ...) -> (P*G, ...), differentiable
+        first = out.last_hidden_state[:, -1:].repeat_interleave(g, 0)  # (P*G, 1, H): predicts response token 0
+        start = prompt_mask.sum(1).repeat_interleave(g)[:, None]  # (P*G, 1)
+        mask = torch.cat([prompt_mask.repeat_interleave(g, 0), response_mask.long()], 1)
+        out = self.lm.base_model(input_ids=response_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                                 position_ids=start + torch.arange(response_ids.shape[1], device=start.device))
+        return torch.cat([first, out.last_hidden_state[:, :-1]], 1)
+
+    def _full_sequences(self, prompt_ids, prompt_mask, response_ids, response_mask) -> Tensor:
+        """Same hidden states from one forward over each sample's prompt + response, no cache."""
+        g, width = response_ids.shape[0] // prompt_ids.shape[0], prompt_ids.shape[1]
+        mask = torch.cat([prompt_mask.repeat_interleave(g, 0), response_mask.long()], 1)
+        out = self.lm.base_model(input_ids=torch.cat([prompt_ids.repeat_interleave(g, 0), response_ids], 1),
+                                 attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0), use_cache=False)
+        return out.last_hidden_state[:, width - 1:width - 1 + response_ids.shape[1]]  # the last prompt token on
+
+
+def forward_logprobs(model, batch: Batch, groups: Tensor, with_entropy: bool = False):
+    """Per-token log-probs (P'*G, T) of the responses of `groups` (P',) under `model` (a PolicyLM),
+    rows in Batch.rows order, and their entropy (or None)."""
+    rows = batch.rows(groups)
+    return model(batch.prompt_ids[groups], batch.prompt_mask[groups], batch.response_ids[rows],
+                 batch.response_mask[rows], with_entropy=with_entropy)
+
+
+@torch.no_grad()
+def score(model, batch: Batch, chunk_groups: int, groups: Tensor | None = None) -> Tensor:
+    """Log-probs (N, T) of every response (of `groups`, default all) under `model`, `chunk_groups`
+    groups a forward."""
+    model.eval()
+    groups = torch.arange(len(batch.prompt_ids), device=batch.prompt_ids.device) if groups is None else groups
+    return torch.cat([forward_logprobs(model, batch, c)[0] for c in groups.split(chunk_groups)])
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The log-probs every minibatch's loss compares against, computed before the first update."""
+    old_logprobs: Tensor  # (N, T) the snapshot policy's, without gradient
+    ref_logprobs: Tensor | None  # (N, T) the frozen reference's; None without a KL penalty
+
+
+def minibatch_step(model, batch: Batch, scores: Scores, groups: Tensor, lcfg: LearnConfig, accum: int,
+                   max_tokens: int) -> dict[str, float]:
+    """Forward/backward over this rank's `groups` in microbatches. Returns metrics: the extremes
+    (`*_max`, `*_min`) over microbatches, the rest summed / accum."""
+    totals: dict[str, float] = {}
+    for mb_groups in groups.split(max(1, lcfg.microbatch_size // batch.group_size)):
+        mb = batch.rows(mb_groups)
+        mask = batch.response_mask[mb]
+        logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
+        ref = scores.ref_logprobs
+        loss, metrics = core.grpo_microbatch_step(
+            logp, mask, gradient_accumulation_steps=accum, loss_type=lcfg.loss_type, agg_mode=lcfg.agg_mode,
+            raw_rewards=batch.rewards[mb, None], advantages=batch.advantages[mb, None],
+            old_logprobs=scores.old_logprobs[mb], ref_logprobs=None if ref is None else ref[mb],
+            kl_coef=lcfg.kl_coef, kl_estimator=lcfg.kl_estimator, clip_eps=lcfg.clip_eps,
+            clip_eps_high=lcfg.clip_eps_high, max_tokens=max_tokens, sampler_logprobs=batch.sampler_logprobs[mb],
+            importance_correction=lcfg.importance_correction, tis_cap=lcfg.tis_cap)
+        metrics["loss/total"] = loss.detach() * accum
+        metrics["actor/entropy"] = core.masked_mean(entropy, mask)
+        for k, v in metrics.items():
+            reduce = _EXTREMES.get(k.rsplit("_", 1)[-1])
+            totals[k] = reduce(totals.get(k, float(v)), float(v)) if reduce else totals.get(k, 0.0) + float(v) / accum
+    return totals
+
+
+_EXTREMES = {"max": max, "min": min}  # metric key suffix -> how microbatches (and ranks) combine
+
+
+def reduce_across_ranks(acc, metrics: dict[str, float]) -> dict[str, float]:
+    """One process's metrics -> every process's: `*_max` / `*_min` by max / min, the rest by mean."""
+    if acc.num_processes == 1:
+        return metrics
+    import torch.distributed as dist
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    out = {}
+    for op in ("mean", "max", "min"):
+        keys = [k for k in metrics if (k.rsplit("_", 1)[-1] if k.rsplit("_", 1)[-1] in ops else "mean") == op]
+        if not keys:
+            continue
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=acc.device)
+        if op == "mean":
+            t = acc.reduce(t, "mean")
+        else:
+            dist.all_reduce(t, ops[op])
+        out.update(zip(keys, t.tolist()))
+    return {k: out[k] for k in metrics}
+
+
+def optimizer_steps(opt) -> int:
+    """Optimizer steps taken over the whole run: AdamW's own count, carried in optimizer.pt."""
+    steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
+    return max(steps, default=0)
+
+
+class Learner:
+    """The policy being trained (float32 master weights), its AdamW state, the shuffling RNG and
+    the frozen reference (loaded only when learn.kl_coef > 0: nothing else reads it).
+
+    Built from checkpoint folders (and the previous iteration's optimizer.pt, rng.pt and master
+    weights); a warm run keeps it in memory for the next iteration instead, which then trains
+    exactly as one built from the committed files would.
+    """
+
+    def __init__(self, cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None,
+                 shuffle_seed: int):
+        from accelerate import Accelerator
+        from transformers import AutoModelForCausalLM
+        self.cfg = cfg
+        lcfg = cfg.learn
+        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=lcfg.mixed_precision)
+        self.save_dtype = checkpoint_dtype(ref_dir)  # checkpoints keep the base model's dtype
+        lm = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+        if state_dir and Path(state_dir, MASTER_WEIGHTS).exists():  # the unrounded weights of the last update
+            from safetensors.torch import load_model
+            load_model(lm, f"{state_dir}/{MASTER_WEIGHTS}")
+        if lcfg.gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = PolicyLM(lm, lcfg.logprob_chunk, full_sequences_in_training=lcfg.gradient_checkpointing)
+        self.ref = None
+        if lcfg.kl_coef > 0:
+            ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+            self.ref = PolicyLM(ref, lcfg.logprob_chunk).eval().to(self.acc.device)
+        # fused: one kernel for all parameters (4x faster steps on CPU for small models)
+        opt = torch.optim.AdamW(model.parameters(), lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay,
+                                fused=True)
+        self.shuffle = torch.Generator().manual_seed(shuffle_seed)
+        if state_dir:  # continue exactly where the previous iteration ended
+            opt.load_state_dict(torch.load(f"{state_dir}/optimizer.pt", weights_only=True, map_location="cpu"))
+            self.shuffle.set_state(torch.load(f"{state_dir}/rng.pt", weights_only=True)["shuffle"])
+        self.model, self.opt = self.acc.prepare(model, opt)
+
+    def to(self, device) -> None:
+        """Move the model, the reference and AdamW's state (off the GPU while a sampler uses it)."""
+        for module in (self.acc.unwrap_model(self.model), self.ref):
+            if module is not None:
+                module.to(device)
+        for state in self.opt.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    state[k] = v.to(device)
+        if device == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def save(self, out_dir: str) -> None:
+        """policy/ (HF checkpoint in the base model's dtype), optimizer.pt, rng.pt and, when that dtype
+        is narrower than float32, master.safetensors, into the local folder out_dir."""
+        from safetensors.torch import save_model
+        out = Path(out_dir)
+        lm = self.acc.unwrap_model(self.model).lm
+        if self.save_dtype == torch.float32:
+            lm.save_pretrained(out / "policy", safe_serialization=True)
+        else:
+            lm.save_pretrained(out / "policy", safe_serialization=True,
+                               state_dict={k: v.to(self.save_dtype) for k, v in lm.state_dict().items()})
+            config = json.loads((out / "policy/config.json").read_text())
+            config["dtype"] = str(self.save_dtype).removeprefix("torch.")
+            (out / "policy/config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            save_model(lm, str(out / MASTER_WEIGHTS))
+        torch.save(self.opt.state_dict(), out / "optimizer.pt")
+        torch.save({"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()}, out / "rng.pt")
+
+
+@dataclass(frozen=True)
+class Update:
+    """What `train` returns: the summary, a metrics row per optimizer step, and the scores."""
+    summary: dict
+    rows: list[dict]
+    scores: Scores  # on the CPU
+
+
+def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_seed: int) -> Update:
+    """Run the update in place on `learner` (every process runs this). Raises LearnError, having
+    left the learner half-updated, when the result must not be committed."""
+    cfg, lcfg, acc, model, opt = learner.cfg, learner.cfg.learn, learner.acc, learner.model, learner.opt
+    torch.manual_seed(torch_seed)
+    batch = batch.to(acc.device)
+    g, chunk = batch.group_size, max(1, lcfg.microbatch_size // batch.group_size)
+    t0 = time.perf_counter()
+    with acc.autocast():
+        old = score(acc.unwrap_model(model), batch, chunk)
+        scores = Scores(old, None if learner.ref is None else score(learner.ref, batch, chunk))
+    score_s, update_s = time.perf_counter() - t0, 0.0
+    mask = batch.response_mask
+    gap = float(core.masked_mean((batch.sampler_logprobs - scores.old_logprobs).abs(), mask))
+    if lcfg.max_logprob_gap is not None and gap > lcfg.max_logprob_gap:
+        raise LearnError(f"learn iteration {iteration}: the sampler's log-probs differ from the snapshot's by "
+                         f"{gap:.4g} a token on average (> learn.max_logprob_gap={lcfg.max_logprob_gap}): the sampler "
+                         "may have served other weights; nothing committed. Rerun rollouts (--force)")
+    model.train()
+
+    # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
+    n_groups, world, rank = len(batch.prompt_ids), acc.num_processes, acc.process_index
+    per_step = lcfg.minibatch_size // g
+    accum = max(1, lcfg.minibatch_size // world // lcfg.microbatch_size)
+    max_tokens = cfg.rollout.max_tokens  # Dr.GRPO's constant divisor: the response budget
+    rows, step = [], 0
+    for epoch in range(lcfg.epochs):
+        order = torch.randperm(n_groups, generator=learner.shuffle).to(acc.device)
+        for start in range(0, n_groups - per_step + 1, per_step):
+            groups = order[start:start + per_step]
+            t0 = time.perf_counter()
+            m = reduce_across_ranks(acc, minibatch_step(model, batch, scores, groups[rank::world], lcfg, accum,
+                                                        max_tokens))
+            if not all(math.isfinite(v) for v in m.values()):
+                raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
+            grad_norm = float(acc.clip_grad_norm_(model.parameters(), lcfg.max_grad_norm))
+            if not math.isfinite(grad_norm):
+                raise LearnError(f"learn iteration {iteration} step {step}: non-finite grad norm; nothing committed")
+            lr = core.linear_decay_lr(lcfg.lr, optimizer_steps(opt), lcfg.lr_decay_steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            update_s += time.perf_counter() - t0
+            n_tok = int(mask[batch.rows(groups)].sum())
+            rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tok, gap))
+            step += 1
+        if acc.is_main_process:  # one line an epoch; every step's metrics go to metrics.parquet
+            epoch_rows = [r for r in rows if r["epoch"] == epoch]
+            log.info("learn iteration %d: epoch %d/%d, %d steps, %s", iteration, epoch + 1, lcfg.epochs,
+                     len(epoch_rows), _epoch_means(epoch_rows))
+    _check_weights(learner, batch, iteration, step)
+    last = rows[-1] if rows else {}
+    summary = {"steps": step, "samples": len(batch.response_ids), "loss": last.get("loss"), "kl": last.get("kl"),
+               "clip_frac": last.get("clip_frac"), "grad_norm": last.get("grad_norm"), "logprob_gap": gap,
+               "world_size": world, "score_s": score_s, "update_s": update_s,
+               "tokens": sum(r["n_tokens"] for r in rows)}
+    cpu = Scores(scores.old_logprobs.float().cpu(), None if scores.ref_logprobs is None else
+                 scores.ref_logprobs.float().cpu())
+    return Update(summary, rows, cpu)
+
+
+def _check_weights(learner: Learner, batch: Batch, iteration: int, steps: int) -> None:
+    """Never commit weights the sampler cannot sample from: every parameter finite, and (finite weights
+    can still be huge: a huge lr) the first group's log-probs too."""
+    lm = learner.acc.unwrap_model(learner.model)
+    bad = [name for name, p in lm.named_parameters() if not bool(torch.isfinite(p).all())]
+    if not bad:
+        with learner.acc.autocast():
+            probe = score(lm, batch, 1, groups=torch.arange(1, device=batch.prompt_ids.device))
+        bad = [] if bool(torch.isfinite(probe[batch.response_mask[:probe.shape[0]].bool()]).all()) else \
+            ["log-probs of the new weights"]
+    if bad:
+        raise LearnError(f"learn iteration {iteration}: non-finite weights after {steps} steps "
+                         f"({', '.join(bad[:3])}); nothing committed; lower learn.lr (now {learner.cfg.learn.lr})")
+
+
+def _metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tokens, gap) -> dict:
+    return {"run_id": run_id, "iteration": iteration, "step": step, "epoch": epoch,
+            "loss": m["loss/total"], "pg_loss": m.get("loss/pg", 0.0), "kl": m.get("loss/kl"),  # None: no reference
+            "clip_frac": m.get("actor/clip_frac", 0.0), "entropy": m["actor/entropy"], "grad_norm": grad_norm,
+            "ratio_mean": m.get("actor/ratio_mean", 1.0), "ratio_min": m.get("actor/ratio_min", 1.0),
+            "ratio_max": m.get("actor/ratio_max", 1.0), "logprob_gap": gap, "lr": lr, "n_tokens": n_tokens}
+
+
+def _epoch_means(rows: list[dict]) -> str:
+    """'loss -0.01 kl 0.002 clip_frac 0.12 ...': means over an epoch's metric rows (kl only if measured)."""
+    keys = ["loss", "kl", "clip_frac", "entropy", "grad_norm"]
+    means = {k: sum(r[k] for r in rows) / len(rows) for k in keys if rows and rows[0][k] is not None}
+    return " ".join(f"{k} {v:.4g}" for k, v in means.items())
