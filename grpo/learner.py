@@ -11,7 +11,7 @@ Rank r of a multi-process run (torchrun) takes every r-th group of each minibatc
 gradient average then equals the one-process gradient for the per-sequence aggregation modes.
 
 Precision and memory, as on a GPU: the weights and AdamW state stay float32 (master weights);
-learn.mixed_precision=bf16 runs forwards and backwards under bf16 autocast; checkpoints are
+learn.mixed_precision=bf16 runs the forwards under bf16 autocast (backward follows); checkpoints are
 written in the base model's dtype, with the float32 master weights beside them when that dtype
 is narrower, so the next iteration resumes exactly. Log-probs never materialize float32
 (B, T, V) logits (grpo.core.chunked_token_logprobs); learn.gradient_checkpointing recomputes
@@ -144,14 +144,15 @@ class Scores:
 
 
 def minibatch_step(model, batch: Batch, scores: Scores, groups: Tensor, lcfg: LearnConfig, accum: int,
-                   max_tokens: int) -> dict[str, float]:
+                   max_tokens: int, autocast) -> dict[str, float]:
     """Forward/backward over this rank's `groups` in microbatches. Returns metrics: the extremes
     (`*_max`, `*_min`) over microbatches, the rest summed / accum."""
     totals: dict[str, float] = {}
     for mb_groups in groups.split(max(1, lcfg.microbatch_size // batch.group_size)):
         mb = batch.rows(mb_groups)
         mask = batch.response_mask[mb]
-        logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
+        with autocast():
+            logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
         ref = scores.ref_logprobs
         loss, metrics = core.grpo_microbatch_step(
             logp, mask, gradient_accumulation_steps=accum, loss_type=lcfg.loss_type, agg_mode=lcfg.agg_mode,
@@ -212,7 +213,9 @@ class Learner:
         from transformers import AutoModelForCausalLM
         self.cfg = cfg
         lcfg = cfg.learn
-        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=lcfg.mixed_precision)
+        # mixed precision by torch.autocast, not Accelerator(mixed_precision=...): Accelerate's state is one per
+        # process and refuses a second setting, and a warm process may serve runs with either
+        self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.save_dtype = checkpoint_dtype(ref_dir)  # checkpoints keep the base model's dtype
         lm = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
         if state_dir and Path(state_dir, MASTER_WEIGHTS).exists():  # the unrounded weights of the last update
@@ -233,6 +236,11 @@ class Learner:
             opt.load_state_dict(torch.load(f"{state_dir}/optimizer.pt", weights_only=True, map_location="cpu"))
             self.shuffle.set_state(torch.load(f"{state_dir}/rng.pt", weights_only=True)["shuffle"])
         self.model, self.opt = self.acc.prepare(model, opt)
+
+    def autocast(self):
+        """The forwards' precision: bf16 autocast with learn.mixed_precision=bf16, else as the weights."""
+        return torch.autocast(self.acc.device.type, dtype=torch.bfloat16,
+                              enabled=self.cfg.learn.mixed_precision == "bf16")
 
     def to(self, device) -> None:
         """Move the model, the reference and AdamW's state (off the GPU while a sampler uses it)."""
@@ -281,7 +289,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     batch = batch.to(acc.device)
     g, chunk = batch.group_size, max(1, lcfg.microbatch_size // batch.group_size)
     t0 = time.perf_counter()
-    with acc.autocast():
+    with learner.autocast():
         old = score(acc.unwrap_model(model), batch, chunk)
         scores = Scores(old, None if learner.ref is None else score(learner.ref, batch, chunk))
     score_s, update_s = time.perf_counter() - t0, 0.0
@@ -305,7 +313,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
             groups = order[start:start + per_step]
             t0 = time.perf_counter()
             m = reduce_across_ranks(acc, minibatch_step(model, batch, scores, groups[rank::world], lcfg, accum,
-                                                        max_tokens))
+                                                        max_tokens, learner.autocast))
             if not all(math.isfinite(v) for v in m.values()):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
             grad_norm = float(acc.clip_grad_norm_(model.parameters(), lcfg.max_grad_norm))
@@ -341,7 +349,7 @@ def _check_weights(learner: Learner, batch: Batch, iteration: int, steps: int) -
     lm = learner.acc.unwrap_model(learner.model)
     bad = [name for name, p in lm.named_parameters() if not bool(torch.isfinite(p).all())]
     if not bad:
-        with learner.acc.autocast():
+        with learner.autocast():
             probe = score(lm, batch, 1, groups=torch.arange(1, device=batch.prompt_ids.device))
         bad = [] if bool(torch.isfinite(probe[batch.response_mask[:probe.shape[0]].bool()]).all()) else \
             ["log-probs of the new weights"]

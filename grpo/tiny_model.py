@@ -138,21 +138,25 @@ def build_chat_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedT
 
 def build_chat_model(out_dir: str, texts: list[str], *, vocab_size: int = 512, hidden_size: int = 64,
                      num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 1, intermediate_size: int = 128,
-                     max_position_embeddings: int = 256, seed: int = 0) -> str:
+                     max_position_embeddings: int = 256, seed: int = 0, dtype: str = "float32",
+                     model_vocab_size: int | None = None) -> str:
     """Save a randomly initialised Qwen2 model (grouped-query attention) with a BPE tokenizer trained
     on `texts`, a chat template, and generation_config.json listing two eos ids (`<|im_end|>`,
-    `<|endoftext|>`, like Qwen2.5). What a user's own HF checkpoint looks like, at toy size."""
+    `<|endoftext|>`, like Qwen2.5). What a user's own HF checkpoint looks like, at toy size (or, with
+    Qwen2.5-0.5B's shape, at its size: `model_vocab_size` pads the embedding past the tokenizer's
+    vocabulary as Qwen's does; `dtype` is the saved weights')."""
     from transformers import Qwen2Config
     tokenizer = build_chat_tokenizer(texts, vocab_size)
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+    config = Qwen2Config(vocab_size=model_vocab_size or len(tokenizer), hidden_size=hidden_size,
+                         num_hidden_layers=num_layers,
                          num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                          intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
                          tie_word_embeddings=True, bos_token_id=endoftext, eos_token_id=im_end,
-                         pad_token_id=endoftext, dtype="float32")
+                         pad_token_id=endoftext, dtype=dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(bos_token_id=endoftext, eos_token_id=[im_end, endoftext],
                                                pad_token_id=endoftext)
     os.makedirs(out_dir, exist_ok=True)

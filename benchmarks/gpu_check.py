@@ -1,0 +1,162 @@
+"""The GPU path end to end on one GPU, with no downloads, in a few minutes; exits non-zero on a failure.
+
+    .venv/bin/python benchmarks/gpu_check.py           # a GPU machine: a ~0.5B Qwen2 in bf16
+    .venv/bin/python benchmarks/gpu_check.py --tiny    # anywhere (CI runs it on CPU): the same steps, toy size
+
+1. A Qwen2-architecture model built from a config (Qwen2.5-0.5B's shape: 24 layers, width 896,
+   grouped-query attention, a 151,936-row embedding), random weights saved in bf16, with a byte-level
+   BPE tokenizer trained here by `tokenizers` and Qwen's chat template; word-problem prompts as JSONL
+   and a reward function in a file (the response's length: random weights need a reward with spread).
+2. Three warm iterations of the Prefect flow `grpo` (no server: Prefect's ephemeral API): vLLM
+   with its GPU settings (CUDA graphs, prefix caching, sleep mode: asleep while the learner runs),
+   the learner under bf16 autocast with a KL penalty (the reference model loaded too).
+3. Prints, per iteration and then for the last: rollout tokens/s in the pipeline; vLLM's own
+   tokens/s on the same prompts outside the pipeline (the ratio is the pipeline's cost); learner
+   tokens/s and model FLOPs utilization; each stage's peak GPU memory; the mean |sampler - learner|
+   log-prob of the sampled tokens. Fails when that gap exceeds --max-gap (0.05).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# dense bf16 peak of the GPUs this is likely to meet, FLOP/s (vendor figures, no sparsity)
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12}
+
+SHAPES = {  # Qwen2.5-0.5B, and a toy of the same architecture (vLLM on CPU needs head_dim >= 32)
+    "full": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                 max_position_embeddings=4096, model_vocab_size=151936),
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                 max_position_embeddings=256),
+}
+SETTINGS = {
+    "full": ["rollout.prompts_per_iteration=64", "rollout.group_size=8", "rollout.max_tokens=256",
+             "learn.minibatch_size=256", "learn.microbatch_size=32", "eval.n_prompts=32"],
+    "tiny": ["rollout.prompts_per_iteration=8", "rollout.group_size=4", "rollout.max_tokens=16",
+             "learn.minibatch_size=16", "learn.microbatch_size=8", "eval.n_prompts=8"],
+}
+
+
+def make_world(root: Path, size: str) -> list[str]:
+    """Model, prompts and reward file under root; returns the run's config overrides."""
+    from grpo.tiny_model import build_chat_model
+    questions = [f"Tom has {a} apples and buys {b} more. How many apples does he have?"
+                 for a in range(1, 11) for b in range(1, 11)]
+    rows = [{"prompt": q, "ground_truth": str(i)} for i, q in enumerate(questions)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts = questions + ["<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"]
+    build_chat_model(str(root / "model"), texts, vocab_size=400, dtype="bfloat16", **SHAPES[size])
+    (root / "reward.py").write_text("def length(response, ground_truth, prompt, **row):\n"
+                                    "    return len(response) / 100\n")
+    return [f"model.base_model={root / 'model'}", "task.name=math", f"task.dataset={root / 'prompts.jsonl'}",
+            "task.prompt_format=chat", "rollout.backend=vllm", "rollout.max_prompt_tokens=64",
+            f"reward.functions=[{root / 'reward.py'}:length]", "reward.truncated_reward=null",
+            "reward.workers=2", "learn.mixed_precision=bf16", "learn.kl_coef=0.01", "learn.lr=1e-5",
+            "eval.split_fraction=0.2", *SETTINGS[size]]
+
+
+def seconds(m) -> float:
+    return (datetime.fromisoformat(m.committed_at) - datetime.fromisoformat(m.started_at)).total_seconds()
+
+
+def vllm_alone(storage, run_id: str, iteration: int, cfg) -> float:
+    """vLLM's own tokens/s on the iteration's prompts, its G samples each, outside the pipeline (the
+    run's live engine, awake with the iteration's snapshot weights: no reads, decoding or Parquet)."""
+    import pandas as pd
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from grpo import generation
+    from stages import stage_function
+    rollouts = stage_function("rollouts")(storage, run_id, iteration)
+    table = pd.read_parquet(storage.uri(rollouts.path("rollouts.parquet")), columns=["prompt_id", "prompt_ids"])
+    prompts = table.drop_duplicates("prompt_id").prompt_ids.map(list).tolist()
+    gen = generation._CACHE["vllm"]
+    gen.wake()
+    r = cfg.rollout
+    params = SamplingParams(n=r.group_size, temperature=r.temperature, max_tokens=r.max_tokens, logprobs=0,
+                            detokenize=False, seed=0)
+    t0 = time.perf_counter()
+    outs = gen.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="toy size, runs on a CPU")
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--max-gap", type=float, default=0.05)
+    args = parser.parse_args()
+    size = "tiny" if args.tiny else "full"
+    root = Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    os.environ.setdefault("PREFECT_HOME", str(root / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    import torch
+
+    from flows.grpo import grpo
+    from grpo.config import load_config
+    from grpo.storage import latest_committed, open_storage
+    from stages import STAGES
+    from stages.common import stage_dir
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    print(f"device: {gpu or 'cpu'}; size: {size}; folder: {root}", flush=True)
+    t0 = time.perf_counter()
+    overrides = make_world(root, size)
+    storage = open_storage((root / "store").as_uri())
+    grpo(run_id="check", iterations=args.iterations, overrides=overrides, storage_url=storage.url)
+    wall = time.perf_counter() - t0
+    cfg = load_config(None, overrides)
+
+    from safetensors import safe_open
+    with safe_open(str(root / "model/model.safetensors"), framework="pt") as f:
+        n_params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    peak = next((v for k, v in PEAK_BF16.items() if gpu and k in gpu), None)
+    print(f"\nmodel: {n_params / 1e6:.1f}M parameters; {args.iterations} warm iterations in {wall:.0f} s "
+          "(with model build and engine start)")
+    print(f"{'iter':>4} {'rollout tok/s':>13} {'stage tok/s':>11} {'learn tok/s':>11} {'MFU':>6} {'gap':>7}  "
+          "peak GPU GiB per stage (torch allocator / device in use)")
+    gaps = []
+    for k in range(args.iterations):
+        m = {s: latest_committed(storage, stage_dir(storage, "check", k, s), verify=False).manifest for s in STAGES}
+        ro, le = m["rollouts"].summary, m["learn"].summary
+        rollout_tps = ro["response_tokens"] / ro["generate_s"]
+        stage_tps = ro["response_tokens"] / seconds(m["rollouts"])
+        learn_tps = le["tokens"] / le["update_s"]
+        mfu = f"{6 * n_params * learn_tps / peak:.1%}" if peak else "n/a"
+        mem = " ".join(f"{s} {m[s].summary['gpu_peak_gib']:.1f}/{m[s].summary['gpu_used_gib']:.1f}"
+                       for s in ("rollouts", "learn", "eval") if "gpu_peak_gib" in m[s].summary) or "(no GPU)"
+        gaps.append(le["logprob_gap"])
+        print(f"{k:>4} {rollout_tps:>13.0f} {stage_tps:>11.0f} {learn_tps:>11.0f} {mfu:>6} {le['logprob_gap']:>7.4f}  "
+              f"{mem}")
+    print(f"sampler settings: {ro['sampler']}")
+    alone = vllm_alone(storage, "check", args.iterations - 1, cfg)
+    print(f"vLLM alone on iteration {args.iterations - 1}'s prompts: {alone:.0f} tok/s; the pipeline's rollouts "
+          f"stage ran at {stage_tps / alone:.2f}x that (generate calls alone: {rollout_tps / alone:.2f}x)")
+    from grpo.generation import close_generators
+    close_generators()
+    worst = max(gaps)
+    if worst > args.max_gap:
+        print(f"FAIL: sampler-vs-learner log-prob gap {worst:.4f} > {args.max_gap}")
+        return 1
+    print(f"OK: gap {worst:.4f} <= {args.max_gap}")
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The GPU path's settings, at tiny size on the CPU: precision, memory savers, engine settings and the
+hand-over of the accelerator between sampler and learner (the GPU itself: benchmarks/gpu_check.py)."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from grpo import generation
+from grpo.cli import run_iteration
+from grpo.config import ConfigError, load_config
+from grpo.learner import MASTER_WEIGHTS
+from grpo.storage import open_storage
+from grpo.tiny_model import build_for_task
+from stages import stage_function
+from stages.init import init_run
+from stages.learn import WARM
+
+TINY = ["rollout.backend=hf", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
+        "learn.minibatch_size=32", "learn.microbatch_size=16", "eval.n_prompts=16",
+        "model.hidden_size=64", "model.num_heads=2", "model.intermediate_size=128", "reward.workers=1"]
+
+
+@pytest.fixture
+def storage(tmp_path):
+    return open_storage((tmp_path / "store").as_uri())
+
+
+@pytest.fixture(scope="module")
+def bf16_base(tmp_path_factory):
+    """The tiny sort model saved in bfloat16, as most hub checkpoints are."""
+    from transformers import AutoModelForCausalLM
+    src = build_for_task(str(tmp_path_factory.mktemp("f32")), "sort", hidden_size=64, num_heads=2,
+                         intermediate_size=128)
+    out = tmp_path_factory.mktemp("bf16")
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(out)
+    for f in Path(src).iterdir():  # tokenizer and generation config as they are
+        if not (out / f.name).exists():
+            (out / f.name).write_bytes(f.read_bytes())
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    return out
+
+
+def dtypes(path) -> set:
+    with safe_open(str(path), framework="pt") as f:
+        return {f.get_slice(k).get_dtype() for k in f.keys()}
+
+
+def test_bf16_base_trains_under_autocast_writes_bf16_and_a_cold_resume_equals_a_warm_one(storage, bf16_base):
+    """Checkpoints keep the base's bf16; the float32 master weights beside them make iteration 1 built
+    from the committed files (cold) equal to the one kept in memory (warm), bit for bit."""
+    cfg = load_config(None, TINY + [f"model.base_model={bf16_base}", "learn.mixed_precision=bf16"])
+    outs = {}
+    for run_id in ("warm", "cold"):
+        init_run(storage, run_id, cfg)
+        outs[run_id] = [run_iteration(storage, run_id, 0)]
+        if run_id == "cold":
+            WARM.take(None)  # what a new process has: nothing in memory
+        outs[run_id].append(run_iteration(storage, run_id, 1))
+        WARM.take(None)
+    learn = outs["cold"][1]["learn"]
+    assert dtypes(learn.path("policy/model.safetensors")) == {"BF16"}
+    assert json.loads(Path(learn.path("policy/config.json")).read_text())["dtype"] == "bfloat16"
+    assert dtypes(learn.path(MASTER_WEIGHTS)) == {"F32"}
+    assert outs["cold"][1]["rollouts"].manifest.summary["sampler"]["dtype"] == "bfloat16"  # model.dtype auto
+    for k in (0, 1):
+        files = [load_file(o[k]["learn"].path(MASTER_WEIGHTS)) for o in (outs["warm"], outs["cold"])]
+        assert all(torch.equal(files[0][n], files[1][n]) for n in files[0]), k
+    # bf16 sampler against the bf16-autocast learner: the gap the GPU check bounds at 0.05
+    assert learn.manifest.summary["logprob_gap"] < 0.05
+
+
+def test_gradient_checkpointing_and_small_logprob_chunks_give_the_same_update(storage):
+    policies = []
+    for run_id, extra in [("plain", []), ("saver", ["learn.gradient_checkpointing=true", "learn.logprob_chunk=7"])]:
+        init_run(storage, run_id, load_config(None, TINY + extra))
+        for s in ["snapshot", "rollouts", "rewards", "advantages", "learn"]:
+            out = stage_function(s)(storage, run_id, 0)
+        WARM.take(None)
+        policies.append(load_file(out.path("policy/model.safetensors")))
+    base = load_file(stage_function("snapshot")(storage, "plain", 0).path("policy/model.safetensors"))
+    d = [torch.cat([(p[k] - base[k]).flatten() for k in sorted(base)]) for p in policies]
+    assert d[0].norm() > 1e-3 and (d[0] - d[1]).norm() / d[0].norm() < 1e-4
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_sampler_is_kept_or_closed_before_the_learner(storage, keep):
+    init_run(storage, "r", load_config(None, TINY + [f"rollout.keep_engine={str(keep).lower()}"]))
+    generation.close_generators()
+    for s in ["snapshot", "rollouts", "rewards", "advantages"]:
+        stage_function(s)(storage, "r", 0)
+    live = generation._CACHE.get("hf")
+    assert live is not None
+    stage_function("learn")(storage, "r", 0)
+    WARM.take(None)
+    assert (generation._CACHE.get("hf") is live) == keep and (("hf" in generation._CACHE) == keep)
+    stage_function("eval")(storage, "r", 0)  # starts (or reuses) a sampler again
+    assert "hf" in generation._CACHE
+    generation.close_generators()
+
+
+def test_engine_settings_resolve_for_the_platform_pass_through_and_restart_the_engine(tmp_path):
+    model = build_for_task(str(tmp_path / "m"), "sort", hidden_size=64, num_heads=2, intermediate_size=128)
+    cfg = load_config(None, ["rollout.max_prompt_tokens=20", "rollout.max_tokens=16"])
+    settings = generation.engine_settings("vllm", cfg.rollout, "auto", model)
+    assert settings == {"dtype": "float32", "max_model_len": 36, "enforce_eager": True, "enable_prefix_caching": False,
+                        "kv_cache_dtype": "auto", "tensor_parallel_size": 1, "enable_sleep_mode": False}
+    cfg = load_config(None, ["rollout.vllm.max_model_len=48", "rollout.vllm.enable_prefix_caching=true",
+                             "rollout.vllm.kv_cache_dtype=fp8", "model.dtype=bfloat16"])
+    settings = generation.engine_settings("vllm", cfg.rollout, cfg.model.dtype, model)
+    assert (settings["max_model_len"], settings["enable_prefix_caching"], settings["kv_cache_dtype"],
+            settings["dtype"]) == (48, True, "fp8", "bfloat16")
+    assert generation.engine_settings("hf", cfg.rollout, "auto", model) == {"dtype": "float32"}
+    assert settings["max_model_len"] == 48 and 64 == json.loads((Path(model) / "config.json").read_text())[
+        "max_position_embeddings"]
+    for bad, field in [("rollout.vllm.gpu_memory_utilization=1.5", "gpu_memory_utilization"),
+                       ("rollout.vllm.kv_cache_dtype=int3", "kv_cache_dtype"), ("model.dtype=fp4", "model.dtype"),
+                       ("learn.mixed_precision=fp16", "mixed_precision"), ("learn.logprob_chunk=0", "logprob_chunk")]:
+        with pytest.raises(ConfigError, match=field):
+            load_config(None, [bad])
+    try:
+        first = generation.get_generator("hf", model, dtype="float32")
+        assert generation.get_generator("hf", model, dtype="float32") is first
+        second = generation.get_generator("hf", model, dtype="bfloat16")  # other settings: a new engine
+        assert second is not first and next(second.model.parameters()).dtype == torch.bfloat16
+    finally:
+        generation.close_generators()
