@@ -15,6 +15,7 @@ held-out accuracy before GRPO and after each iteration.
 3. GRPO with the `math` task (math-verify) through the real stages: prompts rendered with the
    chat template, every eos id stopping, the held-out set scored greedily each iteration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,14 +27,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from grpo.cli import run_warm
 from grpo.config import load_config
 from grpo.generation import HFGenerator, SamplingSpec, decode_responses, stop_token_ids
 from grpo.storage import open_storage
 from grpo.tasks.math import math_reward
 from grpo.tiny_model import build_chat_model
 from stages.init import init_run
-from stages.rollouts import eval_prompts, held_out_split
+from stages.iteration import run_warm
+from stages.prompts import eval_prompts, held_out_split
 
 NAMES = ["Tom", "Ana", "Lee", "Mia", "Sam", "Zoe"]
 THINGS = ["apples", "books", "coins", "cards", "shells"]
@@ -63,14 +64,18 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: in
     """Supervised steps on (chat prompt, formatted solution + <|im_end|>), loss on the response only;
     a `noise` share of the solutions state a wrong final answer after the right working."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     examples = []
     for r in rows:
-        prompt = tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}],
-                                         tokenize=False, add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         p = tok(prompt, add_special_tokens=False)["input_ids"]
         wrong = rng.choice([n for n in range(0, 19) if n != r["result"]]) if rng.random() < noise else None
         a = tok(solution(r, wrong) + "<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -82,8 +87,8 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: in
         ids = torch.full((len(batch), width), tok.pad_token_id)
         labels = torch.full((len(batch), width), -100)
         for i, (p, a) in enumerate(batch):
-            ids[i, :len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
+            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
         loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tok.pad_token_id), labels=labels).loss
         loss.backward()
         opt.step()
@@ -94,6 +99,7 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: in
 def accuracy(model_dir: str, cfg) -> float:
     """Greedy held-out accuracy of a checkpoint folder, scored like the eval stage."""
     from grpo import data
+
     gen = HFGenerator(model_dir)
     examples = eval_prompts(cfg)
     _, ids = data.tokenize_prompts(gen.tokenizer, examples, cfg.task.prompt_format, cfg.task.system_prompt)
@@ -109,8 +115,12 @@ def main() -> None:
     p.add_argument("--top", type=int, default=9, help="largest number in a problem")
     p.add_argument("--sft-steps", type=int, default=600)
     p.add_argument("--sft-lr", type=float, default=3e-3)
-    p.add_argument("--answer-noise", type=float, default=0.0,
-                   help="share of warm-start solutions whose final sentence states a wrong number")
+    p.add_argument(
+        "--answer-noise",
+        type=float,
+        default=0.0,
+        help="share of warm-start solutions whose final sentence states a wrong number",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
@@ -122,35 +132,69 @@ def main() -> None:
     pd.DataFrame(rows)[["question", "answer"]].to_parquet(work / "problems.parquet")
     texts = [f"{SYSTEM} {r['question']} {r['answer']} {solution(r)}" for r in rows]
     t0 = time.time()
-    model = build_chat_model(str(work / "model"), texts, vocab_size=600, hidden_size=128, num_layers=4,
-                             num_heads=4, num_kv_heads=2, intermediate_size=384, max_position_embeddings=160,
-                             seed=args.seed)
-    cfg = load_config(None, [
-        f"model.base_model={model}", "task.name=math", f"task.dataset={work / 'problems.parquet'}",
-        "task.prompt_column=question", "task.answer_column=answer", "task.prompt_format=chat",
-        f"task.system_prompt={SYSTEM}", "eval.split_fraction=0.2", "eval.n_prompts=200",
-        "rollout.backend=hf", "rollout.prompts_per_iteration=64", "rollout.group_size=8", "rollout.max_tokens=24",
-        "learn.minibatch_size=64", "learn.microbatch_size=64", "learn.lr=3e-4", "learn.epochs=2",
-        f"learn.lr_decay_steps={16 * args.iterations}",  # 16 AdamW steps an iteration, decayed to 0 at the end
-        f"seed={args.seed}", *args.set])
+    model = build_chat_model(
+        str(work / "model"),
+        texts,
+        vocab_size=600,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=384,
+        max_position_embeddings=160,
+        seed=args.seed,
+    )
+    cfg = load_config(
+        None,
+        [
+            f"model.base_model={model}",
+            "task.name=math",
+            f"task.dataset={work / 'problems.parquet'}",
+            "task.prompt_column=question",
+            "task.answer_column=answer",
+            "task.prompt_format=chat",
+            f"task.system_prompt={SYSTEM}",
+            "eval.split_fraction=0.2",
+            "eval.n_prompts=200",
+            "rollout.backend=hf",
+            "rollout.prompts_per_iteration=64",
+            "rollout.group_size=8",
+            "rollout.max_tokens=24",
+            "learn.minibatch_size=64",
+            "learn.microbatch_size=64",
+            "learn.lr=3e-4",
+            "learn.epochs=2",
+            f"learn.lr_decay_steps={16 * args.iterations}",  # 16 AdamW steps an iteration, decayed to 0 at the end
+            f"seed={args.seed}",
+            *args.set,
+        ],
+    )
     train, _ = held_out_split(cfg)
     held = {e.ground_truth for e in eval_prompts(cfg)}
     trained = {e.prompt for e in train}  # the warm start sees training problems only
-    warm_start(model, [r for r in rows if r["question"] in trained], args.sft_steps, args.sft_lr, args.seed,
-               args.answer_noise)
+    warm_start(
+        model, [r for r in rows if r["question"] in trained], args.sft_steps, args.sft_lr, args.seed, args.answer_noise
+    )
     before = accuracy(model, cfg)
-    print(f"{len(train)} training and {len(held)} held-out problems; model made and warm-started "
-          f"({args.sft_steps} steps) in {time.time() - t0:.0f} s; held-out greedy accuracy before GRPO: {before:.3f}")
+    print(
+        f"{len(train)} training and {len(held)} held-out problems; model made and warm-started "
+        f"({args.sft_steps} steps) in {time.time() - t0:.0f} s; held-out greedy accuracy before GRPO: {before:.3f}"
+    )
     storage = open_storage(str(work / "storage"))
     init_run(storage, "chat-math", cfg)
     print(f"{'iter':>4} {'reward':>7} {'accuracy':>8} {'seconds':>8}")
     start = t = time.time()
     for k, out in run_warm(storage, "chat-math", 0, args.iterations):
-        print(f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} "
-              f"{out['eval'].manifest.summary['exact_match']:>8.3f} {time.time() - t:>8.1f}", flush=True)
+        print(
+            f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} "
+            f"{out['eval'].manifest.summary['exact_match']:>8.3f} {time.time() - t:>8.1f}",
+            flush=True,
+        )
         t = time.time()
-    print(f"accuracy {before:.3f} -> {out['eval'].manifest.summary['exact_match']:.3f} after {args.iterations} "
-          f"iterations, {time.time() - start:.0f} s of GRPO; storage {storage.url}")
+    print(
+        f"accuracy {before:.3f} -> {out['eval'].manifest.summary['exact_match']:.3f} after {args.iterations} "
+        f"iterations, {time.time() - start:.0f} s of GRPO; storage {storage.url}"
+    )
 
 
 if __name__ == "__main__":

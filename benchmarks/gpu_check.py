@@ -15,6 +15,7 @@
    tokens/s and model FLOPs utilization; each stage's peak GPU memory; the mean |sampler - learner|
    log-prob of the sampled tokens. Fails when that gap exceeds --max-gap (0.05).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,35 +33,71 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12}
 
 SHAPES = {  # Qwen2.5-0.5B, and a toy of the same architecture (vLLM on CPU needs head_dim >= 32)
-    "full": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-                 max_position_embeddings=4096, model_vocab_size=151936),
-    "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                 max_position_embeddings=256),
+    "full": dict(
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        max_position_embeddings=4096,
+        model_vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=256
+    ),
 }
 SETTINGS = {
-    "full": ["rollout.prompts_per_iteration=64", "rollout.group_size=8", "rollout.max_tokens=256",
-             "learn.minibatch_size=256", "learn.microbatch_size=32", "eval.n_prompts=32"],
-    "tiny": ["rollout.prompts_per_iteration=8", "rollout.group_size=4", "rollout.max_tokens=16",
-             "learn.minibatch_size=16", "learn.microbatch_size=8", "eval.n_prompts=8"],
+    "full": [
+        "rollout.prompts_per_iteration=64",
+        "rollout.group_size=8",
+        "rollout.max_tokens=256",
+        "learn.minibatch_size=256",
+        "learn.microbatch_size=32",
+        "eval.n_prompts=32",
+    ],
+    "tiny": [
+        "rollout.prompts_per_iteration=8",
+        "rollout.group_size=4",
+        "rollout.max_tokens=16",
+        "learn.minibatch_size=16",
+        "learn.microbatch_size=8",
+        "eval.n_prompts=8",
+    ],
 }
 
 
 def make_world(root: Path, size: str) -> list[str]:
     """Model, prompts and reward file under root; returns the run's config overrides."""
     from grpo.tiny_model import build_chat_model
-    questions = [f"Tom has {a} apples and buys {b} more. How many apples does he have?"
-                 for a in range(1, 11) for b in range(1, 11)]
+
+    questions = [
+        f"Tom has {a} apples and buys {b} more. How many apples does he have?"
+        for a in range(1, 11)
+        for b in range(1, 11)
+    ]
     rows = [{"prompt": q, "ground_truth": str(i)} for i, q in enumerate(questions)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     texts = questions + ["<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"]
     build_chat_model(str(root / "model"), texts, vocab_size=400, dtype="bfloat16", **SHAPES[size])
-    (root / "reward.py").write_text("def length(response, ground_truth, prompt, **row):\n"
-                                    "    return len(response) / 100\n")
-    return [f"model.base_model={root / 'model'}", "task.name=math", f"task.dataset={root / 'prompts.jsonl'}",
-            "task.prompt_format=chat", "rollout.backend=vllm", "rollout.max_prompt_tokens=64",
-            f"reward.functions=[{root / 'reward.py'}:length]", "reward.truncated_reward=null",
-            "reward.workers=2", "learn.mixed_precision=bf16", "learn.kl_coef=0.01", "learn.lr=1e-5",
-            "eval.split_fraction=0.2", *SETTINGS[size]]
+    (root / "reward.py").write_text(
+        "def length(response, ground_truth, prompt, **row):\n    return len(response) / 100\n"
+    )
+    return [
+        f"model.base_model={root / 'model'}",
+        "task.name=math",
+        f"task.dataset={root / 'prompts.jsonl'}",
+        "task.prompt_format=chat",
+        "rollout.backend=vllm",
+        "rollout.max_prompt_tokens=64",
+        f"reward.functions=[{root / 'reward.py'}:length]",
+        "reward.truncated_reward=null",
+        "reward.workers=2",
+        "learn.mixed_precision=bf16",
+        "learn.kl_coef=0.01",
+        "learn.lr=1e-5",
+        "eval.split_fraction=0.2",
+        *SETTINGS[size],
+    ]
 
 
 def seconds(m) -> float:
@@ -76,14 +113,16 @@ def vllm_alone(storage, run_id: str, iteration: int, cfg) -> float:
 
     from grpo import generation
     from stages import stage_function
+
     rollouts = stage_function("rollouts")(storage, run_id, iteration)
     table = pd.read_parquet(storage.uri(rollouts.path("rollouts.parquet")), columns=["prompt_id", "prompt_ids"])
     prompts = table.drop_duplicates("prompt_id").prompt_ids.map(list).tolist()
     gen = generation._CACHE["vllm"]
     gen.wake()
     r = cfg.rollout
-    params = SamplingParams(n=r.group_size, temperature=r.temperature, max_tokens=r.max_tokens, logprobs=0,
-                            detokenize=False, seed=0)
+    params = SamplingParams(
+        n=r.group_size, temperature=r.temperature, max_tokens=r.max_tokens, logprobs=0, detokenize=False, seed=0
+    )
     t0 = time.perf_counter()
     outs = gen.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -104,9 +143,10 @@ def main() -> int:
 
     from flows.grpo import grpo
     from grpo.config import load_config
+    from grpo.layout import stage_dir
     from grpo.storage import latest_committed, open_storage
     from stages import STAGES
-    from stages.common import stage_dir
+
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     print(f"device: {gpu or 'cpu'}; size: {size}; folder: {root}", flush=True)
     t0 = time.perf_counter()
@@ -117,13 +157,18 @@ def main() -> int:
     cfg = load_config(None, overrides)
 
     from safetensors import safe_open
+
     with safe_open(str(root / "model/model.safetensors"), framework="pt") as f:
         n_params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
     peak = next((v for k, v in PEAK_BF16.items() if gpu and k in gpu), None)
-    print(f"\nmodel: {n_params / 1e6:.1f}M parameters; {args.iterations} warm iterations in {wall:.0f} s "
-          "(with model build and engine start)")
-    print(f"{'iter':>4} {'rollout tok/s':>13} {'stage tok/s':>11} {'learn tok/s':>11} {'MFU':>6} {'gap':>7}  "
-          "peak GPU GiB per stage (torch allocator / device in use)")
+    print(
+        f"\nmodel: {n_params / 1e6:.1f}M parameters; {args.iterations} warm iterations in {wall:.0f} s "
+        "(with model build and engine start)"
+    )
+    print(
+        f"{'iter':>4} {'rollout tok/s':>13} {'stage tok/s':>11} {'learn tok/s':>11} {'MFU':>6} {'gap':>7}  "
+        "peak GPU GiB per stage (torch allocator / device in use)"
+    )
     gaps = []
     for k in range(args.iterations):
         m = {s: latest_committed(storage, stage_dir(storage, "check", k, s), verify=False).manifest for s in STAGES}
@@ -132,16 +177,27 @@ def main() -> int:
         stage_tps = ro["response_tokens"] / seconds(m["rollouts"])
         learn_tps = le["tokens"] / le["update_s"]
         mfu = f"{6 * n_params * learn_tps / peak:.1%}" if peak else "n/a"
-        mem = " ".join(f"{s} {m[s].summary['gpu_peak_gib']:.1f}/{m[s].summary['gpu_used_gib']:.1f}"
-                       for s in ("rollouts", "learn", "eval") if "gpu_peak_gib" in m[s].summary) or "(no GPU)"
+        mem = (
+            " ".join(
+                f"{s} {m[s].summary['gpu_peak_gib']:.1f}/{m[s].summary['gpu_used_gib']:.1f}"
+                for s in ("rollouts", "learn", "eval")
+                if "gpu_peak_gib" in m[s].summary
+            )
+            or "(no GPU)"
+        )
         gaps.append(le["logprob_gap"])
-        print(f"{k:>4} {rollout_tps:>13.0f} {stage_tps:>11.0f} {learn_tps:>11.0f} {mfu:>6} {le['logprob_gap']:>7.4f}  "
-              f"{mem}")
+        print(
+            f"{k:>4} {rollout_tps:>13.0f} {stage_tps:>11.0f} {learn_tps:>11.0f} {mfu:>6} {le['logprob_gap']:>7.4f}  "
+            f"{mem}"
+        )
     print(f"sampler settings: {ro['sampler']}")
     alone = vllm_alone(storage, "check", args.iterations - 1, cfg)
-    print(f"vLLM alone on iteration {args.iterations - 1}'s prompts: {alone:.0f} tok/s; the pipeline's rollouts "
-          f"stage ran at {stage_tps / alone:.2f}x that (generate calls alone: {rollout_tps / alone:.2f}x)")
+    print(
+        f"vLLM alone on iteration {args.iterations - 1}'s prompts: {alone:.0f} tok/s; the pipeline's rollouts "
+        f"stage ran at {stage_tps / alone:.2f}x that (generate calls alone: {rollout_tps / alone:.2f}x)"
+    )
     from grpo.generation import close_generators
+
     close_generators()
     worst = max(gaps)
     if worst > args.max_gap:

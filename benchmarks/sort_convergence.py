@@ -9,16 +9,17 @@ outside sampling and learner compute (the stages' own overhead, without Prefect)
 say when exact match first reached --target and the mean overhead of iterations 1..., and
 that overhead per stage (benchmarks/timing.py).
 """
+
 import argparse
 import tempfile
 import time
 
 from timing import print_stage_overheads, stage_overheads
 
-from grpo.cli import run_warm
 from grpo.config import load_config_file
 from grpo.storage import open_storage
 from stages.init import init_run
+from stages.iteration import run_warm
 
 
 def main() -> None:
@@ -31,8 +32,10 @@ def main() -> None:
     args = p.parse_args()
     storage = open_storage(args.storage or tempfile.mkdtemp(prefix="grpo-bench-"))
     init_run(storage, "bench", load_config_file(args.config, args.set))
-    print(f"storage {storage.url}\n{'iter':>4} {'reward':>7} {'eval_exact':>10} {'eval_reward':>11} "
-          f"{'steps':>6} {'samples':>8} {'seconds':>8} {'other%':>6}")
+    print(
+        f"storage {storage.url}\n{'iter':>4} {'reward':>7} {'eval_exact':>10} {'eval_reward':>11} "
+        f"{'steps':>6} {'samples':>8} {'seconds':>8} {'other%':>6}"
+    )
     start, steps, samples, hit, exact, walls, others = time.time(), 0, 0, None, [], [], []
     t = time.time()
     for k, out in run_warm(storage, "bench", 0, args.iterations):  # warm, as `grpo run`
@@ -41,20 +44,29 @@ def main() -> None:
         other = wall - ro["generate_s"] - ev["generate_s"] - le["score_s"] - le["update_s"]
         walls, others = walls + [wall] * (k > 0), others + [other] * (k > 0)
         steps, samples = steps + le["steps"], samples + le["samples"]
-        print(f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} {ev['exact_match']:>10.3f} "
-              f"{ev['reward_mean']:>11.3f} {steps:>6} {samples:>8} {wall:>8.2f} {100 * other / wall:>5.1f}%",
-              flush=True)
+        print(
+            f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} {ev['exact_match']:>10.3f} "
+            f"{ev['reward_mean']:>11.3f} {steps:>6} {samples:>8} {wall:>8.2f} {100 * other / wall:>5.1f}%",
+            flush=True,
+        )
         exact.append(ev["exact_match"])
         if hit is None and ev["exact_match"] >= args.target:
             hit = (k, steps, samples, time.time() - start)
         t = time.time()
-    print(f"total {time.time() - start:.0f} s; exact match >= {args.target}: " +
-          (f"iteration {hit[0]} ({hit[1]} AdamW steps, {hit[2]} samples, {hit[3]:.0f} s)" if hit else
-           f"not reached in {args.iterations} iterations ({steps} AdamW steps, {samples} samples; "
-           f"best {max(exact):.2f}, last {exact[-1]:.2f})"))
+    print(
+        f"total {time.time() - start:.0f} s; exact match >= {args.target}: "
+        + (
+            f"iteration {hit[0]} ({hit[1]} AdamW steps, {hit[2]} samples, {hit[3]:.0f} s)"
+            if hit
+            else f"not reached in {args.iterations} iterations ({steps} AdamW steps, {samples} samples; "
+            f"best {max(exact):.2f}, last {exact[-1]:.2f})"
+        )
+    )
     if walls:
-        print(f"stage overhead (iterations 1..): {1000 * sum(others) / len(others):.0f} ms, "
-              f"{100 * sum(others) / sum(walls):.1f}% of {sum(walls) / len(walls):.2f} s")
+        print(
+            f"stage overhead (iterations 1..): {1000 * sum(others) / len(others):.0f} ms, "
+            f"{100 * sum(others) / sum(walls):.1f}% of {sum(walls) / len(walls):.2f} s"
+        )
         print_stage_overheads(stage_overheads(storage.url, "bench", range(1, len(walls) + 1)))
 
 

@@ -3,17 +3,19 @@
 Each manifest holds when its attempt started and committed and the stage's own compute timers
 (`generate_s`, `score_s`, `update_s`), so any run's storage can be analysed after the fact.
 """
+
 from datetime import datetime
 
+from grpo.layout import stage_dir
 from grpo.storage import latest_committed, open_storage
 from stages import STAGES
-from stages.common import stage_dir
 
 
 def manifests(url: str, run_id: str, iteration: int) -> dict:
     storage = open_storage(url)
-    return {s: latest_committed(storage, stage_dir(storage, run_id, iteration, s), verify=False).manifest
-            for s in STAGES}
+    return {
+        s: latest_committed(storage, stage_dir(storage, run_id, iteration, s), verify=False).manifest for s in STAGES
+    }
 
 
 def committed_at(manifest) -> float:
@@ -44,5 +46,7 @@ def print_stage_overheads(overheads: dict[str, tuple[float, float]]) -> None:
     print(f"{'stage':>10} {'before_ms':>9} {'inside_ms':>9}   (mean overhead of a warm iteration)")
     for s, (before, inside) in overheads.items():
         print(f"{s:>10} {1000 * before:>9.1f} {1000 * inside:>9.1f}")
-    print(f"{'total':>10} {1000 * sum(b for b, _ in overheads.values()):>9.1f} "
-          f"{1000 * sum(i for _, i in overheads.values()):>9.1f}")
+    print(
+        f"{'total':>10} {1000 * sum(b for b, _ in overheads.values()):>9.1f} "
+        f"{1000 * sum(i for _, i in overheads.values()):>9.1f}"
+    )

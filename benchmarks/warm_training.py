@@ -17,6 +17,7 @@ It starts a Prefect server on 127.0.0.1 (temporary home, SQLite), then
    stage outside forward/backward/optimizer, then one more iteration in a new process (a cold
    grpo/iteration run: interpreter, imports, engine start, model loads) against a warm one.
 """
+
 import argparse
 import contextlib
 import os
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the real-server helper the end-to-end tests use
+
 
 from timing import committed_at, manifests, print_stage_overheads, stage_overheads  # noqa: E402
 
@@ -42,26 +43,41 @@ def iteration_times(url: str, run_id: str, iterations: range, start: float) -> l
         generate = ro["generate_s"] + ev["generate_s"]
         learner = le["score_s"] + le["update_s"]
         learn_wall = committed_at(m["learn"]) - committed_at(m["advantages"])
-        rows.append({"iteration": k, "wall": wall, "generate": generate, "learner": learner,
-                     "overhead": wall - generate - learner, "engine": ro["engine_s"] + ev["engine_s"],
-                     "learn_wall": learn_wall, "tokens": le["tokens"], "update_s": le["update_s"],
-                     "exact": ev["exact_match"], "reward": m["advantages"].summary["reward_mean"],
-                     "eval_at": committed_at(m["eval"])})
+        rows.append(
+            {
+                "iteration": k,
+                "wall": wall,
+                "generate": generate,
+                "learner": learner,
+                "overhead": wall - generate - learner,
+                "engine": ro["engine_s"] + ev["engine_s"],
+                "learn_wall": learn_wall,
+                "tokens": le["tokens"],
+                "update_s": le["update_s"],
+                "exact": ev["exact_match"],
+                "reward": m["advantages"].summary["reward_mean"],
+                "eval_at": committed_at(m["eval"]),
+            }
+        )
         prev = committed_at(m["eval"])
     return rows
 
 
 def print_iterations(rows: list[dict]) -> None:
-    print(f"{'iter':>4} {'reward':>6} {'exact':>5} {'wall_s':>6} {'gen_s':>6} {'learn_s':>7} {'other_s':>7} "
-          f"{'other%':>6}")
+    print(
+        f"{'iter':>4} {'reward':>6} {'exact':>5} {'wall_s':>6} {'gen_s':>6} {'learn_s':>7} {'other_s':>7} {'other%':>6}"
+    )
     for r in rows:
-        print(f"{r['iteration']:>4} {r['reward']:>6.3f} {r['exact']:>5.3f} {r['wall']:>6.2f} {r['generate']:>6.2f} "
-              f"{r['learner']:>7.2f} {r['overhead']:>7.2f} {100 * r['overhead'] / r['wall']:>5.1f}%")
+        print(
+            f"{r['iteration']:>4} {r['reward']:>6.3f} {r['exact']:>5.3f} {r['wall']:>6.2f} {r['generate']:>6.2f} "
+            f"{r['learner']:>7.2f} {r['overhead']:>7.2f} {100 * r['overhead'] / r['wall']:>5.1f}%"
+        )
 
 
 def train_warm(url: str, run_id: str, iterations: int, config: str | None, overrides: list[str]) -> float:
     """Create the run and train `iterations` warm iterations in this process; returns the start time."""
     from flows.grpo import grpo
+
     start = time.time()
     grpo(run_id=run_id, iterations=iterations, config_path=config, overrides=overrides, storage_url=url)
     return start
@@ -70,6 +86,7 @@ def train_warm(url: str, run_id: str, iterations: int, config: str | None, overr
 def server_cpu_s(server) -> float:
     """CPU seconds the Prefect server's processes have used so far (it shares the machine's cores)."""
     import psutil
+
     port = server.api_url.rsplit(":", 1)[1].split("/")[0]
     total = 0.0
     for p in psutil.process_iter(["cmdline"]):
@@ -99,7 +116,8 @@ def main() -> None:
     p.add_argument("--demo-iterations", type=int, default=8, help="warm iterations at the demo size")
     args = p.parse_args()
 
-    from prefect_server import prefect_server
+    from tools.prefect_server import prefect_server
+
     tmp = Path(tempfile.mkdtemp(prefix="grpo-warm-bench-"))
     url = (tmp / "store").as_uri()
     with prefect_server(tmp / "prefect") as server:
@@ -115,20 +133,30 @@ def main() -> None:
             print_iterations(rows)
             hit = next((r for r in rows if r["exact"] >= args.target), None)
             hits.append(hit and hit["eval_at"] - start)
-            print(f"seed {seed}: time to greedy exact match >= {args.target}: "
-                  + (f"{hit['eval_at'] - start:.1f} s (iteration {hit['iteration']})" if hit else
-                     f"not reached in {args.iterations} iterations ({rows[-1]['eval_at'] - start:.1f} s, "
-                     f"best {max(r['exact'] for r in rows):.2f})"), flush=True)
+            print(
+                f"seed {seed}: time to greedy exact match >= {args.target}: "
+                + (
+                    f"{hit['eval_at'] - start:.1f} s (iteration {hit['iteration']})"
+                    if hit
+                    else f"not reached in {args.iterations} iterations ({rows[-1]['eval_at'] - start:.1f} s, "
+                    f"best {max(r['exact'] for r in rows):.2f})"
+                ),
+                flush=True,
+            )
         reached = sorted(h for h in hits if h is not None)
-        print(f"time to exact match >= {args.target}: {len(reached)}/{len(hits)} seeds reached it"
-              + (f", median {reached[len(reached) // 2]:.1f} s, max {reached[-1]:.1f} s" if reached else ""))
+        print(
+            f"time to exact match >= {args.target}: {len(reached)}/{len(hits)} seeds reached it"
+            + (f", median {reached[len(reached) // 2]:.1f} s, max {reached[-1]:.1f} s" if reached else "")
+        )
         server_cpu = (server_cpu_s(server) - cpu0) / sum(len(rows) for rows in all_rows)
         steady = [r for rows in all_rows for r in rows[1:]]
-        print(f"warm iteration overhead (iterations 1.., all seeds): "
-              f"{100 * sum(r['overhead'] for r in steady) / sum(r['wall'] for r in steady):.1f}% of "
-              f"{sum(r['wall'] for r in steady) / len(steady):.2f} s (engine start / weight reloads: iteration 0 "
-              f"{all_rows[0][0]['engine']:.2f} s, later {sum(r['engine'] for r in steady) / len(steady):.3f} s); "
-              f"the Prefect server used {1000 * server_cpu:.0f} ms of CPU an iteration")
+        print(
+            f"warm iteration overhead (iterations 1.., all seeds): "
+            f"{100 * sum(r['overhead'] for r in steady) / sum(r['wall'] for r in steady):.1f}% of "
+            f"{sum(r['wall'] for r in steady) / len(steady):.2f} s (engine start / weight reloads: iteration 0 "
+            f"{all_rows[0][0]['engine']:.2f} s, later {sum(r['engine'] for r in steady) / len(steady):.3f} s); "
+            f"the Prefect server used {1000 * server_cpu:.0f} ms of CPU an iteration"
+        )
 
         print_stage_overheads(stage_overheads(url, f"sort-s{args.seeds[0]}", range(1, args.iterations)))
 
@@ -142,12 +170,18 @@ def main() -> None:
         outside = 1 - sum(r["learner"] for r in drows) / sum(r["learn_wall"] for r in drows)
         warm_wall = sum(r["wall"] for r in drows) / len(drows)
         cold_wall = cold_iteration(url, "demo", os.environ.copy())
-        print(f"warm iteration overhead: {100 * sum(r['overhead'] for r in drows) / sum(r['wall'] for r in drows):.1f}%"
-              f" of {warm_wall:.2f} s")
-        print(f"learner: {tokens / update:.0f} response tokens/s in forward/backward/AdamW; "
-              f"{100 * outside:.1f}% of the learn stage outside forward/backward/optimizer")
-        print(f"warm iteration {warm_wall:.2f} s; cold grpo/iteration in a new process {cold_wall:.2f} s: "
-              f"cold start costs {cold_wall - warm_wall:.2f} s ({cold_wall / warm_wall:.1f}x the warm iteration)")
+        print(
+            f"warm iteration overhead: {100 * sum(r['overhead'] for r in drows) / sum(r['wall'] for r in drows):.1f}%"
+            f" of {warm_wall:.2f} s"
+        )
+        print(
+            f"learner: {tokens / update:.0f} response tokens/s in forward/backward/AdamW; "
+            f"{100 * outside:.1f}% of the learn stage outside forward/backward/optimizer"
+        )
+        print(
+            f"warm iteration {warm_wall:.2f} s; cold grpo/iteration in a new process {cold_wall:.2f} s: "
+            f"cold start costs {cold_wall - warm_wall:.2f} s ({cold_wall / warm_wall:.1f}x the warm iteration)"
+        )
 
 
 if __name__ == "__main__":

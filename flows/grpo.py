@@ -14,9 +14,9 @@ a table artifact `<run>-progress` holds each iteration's reward, loss and eval.
     prefect deployment run grpo/iteration         # one iteration per flow run (prefect.yaml)
     prefect deployment run grpo/train             # many iterations in one warm process
 """
+
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import re
@@ -30,20 +30,25 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.logging.handlers import APILogHandler
 
-from grpo.cli import next_iteration
+from grpo.layout import STAGES, StageName
 from grpo.storage import load_manifest, open_storage
-from stages import STAGES, stage_function
+from stages import stage_function
 from stages.init import init_run, run_config
-from stages.rewards import WARM_POOLS
+from stages.iteration import next_iteration, warm_state
 
-Stage = Literal["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]  # = stages.STAGES
 FORWARDED_LOGGERS = ("grpo", "vllm")
 
 
 @flow(name="grpo")
-def grpo(run_id: str = "demo", iteration: int | Literal["next"] = "next", iterations: int = 1,
-         config_path: str | None = None, overrides: list[str] | None = None, storage_url: str | None = None,
-         force_stage: Stage | None = None) -> dict[str, str]:
+def grpo(
+    run_id: str = "demo",
+    iteration: int | Literal["next"] = "next",
+    iterations: int = 1,
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    storage_url: str | None = None,
+    force_stage: StageName | None = None,
+) -> dict[str, str]:
     """GRPO iterations of run `run_id`: sample, score, normalize, update, evaluate.
 
     Runs `iterations` iterations from `iteration` on, in this one process: the sampling engine
@@ -57,7 +62,7 @@ def grpo(run_id: str = "demo", iteration: int | Literal["next"] = "next", iterat
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     url = open_storage(storage_url).url
     progress = ProgressTable(url, run_id)
-    with stage_logs_to_prefect(), WARM_POOLS.keep():  # one reward worker pool for all iterations
+    with stage_logs_to_prefect(), warm_state() as warm:  # pool, learner, engine: kept between iterations
         create_run(url, run_id, config_path, overrides or [])
         first = resolve_iteration(url, run_id, iteration)
         for k in range(first, first + iterations):
@@ -68,16 +73,22 @@ def grpo(run_id: str = "demo", iteration: int | Literal["next"] = "next", iterat
             advs = advantages(url, run_id, k, scores, force=force["advantages"])
             new_policy = learn(url, run_id, k, advs, force=force["learn"])
             report = evaluate(url, run_id, k, new_policy, force=force["eval"])
-            uris = {"snapshot": policy, "rollouts": samples, "rewards": scores, "advantages": advs,
-                    "learn": new_policy, "eval": report}
+            uris = {
+                "snapshot": policy,
+                "rollouts": samples,
+                "rewards": scores,
+                "advantages": advs,
+                "learn": new_policy,
+                "eval": report,
+            }
             progress.add(k, uris)
-            if k == first:  # imports, engine, models: millions of objects a full collection would
-                gc.freeze()  # walk again (~0.3 s every ~10 iterations); they live as long as the flow
+            warm.loaded()
     progress.publish()
     return uris
 
 
 # ---------------------------------------------------------------- tasks: one per stage
+
 
 def transient(task, task_run, state) -> bool:
     """Retry storage hiccups (OSError: I/O, connection, timeout), not a missing file or a stage's checks."""
@@ -132,8 +143,8 @@ def evaluate(storage_url: str, run_id: str, iteration: int, policy: str, force: 
 
 # ---------------------------------------------------------------- what every task does
 
-def run_stage(name: str, storage_url: str, run_id: str, iteration: int, upstream: str | None,
-              force: bool) -> str:
+
+def run_stage(name: str, storage_url: str, run_id: str, iteration: int, upstream: str | None, force: bool) -> str:
     """Run or reuse stage `name` (it logs which); return the committed attempt's URI.
 
     `upstream` is the URI the previous task returned: the stage must have read exactly that.
@@ -157,27 +168,39 @@ class ProgressTable:
         self.published_at = time.monotonic()
 
     def add(self, iteration: int, uris: dict[str, str]) -> None:
-        s = {name: load_manifest(self.storage, fsspec.core.strip_protocol(uris[name]), verify=False)[0].summary
-             for name in ("rollouts", "advantages", "learn", "eval")}
-        self.rows.append({"iteration": iteration, "samples": s["advantages"]["samples"],
-                          "reward_mean": s["advantages"]["reward_mean"], "reward_std": s["advantages"]["reward_std"],
-                          "stop_fraction": s["rollouts"]["stop_fraction"], "loss": s["learn"]["loss"],
-                          "kl": s["learn"]["kl"], "clip_frac": s["learn"]["clip_frac"],
-                          "grad_norm": s["learn"]["grad_norm"], "eval_reward": s["eval"]["reward_mean"],
-                          "eval_exact_match": s["eval"]["exact_match"]})
+        s = {
+            name: load_manifest(self.storage, fsspec.core.strip_protocol(uris[name]), verify=False)[0].summary
+            for name in ("rollouts", "advantages", "learn", "eval")
+        }
+        self.rows.append(
+            {
+                "iteration": iteration,
+                "samples": s["advantages"]["samples"],
+                "reward_mean": s["advantages"]["reward_mean"],
+                "reward_std": s["advantages"]["reward_std"],
+                "stop_fraction": s["rollouts"]["stop_fraction"],
+                "loss": s["learn"]["loss"],
+                "kl": s["learn"]["kl"],
+                "clip_frac": s["learn"]["clip_frac"],
+                "grad_norm": s["learn"]["grad_norm"],
+                "eval_reward": s["eval"]["reward_mean"],
+                "eval_exact_match": s["eval"]["exact_match"],
+            }
+        )
         if time.monotonic() - self.published_at >= self.every_s:
             self.publish()
 
     def publish(self) -> None:
         rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()} for row in self.rows]
         key = re.sub(r"[^a-z0-9-]+", "-", f"{self.run_id}-progress".lower())
-        create_table_artifact(rows, key=key, description=f"run {self.run_id}, iterations "
-                                                         f"{rows[0]['iteration']}..{rows[-1]['iteration']}")
+        create_table_artifact(
+            rows, key=key, description=f"run {self.run_id}, iterations {rows[0]['iteration']}..{rows[-1]['iteration']}"
+        )
         self.published_at = time.monotonic()
 
 
 def resolve_iteration(storage_url: str, run_id: str, iteration: int | str) -> int:
-    """An explicit iteration, or "next": the first one not finished (grpo.cli.next_iteration)."""
+    """An explicit iteration, or "next": the first one not finished (stages.iteration.next_iteration)."""
     if iteration != "next":
         return int(iteration)
     return next_iteration(open_storage(storage_url), run_id)
@@ -204,6 +227,7 @@ def stage_logs_to_prefect():
 
 
 # ---------------------------------------------------------------- deployment
+
 
 def work_in_checkout() -> dict[str, str]:
     """Prefect pull step (prefect.yaml): run the flow from the checkout this module is in.

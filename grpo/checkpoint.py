@@ -4,6 +4,7 @@ transformers and vLLM load from a local folder. For a committed checkpoint on a
 local disk that folder is made of symlinks (no copy); on S3 the files are
 downloaded once into a cache keyed by the manifest's hash.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,12 +47,15 @@ def fetch_model(spec: str, dst: str | Path) -> str:
         raise ModelNotFoundError(f"model.base_model {spec}: no such folder, and not a hub id")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
     try:
         folder = snapshot_download(spec, allow_patterns=HUB_FILES)
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
         offline = " (HF_HUB_OFFLINE is set: only the local cache is used)" if os.environ.get("HF_HUB_OFFLINE") else ""
-        raise ModelNotFoundError(f"model.base_model {spec}: no such local folder, and the hub model could not be "
-                                 f"had{offline}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise ModelNotFoundError(
+            f"model.base_model {spec}: no such local folder, and the hub model could not be "
+            f"had{offline}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
     if not Path(folder, "config.json").exists():
         raise ModelNotFoundError(f"model.base_model {spec}: the hub snapshot {folder} has no config.json")
     shutil.copytree(folder, dst, dirs_exist_ok=True)  # the cache's symlinks resolved: real files
@@ -62,6 +66,7 @@ def non_finite_weights(model_dir: str | Path) -> list[str]:
     """Names of the tensors in a folder's safetensors files holding NaN or inf (read one at a time)."""
     import torch
     from safetensors import safe_open
+
     bad = []
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -79,6 +84,7 @@ def checkpoint_dtype_name(model_dir: str | Path) -> str:
     """The dtype a checkpoint was saved in: config.json's `dtype` (`torch_dtype` before
     transformers 5); float32 when it names none (or one outside DTYPES)."""
     import json
+
     path = Path(model_dir, "config.json")
     config = json.loads(path.read_text()) if path.exists() else {}
     name = config.get("dtype") or config.get("torch_dtype")
@@ -88,6 +94,7 @@ def checkpoint_dtype_name(model_dir: str | Path) -> str:
 def checkpoint_dtype(model_dir: str | Path):
     """checkpoint_dtype_name as a torch dtype."""
     import torch
+
     return getattr(torch, checkpoint_dtype_name(model_dir))
 
 
@@ -104,13 +111,14 @@ def upload_folder(writer: StageWriter, local_dir: str | Path, prefix: str = CHEC
 
 def checkpoint_files(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> dict[str, str]:
     """{name in the checkpoint folder: storage path} for files under `prefix` of a manifest."""
-    return {f.path[len(prefix):]: committed.path(f.path)
-            for f in committed.manifest.files if f.path.startswith(prefix)}
+    return {
+        f.path[len(prefix) :]: committed.path(f.path) for f in committed.manifest.files if f.path.startswith(prefix)
+    }
 
 
 def content_hash(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> str:
     """Hash of the checkpoint's (file name, sha256) pairs: the policy version."""
-    pairs = sorted((f.path[len(prefix):], f.sha256) for f in committed.manifest.files if f.path.startswith(prefix))
+    pairs = sorted((f.path[len(prefix) :], f.sha256) for f in committed.manifest.files if f.path.startswith(prefix))
     return hashlib.sha256(repr(pairs).encode()).hexdigest()
 
 
@@ -148,10 +156,11 @@ def _cache_intact(committed: Committed, target: Path, prefix: str) -> bool:
     """Whether a downloaded checkpoint folder still holds exactly the manifest's bytes (size and
     sha256; a file this process hashed before is trusted while its size, times and inode hold)."""
     from fsspec.implementations.local import LocalFileSystem
+
     disk = LocalFileSystem()
     for f in committed.manifest.files:
         if f.path.startswith(prefix):
-            path = target / f.path[len(prefix):]
+            path = target / f.path[len(prefix) :]
             if not path.is_file() or file_digest(disk, str(path)) != (f.size, f.sha256):
                 return False
     return True
@@ -164,10 +173,16 @@ def tokenizer_and_config(committed: Committed, prefix: str = CHECKPOINT_PREFIX):
     learner writes new weights every iteration, but its tokenizer and config files stay the
     same, so a warm run loads them once instead of in every stage.
     """
-    key = tuple(sorted((f.path, f.sha256) for f in committed.manifest.files
-                       if f.path.startswith(prefix) and not f.path.endswith(WEIGHT_SUFFIXES)))
+    key = tuple(
+        sorted(
+            (f.path, f.sha256)
+            for f in committed.manifest.files
+            if f.path.startswith(prefix) and not f.path.endswith(WEIGHT_SUFFIXES)
+        )
+    )
     if key not in _LOADED:
         from transformers import AutoConfig, AutoTokenizer
+
         model_dir = local_checkpoint(committed, prefix)
         _LOADED[key] = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir)
         while len(_LOADED) > 4:

@@ -4,17 +4,20 @@ A run's resolved config is written once to `runs/<run_id>/run.json`; each stage
 reads its own section from there, so its config hash covers what it depends on.
 A YAML file and `section.field=value` overrides map onto these fields.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
 import math
-from dataclasses import dataclass, field
 import types
+from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
+
+from grpo.variants import AdvantageMode, AggMode, ImportanceCorrection, KLEstimator, LossType
 
 Backend = Literal["vllm", "hf"]
 
@@ -71,6 +74,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class VLLMConfig:
     """vLLM engine settings, passed through to `vllm.LLM`; None picks the platform's default."""
+
     gpu_memory_utilization: float = 0.9
     """Share of GPU memory vLLM takes for weights, activations and KV cache (GPU only). The learner
     gets it back while the engine sleeps (enable_sleep_mode) or is closed (rollout.keep_engine)."""
@@ -140,7 +144,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class AdvantageConfig:
-    mode: Literal["naive", "centered", "normalized"] = "normalized"
+    mode: AdvantageMode = "normalized"
     """Group baseline: raw rewards, minus group mean, or also divided by group std + eps."""
     eps: float = 1e-6
     """Added to the group std when normalizing."""
@@ -150,9 +154,9 @@ class AdvantageConfig:
 
 @dataclass(frozen=True)
 class LearnConfig:
-    loss_type: Literal["naive", "reinforce_baseline", "grpo_clip"] = "grpo_clip"
+    loss_type: LossType = "grpo_clip"
     """Policy-gradient loss (grpo.core)."""
-    agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "seq_mean_token_mean"
+    agg_mode: AggMode = "seq_mean_token_mean"
     """How per-token losses become one scalar; `seq_mean_token_sum_norm` is Dr.GRPO."""
     epochs: int = 1
     """Passes over the iteration's rollouts."""
@@ -176,11 +180,11 @@ class LearnConfig:
     """Upper clip range (DAPO); None uses clip_eps."""
     kl_coef: float = 0.0
     """beta: weight of the KL penalty to the frozen reference (base) model; 0 skips it and the reference's forward."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     """KL estimator; k3 = r - log r - 1 with r = pi_ref / pi."""
     num_processes: int = 1
     """>1 runs the learner under torchrun with that many processes (gloo on CPU)."""
-    importance_correction: Literal["none", "tis"] = "none"
+    importance_correction: ImportanceCorrection = "none"
     """`tis`: weigh each token's loss by min(pi_old / pi_sampler, tis_cap) (truncated importance sampling),
     for samplers whose numerics differ from the learner's (bf16 vLLM); = grpo.core.ImportanceCorrection."""
     tis_cap: float = 2.0
@@ -280,8 +284,11 @@ def _coerce(cls, name: str, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if hint == tuple[float, float]:
-        if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+        ):
             raise ConfigError(f"{where}: expected two numbers, e.g. [0.9, 0.99], got {value!r}")
         return tuple(float(v) for v in value)
     return value
@@ -363,6 +370,7 @@ def load_config_file(path: str | None, overrides: list[str] | None = None) -> Ru
 def validate(cfg: RunConfig) -> None:
     """Check cross-field constraints before any work starts; each error names its field."""
     from grpo.tasks import generates, get_task
+
     try:
         task = get_task(cfg.task.name, **cfg.task.params)
     except (ValueError, TypeError) as e:
@@ -370,12 +378,15 @@ def validate(cfg: RunConfig) -> None:
     if not generates(task) and not cfg.task.dataset:
         raise ConfigError(f"task.dataset: task {cfg.task.name!r} makes no prompts of its own; name a dataset")
     if not generates(task) and not cfg.model.base_model:
-        raise ConfigError(f"model.base_model: task {cfg.task.name!r} has no vocabulary for the tiny model; "
-                          "name an HF model (folder, URL or hub id)")
+        raise ConfigError(
+            f"model.base_model: task {cfg.task.name!r} has no vocabulary for the tiny model; "
+            "name an HF model (folder, URL or hub id)"
+        )
     e = cfg.eval
     if cfg.task.dataset and not e.dataset and not 0 < e.split_fraction < 1:
-        raise ConfigError(f"eval.split_fraction must be in (0, 1) when task.dataset has no eval.dataset, "
-                          f"got {e.split_fraction}")
+        raise ConfigError(
+            f"eval.split_fraction must be in (0, 1) when task.dataset has no eval.dataset, got {e.split_fraction}"
+        )
     if e.samples_per_prompt < 1:
         raise ConfigError(f"eval.samples_per_prompt must be >= 1, got {e.samples_per_prompt}")
     fns, weights = cfg.reward.functions, cfg.reward.weights
@@ -383,49 +394,67 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"reward.weights has {len(weights)} weight(s) for {len(fns)} reward.functions")
     if cfg.rollout.max_prompt_tokens is not None and cfg.rollout.max_prompt_tokens < 1:
         raise ConfigError(f"rollout.max_prompt_tokens must be >= 1 or null, got {cfg.rollout.max_prompt_tokens}")
-    r, a, l = cfg.rollout, cfg.advantage, cfg.learn
-    positive = {"rollout.prompts_per_iteration": r.prompts_per_iteration, "rollout.group_size": r.group_size,
-                "rollout.max_tokens": r.max_tokens, "rollout.chunk_prompts": r.chunk_prompts,
-                "learn.epochs": l.epochs, "learn.minibatch_size": l.minibatch_size,
-                "learn.microbatch_size": l.microbatch_size, "learn.num_processes": l.num_processes,
-                "learn.logprob_chunk": l.logprob_chunk, "rollout.vllm.tensor_parallel_size": r.vllm.tensor_parallel_size,
-                "eval.n_prompts": cfg.eval.n_prompts, "reward.workers": cfg.reward.workers}
+    r, a, lc = cfg.rollout, cfg.advantage, cfg.learn
+    positive = {
+        "rollout.prompts_per_iteration": r.prompts_per_iteration,
+        "rollout.group_size": r.group_size,
+        "rollout.max_tokens": r.max_tokens,
+        "rollout.chunk_prompts": r.chunk_prompts,
+        "learn.epochs": lc.epochs,
+        "learn.minibatch_size": lc.minibatch_size,
+        "learn.microbatch_size": lc.microbatch_size,
+        "learn.num_processes": lc.num_processes,
+        "learn.logprob_chunk": lc.logprob_chunk,
+        "rollout.vllm.tensor_parallel_size": r.vllm.tensor_parallel_size,
+        "eval.n_prompts": cfg.eval.n_prompts,
+        "reward.workers": cfg.reward.workers,
+    }
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
     if a.mode == "normalized" and r.group_size < 2:
         raise ConfigError(f"rollout.group_size must be >= 2 when advantage.mode is normalized, got {r.group_size}")
     batch = r.prompts_per_iteration * r.group_size
-    if l.minibatch_size % r.group_size:
-        raise ConfigError(f"learn.minibatch_size ({l.minibatch_size}) must be divisible by "
-                          f"rollout.group_size ({r.group_size})")
-    if l.microbatch_size % r.group_size:
-        raise ConfigError(f"learn.microbatch_size ({l.microbatch_size}) must be divisible by "
-                          f"rollout.group_size ({r.group_size}): the learner scores each prompt once for its group")
-    if batch % l.minibatch_size:
-        raise ConfigError(f"the batch (prompts_per_iteration x group_size = {batch}) must be divisible by "
-                          f"learn.minibatch_size ({l.minibatch_size})")
-    if l.minibatch_size % (l.microbatch_size * l.num_processes):
-        raise ConfigError(f"learn.minibatch_size ({l.minibatch_size}) must be divisible by "
-                          f"learn.microbatch_size x learn.num_processes ({l.microbatch_size} x {l.num_processes})")
+    if lc.minibatch_size % r.group_size:
+        raise ConfigError(
+            f"learn.minibatch_size ({lc.minibatch_size}) must be divisible by rollout.group_size ({r.group_size})"
+        )
+    if lc.microbatch_size % r.group_size:
+        raise ConfigError(
+            f"learn.microbatch_size ({lc.microbatch_size}) must be divisible by "
+            f"rollout.group_size ({r.group_size}): the learner scores each prompt once for its group"
+        )
+    if batch % lc.minibatch_size:
+        raise ConfigError(
+            f"the batch (prompts_per_iteration x group_size = {batch}) must be divisible by "
+            f"learn.minibatch_size ({lc.minibatch_size})"
+        )
+    if lc.minibatch_size % (lc.microbatch_size * lc.num_processes):
+        raise ConfigError(
+            f"learn.minibatch_size ({lc.minibatch_size}) must be divisible by "
+            f"learn.microbatch_size x learn.num_processes ({lc.microbatch_size} x {lc.num_processes})"
+        )
     if r.temperature <= 0 or not 0 < r.top_p <= 1:
-        raise ConfigError(f"rollout.temperature must be > 0 and rollout.top_p in (0, 1], "
-                          f"got {r.temperature}, {r.top_p}")
+        raise ConfigError(
+            f"rollout.temperature must be > 0 and rollout.top_p in (0, 1], got {r.temperature}, {r.top_p}"
+        )
     if not 0 <= cfg.reward.max_error_fraction <= 1:
         raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {cfg.reward.max_error_fraction}")
     if cfg.model.initializer_range <= 0:
         raise ConfigError(f"model.initializer_range must be > 0, got {cfg.model.initializer_range}")
-    if l.clip_eps <= 0 or l.lr <= 0 or l.kl_coef < 0:
+    if lc.clip_eps <= 0 or lc.lr <= 0 or lc.kl_coef < 0:
         raise ConfigError("learn.clip_eps and learn.lr must be > 0 and learn.kl_coef >= 0")
-    if l.clip_eps_high is not None and l.clip_eps_high <= 0:
-        raise ConfigError(f"learn.clip_eps_high must be > 0 or null (= clip_eps), got {l.clip_eps_high}")
-    if not all(0 <= b < 1 for b in l.betas):
-        raise ConfigError(f"learn.betas must each be in [0, 1), got {list(l.betas)}")
-    if l.tis_cap <= 0 or (l.max_logprob_gap is not None and l.max_logprob_gap <= 0):
-        raise ConfigError(f"learn.tis_cap and learn.max_logprob_gap must be > 0, got {l.tis_cap}, {l.max_logprob_gap}")
+    if lc.clip_eps_high is not None and lc.clip_eps_high <= 0:
+        raise ConfigError(f"learn.clip_eps_high must be > 0 or null (= clip_eps), got {lc.clip_eps_high}")
+    if not all(0 <= b < 1 for b in lc.betas):
+        raise ConfigError(f"learn.betas must each be in [0, 1), got {list(lc.betas)}")
+    if lc.tis_cap <= 0 or (lc.max_logprob_gap is not None and lc.max_logprob_gap <= 0):
+        raise ConfigError(
+            f"learn.tis_cap and learn.max_logprob_gap must be > 0, got {lc.tis_cap}, {lc.max_logprob_gap}"
+        )
     if not 0 < r.vllm.gpu_memory_utilization <= 1:
         raise ConfigError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {r.vllm.gpu_memory_utilization}")
     if r.vllm.max_model_len is not None and r.vllm.max_model_len < 2:
         raise ConfigError(f"rollout.vllm.max_model_len must be >= 2 or null, got {r.vllm.max_model_len}")
-    if l.lr_decay_steps < 0:
-        raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {l.lr_decay_steps}")
+    if lc.lr_decay_steps < 0:
+        raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {lc.lr_decay_steps}")

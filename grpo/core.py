@@ -16,16 +16,13 @@ Stanford CS336 (2025) lecture 17 / assignment 5 reference, with these departures
 Shapes: B responses, T response tokens (right-padded), V vocab, G groups of K.
 Variants are picked by name from small registries; unknown names raise ValueError.
 """
-from typing import Callable, Literal
+
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-AdvantageMode = Literal["naive", "centered", "normalized"]
-LossType = Literal["naive", "reinforce_baseline", "grpo_clip"]
-KLEstimator = Literal["k1", "k2", "k3"]
-AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-ImportanceCorrection = Literal["none", "tis"]
+from grpo.variants import AdvantageMode, AggMode, ImportanceCorrection, KLEstimator, LossType
 
 
 def _lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
@@ -68,8 +65,9 @@ def group_advantages(
     """
     adv_fn = _lookup(_ADVANTAGES, mode, "advantage mode")
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split "
-                         f"into groups of group_size={group_size}")
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of group_size={group_size}"
+        )
     if not rewards.is_floating_point():
         rewards = rewards.float()
     r = rewards.reshape(-1, group_size)  # (G, K)
@@ -77,8 +75,7 @@ def group_advantages(
     # unbiased std like the CS336 reference; one-sample groups report 0, not nan
     std = r.std(dim=1, keepdim=True, correction=1 if group_size > 1 else 0)
     adv = adv_fn(r, mean, std, eps).reshape(-1)
-    stats = {"mean": mean.squeeze(1), "std": std.squeeze(1),
-             "min": r.amin(dim=1), "max": r.amax(dim=1)}
+    stats = {"mean": mean.squeeze(1), "std": std.squeeze(1), "min": r.amin(dim=1), "max": r.amax(dim=1)}
     return adv, stats
 
 
@@ -136,8 +133,9 @@ def token_entropy(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-def chunked_token_logprobs(hidden: Tensor, project: Callable[[Tensor], Tensor], labels: Tensor, chunk: int,
-                           with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def chunked_token_logprobs(
+    hidden: Tensor, project: Callable[[Tensor], Tensor], labels: Tensor, chunk: int, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """token_logprobs (and token_entropy) of project(hidden), `chunk` positions at a time.
 
     hidden: (B, T, H), project: (n, H) -> (n, V) logits (the LM head), labels: (B, T) long ->
@@ -152,6 +150,7 @@ def chunked_token_logprobs(hidden: Tensor, project: Callable[[Tensor], Tensor], 
     for x, y in zip(flat.split(max(1, chunk)), flat_labels.split(max(1, chunk))):
         if torch.is_grad_enabled() and x.requires_grad:
             from torch.utils.checkpoint import checkpoint
+
             logps.append(checkpoint(_chunk_logprobs, x, project, y, use_reentrant=False))
         else:
             logps.append(_chunk_logprobs(x, project, y))
@@ -170,8 +169,7 @@ def _chunk_logprobs(x: Tensor, project: Callable[[Tensor], Tensor], labels: Tens
 # ---------------------------------------------------------------- policy-gradient losses
 def _on_policy_meta(logprobs: Tensor) -> dict[str, Tensor]:
     """Ratio 1 and nothing clipped (B, T): no importance weighting, same metric keys."""
-    return {"ratio": torch.ones_like(logprobs).detach(),
-            "clipped": torch.zeros_like(logprobs, dtype=torch.bool)}
+    return {"ratio": torch.ones_like(logprobs).detach(), "clipped": torch.zeros_like(logprobs, dtype=torch.bool)}
 
 
 def _naive_pg(logprobs, raw_rewards, advantages, old_logprobs, eps_low, eps_high):
@@ -207,9 +205,14 @@ _PG_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
 
 
 def policy_gradient_loss(
-    loss_type: LossType, logprobs: Tensor, *, raw_rewards: Tensor | None = None,
-    advantages: Tensor | None = None, old_logprobs: Tensor | None = None,
-    clip_eps: float = 0.2, clip_eps_high: float | None = None,
+    loss_type: LossType,
+    logprobs: Tensor,
+    *,
+    raw_rewards: Tensor | None = None,
+    advantages: Tensor | None = None,
+    old_logprobs: Tensor | None = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token policy-gradient loss (to minimize).
 
@@ -264,8 +267,9 @@ _CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
 }
 
 
-def importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mode: ImportanceCorrection,
-                       cap: float = 2.0) -> Tensor:
+def importance_weights(
+    old_logprobs: Tensor, sampler_logprobs: Tensor, mode: ImportanceCorrection, cap: float = 2.0
+) -> Tensor:
     """Per-token weights correcting for sampling from pi_sampler instead of pi_old; no gradient.
 
     old_logprobs (the learner's, of the snapshot), sampler_logprobs (the sampler's): (B, T) -> (B, T).
@@ -275,8 +279,7 @@ def importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mode: Imp
     >>> importance_weights(lp, torch.log(torch.tensor([[0.25, 0.4]])), "tis", cap=1.5)
     tensor([[1.5000, 0.5000]])
     """
-    return _lookup(_CORRECTIONS, mode, "importance correction")(old_logprobs.detach(), sampler_logprobs.detach(),
-                                                                 cap)
+    return _lookup(_CORRECTIONS, mode, "importance correction")(old_logprobs.detach(), sampler_logprobs.detach(), cap)
 
 
 # ---------------------------------------------------------------- aggregation
@@ -296,9 +299,7 @@ _AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float | None], Tensor]] = {
 }
 
 
-def aggregate_loss(
-    per_token_loss: Tensor, mask: Tensor, mode: AggMode, max_tokens: float | None = None
-) -> Tensor:
+def aggregate_loss(per_token_loss: Tensor, mask: Tensor, mode: AggMode, max_tokens: float | None = None) -> Tensor:
     """Reduce a per-token loss (B, T) over response tokens (mask (B, T)) to a scalar.
 
     max_tokens is the constant divisor of 'seq_mean_token_sum_norm' (required there).
@@ -320,13 +321,23 @@ def _actor_metrics(meta: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
 
 
 def grpo_microbatch_step(
-    logprobs: Tensor, response_mask: Tensor, *, gradient_accumulation_steps: int,
-    loss_type: LossType, agg_mode: AggMode,
-    raw_rewards: Tensor | None = None, advantages: Tensor | None = None,
-    old_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0, kl_estimator: KLEstimator = "k3",
-    clip_eps: float = 0.2, clip_eps_high: float | None = None, max_tokens: float | None = None,
-    sampler_logprobs: Tensor | None = None, importance_correction: ImportanceCorrection = "none",
+    logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    gradient_accumulation_steps: int,
+    loss_type: LossType,
+    agg_mode: AggMode,
+    raw_rewards: Tensor | None = None,
+    advantages: Tensor | None = None,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    max_tokens: float | None = None,
+    sampler_logprobs: Tensor | None = None,
+    importance_correction: ImportanceCorrection = "none",
     tis_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one microbatch, scaled by 1/gradient_accumulation_steps, then .backward().
@@ -346,12 +357,21 @@ def grpo_microbatch_step(
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 requires `ref_logprobs`")
     pg_loss, meta = policy_gradient_loss(
-        loss_type, logprobs, raw_rewards=raw_rewards, advantages=advantages,
-        old_logprobs=old_logprobs, clip_eps=clip_eps, clip_eps_high=clip_eps_high)
+        loss_type,
+        logprobs,
+        raw_rewards=raw_rewards,
+        advantages=advantages,
+        old_logprobs=old_logprobs,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+    )
     if importance_correction != "none":
-        weights = importance_weights(_require(old_logprobs, "old_logprobs", "importance_correction"),
-                                     _require(sampler_logprobs, "sampler_logprobs", "importance_correction"),
-                                     importance_correction, tis_cap)  # (B, T)
+        weights = importance_weights(
+            _require(old_logprobs, "old_logprobs", "importance_correction"),
+            _require(sampler_logprobs, "sampler_logprobs", "importance_correction"),
+            importance_correction,
+            tis_cap,
+        )  # (B, T)
         pg_loss = pg_loss * weights
         meta["is_weight"] = weights
     per_token = pg_loss  # (B, T)

@@ -8,6 +8,7 @@ sample (`Example.row`) to user reward functions.
 Training draws without replacement: a seeded permutation per epoch, the position derived
 from the iteration, so a resumed run draws exactly the prompts an uninterrupted one would.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,6 +40,7 @@ def _read_frame(uri: str) -> pd.DataFrame:
             hint = f"; name one split's folder, e.g. {uri.rstrip('/')}/{splits[0]}" if splits else ""
             raise DatasetError(f"dataset {uri}: a folder must be one split saved by datasets' save_to_disk{hint}")
         import datasets
+
         return datasets.load_from_disk(uri, storage_options=fs.storage_options or None).to_pandas()
     kind = next((k for s, k in _SUFFIXES.items() if path.endswith(s)), None)
     if kind is None:
@@ -72,11 +74,11 @@ def _prompt(value: Any, where: str) -> str | list[dict]:
     value = _plain(value)
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(isinstance(m, dict) and {"role", "content"} <= set(m)
-                                                 for m in value):
+    if isinstance(value, list) and value and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value):
         return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
-    raise DatasetError(f"{where}: a prompt must be a string or a list of {{role, content}} messages, "
-                       f"got {str(value)[:80]!r}")
+    raise DatasetError(
+        f"{where}: a prompt must be a string or a list of {{role, content}} messages, got {str(value)[:80]!r}"
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -85,8 +87,10 @@ def load_examples(uri: str, prompt_column: str = "prompt", answer_column: str = 
     df = _read_frame(uri)
     missing = [c for c in (prompt_column, answer_column) if c not in df.columns]
     if missing:
-        raise DatasetError(f"dataset {uri}: no column {missing[0]!r} (columns: {', '.join(map(str, df.columns))}); "
-                           "set task.prompt_column / task.answer_column")
+        raise DatasetError(
+            f"dataset {uri}: no column {missing[0]!r} (columns: {', '.join(map(str, df.columns))}); "
+            "set task.prompt_column / task.answer_column"
+        )
     if df.empty:
         raise DatasetError(f"dataset {uri}: no rows")
     others = [c for c in df.columns if c not in (prompt_column, answer_column)]
@@ -149,13 +153,15 @@ def render(tokenizer, prompt: str | list[dict], fmt: PromptFormat, system_prompt
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
     if not has_chat_template(tokenizer):
-        raise DatasetError("the model's tokenizer has no chat template; use task.prompt_format=text "
-                           "or a model with one")
+        raise DatasetError(
+            "the model's tokenizer has no chat template; use task.prompt_format=text or a model with one"
+        )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
 
 
-def tokenize_prompts(tokenizer, examples: list[Example], fmt: PromptFormat,
-                     system_prompt: str | None) -> tuple[list[str], list[list[int]]]:
+def tokenize_prompts(
+    tokenizer, examples: list[Example], fmt: PromptFormat, system_prompt: str | None
+) -> tuple[list[str], list[list[int]]]:
     """Rendered texts and token ids; a templated prompt carries its own special tokens."""
     rendered = [render(tokenizer, e.prompt, fmt, system_prompt) for e in examples]
     texts = [t for t, _ in rendered]

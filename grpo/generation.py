@@ -6,6 +6,7 @@ stop), the sampler's log-prob of each sampled token under the raw model
 distribution (before temperature and top-p, like vLLM's default logprobs mode,
 so it is comparable to the learner's old log-probs), and a finish reason.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -40,8 +41,9 @@ class Sample:
 class Generator(Protocol):
     model_dir: str
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec,
-                 budgets: list[int] | None = None) -> list[list[Sample]]:
+    def generate(
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
+    ) -> list[list[Sample]]:
         """prompts: token ids (bos included) -> per prompt, spec.n samples of at most its budget
         (default spec.max_tokens) tokens; every eos id of the checkpoint (`stop_token_ids`) stops."""
         ...
@@ -55,11 +57,9 @@ class Generator(Protocol):
         next use), False when it must be closed instead."""
         ...
 
-    def wake(self) -> None:
-        ...
+    def wake(self) -> None: ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 class HFGenerator:
@@ -72,6 +72,7 @@ class HFGenerator:
 
     def __init__(self, model_dir: str, batch_size: int = 1024, dtype: str = "float32"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
         self.model_dir, self.batch_size = model_dir, batch_size
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -80,15 +81,18 @@ class HFGenerator:
         self.model.to(self.device)
 
     @torch.no_grad()
-    def _batch(self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int],
-               rng: torch.Generator) -> list[list[Sample]]:
+    def _batch(
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int], rng: torch.Generator
+    ) -> list[list[Sample]]:
         pad = pad_token_id(self.tokenizer)
         width, dev = max(map(len, prompts)), self.device
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
-        attn = (torch.arange(width, device=dev) >= torch.tensor([width - len(p) for p in prompts], device=dev)[:, None]
-                ).long()
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp_min(0),
-                         use_cache=True)
+        attn = (
+            torch.arange(width, device=dev) >= torch.tensor([width - len(p) for p in prompts], device=dev)[:, None]
+        ).long()
+        out = self.model(
+            input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp_min(0), use_cache=True
+        )
         cache = out.past_key_values
         cache.batch_repeat_interleave(spec.n)  # (B, ...) -> (B*n, ...)
         logits = out.logits[:, -1].repeat_interleave(spec.n, 0)  # (B*n, V)
@@ -101,8 +105,11 @@ class HFGenerator:
         length = limit.clone()  # tokens kept per row
         for t in range(int(limit.max())):
             logp = logits.float().log_softmax(-1)  # the raw distribution, before temperature and top-p
-            tok = logp.argmax(-1) if spec.temperature == 0 else sample_token(logits.float() / spec.temperature,
-                                                                              spec.top_p, rng)
+            tok = (
+                logp.argmax(-1)
+                if spec.temperature == 0
+                else sample_token(logits.float() / spec.temperature, spec.top_p, rng)
+            )
             tok = tok.masked_fill(done, pad)
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
@@ -114,39 +121,50 @@ class HFGenerator:
             if done.all():
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=position,
-                             past_key_values=cache, use_cache=True)
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=attn,
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+            )
             logits, position = out.logits[:, -1], position + 1
         rows, row_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
-        samples = [Sample(r[:k], lp[:k], "stop" if s else "length")
-                   for r, lp, k, s in zip(rows, row_logps, length.tolist(), stopped.tolist())]
-        return [samples[i * spec.n:(i + 1) * spec.n] for i in range(len(prompts))]
+        samples = [
+            Sample(r[:k], lp[:k], "stop" if s else "length")
+            for r, lp, k, s in zip(rows, row_logps, length.tolist(), stopped.tolist())
+        ]
+        return [samples[i * spec.n : (i + 1) * spec.n] for i in range(len(prompts))]
 
     def _stop_strings_seen(self, tokens: list[torch.Tensor], stop: tuple[str, ...]) -> torch.Tensor:
         """(B*n,) whether each row's text so far holds a stop string."""
         rows = torch.stack(tokens, 1).tolist()
         return torch.tensor([any(s in self.tokenizer.decode(r) for s in stop) for r in rows], device=self.device)
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec,
-                 budgets: list[int] | None = None) -> list[list[Sample]]:
+    def generate(
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
+    ) -> list[list[Sample]]:
         rng = torch.Generator(self.device).manual_seed(spec.seed)
         budgets = budgets or [spec.max_tokens] * len(prompts)
         step = max(1, self.batch_size // spec.n)
         out: list[list[Sample]] = []
         for i in range(0, len(prompts), step):
-            out += self._batch(prompts[i:i + step], spec, budgets[i:i + step], rng)
+            out += self._batch(prompts[i : i + step], spec, budgets[i : i + step], rng)
         return out
 
     def load_weights(self, model_dir: str) -> None:
         from safetensors.torch import load_file
+
         state = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             state.update(load_file(f))
         missing, unexpected = self.model.load_state_dict(state, strict=False)  # cast to the model's dtype
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
         if unexpected or set(missing) - tied:
-            raise ValueError(f"{model_dir}: weights do not fit the loaded model "
-                             f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
+            raise ValueError(
+                f"{model_dir}: weights do not fit the loaded model "
+                f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})"
+            )
         self.model_dir = model_dir
 
     def sleep(self) -> bool:
@@ -172,6 +190,7 @@ class VLLMGenerator:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         _fixed_mmap_threshold()
         from vllm import LLM
+
         self.model_dir = model_dir
         self.eos = stop_token_ids(None, model_dir)
         self.sleep_mode, self.asleep = bool(engine.get("enable_sleep_mode")), False
@@ -181,20 +200,31 @@ class VLLMGenerator:
         # no progress bar per weight load: a warm run reloads every iteration
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, use_tqdm_on_load=False, **batch, **engine)
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec,
-                 budgets: list[int] | None = None) -> list[list[Sample]]:
+    def generate(
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
+    ) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
         # one seed per prompt (prompts sharing one draw the same random numbers); vLLM seeds
         # the n samples of a request with seed + j, hence the stride of n
         # the rollouts stage decodes the ids itself; vLLM's incremental detokenizer is only
         # needed to spot stop strings (it costs ~30% of a step on a tiny model)
         budgets = budgets or [spec.max_tokens] * len(prompts)
-        params = [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
-                                 max_tokens=budgets[i], stop=list(spec.stop) or None,
-                                 stop_token_ids=list(self.eos),
-                                 seed=(spec.seed + i * spec.n) % 2**31, logprobs=0, detokenize=bool(spec.stop))
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(
+                n=spec.n,
+                temperature=spec.temperature,
+                top_p=spec.top_p,
+                max_tokens=budgets[i],
+                stop=list(spec.stop) or None,
+                stop_token_ids=list(self.eos),
+                seed=(spec.seed + i * spec.n) % 2**31,
+                logprobs=0,
+                detokenize=bool(spec.stop),
+            )
+            for i in range(len(prompts))
+        ]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [[self._sample(c) for c in o.outputs] for o in outs]
 
@@ -242,6 +272,7 @@ class VLLMGenerator:
         del self.llm
         if torch.cuda.is_available():
             import gc
+
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -293,6 +324,7 @@ def stop_token_ids(tokenizer, model_dir: str) -> tuple[int, ...]:
     `[<|im_end|>, <|endoftext|>]`). Either backend stops on each and strips it from the text."""
     if tokenizer is None:
         from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []) + _generation_config_eos(model_dir)
     if not ids:
@@ -332,6 +364,7 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torc
 
 def same_architecture(dir_a: str, dir_b: str) -> bool:
     """Whether two checkpoint folders differ only in their weights (config, tokenizer and eos ids equal)."""
+
     def read(d: str, name: str) -> bytes | None:
         p = Path(d, name)
         return p.read_bytes() if p.exists() else None
@@ -341,9 +374,12 @@ def same_architecture(dir_a: str, dir_b: str) -> bool:
         return None if raw is None else {k: v for k, v in json.loads(raw).items() if k not in _VOLATILE_CONFIG_KEYS}
 
     config_a = config(dir_a)
-    return (config_a is not None and config_a == config(dir_b)
-            and all(read(dir_a, f) == read(dir_b, f) for f in ("tokenizer.json", "tokenizer_config.json"))
-            and _generation_config_eos(dir_a) == _generation_config_eos(dir_b))  # what stops sampling
+    return (
+        config_a is not None
+        and config_a == config(dir_b)
+        and all(read(dir_a, f) == read(dir_b, f) for f in ("tokenizer.json", "tokenizer_config.json"))
+        and _generation_config_eos(dir_a) == _generation_config_eos(dir_b)
+    )  # what stops sampling
 
 
 def get_generator(backend: str, model_dir: str, **settings) -> Generator:
@@ -384,6 +420,7 @@ def engine_settings(backend: str, rollout, dtype: str, model_dir: str) -> dict:
     rollout: grpo.config.RolloutConfig. Recorded in the rollouts and eval manifests (`sampler`).
     """
     from grpo.checkpoint import checkpoint_dtype_name
+
     dtype = checkpoint_dtype_name(model_dir) if dtype == "auto" else dtype
     if backend != "vllm":
         return {"dtype": dtype}
@@ -391,11 +428,15 @@ def engine_settings(backend: str, rollout, dtype: str, model_dir: str) -> dict:
     max_len = v.max_model_len
     if max_len is None and rollout.max_prompt_tokens is not None:
         max_len = min(rollout.max_prompt_tokens + rollout.max_tokens, _context_length(model_dir))
-    settings = {"dtype": dtype, "max_model_len": max_len,
-                "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
-                "enable_prefix_caching": gpu if v.enable_prefix_caching is None else v.enable_prefix_caching,
-                "kv_cache_dtype": v.kv_cache_dtype, "tensor_parallel_size": v.tensor_parallel_size,
-                "enable_sleep_mode": gpu if v.enable_sleep_mode is None else v.enable_sleep_mode}
+    settings = {
+        "dtype": dtype,
+        "max_model_len": max_len,
+        "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
+        "enable_prefix_caching": gpu if v.enable_prefix_caching is None else v.enable_prefix_caching,
+        "kv_cache_dtype": v.kv_cache_dtype,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "enable_sleep_mode": gpu if v.enable_sleep_mode is None else v.enable_sleep_mode,
+    }
     if gpu:
         settings["gpu_memory_utilization"] = v.gpu_memory_utilization
     return settings

@@ -20,6 +20,7 @@ the transformer blocks' activations in backward. Every tensor lives on the accel
 stages/learn.py joins the data, hands a warm Learner from one iteration to the next, launches
 torchrun and commits.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,12 +37,13 @@ from torch import Tensor
 from grpo import core
 from grpo.checkpoint import checkpoint_dtype
 from grpo.config import LearnConfig, RunConfig
+from grpo.errors import StageError
 
 log = logging.getLogger("grpo.learner")
 MASTER_WEIGHTS = "master.safetensors"  # float32 weights, written when the checkpoint's dtype is narrower
 
 
-class LearnError(RuntimeError):
+class LearnError(StageError):
     """The update cannot be committed: non-finite loss, gradients or weights, or a sampler gap."""
 
 
@@ -51,6 +53,7 @@ class Batch:
 
     Group g (one prompt, G = group_size samples) holds samples g*G .. g*G+G-1; P groups, N = P*G.
     """
+
     prompt_ids: Tensor  # (P, Lp) long, left-padded: one row per group
     prompt_mask: Tensor  # (P, Lp) long
     response_ids: Tensor  # (N, T) long, right-padded
@@ -63,8 +66,14 @@ class Batch:
     sample_index: list[int]
 
     def to(self, device) -> Batch:
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                                            if torch.is_tensor(getattr(self, f.name))})
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if torch.is_tensor(getattr(self, f.name))
+            },
+        )
 
     def rows(self, groups: Tensor) -> Tensor:
         """Sample rows of `groups`: (P',) -> (P' * G,), group by group."""
@@ -91,40 +100,60 @@ class PolicyLM(torch.nn.Module):
         """prompt_ids, prompt_mask (P, Lp) left-padded; response_ids, response_mask (P*G, T)
         right-padded -> log-probs (P*G, T) of response_ids and their entropy (or None)."""
         full = self.full_sequences_in_training and self.training and torch.is_grad_enabled()
-        hidden = (self._full_sequences if full else self._shared_prompt)(prompt_ids, prompt_mask, response_ids,
-                                                                         response_mask)
-        return core.chunked_token_logprobs(hidden, self.lm.get_output_embeddings(), response_ids,
-                                           self.logprob_chunk, with_entropy)
+        hidden = (self._full_sequences if full else self._shared_prompt)(
+            prompt_ids, prompt_mask, response_ids, response_mask
+        )
+        return core.chunked_token_logprobs(
+            hidden, self.lm.get_output_embeddings(), response_ids, self.logprob_chunk, with_entropy
+        )
 
     def _shared_prompt(self, prompt_ids, prompt_mask, response_ids, response_mask) -> Tensor:
         """Hidden states (P*G, T, H), [:, t] predicting response_ids[:, t]."""
         g = response_ids.shape[0] // prompt_ids.shape[0]
-        out = self.lm.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                 position_ids=(prompt_mask.cumsum(1) - 1).clamp_min(0), use_cache=True)
+        out = self.lm.base_model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=(prompt_mask.cumsum(1) - 1).clamp_min(0),
+            use_cache=True,
+        )
         cache = out.past_key_values
         cache.batch_repeat_interleave(g)  # (P, ...) -> (P*G, ...), differentiable
         first = out.last_hidden_state[:, -1:].repeat_interleave(g, 0)  # (P*G, 1, H): predicts response token 0
         start = prompt_mask.sum(1).repeat_interleave(g)[:, None]  # (P*G, 1)
         mask = torch.cat([prompt_mask.repeat_interleave(g, 0), response_mask.long()], 1)
-        out = self.lm.base_model(input_ids=response_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
-                                 position_ids=start + torch.arange(response_ids.shape[1], device=start.device))
+        out = self.lm.base_model(
+            input_ids=response_ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=start + torch.arange(response_ids.shape[1], device=start.device),
+        )
         return torch.cat([first, out.last_hidden_state[:, :-1]], 1)
 
     def _full_sequences(self, prompt_ids, prompt_mask, response_ids, response_mask) -> Tensor:
         """Same hidden states from one forward over each sample's prompt + response, no cache."""
         g, width = response_ids.shape[0] // prompt_ids.shape[0], prompt_ids.shape[1]
         mask = torch.cat([prompt_mask.repeat_interleave(g, 0), response_mask.long()], 1)
-        out = self.lm.base_model(input_ids=torch.cat([prompt_ids.repeat_interleave(g, 0), response_ids], 1),
-                                 attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0), use_cache=False)
-        return out.last_hidden_state[:, width - 1:width - 1 + response_ids.shape[1]]  # the last prompt token on
+        out = self.lm.base_model(
+            input_ids=torch.cat([prompt_ids.repeat_interleave(g, 0), response_ids], 1),
+            attention_mask=mask,
+            position_ids=(mask.cumsum(1) - 1).clamp_min(0),
+            use_cache=False,
+        )
+        return out.last_hidden_state[:, width - 1 : width - 1 + response_ids.shape[1]]  # the last prompt token on
 
 
 def forward_logprobs(model, batch: Batch, groups: Tensor, with_entropy: bool = False):
     """Per-token log-probs (P'*G, T) of the responses of `groups` (P',) under `model` (a PolicyLM),
     rows in Batch.rows order, and their entropy (or None)."""
     rows = batch.rows(groups)
-    return model(batch.prompt_ids[groups], batch.prompt_mask[groups], batch.response_ids[rows],
-                 batch.response_mask[rows], with_entropy=with_entropy)
+    return model(
+        batch.prompt_ids[groups],
+        batch.prompt_mask[groups],
+        batch.response_ids[rows],
+        batch.response_mask[rows],
+        with_entropy=with_entropy,
+    )
 
 
 @torch.no_grad()
@@ -139,12 +168,14 @@ def score(model, batch: Batch, chunk_groups: int, groups: Tensor | None = None) 
 @dataclass(frozen=True)
 class Scores:
     """The log-probs every minibatch's loss compares against, computed before the first update."""
+
     old_logprobs: Tensor  # (N, T) the snapshot policy's, without gradient
     ref_logprobs: Tensor | None  # (N, T) the frozen reference's; None without a KL penalty
 
 
-def minibatch_step(model, batch: Batch, scores: Scores, groups: Tensor, lcfg: LearnConfig, accum: int,
-                   max_tokens: int, autocast) -> dict[str, float]:
+def minibatch_step(
+    model, batch: Batch, scores: Scores, groups: Tensor, lcfg: LearnConfig, accum: int, max_tokens: int, autocast
+) -> dict[str, float]:
     """Forward/backward over this rank's `groups` in microbatches. Returns metrics: the extremes
     (`*_max`, `*_min`) over microbatches, the rest summed / accum."""
     totals: dict[str, float] = {}
@@ -155,12 +186,24 @@ def minibatch_step(model, batch: Batch, scores: Scores, groups: Tensor, lcfg: Le
             logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
         ref = scores.ref_logprobs
         loss, metrics = core.grpo_microbatch_step(
-            logp, mask, gradient_accumulation_steps=accum, loss_type=lcfg.loss_type, agg_mode=lcfg.agg_mode,
-            raw_rewards=batch.rewards[mb, None], advantages=batch.advantages[mb, None],
-            old_logprobs=scores.old_logprobs[mb], ref_logprobs=None if ref is None else ref[mb],
-            kl_coef=lcfg.kl_coef, kl_estimator=lcfg.kl_estimator, clip_eps=lcfg.clip_eps,
-            clip_eps_high=lcfg.clip_eps_high, max_tokens=max_tokens, sampler_logprobs=batch.sampler_logprobs[mb],
-            importance_correction=lcfg.importance_correction, tis_cap=lcfg.tis_cap)
+            logp,
+            mask,
+            gradient_accumulation_steps=accum,
+            loss_type=lcfg.loss_type,
+            agg_mode=lcfg.agg_mode,
+            raw_rewards=batch.rewards[mb, None],
+            advantages=batch.advantages[mb, None],
+            old_logprobs=scores.old_logprobs[mb],
+            ref_logprobs=None if ref is None else ref[mb],
+            kl_coef=lcfg.kl_coef,
+            kl_estimator=lcfg.kl_estimator,
+            clip_eps=lcfg.clip_eps,
+            clip_eps_high=lcfg.clip_eps_high,
+            max_tokens=max_tokens,
+            sampler_logprobs=batch.sampler_logprobs[mb],
+            importance_correction=lcfg.importance_correction,
+            tis_cap=lcfg.tis_cap,
+        )
         metrics["loss/total"] = loss.detach() * accum
         metrics["actor/entropy"] = core.masked_mean(entropy, mask)
         for k, v in metrics.items():
@@ -177,6 +220,7 @@ def reduce_across_ranks(acc, metrics: dict[str, float]) -> dict[str, float]:
     if acc.num_processes == 1:
         return metrics
     import torch.distributed as dist
+
     ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     out = {}
     for op in ("mean", "max", "min"):
@@ -207,10 +251,12 @@ class Learner:
     exactly as one built from the committed files would.
     """
 
-    def __init__(self, cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None,
-                 shuffle_seed: int):
+    def __init__(
+        self, cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None, shuffle_seed: int
+    ):
         from accelerate import Accelerator
         from transformers import AutoModelForCausalLM
+
         self.cfg = cfg
         lcfg = cfg.learn
         # mixed precision by torch.autocast, not Accelerator(mixed_precision=...): Accelerate's state is one per
@@ -220,6 +266,7 @@ class Learner:
         lm = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
         if state_dir and Path(state_dir, MASTER_WEIGHTS).exists():  # the unrounded weights of the last update
             from safetensors.torch import load_model
+
             load_model(lm, f"{state_dir}/{MASTER_WEIGHTS}")
         if lcfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -229,8 +276,9 @@ class Learner:
             ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
             self.ref = PolicyLM(ref, lcfg.logprob_chunk).eval().to(self.acc.device)
         # fused: one kernel for all parameters (4x faster steps on CPU for small models)
-        opt = torch.optim.AdamW(model.parameters(), lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay,
-                                fused=True)
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay, fused=True
+        )
         self.shuffle = torch.Generator().manual_seed(shuffle_seed)
         if state_dir:  # continue exactly where the previous iteration ended
             opt.load_state_dict(torch.load(f"{state_dir}/optimizer.pt", weights_only=True, map_location="cpu"))
@@ -239,8 +287,9 @@ class Learner:
 
     def autocast(self):
         """The forwards' precision: bf16 autocast with learn.mixed_precision=bf16, else as the weights."""
-        return torch.autocast(self.acc.device.type, dtype=torch.bfloat16,
-                              enabled=self.cfg.learn.mixed_precision == "bf16")
+        return torch.autocast(
+            self.acc.device.type, dtype=torch.bfloat16, enabled=self.cfg.learn.mixed_precision == "bf16"
+        )
 
     def to(self, device) -> None:
         """Move the model, the reference and AdamW's state (off the GPU while a sampler uses it)."""
@@ -258,13 +307,17 @@ class Learner:
         """policy/ (HF checkpoint in the base model's dtype), optimizer.pt, rng.pt and, when that dtype
         is narrower than float32, master.safetensors, into the local folder out_dir."""
         from safetensors.torch import save_model
+
         out = Path(out_dir)
         lm = self.acc.unwrap_model(self.model).lm
         if self.save_dtype == torch.float32:
             lm.save_pretrained(out / "policy", safe_serialization=True)
         else:
-            lm.save_pretrained(out / "policy", safe_serialization=True,
-                               state_dict={k: v.to(self.save_dtype) for k, v in lm.state_dict().items()})
+            lm.save_pretrained(
+                out / "policy",
+                safe_serialization=True,
+                state_dict={k: v.to(self.save_dtype) for k, v in lm.state_dict().items()},
+            )
             config = json.loads((out / "policy/config.json").read_text())
             config["dtype"] = str(self.save_dtype).removeprefix("torch.")
             (out / "policy/config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -276,6 +329,7 @@ class Learner:
 @dataclass(frozen=True)
 class Update:
     """What `train` returns: the summary, a metrics row per optimizer step, and the scores."""
+
     summary: dict
     rows: list[dict]
     scores: Scores  # on the CPU
@@ -296,9 +350,11 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     mask = batch.response_mask
     gap = float(core.masked_mean((batch.sampler_logprobs - scores.old_logprobs).abs(), mask))
     if lcfg.max_logprob_gap is not None and gap > lcfg.max_logprob_gap:
-        raise LearnError(f"learn iteration {iteration}: the sampler's log-probs differ from the snapshot's by "
-                         f"{gap:.4g} a token on average (> learn.max_logprob_gap={lcfg.max_logprob_gap}): the sampler "
-                         "may have served other weights; nothing committed. Rerun rollouts (--force)")
+        raise LearnError(
+            f"learn iteration {iteration}: the sampler's log-probs differ from the snapshot's by "
+            f"{gap:.4g} a token on average (> learn.max_logprob_gap={lcfg.max_logprob_gap}): the sampler "
+            "may have served other weights; nothing committed. Rerun rollouts (--force)"
+        )
     model.train()
 
     # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
@@ -310,10 +366,12 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     for epoch in range(lcfg.epochs):
         order = torch.randperm(n_groups, generator=learner.shuffle).to(acc.device)
         for start in range(0, n_groups - per_step + 1, per_step):
-            groups = order[start:start + per_step]
+            groups = order[start : start + per_step]
             t0 = time.perf_counter()
-            m = reduce_across_ranks(acc, minibatch_step(model, batch, scores, groups[rank::world], lcfg, accum,
-                                                        max_tokens, learner.autocast))
+            m = reduce_across_ranks(
+                acc,
+                minibatch_step(model, batch, scores, groups[rank::world], lcfg, accum, max_tokens, learner.autocast),
+            )
             if not all(math.isfinite(v) for v in m.values()):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
             grad_norm = float(acc.clip_grad_norm_(model.parameters(), lcfg.max_grad_norm))
@@ -330,16 +388,32 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
             step += 1
         if acc.is_main_process:  # one line an epoch; every step's metrics go to metrics.parquet
             epoch_rows = [r for r in rows if r["epoch"] == epoch]
-            log.info("learn iteration %d: epoch %d/%d, %d steps, %s", iteration, epoch + 1, lcfg.epochs,
-                     len(epoch_rows), _epoch_means(epoch_rows))
+            log.info(
+                "learn iteration %d: epoch %d/%d, %d steps, %s",
+                iteration,
+                epoch + 1,
+                lcfg.epochs,
+                len(epoch_rows),
+                _epoch_means(epoch_rows),
+            )
     _check_weights(learner, batch, iteration, step)
     last = rows[-1] if rows else {}
-    summary = {"steps": step, "samples": len(batch.response_ids), "loss": last.get("loss"), "kl": last.get("kl"),
-               "clip_frac": last.get("clip_frac"), "grad_norm": last.get("grad_norm"), "logprob_gap": gap,
-               "world_size": world, "score_s": score_s, "update_s": update_s,
-               "tokens": sum(r["n_tokens"] for r in rows)}
-    cpu = Scores(scores.old_logprobs.float().cpu(), None if scores.ref_logprobs is None else
-                 scores.ref_logprobs.float().cpu())
+    summary = {
+        "steps": step,
+        "samples": len(batch.response_ids),
+        "loss": last.get("loss"),
+        "kl": last.get("kl"),
+        "clip_frac": last.get("clip_frac"),
+        "grad_norm": last.get("grad_norm"),
+        "logprob_gap": gap,
+        "world_size": world,
+        "score_s": score_s,
+        "update_s": update_s,
+        "tokens": sum(r["n_tokens"] for r in rows),
+    }
+    cpu = Scores(
+        scores.old_logprobs.float().cpu(), None if scores.ref_logprobs is None else scores.ref_logprobs.float().cpu()
+    )
     return Update(summary, rows, cpu)
 
 
@@ -351,19 +425,37 @@ def _check_weights(learner: Learner, batch: Batch, iteration: int, steps: int) -
     if not bad:
         with learner.autocast():
             probe = score(lm, batch, 1, groups=torch.arange(1, device=batch.prompt_ids.device))
-        bad = [] if bool(torch.isfinite(probe[batch.response_mask[:probe.shape[0]].bool()]).all()) else \
-            ["log-probs of the new weights"]
+        bad = (
+            []
+            if bool(torch.isfinite(probe[batch.response_mask[: probe.shape[0]].bool()]).all())
+            else ["log-probs of the new weights"]
+        )
     if bad:
-        raise LearnError(f"learn iteration {iteration}: non-finite weights after {steps} steps "
-                         f"({', '.join(bad[:3])}); nothing committed; lower learn.lr (now {learner.cfg.learn.lr})")
+        raise LearnError(
+            f"learn iteration {iteration}: non-finite weights after {steps} steps "
+            f"({', '.join(bad[:3])}); nothing committed; lower learn.lr (now {learner.cfg.learn.lr})"
+        )
 
 
 def _metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tokens, gap) -> dict:
-    return {"run_id": run_id, "iteration": iteration, "step": step, "epoch": epoch,
-            "loss": m["loss/total"], "pg_loss": m.get("loss/pg", 0.0), "kl": m.get("loss/kl"),  # None: no reference
-            "clip_frac": m.get("actor/clip_frac", 0.0), "entropy": m["actor/entropy"], "grad_norm": grad_norm,
-            "ratio_mean": m.get("actor/ratio_mean", 1.0), "ratio_min": m.get("actor/ratio_min", 1.0),
-            "ratio_max": m.get("actor/ratio_max", 1.0), "logprob_gap": gap, "lr": lr, "n_tokens": n_tokens}
+    return {
+        "run_id": run_id,
+        "iteration": iteration,
+        "step": step,
+        "epoch": epoch,
+        "loss": m["loss/total"],
+        "pg_loss": m.get("loss/pg", 0.0),
+        "kl": m.get("loss/kl"),  # None: no reference
+        "clip_frac": m.get("actor/clip_frac", 0.0),
+        "entropy": m["actor/entropy"],
+        "grad_norm": grad_norm,
+        "ratio_mean": m.get("actor/ratio_mean", 1.0),
+        "ratio_min": m.get("actor/ratio_min", 1.0),
+        "ratio_max": m.get("actor/ratio_max", 1.0),
+        "logprob_gap": gap,
+        "lr": lr,
+        "n_tokens": n_tokens,
+    }
 
 
 def _epoch_means(rows: list[dict]) -> str:

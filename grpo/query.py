@@ -11,6 +11,7 @@ rerun. The files read are hash-checked against their manifest by default.
 Views: rollouts, rewards, advantages, logprobs, learn_metrics, eval; columns as
 declared in `schemas/tables.py`. A view with nothing committed is empty, not missing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,27 +20,28 @@ import re
 import duckdb
 import pandas as pd
 
-from grpo.storage import (Committed, CorruptArtifactError, NotCommittedError, Storage, is_local,
-                          latest_committed, verify_files)
-from schemas.tables import SCHEMAS
-from stages.common import StageError, run_dir, stage_dir
+from grpo.errors import LayoutError
+from grpo.layout import run_dir, run_json, stage_dir
+from grpo.storage import (
+    Committed,
+    CorruptArtifactError,
+    NotCommittedError,
+    Storage,
+    is_local,
+    latest_committed,
+    verify_files,
+)
+from schemas.tables import SCHEMAS, TABLE_FILES
 
-VIEWS: dict[str, tuple[str, str]] = {  # view (= table name) -> (stage, file in its attempt)
-    "rollouts": ("rollouts", "rollouts.parquet"),
-    "rewards": ("rewards", "rewards.parquet"),
-    "advantages": ("advantages", "advantages.parquet"),
-    "logprobs": ("learn", "logprobs.parquet"),
-    "learn_metrics": ("learn", "metrics.parquet"),
-    "eval": ("eval", "eval.parquet"),
-}
+VIEWS = {table: TABLE_FILES[table] for table in SCHEMAS if table in TABLE_FILES}  # view = table name
 _ITER = re.compile(r"iter-(\d+)$")
 
 
 def iterations(storage: Storage, run_id: str) -> list[int]:
     """Iterations with a folder in the run, ascending (committed or not)."""
     rdir = run_dir(storage, run_id)
-    if not storage.exists(f"{rdir}/run.json"):
-        raise StageError(f"{storage.uri(rdir)}: no such run; create it with `grpo init --run {run_id}`")
+    if not storage.exists(run_json(storage, run_id)):
+        raise LayoutError(f"{storage.uri(rdir)}: no such run; create it with `grpo init --run {run_id}`")
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(rdir, detail=False)]
     return sorted(int(m.group(1)) for n in names if (m := _ITER.match(n)))
 
@@ -82,7 +84,7 @@ def _committed_file(committed: Committed, name: str, verify: bool) -> str:
 
 def _duckdb_path(storage: Storage, uri: str) -> str:
     """DuckDB reads local files by path and others through the registered fsspec filesystem."""
-    return uri[len("file://"):] if is_local(storage.fs) and uri.startswith("file://") else uri
+    return uri[len("file://") :] if is_local(storage.fs) and uri.startswith("file://") else uri
 
 
 def _sql_str(s: str) -> str:

@@ -11,6 +11,7 @@ attempt is committed once its `_manifest.json` exists, and that file is written
 last (a single object PUT on S3, a rename on a local disk). Readers take the
 newest committed attempt and check every file's size and sha256 against it.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -53,6 +54,7 @@ def default_storage_url() -> str:
 @dataclass(frozen=True)
 class Storage:
     """A filesystem plus the root path every artifact path is relative to."""
+
     fs: AbstractFileSystem
     root: str
     url: str
@@ -125,6 +127,8 @@ _HASHED_MAX = 4096
 _RACY_S, _RACY_WHOLE_SECOND_S = 0.02, 2.0
 
 
+# change only with tests test_unchanged_files_are_not_reread_and_a_rewrite_is_caught and
+# test_an_edited_download_cache_is_fetched_again in view
 def _stamp(fs: AbstractFileSystem, path: str) -> tuple[tuple | None, int]:
     """(stamp, size): the stamp changes whenever the file's bytes do, None where nothing does.
 
@@ -168,14 +172,16 @@ def config_hash(config: dict) -> str:
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         v = version("grpo-flow")
     except PackageNotFoundError:
         v = "0+unknown"
     here = Path(__file__).resolve().parent.parent
     try:
-        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"],
-                             capture_output=True, text=True, timeout=5).stdout.strip()
+        sha = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         sha = ""
     return f"{v}+g{sha}" if sha else v
@@ -186,6 +192,7 @@ def _now() -> str:
 
 
 # ---------------------------------------------------------------- attempts
+
 
 def _attempt_number(name: str) -> int:
     try:
@@ -251,6 +258,7 @@ def verify_files(storage: Storage, attempt_dir: str, manifest: Manifest) -> None
 @dataclass(frozen=True)
 class Committed:
     """A committed stage output: where it is and what its manifest says."""
+
     storage: Storage
     attempt_dir: str
     manifest: Manifest
@@ -287,10 +295,17 @@ def find_committed(storage: Storage, stage_dir: str, identity: str, verify: bool
     return None
 
 
-def stage_identity(run_id: str, iteration: int | None, stage: str, cfg_hash: str,
-                   inputs: dict[str, InputRef]) -> str:
-    key = {"run_id": run_id, "iteration": iteration, "stage": stage, "config_hash": cfg_hash,
-           "inputs": {k: v.manifest_sha256 for k, v in sorted(inputs.items())}}
+# change only with tests test_new_attempt_never_overwrites_and_identity_lookup,
+# test_rerun_is_noop_and_force_adds_attempt_without_touching_old and test_warm_iterations_commit_what_cold_ones_do
+# in view
+def stage_identity(run_id: str, iteration: int | None, stage: str, cfg_hash: str, inputs: dict[str, InputRef]) -> str:
+    key = {
+        "run_id": run_id,
+        "iteration": iteration,
+        "stage": stage,
+        "config_hash": cfg_hash,
+        "inputs": {k: v.manifest_sha256 for k, v in sorted(inputs.items())},
+    }
     return config_hash(key)
 
 
@@ -303,8 +318,17 @@ class StageWriter:
         committed = w.commit(summary={...})
     """
 
-    def __init__(self, storage: Storage, stage_dir: str, *, run_id: str, iteration: int | None,
-                 stage: str, config: dict, inputs: dict[str, InputRef]):
+    def __init__(
+        self,
+        storage: Storage,
+        stage_dir: str,
+        *,
+        run_id: str,
+        iteration: int | None,
+        stage: str,
+        config: dict,
+        inputs: dict[str, InputRef],
+    ):
         self.storage, self.stage_dir = storage, stage_dir
         self.run_id, self.iteration, self.stage = run_id, iteration, stage
         self.config, self.inputs = config, inputs
@@ -335,7 +359,7 @@ class StageWriter:
         found = fs.find(self.attempt_dir) if fs.exists(self.attempt_dir) else []
         entries = []
         for p in sorted(found):
-            rel = p[len(self.attempt_dir) + 1:]
+            rel = p[len(self.attempt_dir) + 1 :]
             if rel == MANIFEST_NAME or ".tmp-" in rel:
                 continue
             size, digest = file_digest(fs, p)
@@ -347,11 +371,20 @@ class StageWriter:
         if self._committed:
             raise ArtifactError(f"{self.storage.uri(self.attempt_dir)}: already committed")
         manifest = Manifest(
-            stage=self.stage, run_id=self.run_id, iteration=self.iteration, attempt=self.attempt,
-            identity=self.identity, config=self.config, config_hash=self.config_hash,
-            inputs=self.inputs, files=self._own_files() + self._referenced,
-            code_version=code_version(), started_at=self.started_at, committed_at=_now(),
-            summary=summary or {})
+            stage=self.stage,
+            run_id=self.run_id,
+            iteration=self.iteration,
+            attempt=self.attempt,
+            identity=self.identity,
+            config=self.config,
+            config_hash=self.config_hash,
+            inputs=self.inputs,
+            files=self._own_files() + self._referenced,
+            code_version=code_version(),
+            started_at=self.started_at,
+            committed_at=_now(),
+            summary=summary or {},
+        )
         data = manifest.to_json()
         self.storage.write_bytes_atomic(f"{self.attempt_dir}/{MANIFEST_NAME}", data)
         self._committed = True

@@ -5,12 +5,14 @@ vLLM. Every prompt is tokenized as `<bos> w1 w2 ...` by both, thanks to a
 post-processor in the tokenizer itself rather than in either library.
 """
 
+import dataclasses
 import os
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
+from grpo.config import ModelConfig
 from grpo.tasks import get_task
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>"]
@@ -45,29 +47,28 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int,
-                num_heads: int, intermediate_size: int, max_position_embeddings: int,
-                tie_embeddings: bool = True, initializer_range: float = 0.02):
-    """Config of a small `arch` model; checks the head size vllm's cpu backend needs."""
-    if arch not in CONFIGS:
-        raise ValueError(f"unknown arch {arch!r}; valid archs: {', '.join(CONFIGS)}")
-    if hidden_size % num_heads or hidden_size // num_heads not in HEAD_DIMS:
+def tiny_config(vocab_size: int, model: ModelConfig):
+    """HF config of the tiny `model.arch` model `model` describes; checks the head size vllm's cpu
+    backend needs."""
+    if model.arch not in CONFIGS:
+        raise ValueError(f"unknown arch {model.arch!r}; valid archs: {', '.join(CONFIGS)}")
+    if model.hidden_size % model.num_heads or model.hidden_size // model.num_heads not in HEAD_DIMS:
         raise ValueError(
-            f"num_heads={num_heads} gives head_dim {hidden_size / num_heads:g} for "
-            f"hidden_size={hidden_size}; vllm on cpu needs head_dim in {HEAD_DIMS}"
+            f"num_heads={model.num_heads} gives head_dim {model.hidden_size / model.num_heads:g} for "
+            f"hidden_size={model.hidden_size}; vllm on cpu needs head_dim in {HEAD_DIMS}"
         )
-    return CONFIGS[arch](
+    return CONFIGS[model.arch](
         vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=model.hidden_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_heads,
+        num_key_value_heads=model.num_heads,
+        intermediate_size=model.intermediate_size,
+        max_position_embeddings=model.max_position_embeddings,
         # tied: a prompt token's embedding copied by attention raises that token's logit,
         # a prior that makes "repeat the prompt's numbers" easy to find by sampling
-        tie_word_embeddings=tie_embeddings,
-        initializer_range=initializer_range,
+        tie_word_embeddings=model.tie_embeddings,
+        initializer_range=model.initializer_range,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
@@ -75,35 +76,36 @@ def tiny_config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int
     )
 
 
-def build_tiny_model(out_dir: str, words: list[str], *, hidden_size: int = 128,
-                     num_layers: int = 2, num_heads: int = 4, intermediate_size: int = 512,
-                     max_position_embeddings: int = 64, seed: int = 0, tie_embeddings: bool = True,
-                     initializer_range: float = 0.02, arch: str = "llama") -> str:
-    """Save a randomly initialised model and its tokenizer to `out_dir`.
+def build_tiny_model(out_dir: str, words: list[str], model: ModelConfig | None = None, seed: int = 0, **fields) -> str:
+    """Save a randomly initialised tiny model of shape `model` (grpo.config.ModelConfig, the defaults'
+    one place; `fields` replace some of its fields) and its tokenizer to `out_dir`.
 
     The same seed gives byte-identical `model.safetensors`. Returns `out_dir`.
     """
+    model = dataclasses.replace(model or ModelConfig(), **fields)
     tokenizer = build_tokenizer(words)
-    config = tiny_config(arch, len(tokenizer), hidden_size=hidden_size, num_layers=num_layers,
-                         num_heads=num_heads, intermediate_size=intermediate_size,
-                         max_position_embeddings=max_position_embeddings, tie_embeddings=tie_embeddings,
-                         initializer_range=initializer_range)
+    config = tiny_config(len(tokenizer), model)
     with torch.random.fork_rng(devices=[]):  # seed the init, leave the caller's rng alone
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
-    )
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lm.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    lm.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
 
-def build_for_task(out_dir: str, task_name: str, task_params: dict | None = None, **kw) -> str:
-    """`build_tiny_model` with the vocabulary of task `task_name`; `kw` go to it."""
+def build_for_task(
+    out_dir: str,
+    task_name: str,
+    task_params: dict | None = None,
+    model: ModelConfig | None = None,
+    seed: int = 0,
+    **fields,
+) -> str:
+    """`build_tiny_model` with the vocabulary of task `task_name`."""
     words = get_task(task_name, **(task_params or {})).words()
-    return build_tiny_model(out_dir, words, **kw)
+    return build_tiny_model(out_dir, words, model, seed, **fields)
 
 
 # ---------------------------------------------------------------- a small chat model (the real path's shape)
@@ -123,42 +125,72 @@ def build_chat_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedT
     """A byte-level BPE tokenizer trained on `texts`, with Qwen's special tokens and chat template:
     eos `<|im_end|>`, pad `<|endoftext|>` (distinct from eos, as in Qwen2.5-Instruct)."""
     from tokenizers import decoders, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=CHAT_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=CHAT_SPECIAL_TOKENS[1:],
-                                   clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=CHAT_SPECIAL_TOKENS[1:],
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build_chat_model(out_dir: str, texts: list[str], *, vocab_size: int = 512, hidden_size: int = 64,
-                     num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 1, intermediate_size: int = 128,
-                     max_position_embeddings: int = 256, seed: int = 0, dtype: str = "float32",
-                     model_vocab_size: int | None = None) -> str:
+def build_chat_model(
+    out_dir: str,
+    texts: list[str],
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+    dtype: str = "float32",
+    model_vocab_size: int | None = None,
+) -> str:
     """Save a randomly initialised Qwen2 model (grouped-query attention) with a BPE tokenizer trained
     on `texts`, a chat template, and generation_config.json listing two eos ids (`<|im_end|>`,
     `<|endoftext|>`, like Qwen2.5). What a user's own HF checkpoint looks like, at toy size (or, with
     Qwen2.5-0.5B's shape, at its size: `model_vocab_size` pads the embedding past the tokenizer's
     vocabulary as Qwen's does; `dtype` is the saved weights')."""
     from transformers import Qwen2Config
+
     tokenizer = build_chat_tokenizer(texts, vocab_size)
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = Qwen2Config(vocab_size=model_vocab_size or len(tokenizer), hidden_size=hidden_size,
-                         num_hidden_layers=num_layers,
-                         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-                         tie_word_embeddings=True, bos_token_id=endoftext, eos_token_id=im_end,
-                         pad_token_id=endoftext, dtype=dtype)
+    config = Qwen2Config(
+        vocab_size=model_vocab_size or len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=endoftext,
+        eos_token_id=im_end,
+        pad_token_id=endoftext,
+        dtype=dtype,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.generation_config = GenerationConfig(bos_token_id=endoftext, eos_token_id=[im_end, endoftext],
-                                               pad_token_id=endoftext)
+    model.generation_config = GenerationConfig(
+        bos_token_id=endoftext, eos_token_id=[im_end, endoftext], pad_token_id=endoftext
+    )
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

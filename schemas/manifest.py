@@ -3,6 +3,7 @@
 A stage writes its files into a fresh attempt folder, then writes this manifest
 last; readers only trust folders that have one and whose files match it.
 """
+
 from __future__ import annotations
 
 import json

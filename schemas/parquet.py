@@ -4,6 +4,7 @@ Writers stream row groups (memory stays bounded however many rows a stage
 writes); readers refuse a file whose table name, schema version, columns or
 types differ from the declaration in `schemas.tables`, naming file and field.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Mapping
@@ -39,8 +40,7 @@ def check_schema(actual: pa.Schema, name: str, where: str) -> None:
             raise SchemaError(f"{where}: missing column {field.name!r} of table {name!r}")
         got = actual.field(idx).type
         if got != field.type:
-            raise SchemaError(
-                f"{where}: column {field.name!r} has type {got}, table {name!r} declares {field.type}")
+            raise SchemaError(f"{where}: column {field.name!r} has type {got}, table {name!r} declares {field.type}")
     extra = set(actual.names) - set(expected.names)
     if extra:
         raise SchemaError(f"{where}: unexpected columns {sorted(extra)} in table {name!r}")
@@ -88,8 +88,9 @@ class ParquetWriter:
         self.close()
 
 
-def write_parquet(fs: AbstractFileSystem, path: str, name: str,
-                  rows: Mapping[str, list] | list[dict] | pa.Table) -> int:
+def write_parquet(
+    fs: AbstractFileSystem, path: str, name: str, rows: Mapping[str, list] | list[dict] | pa.Table
+) -> int:
     with ParquetWriter(fs, path, name) as w:
         w.write(rows)
     return w.num_rows
@@ -112,7 +113,8 @@ def read_parquet(fs: AbstractFileSystem, path: str, name: str, columns: list[str
     return _checked_file(fs, path, name).read(columns=columns)
 
 
-def iter_batches(fs: AbstractFileSystem, path: str, name: str, batch_size: int = 4096,
-                 columns: list[str] | None = None) -> Iterable[pa.RecordBatch]:
+def iter_batches(
+    fs: AbstractFileSystem, path: str, name: str, batch_size: int = 4096, columns: list[str] | None = None
+) -> Iterable[pa.RecordBatch]:
     """Stream a validated file of table `name` in record batches."""
     yield from _checked_file(fs, path, name).iter_batches(batch_size=batch_size, columns=columns)

@@ -6,6 +6,7 @@ table name and schema version in the Parquet key-value metadata; readers check
 both, then every column's presence and type, and name the file and field when
 something is off.
 """
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -22,70 +23,90 @@ _SAMPLE_KEYS = _KEYS + [pa.field("sample_index", pa.int32(), nullable=False)]
 _IDS = pa.list_(pa.int32())
 FLOAT_LISTS = pa.list_(pa.float32())
 
-PROMPTS = pa.schema(_KEYS + [
-    pa.field("prompt", pa.string(), nullable=False),
-    pa.field("ground_truth", pa.string(), nullable=False),
-])
+PROMPTS = pa.schema(
+    _KEYS
+    + [
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("ground_truth", pa.string(), nullable=False),
+    ]
+)
 
-ROLLOUTS = pa.schema(_SAMPLE_KEYS + [
-    pa.field("prompt", pa.string(), nullable=False),
-    pa.field("prompt_ids", _IDS, nullable=False),
-    pa.field("response", pa.string(), nullable=False),
-    pa.field("response_ids", _IDS, nullable=False),
-    pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),  # log-prob of each sampled token
-    pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
-    pa.field("ground_truth", pa.string(), nullable=False),
-    pa.field("row", pa.string(), nullable=False),  # JSON object: the dataset row's other columns
-    pa.field("policy_version", pa.string(), nullable=False),  # snapshot identity
-])
+ROLLOUTS = pa.schema(
+    _SAMPLE_KEYS
+    + [
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("prompt_ids", _IDS, nullable=False),
+        pa.field("response", pa.string(), nullable=False),
+        pa.field("response_ids", _IDS, nullable=False),
+        pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),  # log-prob of each sampled token
+        pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
+        pa.field("ground_truth", pa.string(), nullable=False),
+        pa.field("row", pa.string(), nullable=False),  # JSON object: the dataset row's other columns
+        pa.field("policy_version", pa.string(), nullable=False),  # snapshot identity
+    ]
+)
 
-REWARDS = pa.schema(_SAMPLE_KEYS + [
-    pa.field("reward", pa.float64(), nullable=False),
-    pa.field("components", pa.map_(pa.string(), pa.float64()), nullable=False),
-    pa.field("error", pa.string(), nullable=True),  # exception or timeout; reward is 0 then
-])
+REWARDS = pa.schema(
+    _SAMPLE_KEYS
+    + [
+        pa.field("reward", pa.float64(), nullable=False),
+        pa.field("components", pa.map_(pa.string(), pa.float64()), nullable=False),
+        pa.field("error", pa.string(), nullable=True),  # exception or timeout; reward is 0 then
+    ]
+)
 
-ADVANTAGES = pa.schema(_SAMPLE_KEYS + [
-    pa.field("reward", pa.float64(), nullable=False),
-    pa.field("advantage", pa.float64(), nullable=False),
-    pa.field("group_mean", pa.float64(), nullable=False),
-    pa.field("group_std", pa.float64(), nullable=False),
-    pa.field("kept", pa.bool_(), nullable=False),  # false: group dropped (zero reward variance)
-])
+ADVANTAGES = pa.schema(
+    _SAMPLE_KEYS
+    + [
+        pa.field("reward", pa.float64(), nullable=False),
+        pa.field("advantage", pa.float64(), nullable=False),
+        pa.field("group_mean", pa.float64(), nullable=False),
+        pa.field("group_std", pa.float64(), nullable=False),
+        pa.field("kept", pa.bool_(), nullable=False),  # false: group dropped (zero reward variance)
+    ]
+)
 
-LOGPROBS = pa.schema(_SAMPLE_KEYS + [  # learner's view before any update, for audits
-    pa.field("old_logprobs", FLOAT_LISTS, nullable=False),
-    pa.field("ref_logprobs", FLOAT_LISTS, nullable=True),  # null: kl_coef 0, no reference scored
-])
+LOGPROBS = pa.schema(
+    _SAMPLE_KEYS
+    + [  # learner's view before any update, for audits
+        pa.field("old_logprobs", FLOAT_LISTS, nullable=False),
+        pa.field("ref_logprobs", FLOAT_LISTS, nullable=True),  # null: kl_coef 0, no reference scored
+    ]
+)
 
-LEARN_METRICS = pa.schema([
-    pa.field("run_id", pa.string(), nullable=False),
-    pa.field("iteration", pa.int32(), nullable=False),
-    pa.field("step", pa.int32(), nullable=False),
-    pa.field("epoch", pa.int32(), nullable=False),
-    pa.field("loss", pa.float64(), nullable=False),
-    pa.field("pg_loss", pa.float64(), nullable=False),
-    pa.field("kl", pa.float64(), nullable=True),  # null: no reference scored
-    pa.field("clip_frac", pa.float64(), nullable=False),
-    pa.field("entropy", pa.float64(), nullable=False),
-    pa.field("grad_norm", pa.float64(), nullable=False),
-    pa.field("ratio_mean", pa.float64(), nullable=False),
-    pa.field("ratio_min", pa.float64(), nullable=False),
-    pa.field("ratio_max", pa.float64(), nullable=False),
-    pa.field("logprob_gap", pa.float64(), nullable=False),  # mean |sampler - trainer| old log-prob
-    pa.field("lr", pa.float64(), nullable=False),
-    pa.field("n_tokens", pa.int64(), nullable=False),
-])
+LEARN_METRICS = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("iteration", pa.int32(), nullable=False),
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("epoch", pa.int32(), nullable=False),
+        pa.field("loss", pa.float64(), nullable=False),
+        pa.field("pg_loss", pa.float64(), nullable=False),
+        pa.field("kl", pa.float64(), nullable=True),  # null: no reference scored
+        pa.field("clip_frac", pa.float64(), nullable=False),
+        pa.field("entropy", pa.float64(), nullable=False),
+        pa.field("grad_norm", pa.float64(), nullable=False),
+        pa.field("ratio_mean", pa.float64(), nullable=False),
+        pa.field("ratio_min", pa.float64(), nullable=False),
+        pa.field("ratio_max", pa.float64(), nullable=False),
+        pa.field("logprob_gap", pa.float64(), nullable=False),  # mean |sampler - trainer| old log-prob
+        pa.field("lr", pa.float64(), nullable=False),
+        pa.field("n_tokens", pa.int64(), nullable=False),
+    ]
+)
 
-EVAL = pa.schema(_KEYS + [
-    pa.field("prompt", pa.string(), nullable=False),
-    pa.field("response", pa.string(), nullable=False),
-    pa.field("ground_truth", pa.string(), nullable=False),
-    pa.field("reward", pa.float64(), nullable=False),  # greedy response
-    pa.field("exact", pa.float64(), nullable=False),  # greedy response correct: accuracy
-    pa.field("avg_at_k", pa.float64(), nullable=True),  # share of k samples correct; null: k = 1
-    pa.field("pass_at_k", pa.float64(), nullable=True),  # any of k samples correct; null: k = 1
-])
+EVAL = pa.schema(
+    _KEYS
+    + [
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("response", pa.string(), nullable=False),
+        pa.field("ground_truth", pa.string(), nullable=False),
+        pa.field("reward", pa.float64(), nullable=False),  # greedy response
+        pa.field("exact", pa.float64(), nullable=False),  # greedy response correct: accuracy
+        pa.field("avg_at_k", pa.float64(), nullable=True),  # share of k samples correct; null: k = 1
+        pa.field("pass_at_k", pa.float64(), nullable=True),  # any of k samples correct; null: k = 1
+    ]
+)
 
 SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS,
@@ -96,3 +117,18 @@ SCHEMAS: dict[str, pa.Schema] = {
     "learn_metrics": LEARN_METRICS,
     "eval": EVAL,
 }
+
+# where each table is committed: (stage, file in the stage's attempt); `grpo query` makes a view of each
+TABLE_FILES: dict[str, tuple[str, str]] = {
+    "rollouts": ("rollouts", "rollouts.parquet"),
+    "rewards": ("rewards", "rewards.parquet"),
+    "advantages": ("advantages", "advantages.parquet"),
+    "logprobs": ("learn", "logprobs.parquet"),
+    "learn_metrics": ("learn", "metrics.parquet"),
+    "eval": ("eval", "eval.parquet"),
+}
+
+
+def table_file(table: str) -> str:
+    """The file name a table is committed under, in its stage's attempt."""
+    return TABLE_FILES[table][1]

@@ -2,15 +2,22 @@
 
 Every stage function has the signature `(storage, run_id, iteration, force=False) -> Committed`.
 """
+
 from __future__ import annotations
 
 import importlib
 
-from stages.common import STAGES, StageError
+from grpo.layout import STAGES
+from stages.common import StageError
 
-_FUNCTIONS = {"snapshot": "stages.snapshot:snapshot", "rollouts": "stages.rollouts:rollouts",
-              "rewards": "stages.rewards:rewards", "advantages": "stages.advantages:advantages",
-              "learn": "stages.learn:learn", "eval": "stages.eval:evaluate"}
+_FUNCTIONS = {
+    "snapshot": "stages.snapshot:snapshot",
+    "rollouts": "stages.rollouts:rollouts",
+    "rewards": "stages.rewards:rewards",
+    "advantages": "stages.advantages:advantages",
+    "learn": "stages.learn:learn",
+    "eval": "stages.eval:evaluate",
+}
 
 
 def stage_function(name: str):

@@ -4,6 +4,7 @@ Each prompt's G samples form a group; the stage checks every group is complete,
 stores per-sample advantages with their group's mean and std, and optionally
 drops groups with zero reward variance (they give no gradient signal).
 """
+
 from __future__ import annotations
 
 import pyarrow.compute as pc
@@ -11,7 +12,7 @@ import torch
 
 from grpo.core import group_advantages
 from grpo.storage import Committed, Storage
-from schemas import read_parquet, write_parquet
+from schemas import read_parquet, table_file, write_parquet
 from stages.common import StageError, check_chain, committed_input, load_run, run_stage
 
 
@@ -22,28 +23,52 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
     group_size, acfg = cfg.rollout.group_size, cfg.advantage
 
     def body(writer):
-        table = read_parquet(storage.fs, rewards_in.path("rewards.parquet"), "rewards",
-                             columns=["run_id", "iteration", "prompt_id", "sample_index", "reward"])
+        table = read_parquet(
+            storage.fs,
+            rewards_in.path(table_file("rewards")),
+            "rewards",
+            columns=["run_id", "iteration", "prompt_id", "sample_index", "reward"],
+        )
         table = table.sort_by([("prompt_id", "ascending"), ("sample_index", "ascending")])
         prompt_ids = table.column("prompt_id").to_numpy()
         counts = pc.value_counts(table.column("prompt_id")).to_pylist()
         bad = [c for c in counts if c["counts"] != group_size]
         if bad:
-            raise StageError(f"{rewards_in.uri}: prompt_id {bad[0]['values']} has {bad[0]['counts']} samples, "
-                             f"rollout.group_size is {group_size}")
+            raise StageError(
+                f"{rewards_in.uri}: prompt_id {bad[0]['values']} has {bad[0]['counts']} samples, "
+                f"rollout.group_size is {group_size}"
+            )
         rewards = torch.tensor(table.column("reward").to_numpy(), dtype=torch.float64)
         adv, stats = group_advantages(rewards, group_size, acfg.mode, acfg.eps)
         spread = stats["max"] > stats["min"]  # (n_groups,)
-        kept = spread.repeat_interleave(group_size) if acfg.filter_zero_variance else torch.ones_like(rewards, dtype=torch.bool)
+        kept = (
+            spread.repeat_interleave(group_size)
+            if acfg.filter_zero_variance
+            else torch.ones_like(rewards, dtype=torch.bool)
+        )
         cols = {k: table.column(k) for k in ["run_id", "iteration", "prompt_id", "sample_index", "reward"]}
-        cols.update(advantage=adv.tolist(), group_mean=stats["mean"].repeat_interleave(group_size).tolist(),
-                    group_std=stats["std"].repeat_interleave(group_size).tolist(), kept=kept.tolist())
-        write_parquet(storage.fs, writer.path("advantages.parquet"), "advantages",
-                      {k: v if isinstance(v, list) else v.to_pylist() for k, v in cols.items()})
-        return {"samples": len(prompt_ids), "groups": len(counts), "reward_mean": rewards.mean().item(),
-                "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-                "zero_variance_groups": int((~spread).sum()), "kept": int(kept.sum())}
+        cols.update(
+            advantage=adv.tolist(),
+            group_mean=stats["mean"].repeat_interleave(group_size).tolist(),
+            group_std=stats["std"].repeat_interleave(group_size).tolist(),
+            kept=kept.tolist(),
+        )
+        write_parquet(
+            storage.fs,
+            writer.path(table_file("advantages")),
+            "advantages",
+            {k: v if isinstance(v, list) else v.to_pylist() for k, v in cols.items()},
+        )
+        return {
+            "samples": len(prompt_ids),
+            "groups": len(counts),
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "zero_variance_groups": int((~spread).sum()),
+            "kept": int(kept.sum()),
+        }
 
     config = {"advantage": cfg.to_dict()["advantage"], "group_size": group_size}
-    return run_stage(storage, run_id, iteration, "advantages", config=config,
-                     inputs={"rewards": rewards_in}, body=body, force=force)
+    return run_stage(
+        storage, run_id, iteration, "advantages", config=config, inputs={"rewards": rewards_in}, body=body, force=force
+    )

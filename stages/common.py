@@ -1,13 +1,10 @@
-"""Run layout and the skip-or-run-then-commit wrapper every stage goes through.
+"""The skip-or-run-then-commit wrapper every stage goes through, the run's config and lineage checks.
 
-    <storage>/runs/<run_id>/run.json                 resolved config, written once
-    <storage>/runs/<run_id>/base/attempt-*/          the base (and reference) model
-    <storage>/runs/<run_id>/iter-000k/<stage>/attempt-*/
-
-A stage's identity is (run, iteration, stage, config hash, input manifests):
+Where things live: grpo.layout. A stage's identity is (run, iteration, stage, config hash, input manifests):
 running it again with the same identity returns the committed manifest; `force`
 writes a new attempt beside the old one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,35 +16,27 @@ from typing import Callable
 import fsspec
 
 from grpo.config import ConfigError, RunConfig, load_config
-from grpo.storage import (Committed, CorruptArtifactError, NotCommittedError, StageWriter, Storage, committed_attempts, config_hash,
-                          find_committed, latest_committed, load_manifest, stage_identity)
+from grpo.errors import StageError
+from grpo.layout import run_json, stage_dir
+from grpo.storage import (
+    Committed,
+    CorruptArtifactError,
+    NotCommittedError,
+    StageWriter,
+    Storage,
+    committed_attempts,
+    config_hash,
+    find_committed,
+    latest_committed,
+    load_manifest,
+    stage_identity,
+)
 
 log = logging.getLogger("grpo.stages")
 
-STAGES = ("snapshot", "rollouts", "rewards", "advantages", "learn", "eval")
-
-
-class StageError(RuntimeError):
-    """A stage cannot run: missing input, bad data, or a failed check."""
-
-
-def run_dir(storage: Storage, run_id: str) -> str:
-    if not run_id or "/" in run_id or run_id.startswith(".") or len(run_id) > 128:
-        raise StageError(f"run id {run_id[:40]!r}{'...' if len(run_id) > 40 else ''} must be a name of 1-128 "
-                         "characters without '/', not starting with '.'")
-    return storage.path("runs", run_id)
-
-
-def stage_dir(storage: Storage, run_id: str, iteration: int | None, stage: str) -> str:
-    if iteration is None:
-        return f"{run_dir(storage, run_id)}/{stage}"
-    if iteration < 0:
-        raise StageError(f"iteration must be >= 0, got {iteration}")
-    return f"{run_dir(storage, run_id)}/iter-{iteration:04d}/{stage}"
-
 
 def load_run(storage: Storage, run_id: str) -> RunConfig:
-    path = f"{run_dir(storage, run_id)}/run.json"
+    path = run_json(storage, run_id)
     if not storage.exists(path):
         raise StageError(f"{storage.uri(path)}: no such run; create it with `grpo init --run {run_id}`")
     try:
@@ -58,8 +47,10 @@ def load_run(storage: Storage, run_id: str) -> RunConfig:
     sections = [f.name for f in dataclasses.fields(RunConfig)]
     missing = sections if not isinstance(config, dict) else [s for s in sections if s not in config]
     if missing:  # run.json is written whole by `grpo init`: a partial one was edited or damaged
-        raise StageError(f"{storage.uri(path)}: config lacks {', '.join(missing)}; run.json is written whole "
-                         f"by `grpo init`, so this one was edited or damaged: restore it or make a new run")
+        raise StageError(
+            f"{storage.uri(path)}: config lacks {', '.join(missing)}; run.json is written whole "
+            f"by `grpo init`, so this one was edited or damaged: restore it or make a new run"
+        )
     try:
         return load_config(config)
     except ConfigError as e:
@@ -113,9 +104,11 @@ def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, input
         found = stale_input(storage, committed, seen)
         if found:
             reader, old, new = found
-            raise StageError(f"{stage} iteration {iteration}: input {name} is stale: {reader} was made from {old}, "
-                             f"which {new} replaced; rebuild the chain with `grpo run --run {run_id} --start "
-                             f"{iteration}` (it reruns only the stale stages)")
+            raise StageError(
+                f"{stage} iteration {iteration}: input {name} is stale: {reader} was made from {old}, "
+                f"which {new} replaced; rebuild the chain with `grpo run --run {run_id} --start "
+                f"{iteration}` (it reruns only the stale stages)"
+            )
 
 
 def committed_input(storage: Storage, run_id: str, iteration: int | None, stage: str) -> Committed:
@@ -124,17 +117,22 @@ def committed_input(storage: Storage, run_id: str, iteration: int | None, stage:
         return latest_committed(storage, stage_dir(storage, run_id, iteration, stage))
     except CorruptArtifactError as e:
         if stage == "base":
-            raise StageError(f"{e}: the run's base model changed after its commit; restore its files or "
-                             "make a new run") from e
-        raise StageError(f"{e}: the committed {stage} changed after its commit; make a new attempt with "
-                         f"`grpo stage {stage} --run {run_id} --iteration {iteration} --force` (the damaged "
-                         "one stays for inspection)") from e
+            raise StageError(
+                f"{e}: the run's base model changed after its commit; restore its files or make a new run"
+            ) from e
+        raise StageError(
+            f"{e}: the committed {stage} changed after its commit; make a new attempt with "
+            f"`grpo stage {stage} --run {run_id} --iteration {iteration} --force` (the damaged "
+            "one stays for inspection)"
+        ) from e
     except NotCommittedError as e:
         if stage == "base":  # an init that stopped after run.json: running it again finishes it
-            raise StageError(f"input missing: {e}; run `grpo init --run {run_id}` (it reads run.json) to "
-                             "commit the base model") from e
-        raise StageError(f"input missing: {e}; run `grpo stage {stage} --run {run_id} --iteration {iteration}` "
-                         "first") from e
+            raise StageError(
+                f"input missing: {e}; run `grpo init --run {run_id}` (it reads run.json) to commit the base model"
+            ) from e
+        raise StageError(
+            f"input missing: {e}; run `grpo stage {stage} --run {run_id} --iteration {iteration}` first"
+        ) from e
 
 
 def gpu_memory() -> dict[str, float]:
@@ -147,16 +145,25 @@ def gpu_memory() -> dict[str, float]:
     return {"gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_used_gib": (total - free) / 2**30}
 
 
-def run_stage(storage: Storage, run_id: str, iteration: int | None, stage: str, *, config: dict,
-              inputs: dict[str, Committed], body: Callable[[StageWriter], dict],
-              force: bool = False) -> Committed:
+def run_stage(
+    storage: Storage,
+    run_id: str,
+    iteration: int | None,
+    stage: str,
+    *,
+    config: dict,
+    inputs: dict[str, Committed],
+    body: Callable[[StageWriter], dict],
+    force: bool = False,
+) -> Committed:
     """Return the committed output with this identity, or run `body` in a new attempt and commit.
 
     `body(writer)` writes its files through `writer.path(name)` and returns the summary.
     If it raises, nothing is committed and readers keep seeing the previous attempt.
     """
-    writer_args = dict(run_id=run_id, iteration=iteration, stage=stage, config=config,
-                       inputs={k: v.ref() for k, v in inputs.items()})
+    writer_args = dict(
+        run_id=run_id, iteration=iteration, stage=stage, config=config, inputs={k: v.ref() for k, v in inputs.items()}
+    )
     sdir = stage_dir(storage, run_id, iteration, stage)
     if not force:
         identity = stage_identity(run_id, iteration, stage, config_hash(config), writer_args["inputs"])

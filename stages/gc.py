@@ -6,13 +6,14 @@ manifest reads them (an input) or references their files (a snapshot points at i
 policy's files), and leftover `*.tmp-*` files. Anything written less than `min_age_s`
 ago is left alone: it may belong to a stage that is running now.
 """
+
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
+from grpo.layout import STAGES, run_dir, stage_dir
 from grpo.storage import Storage, committed_attempts, list_attempts, load_manifest
-from stages.common import STAGES, run_dir, stage_dir
 
 
 @dataclass(frozen=True)

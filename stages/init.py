@@ -11,6 +11,7 @@ its tokenizer load, the chat template exists where the prompt format needs one, 
 datasets have their columns, the reward functions import and take the right
 arguments. A typo fails here, naming the field, and leaves no run behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,21 +21,21 @@ from pathlib import Path
 from grpo import data
 from grpo.checkpoint import ModelNotFoundError, fetch_model, non_finite_weights, upload_folder
 from grpo.config import ConfigError, RunConfig, load_config, load_config_file
+from grpo.layout import run_dir, run_json
 from grpo.storage import Committed, Storage, is_local
 from grpo.tasks import functions, generates, get_task
 from grpo.tiny_model import build_for_task
-from stages.common import StageError, load_run, log, run_dir, run_stage
+from stages.common import StageError, load_run, log, run_stage
 
 
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     """Write run.json once; a different config for an existing run is refused."""
-    path = f"{run_dir(storage, run_id)}/run.json"
+    path = run_json(storage, run_id)
     data_ = json.dumps({"run_id": run_id, "config": cfg.to_dict()}, indent=1, sort_keys=True).encode()
     if storage.exists(path):
         existing = json.loads(storage.read_bytes(path))
         if load_config(existing.get("config")).to_dict() != cfg.to_dict():  # defaults of newer fields filled in
-            raise StageError(f"{storage.uri(path)}: run {run_id!r} exists with a different config; "
-                             "use a new run id")
+            raise StageError(f"{storage.uri(path)}: run {run_id!r} exists with a different config; use a new run id")
         return
     if is_local(storage.fs):  # object stores need no folders
         storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)
@@ -45,18 +46,14 @@ def run_config(storage: Storage, run_id: str, config_path: str | None, overrides
     """The config to init `run_id` with: run.json's for an existing run given no config (finishing
     an init that stopped before its base model committed), else the file and overrides (a
     different config for an existing run is then refused by write_run_json)."""
-    if storage.exists(f"{run_dir(storage, run_id)}/run.json") and not (config_path or overrides):
+    if storage.exists(run_json(storage, run_id)) and not (config_path or overrides):
         return load_run(storage, run_id)
     return load_config_file(config_path, overrides)
 
 
 def build_tiny_base(out_dir: str, cfg: RunConfig) -> str:
     """The tiny model `cfg.model` describes, for the vocabulary of `cfg.task`, saved in `out_dir`."""
-    m = cfg.model
-    return build_for_task(out_dir, cfg.task.name, cfg.task.params, hidden_size=m.hidden_size,
-                          num_layers=m.num_layers, num_heads=m.num_heads, intermediate_size=m.intermediate_size,
-                          max_position_embeddings=m.max_position_embeddings, seed=cfg.seed, arch=m.arch,
-                          tie_embeddings=m.tie_embeddings, initializer_range=m.initializer_range)
+    return build_for_task(out_dir, cfg.task.name, cfg.task.params, cfg.model, cfg.seed)
 
 
 def _sample_prompts(cfg: RunConfig) -> list:
@@ -73,7 +70,8 @@ def _sample_prompts(cfg: RunConfig) -> list:
     if generates(task) and not cfg.task.dataset:  # the task's own prompts, for training and eval
         examples += task.generate(1, seed=0)
     if cfg.task.dataset and not cfg.eval.dataset:
-        from stages.rollouts import held_out_split
+        from stages.prompts import held_out_split
+
         try:
             held_out_split(cfg)
         except StageError as e:
@@ -84,11 +82,13 @@ def _sample_prompts(cfg: RunConfig) -> list:
 def check_inputs(cfg: RunConfig, model_dir: str) -> None:
     """Fail with a ConfigError naming the field if anything a stage will read is missing or wrong."""
     from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a broken folder)
-        raise ConfigError(f"model.base_model {cfg.model.base_model}: the tokenizer does not load: "
-                          f"{type(e).__name__}: {e}") from e
+        raise ConfigError(
+            f"model.base_model {cfg.model.base_model}: the tokenizer does not load: {type(e).__name__}: {e}"
+        ) from e
     examples = _sample_prompts(cfg)
     for example in examples:
         try:
@@ -102,8 +102,10 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
         except functions.RewardFunctionError as e:
             raise ConfigError(str(e)) from e
         if missing:
-            raise ConfigError(f"reward.functions: {spec!r} needs dataset column(s) {sorted(missing)}, which "
-                              f"{cfg.task.dataset or 'the task generator'} lacks (columns: {sorted(columns)})")
+            raise ConfigError(
+                f"reward.functions: {spec!r} needs dataset column(s) {sorted(missing)}, which "
+                f"{cfg.task.dataset or 'the task generator'} lacks (columns: {sorted(columns)})"
+            )
 
 
 def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
@@ -126,7 +128,7 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
 
 def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False) -> Committed:
     """Check the run's inputs, write run.json and commit the base model under `runs/<run_id>/base`."""
-    exists = storage.exists(f"{run_dir(storage, run_id)}/run.json")
+    exists = storage.exists(run_json(storage, run_id))
     with tempfile.TemporaryDirectory() as tmp:
         prepared = None
         if exists:

@@ -10,12 +10,12 @@ takes the model, optimizer and reference from memory (`WARM`) instead, with the 
 One process runs in-process; `learn.num_processes > 1` runs the same code under torchrun (gloo on
 CPU, NCCL on GPUs), rank r taking every r-th group of each minibatch.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,17 +29,19 @@ import torch
 from grpo.checkpoint import WEIGHT_SUFFIXES, local_checkpoint, tokenizer_and_config, upload_folder
 from grpo.config import RunConfig
 from grpo.generation import release_accelerator
-from grpo.learner import MASTER_WEIGHTS, Batch, Learner, LearnError, Scores, train
-from grpo.storage import Committed, Storage, StageWriter, is_local
-from schemas import read_parquet, write_parquet
+from grpo.layout import Salt, iteration_seed
+from grpo.learner import MASTER_WEIGHTS, Batch, Learner, Scores, train
+from grpo.procs import free_port
+from grpo.storage import Committed, StageWriter, Storage, is_local
+from schemas import read_parquet, table_file, write_parquet
 from schemas.tables import FLOAT_LISTS
 from stages.common import StageError, check_chain, committed_input, load_run, log, run_stage
-from stages.rollouts import iteration_seed
 
 KEYS = ["prompt_id", "sample_index"]
 
 
 # ---------------------------------------------------------------- data
+
 
 def _padded(column, rows: np.ndarray, fill, dtype, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """List column -> (len(rows), longest) array of the chosen rows, right- (or left-) padded, and lengths."""
@@ -60,10 +62,15 @@ def _padded(column, rows: np.ndarray, fill, dtype, left: bool = False) -> tuple[
 
 def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_id: int, group_size: int) -> Batch:
     """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups, whole."""
-    ro = read_parquet(storage.fs, rollouts_in.path("rollouts.parquet"), "rollouts",
-                      columns=KEYS + ["prompt_ids", "response_ids", "sampler_logprobs"])
-    ad = read_parquet(storage.fs, adv_in.path("advantages.parquet"), "advantages",
-                      columns=KEYS + ["advantage", "reward", "kept"])
+    ro = read_parquet(
+        storage.fs,
+        rollouts_in.path(table_file("rollouts")),
+        "rollouts",
+        columns=KEYS + ["prompt_ids", "response_ids", "sampler_logprobs"],
+    )
+    ad = read_parquet(
+        storage.fs, adv_in.path(table_file("advantages")), "advantages", columns=KEYS + ["advantage", "reward", "kept"]
+    )
     kept = ad.column("kept").to_numpy()
     ad_pid, ad_idx = (ad.column(c).to_numpy()[kept] for c in KEYS)
     ro_pid, ro_idx = (ro.column(c).to_numpy() for c in KEYS)
@@ -84,19 +91,27 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
         same = (prompts.reshape(-1, group_size, prompts.shape[1]) == prompts[::group_size, None]).all((1, 2))
         wrong = uniq[~same]
     if len(wrong):
-        raise StageError(f"{rollouts_in.uri}: prompt_id {wrong[0]} does not have rollout.group_size={group_size} "
-                         "kept samples of one prompt; the learner scores each prompt once for its whole group")
+        raise StageError(
+            f"{rollouts_in.uri}: prompt_id {wrong[0]} does not have rollout.group_size={group_size} "
+            "kept samples of one prompt; the learner scores each prompt once for its whole group"
+        )
     responses, lengths = _padded(ro.column("response_ids"), take, pad_id, np.int64)
     sampler, _ = _padded(ro.column("sampler_logprobs"), take, 0.0, np.float32)
     response_mask = np.arange(responses.shape[1]) < lengths[:, None]
     prompt_mask = np.arange(prompts.shape[1]) >= prompts.shape[1] - prompt_len[::group_size, None]
     adv, reward = (ad.column(c).to_numpy()[kept][order] for c in ("advantage", "reward"))
-    return Batch(prompt_ids=torch.from_numpy(prompts[::group_size].copy()),
-                 prompt_mask=torch.from_numpy(prompt_mask).long(),
-                 response_ids=torch.from_numpy(responses), response_mask=torch.from_numpy(response_mask).float(),
-                 sampler_logprobs=torch.from_numpy(sampler), group_size=group_size,
-                 advantages=torch.from_numpy(adv).float(), rewards=torch.from_numpy(reward).float(),
-                 prompt_id=pid.tolist(), sample_index=ro_idx[take].tolist())
+    return Batch(
+        prompt_ids=torch.from_numpy(prompts[::group_size].copy()),
+        prompt_mask=torch.from_numpy(prompt_mask).long(),
+        response_ids=torch.from_numpy(responses),
+        response_mask=torch.from_numpy(response_mask).float(),
+        sampler_logprobs=torch.from_numpy(sampler),
+        group_size=group_size,
+        advantages=torch.from_numpy(adv).float(),
+        rewards=torch.from_numpy(reward).float(),
+        prompt_id=pid.tolist(),
+        sample_index=ro_idx[take].tolist(),
+    )
 
 
 class WarmLearners:
@@ -134,8 +149,14 @@ WARM = WarmLearners()
 
 
 def new_learner(cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None) -> Learner:
-    return Learner(cfg, iteration, policy_dir, ref_dir, state_dir,
-                   shuffle_seed=iteration_seed(cfg.seed, iteration, salt=4))
+    return Learner(
+        cfg,
+        iteration,
+        policy_dir,
+        ref_dir,
+        state_dir,
+        shuffle_seed=iteration_seed(cfg.seed, iteration, Salt.LEARNER_SHUFFLE),
+    )
 
 
 def logprob_columns(run_id: str, iteration: int, batch: Batch, scores: Scores) -> dict:
@@ -146,29 +167,37 @@ def logprob_columns(run_id: str, iteration: int, batch: Batch, scores: Scores) -
 
     def per_sample(x):  # (N, T) -> N lists of response length; nulls when not computed
         return pa.nulls(n, FLOAT_LISTS) if x is None else pa.ListArray.from_arrays(offsets, x[mask].numpy())
-    return {"run_id": [run_id] * n, "iteration": [iteration] * n, "prompt_id": batch.prompt_id,
-            "sample_index": batch.sample_index, "old_logprobs": per_sample(scores.old_logprobs),
-            "ref_logprobs": per_sample(scores.ref_logprobs)}
+
+    return {
+        "run_id": [run_id] * n,
+        "iteration": [iteration] * n,
+        "prompt_id": batch.prompt_id,
+        "sample_index": batch.sample_index,
+        "old_logprobs": per_sample(scores.old_logprobs),
+        "ref_logprobs": per_sample(scores.ref_logprobs),
+    }
 
 
 def train_and_save(learner: Learner, run_id: str, iteration: int, batch: Batch, out_dir: str) -> dict:
     """`grpo.learner.train`, then (main process) policy/, optimizer.pt, rng.pt, metrics and log-probs
     into the local folder out_dir. Returns the summary."""
-    try:
-        update = train(learner, run_id, iteration, batch, iteration_seed(learner.cfg.seed, iteration, salt=3))
-    except LearnError as e:
-        raise StageError(str(e)) from e
+    update = train(learner, run_id, iteration, batch, iteration_seed(learner.cfg.seed, iteration, Salt.LEARNER_TORCH))
     if learner.acc.is_main_process:
         learner.save(out_dir)
         disk = fsspec.filesystem("file")  # out_dir is a local folder whatever the storage
-        write_parquet(disk, f"{out_dir}/metrics.parquet", "learn_metrics", update.rows)
-        write_parquet(disk, f"{out_dir}/logprobs.parquet", "logprobs",
-                      logprob_columns(run_id, iteration, batch, update.scores))
+        write_parquet(disk, f"{out_dir}/{table_file('learn_metrics')}", "learn_metrics", update.rows)
+        write_parquet(
+            disk,
+            f"{out_dir}/{table_file('logprobs')}",
+            "logprobs",
+            logprob_columns(run_id, iteration, batch, update.scores),
+        )
     learner.acc.wait_for_everyone()
     return update.summary
 
 
 # ---------------------------------------------------------------- stage
+
 
 def carry_checkpoint_files(policy_dir: str, out_dir: str) -> list[str]:
     """Copy what save_pretrained does not write (tokenizer files, chat_template.jinja, special tokens,
@@ -183,20 +212,28 @@ def carry_checkpoint_files(policy_dir: str, out_dir: str) -> list[str]:
     return carried
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_distributed(args: dict, nproc: int) -> dict:
     """Run `train` under torchrun; forward its output lines to the log; return rank 0's summary."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(args, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "stages.learn", f.name]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "stages.learn",
+        f.name,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    )
     tail = []
     for line in proc.stdout:
         log.info("learn[torchrun] %s", line.rstrip())
@@ -209,6 +246,7 @@ def _run_distributed(args: dict, nproc: int) -> dict:
 def _worker_main(args_path: str) -> None:
     args = json.loads(Path(args_path).read_text())
     from grpo.config import load_config
+
     cfg = load_config(args["config"])
     batch = torch.load(args["batch"], weights_only=False)
     learner = new_learner(cfg, args["iteration"], args["policy_dir"], args["ref_dir"], args["state_dir"])
@@ -219,10 +257,12 @@ def _worker_main(args_path: str) -> None:
 
 def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)
-    inputs = {"snapshot": committed_input(storage, run_id, iteration, "snapshot"),
-              "reference": committed_input(storage, run_id, None, "base"),
-              "rollouts": committed_input(storage, run_id, iteration, "rollouts"),
-              "advantages": committed_input(storage, run_id, iteration, "advantages")}
+    inputs = {
+        "snapshot": committed_input(storage, run_id, iteration, "snapshot"),
+        "reference": committed_input(storage, run_id, None, "base"),
+        "rollouts": committed_input(storage, run_id, iteration, "rollouts"),
+        "advantages": committed_input(storage, run_id, iteration, "advantages"),
+    }
     if iteration > 0:
         inputs["previous"] = committed_input(storage, run_id, iteration - 1, "learn")
     check_chain(storage, run_id, iteration, "learn", inputs)
@@ -235,8 +275,10 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
         pad_id = tokenizer_and_config(inputs["snapshot"])[1].pad_token_id or 0
         batch = load_batch(storage, inputs["rollouts"], inputs["advantages"], pad_id, cfg.rollout.group_size)
         if len(batch.response_ids) < cfg.learn.minibatch_size:
-            raise StageError(f"learn: {len(batch.response_ids)} kept samples, fewer than learn.minibatch_size "
-                             f"({cfg.learn.minibatch_size}); lower it or turn off advantage.filter_zero_variance")
+            raise StageError(
+                f"learn: {len(batch.response_ids)} kept samples, fewer than learn.minibatch_size "
+                f"({cfg.learn.minibatch_size}); lower it or turn off advantage.filter_zero_variance"
+            )
         release_accelerator(cfg.rollout.keep_engine)  # the sampler sleeps (or closes) while the learner runs
         if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
             learner = WARM.take(WARM.key(cfg, inputs["previous"].uri, inputs["reference"].uri))
@@ -257,11 +299,20 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
                 summary = train_and_save(learner, run_id, iteration, batch, out_dir)
             else:
                 torch.save(batch, f"{tmp}/batch.pt")
-                summary = _run_distributed({"config": cfg.to_dict(), "run_id": run_id, "iteration": iteration,
-                                            "batch": f"{tmp}/batch.pt", "policy_dir": policy_dir,
-                                            "ref_dir": ref_dir, "state_dir": state_dir, "out_dir": out_dir,
-                                            "summary": f"{tmp}/summary.json"},
-                                           cfg.learn.num_processes)
+                summary = _run_distributed(
+                    {
+                        "config": cfg.to_dict(),
+                        "run_id": run_id,
+                        "iteration": iteration,
+                        "batch": f"{tmp}/batch.pt",
+                        "policy_dir": policy_dir,
+                        "ref_dir": ref_dir,
+                        "state_dir": state_dir,
+                        "out_dir": out_dir,
+                        "summary": f"{tmp}/summary.json",
+                    },
+                    cfg.learn.num_processes,
+                )
             carry_checkpoint_files(policy_dir, f"{out_dir}/policy")
             if not local:
                 upload_folder(writer, out_dir, prefix="")  # policy/, optimizer.pt, rng.pt, (master,) metrics, logprobs

@@ -11,6 +11,7 @@ shown that stopping after the answer pays). An exception or a
 timeout is recorded in the `error` column with reward 0 instead of crashing, and
 the stage fails (committing nothing) when more than `max_error_fraction` errs.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ from grpo.checkpoint import local_checkpoint
 from grpo.config import RewardConfig, RunConfig
 from grpo.storage import Committed, Storage
 from grpo.tasks import functions
-from schemas import ParquetWriter, iter_batches
+from schemas import ParquetWriter, iter_batches, table_file
 from stages.common import StageError, check_chain, committed_input, load_run, run_stage
 
 _JOBS_PER_WORKER = 4  # a batch is split into about this many pool jobs per worker
@@ -45,8 +46,12 @@ def scorer_key(cfg: RunConfig, base: Committed | None) -> tuple:
     files: list[str | None] = [None] * len(specs)
     if any(functions.is_file_spec(s) for s in specs):
         folder = local_checkpoint(base, prefix=functions.REWARD_PREFIX)
-        files = [f"{folder}/{functions.committed_name(i, s)[len(functions.REWARD_PREFIX):]}"
-                 if functions.is_file_spec(s) else None for i, s in enumerate(specs)]
+        files = [
+            f"{folder}/{functions.committed_name(i, s)[len(functions.REWARD_PREFIX) :]}"
+            if functions.is_file_spec(s)
+            else None
+            for i, s in enumerate(specs)
+        ]
     weights = tuple(cfg.reward.weights) if cfg.reward.weights else None
     return cfg.task.name, tuple(sorted(cfg.task.params.items())), specs, weights, tuple(files)
 
@@ -99,16 +104,23 @@ def _score_chunk(key: tuple, timeout_s: float, items: list[tuple[str, str, str, 
 def batch_items(batch) -> list[tuple[str, str, str, dict]]:
     """(response, ground_truth, prompt, row) of each sample of a rollouts record batch."""
     rows = [json.loads(r) for r in batch.column("row").to_pylist()]
-    return list(zip(batch.column("response").to_pylist(), batch.column("ground_truth").to_pylist(),
-                    batch.column("prompt").to_pylist(), rows))
+    return list(
+        zip(
+            batch.column("response").to_pylist(),
+            batch.column("ground_truth").to_pylist(),
+            batch.column("prompt").to_pylist(),
+            rows,
+        )
+    )
 
 
 def score_batch(pool, key: tuple, cfg: RewardConfig, items: list[tuple[str, str, str, dict]]) -> list:
     """Score samples (response, ground_truth, prompt, row) in the pool, in about `_JOBS_PER_WORKER`
     jobs per worker; returns (reward, components, error) per sample, in order."""
     chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, -(-len(items) // (_JOBS_PER_WORKER * cfg.workers))))
-    jobs = [pool.apply_async(_score_chunk, (key, cfg.timeout_s, items[i:i + chunk]))
-            for i in range(0, len(items), chunk)]
+    jobs = [
+        pool.apply_async(_score_chunk, (key, cfg.timeout_s, items[i : i + chunk])) for i in range(0, len(items), chunk)
+    ]
     results = []
     for job, start in zip(jobs, range(0, len(items), chunk)):
         n = min(chunk, len(items) - start)
@@ -180,16 +192,20 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
     def body(writer):
         n = n_err = 0
         total = 0.0
-        path = rollouts.path("rollouts.parquet")
+        path = rollouts.path(table_file("rollouts"))
         keys = ["run_id", "iteration", "prompt_id", "sample_index"]
-        with WARM_POOLS.pool(cfg.reward.workers) as pool, \
-                ParquetWriter(storage.fs, writer.path("rewards.parquet"), "rewards") as out:
+        with (
+            WARM_POOLS.pool(cfg.reward.workers) as pool,
+            ParquetWriter(storage.fs, writer.path(table_file("rewards")), "rewards") as out,
+        ):
             key = scorer_key(cfg, inputs.get("base"))
             for batch in iter_batches(storage.fs, path, "rollouts", batch_size=8192):
                 scored = score_batch(pool, key, cfg.reward, batch_items(batch))
                 if cfg.reward.truncated_reward is not None:
-                    scored = [truncated(item, fr, cfg.reward.truncated_reward)
-                              for item, fr in zip(scored, batch.column("finish_reason").to_pylist())]
+                    scored = [
+                        truncated(item, fr, cfg.reward.truncated_reward)
+                        for item, fr in zip(scored, batch.column("finish_reason").to_pylist())
+                    ]
                 cols = {k: batch.column(k).to_pylist() for k in keys}
                 cols["reward"] = [r for r, _, _ in scored]
                 cols["components"] = [list(c.items()) for _, c, _ in scored]
@@ -201,9 +217,11 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
         if n == 0:
             raise StageError(f"{rollouts.uri}: rollouts.parquet has no rows")
         if n_err / n > cfg.reward.max_error_fraction:
-            raise StageError(f"rewards: {n_err}/{n} samples failed (> reward.max_error_fraction="
-                             f"{cfg.reward.max_error_fraction}); see the error column of an uncommitted "
-                             f"attempt under {storage.uri(writer.attempt_dir)}")
+            raise StageError(
+                f"rewards: {n_err}/{n} samples failed (> reward.max_error_fraction="
+                f"{cfg.reward.max_error_fraction}); see the error column of an uncommitted "
+                f"attempt under {storage.uri(writer.attempt_dir)}"
+            )
         return {"samples": n, "errors": n_err, "reward_mean": total / n}
 
     config = {"task": cfg.to_dict()["task"], "reward": cfg.to_dict()["reward"]}

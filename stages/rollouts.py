@@ -1,153 +1,50 @@
 """Stage 2: sample G responses per prompt from the snapshot policy into Parquet.
 
-Prompts come from the task generator (seeded by the run seed and the iteration)
-or from the user's dataset (`task.dataset`, drawn epoch by epoch without replacement,
-the held-out rows left out; see grpo.data), rendered with the model's chat template
-where the prompt format asks for it. The rollouts table keeps the rendered text: what
-the model saw. A prompt too long for `rollout.max_prompt_tokens` or for the model's
-context is skipped and counted; each other prompt gets the response budget its length
-leaves. Generation goes chunk by chunk and each chunk is one Parquet row group, so memory
-stays bounded however many samples an iteration has.
+The iteration's prompts (stages.prompts: the task's or the dataset's, rendered and tokenized) go
+to the sampler; the rollouts table keeps the rendered text, what the model saw. Generation goes
+chunk by chunk and each chunk is one Parquet row group, so memory stays bounded however many
+samples an iteration has.
 """
+
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
-from tokenizers import models as tokenizer_models
 
 from grpo import data
-from grpo.checkpoint import content_hash, local_checkpoint, non_finite_weights, tokenizer_and_config
-from grpo.config import RunConfig
-from grpo.generation import Generator, Sample, SamplingSpec, decode_responses, engine_settings, get_generator, stop_token_ids
+from grpo.checkpoint import content_hash, non_finite_weights
+from grpo.generation import Sample, SamplingSpec, decode_responses
+from grpo.layout import Salt, iteration_seed
 from grpo.storage import Committed, Storage
-from grpo.tasks import Example, get_task
-from schemas import ParquetWriter
+from schemas import ParquetWriter, table_file
 from stages.common import StageError, check_chain, committed_input, load_run, log, run_stage
+from stages.prompts import Prompts, held_out_config, iteration_prompts, policy_and_prompts, sampler
 
 
-def iteration_seed(run_seed: int, iteration: int, salt: int = 0) -> int:
-    """Distinct, reproducible seed per (run seed, iteration, purpose)."""
-    return (run_seed * 1_000_003 + iteration * 7919 + salt) % (2**31 - 1)
-
-
-def _dataset(uri: str, cfg: RunConfig) -> tuple[Example, ...]:
-    try:
-        return data.load_examples(uri, cfg.task.prompt_column, cfg.task.answer_column)
-    except data.DatasetError as e:
-        raise StageError(str(e)) from e
-
-
-def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Example]:
-    """The `prompts_per_iteration` training prompts of `iteration`."""
-    n, seed = cfg.rollout.prompts_per_iteration, iteration_seed(cfg.seed, iteration, salt=1)
-    if cfg.task.dataset:
-        train, _ = held_out_split(cfg)
-        epochs_seed = iteration_seed(cfg.seed, 0, salt=5)  # one seed for every epoch's permutation (salt 5: draws)
-        return [train[i] for i in data.draw(len(train), n, iteration, epochs_seed)]
-    return get_task(cfg.task.name, **cfg.task.params).generate(n, seed)
-
-
-def held_out_split(cfg: RunConfig) -> tuple[list[Example], list[Example]]:
-    """(training rows, held-out rows) of task.dataset; all of it trains when eval.dataset is set."""
-    rows = _dataset(cfg.task.dataset, cfg)
-    if cfg.eval.dataset:
-        return list(rows), []
-    train, held = data.split(rows, cfg.eval.split_fraction, cfg.eval.seed)
-    if not train or not held:
-        raise StageError(f"task.dataset {cfg.task.dataset}: {len(rows)} rows leave {len(train)} to train on and "
-                         f"{len(held)} held out at eval.split_fraction={cfg.eval.split_fraction}")
-    return train, held
-
-
-def held_out_config(cfg: RunConfig) -> dict:
-    """The settings that choose the held-out rows (part of the identity of every stage that draws)."""
-    e = cfg.eval
-    return {"dataset": e.dataset, "split_fraction": e.split_fraction, "seed": e.seed}
-
-
-def eval_prompts(cfg: RunConfig) -> list[Example]:
-    """The fixed held-out prompts: eval.dataset, else the held-out split of task.dataset, else the
-    task generator's prompts of eval.seed; at most eval.n_prompts, the same every iteration."""
-    if cfg.eval.dataset:
-        return list(_dataset(cfg.eval.dataset, cfg)[:cfg.eval.n_prompts])
-    if cfg.task.dataset:
-        return held_out_split(cfg)[1][:cfg.eval.n_prompts]
-    return get_task(cfg.task.name, **cfg.task.params).generate(cfg.eval.n_prompts, cfg.eval.seed)
-
-
-def word_level(tokenizer) -> bool:
-    """Whether the tokenizer maps whole words (the tiny models'): only there is `unk` a missing word."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend is not None and isinstance(backend.model, tokenizer_models.WordLevel)
-
-
-@dataclass
-class Prompts:
-    """An iteration's prompts as the model sees them; those kept, and their own response budgets."""
-    model_dir: str
-    tokenizer: object
-    eos_ids: tuple[int, ...]
-    index: list[int]  # position of each kept prompt in the drawn list: its prompt_id
-    examples: list[Example]
-    texts: list[str]  # rendered: the chat template applied where the prompt format asks
-    ids: list[list[int]]
-    budgets: list[int]  # min(rollout.max_tokens, context left after the prompt)
-    skipped: int
-
-
-def policy_and_prompts(policy: Committed, examples: list[Example], cfg: RunConfig) -> Prompts:
-    """Render and tokenize `examples` for `policy`; skip (and count) those too long.
-
-    With a word-level tokenizer a word outside the vocabulary fails, naming the prompt.
-    """
-    model_dir = local_checkpoint(policy)
-    tokenizer, config = tokenizer_and_config(policy)
-    max_len = config.max_position_embeddings
-    if cfg.rollout.backend == "vllm" and cfg.rollout.vllm.max_model_len:  # the engine's own limit
-        max_len = min(max_len, cfg.rollout.vllm.max_model_len)
-    try:
-        texts, ids = data.tokenize_prompts(tokenizer, examples, cfg.task.prompt_format, cfg.task.system_prompt)
-    except data.DatasetError as e:
-        raise StageError(f"{cfg.task.dataset or cfg.task.name}: {e}") from e
-    limit = min(max_len - 1, cfg.rollout.max_prompt_tokens or max_len)
-    if word_level(tokenizer):
-        for t, p in zip(texts, ids):
-            if tokenizer.unk_token_id in p:
-                raise StageError(f"prompt {t!r} has words outside the model's vocabulary")
-    keep = [i for i, p in enumerate(ids) if len(p) <= limit]
-    if not keep:
-        raise StageError(f"all {len(ids)} prompts are longer than {limit} tokens (rollout.max_prompt_tokens or "
-                         f"the model's {max_len} positions less one for the response)")
-    return Prompts(model_dir, tokenizer, stop_token_ids(tokenizer, model_dir), keep, [examples[i] for i in keep],
-                   [texts[i] for i in keep], [ids[i] for i in keep],
-                   [min(cfg.rollout.max_tokens, max_len - len(ids[i])) for i in keep], len(ids) - len(keep))
-
-
-def sampler(p: Prompts, cfg: RunConfig) -> tuple[Generator, dict]:
-    """The live generator for the prompts' checkpoint (started, woken, or reloaded in place) and what
-    it runs with: backend, dtype and engine settings, for the manifest's summary."""
-    settings = engine_settings(cfg.rollout.backend, cfg.rollout, cfg.model.dtype, p.model_dir)
-    return get_generator(cfg.rollout.backend, p.model_dir, **settings), {"backend": cfg.rollout.backend, **settings}
-
-
-def chunk_columns(run_id: str, iteration: int, p: Prompts, chunk: slice, groups: list[list[Sample]],
-                  version: str) -> dict[str, list]:
+def chunk_columns(
+    run_id: str, iteration: int, p: Prompts, chunk: slice, groups: list[list[Sample]], version: str
+) -> dict[str, list]:
     """The rollouts table's columns for one chunk: a row per sample, each prompt's group together."""
     samples = [s for group in groups for s in group]
     n = len(samples)
 
     def per_sample(values) -> list:  # one value per prompt -> one per sample
         return [v for v, group in zip(values, groups) for _ in group]
-    return {"run_id": [run_id] * n, "iteration": [iteration] * n,
-            "prompt_id": per_sample(p.index[chunk]),
-            "sample_index": [j for group in groups for j in range(len(group))],
-            "prompt": per_sample(p.texts[chunk]), "prompt_ids": per_sample(p.ids[chunk]),
-            "response_ids": [s.response_ids for s in samples],
-            "response": decode_responses(p.tokenizer, [s.response_ids for s in samples], p.eos_ids),
-            "sampler_logprobs": [s.logprobs for s in samples], "finish_reason": [s.finish_reason for s in samples],
-            "ground_truth": per_sample([e.ground_truth for e in p.examples[chunk]]),
-            "row": per_sample([data.row_json(e) for e in p.examples[chunk]]), "policy_version": [version] * n}
+
+    return {
+        "run_id": [run_id] * n,
+        "iteration": [iteration] * n,
+        "prompt_id": per_sample(p.index[chunk]),
+        "sample_index": [j for group in groups for j in range(len(group))],
+        "prompt": per_sample(p.texts[chunk]),
+        "prompt_ids": per_sample(p.ids[chunk]),
+        "response_ids": [s.response_ids for s in samples],
+        "response": decode_responses(p.tokenizer, [s.response_ids for s in samples], p.eos_ids),
+        "sampler_logprobs": [s.logprobs for s in samples],
+        "finish_reason": [s.finish_reason for s in samples],
+        "ground_truth": per_sample([e.ground_truth for e in p.examples[chunk]]),
+        "row": per_sample([data.row_json(e) for e in p.examples[chunk]]),
+        "policy_version": [version] * n,
+    }
 
 
 def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
@@ -160,16 +57,24 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
         p = policy_and_prompts(snap, iteration_prompts(cfg, iteration), cfg)
         bad = non_finite_weights(p.model_dir)
         if bad:  # sampling would die in torch ("probability tensor contains inf/nan") or sample garbage
-            raise StageError(f"{snap.uri}: the policy has non-finite weights ({', '.join(bad[:3])}); "
-                             f"nothing sampled. Rerun the learn that made it with a lower learn.lr")
+            raise StageError(
+                f"{snap.uri}: the policy has non-finite weights ({', '.join(bad[:3])}); "
+                f"nothing sampled. Rerun the learn that made it with a lower learn.lr"
+            )
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)  # starts the engine, or wakes a warm one and reloads its weights
         engine_s, generate_s = time.perf_counter() - t0, 0.0
-        spec = SamplingSpec(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                            stop=tuple(r.stop), seed=iteration_seed(cfg.seed, iteration, salt=2))
+        spec = SamplingSpec(
+            n=r.group_size,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_tokens=r.max_tokens,
+            stop=tuple(r.stop),
+            seed=iteration_seed(cfg.seed, iteration, Salt.SAMPLING),
+        )
         version = content_hash(snap)[:16]
         n_tokens = n_stop = 0
-        with ParquetWriter(storage.fs, writer.path("rollouts.parquet"), "rollouts") as out:
+        with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out:
             for start in range(0, len(p.ids), r.chunk_prompts):
                 chunk = slice(start, start + r.chunk_prompts)
                 t0 = time.perf_counter()
@@ -179,15 +84,27 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
                 out.write(columns)
                 n_tokens += sum(map(len, columns["response_ids"]))
                 n_stop += columns["finish_reason"].count("stop")
-                log.info("rollouts iteration %d: %d/%d prompts", iteration, min(start + r.chunk_prompts,
-                                                                                len(p.ids)), len(p.ids))
-        return {"prompts": len(p.ids), "skipped_prompts": p.skipped, "samples": out.num_rows,
-                "response_tokens": n_tokens,
-                "stop_fraction": n_stop / max(out.num_rows, 1), "policy_version": version,
-                "engine_s": engine_s, "generate_s": generate_s, "sampler": settings}
+                log.info(
+                    "rollouts iteration %d: %d/%d prompts",
+                    iteration,
+                    min(start + r.chunk_prompts, len(p.ids)),
+                    len(p.ids),
+                )
+        return {
+            "prompts": len(p.ids),
+            "skipped_prompts": p.skipped,
+            "samples": out.num_rows,
+            "response_tokens": n_tokens,
+            "stop_fraction": n_stop / max(out.num_rows, 1),
+            "policy_version": version,
+            "engine_s": engine_s,
+            "generate_s": generate_s,
+            "sampler": settings,
+        }
 
     config = {"seed": cfg.seed, "task": cfg.to_dict()["task"], "rollout": cfg.to_dict()["rollout"]}
     if cfg.task.dataset:  # the held-out rows are never drawn
         config["held_out"] = held_out_config(cfg)
-    return run_stage(storage, run_id, iteration, "rollouts", config=config,
-                     inputs={"snapshot": snap}, body=body, force=force)
+    return run_stage(
+        storage, run_id, iteration, "rollouts", config=config, inputs={"snapshot": snap}, body=body, force=force
+    )

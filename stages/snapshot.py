@@ -4,6 +4,7 @@ Iteration 0 samples from the base model, iteration k from the learner output of
 k - 1. Both are committed and immutable already, so the snapshot references
 their files (name, size, sha256, URI) instead of copying weights.
 """
+
 from __future__ import annotations
 
 from grpo.checkpoint import CHECKPOINT_PREFIX
@@ -28,10 +29,12 @@ def snapshot(storage: Storage, run_id: str, iteration: int, force: bool = False)
         n_bytes = 0
         for f in source.manifest.files:
             if f.path.startswith(CHECKPOINT_PREFIX):
-                writer.reference(f.path, FileEntry(f.path, f.size, f.sha256,
-                                                   uri=f.uri or storage.uri(source.path(f.path))))
+                writer.reference(
+                    f.path, FileEntry(f.path, f.size, f.sha256, uri=f.uri or storage.uri(source.path(f.path)))
+                )
                 n_bytes += f.size
         return {"source": source.uri, "bytes_referenced": n_bytes}
 
-    return run_stage(storage, run_id, iteration, "snapshot", config={}, inputs={"policy": source},
-                     body=body, force=force)
+    return run_stage(
+        storage, run_id, iteration, "snapshot", config={}, inputs={"policy": source}, body=body, force=force
+    )

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
-# tests/ has no __init__.py; make `import s3server` work under any import mode.
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
-
-from s3server import S3Endpoint, S3ServerError, find_weed, s3_server  # noqa: E402
+from tools.s3server import S3Endpoint, S3ServerError, find_weed, s3_server
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,10 +1,11 @@
 """Errors from storage, the network, the OS and bad arguments reach the user as one line, exit 2."""
+
 import errno
 import socket
 
 import pytest
 
-from grpo.cli import main
+from flows.cli import main
 from grpo.storage import Storage
 
 
@@ -13,6 +14,7 @@ def fresh_s3_clients():
     """s3fs caches one client per set of arguments, not per environment: the wrong keys of a test
     must not serve the next test's storage."""
     import s3fs
+
     s3fs.S3FileSystem.clear_instance_cache()
     yield
     s3fs.S3FileSystem.clear_instance_cache()
@@ -39,9 +41,20 @@ def test_a_run_id_too_long_for_a_file_name(tmp_path, capsys):
 def test_disk_full_names_the_file_and_commits_nothing(tmp_path, capsys, monkeypatch):
     def full(self, path, data):
         raise OSError(errno.ENOSPC, "No space left on device", path)
+
     monkeypatch.setattr(Storage, "write_bytes_atomic", full)
-    code, err = run(capsys, "--storage", str(tmp_path), "init", "--run", "r", "--set", "model.hidden_size=64",
-                    "--set", "model.num_heads=2")
+    code, err = run(
+        capsys,
+        "--storage",
+        str(tmp_path),
+        "init",
+        "--run",
+        "r",
+        "--set",
+        "model.hidden_size=64",
+        "--set",
+        "model.num_heads=2",
+    )
     assert code == 2 and len(err.splitlines()) == 1
     assert "no space left on the device writing" in err and "run.json" in err
 

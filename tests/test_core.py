@@ -1,4 +1,5 @@
 """Pure-math tests for grpo.core: hand-computed values, invariants, loop vs vectorized."""
+
 import math
 from typing import get_args
 
@@ -12,6 +13,7 @@ from grpo.core import (
     KLEstimator,
     LossType,
     aggregate_loss,
+    chunked_token_logprobs,
     group_advantages,
     grpo_microbatch_step,
     kl_penalty,
@@ -19,7 +21,6 @@ from grpo.core import (
     masked_normalize,
     policy_gradient_loss,
     token_entropy,
-    chunked_token_logprobs,
     token_logprobs,
 )
 
@@ -28,6 +29,7 @@ REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 3.0])
 
 
 # ---------------------------------------------------------------- advantages
+
 
 def test_advantages_naive_is_raw_reward():
     adv, _ = group_advantages(REWARDS, 4, "naive")
@@ -99,6 +101,7 @@ def test_normalized_needs_two_samples_per_group():
 
 # ---------------------------------------------------------------- masking
 
+
 def _loop_reduce(x, mask, dim, fn):
     """fn(list of kept floats) over all of x (dim None) or per slice along dim; x, mask (N, M)."""
     if dim is None:
@@ -141,6 +144,7 @@ def test_masked_ops_ignore_nan_in_padding_and_empty_rows_give_zero():
 
 
 # ---------------------------------------------------------------- log-probs
+
 
 def test_token_logprobs_and_entropy_match_loop():
     g = torch.Generator().manual_seed(3)
@@ -221,8 +225,9 @@ def test_reinforce_baseline_loss_hand_values():
     torch.testing.assert_close(loss, torch.tensor([[2.0, 4.0], [-0.5, -3.0]]))
 
 
-@pytest.mark.parametrize("loss_type,missing", [
-    ("naive", "raw_rewards"), ("reinforce_baseline", "advantages"), ("grpo_clip", "advantages")])
+@pytest.mark.parametrize(
+    "loss_type,missing", [("naive", "raw_rewards"), ("reinforce_baseline", "advantages"), ("grpo_clip", "advantages")]
+)
 def test_missing_argument_raises_naming_it(loss_type, missing):
     with pytest.raises(ValueError, match=missing):
         policy_gradient_loss(loss_type, LOGPROBS, old_logprobs=LOGPROBS)
@@ -236,8 +241,7 @@ def test_grpo_clip_missing_old_logprobs_raises():
 def test_grpo_clip_at_ratio_one_matches_reinforce_baseline():
     adv = torch.tensor([[2.0], [-1.0]])
     lp_clip = LOGPROBS.clone().requires_grad_(True)
-    loss, meta = policy_gradient_loss("grpo_clip", lp_clip, advantages=adv,
-                                      old_logprobs=LOGPROBS.clone())
+    loss, meta = policy_gradient_loss("grpo_clip", lp_clip, advantages=adv, old_logprobs=LOGPROBS.clone())
     loss.sum().backward()
     torch.testing.assert_close(loss.detach(), (-adv).expand(2, 2))  # -A * ratio with ratio 1
     assert meta["clipped"].float().mean() == 0.0
@@ -251,18 +255,20 @@ def _clip_case(ratio, adv, **kw):
     """grpo_clip loss, its gradient and clipped flag for one token with the given ratio."""
     old = torch.tensor([[-1.0]])
     lp = (old + math.log(ratio)).requires_grad_(True)
-    loss, meta = policy_gradient_loss("grpo_clip", lp, advantages=torch.tensor([[adv]]),
-                                      old_logprobs=old, **kw)
+    loss, meta = policy_gradient_loss("grpo_clip", lp, advantages=torch.tensor([[adv]]), old_logprobs=old, **kw)
     loss.sum().backward()
     return loss.item(), lp.grad.item(), bool(meta["clipped"].item())
 
 
-@pytest.mark.parametrize("ratio,adv,loss,clipped", [
-    (1.5, 1.0, -1.2, True),    # A > 0, ratio above 1 + eps: capped, no gradient
-    (0.5, 1.0, -0.5, False),   # A > 0, ratio below 1 - eps: unclipped term is the min
-    (0.5, -1.0, 0.8, True),    # A < 0, ratio below 1 - eps: capped, no gradient
-    (1.5, -1.0, 1.5, False),   # A < 0, ratio above 1 + eps: unclipped term is the min
-])
+@pytest.mark.parametrize(
+    "ratio,adv,loss,clipped",
+    [
+        (1.5, 1.0, -1.2, True),  # A > 0, ratio above 1 + eps: capped, no gradient
+        (0.5, 1.0, -0.5, False),  # A > 0, ratio below 1 - eps: unclipped term is the min
+        (0.5, -1.0, 0.8, True),  # A < 0, ratio below 1 - eps: capped, no gradient
+        (1.5, -1.0, 1.5, False),  # A < 0, ratio above 1 + eps: unclipped term is the min
+    ],
+)
 def test_grpo_clip_outside_range(ratio, adv, loss, clipped):
     got_loss, grad, got_clipped = _clip_case(ratio, adv, clip_eps=0.2)
     assert got_loss == pytest.approx(loss, abs=1e-6)
@@ -273,12 +279,15 @@ def test_grpo_clip_outside_range(ratio, adv, loss, clipped):
         assert grad == pytest.approx(-adv * ratio, abs=1e-6)
 
 
-@pytest.mark.parametrize("ratio,adv,eps_high,loss,clipped", [
-    (1.25, 1.0, None, -1.2, True),    # eps_high defaults to clip_eps
-    (1.25, 1.0, 0.28, -1.25, False),  # inside the wider upper bound
-    (1.35, 1.0, 0.28, -1.28, True),   # capped at 1 + eps_high
-    (0.7, -1.0, 0.28, 0.8, True),     # the lower bound still uses clip_eps
-])
+@pytest.mark.parametrize(
+    "ratio,adv,eps_high,loss,clipped",
+    [
+        (1.25, 1.0, None, -1.2, True),  # eps_high defaults to clip_eps
+        (1.25, 1.0, 0.28, -1.25, False),  # inside the wider upper bound
+        (1.35, 1.0, 0.28, -1.28, True),  # capped at 1 + eps_high
+        (0.7, -1.0, 0.28, 0.8, True),  # the lower bound still uses clip_eps
+    ],
+)
 def test_grpo_clip_eps_high_is_separate(ratio, adv, eps_high, loss, clipped):
     got_loss, _, got_clipped = _clip_case(ratio, adv, clip_eps=0.2, clip_eps_high=eps_high)
     assert got_loss == pytest.approx(loss, abs=1e-6) and got_clipped == clipped
@@ -293,6 +302,7 @@ def test_grpo_clip_never_sends_gradient_to_old_logprobs():
 
 
 # ---------------------------------------------------------------- KL
+
 
 def test_kl_estimators_hand_values():
     lp, ref = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
@@ -323,8 +333,8 @@ def test_kl_does_not_send_gradient_to_reference():
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
 def test_unbiased_estimators_match_true_kl_in_expectation(estimator):
     g = torch.Generator().manual_seed(5)
-    logp = torch.log_softmax(torch.randn(6, generator=g), dim=0)   # policy
-    logq = torch.log_softmax(torch.randn(6, generator=g), dim=0)   # reference
+    logp = torch.log_softmax(torch.randn(6, generator=g), dim=0)  # policy
+    logq = torch.log_softmax(torch.randn(6, generator=g), dim=0)  # reference
     true_kl = (logp.exp() * (logp - logq)).sum()
     x = torch.multinomial(logp.exp(), 200_000, replacement=True, generator=g)  # x ~ policy
     estimate = kl_penalty(logp[x][None], logq[x][None], estimator).mean()
@@ -338,11 +348,14 @@ AGG_LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 99.0, 99.0, 99.0]])
 AGG_MASK = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
 
 
-@pytest.mark.parametrize("mode,expected", [
-    ("token_mean", (1 + 2 + 3 + 4 + 10) / 5),
-    ("seq_mean_token_mean", ((1 + 2 + 3 + 4) / 4 + 10 / 1) / 2),
-    ("seq_mean_token_sum_norm", ((1 + 2 + 3 + 4) / 4 + 10 / 4) / 2),
-])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token_mean", (1 + 2 + 3 + 4 + 10) / 5),
+        ("seq_mean_token_mean", ((1 + 2 + 3 + 4) / 4 + 10 / 1) / 2),
+        ("seq_mean_token_sum_norm", ((1 + 2 + 3 + 4) / 4 + 10 / 4) / 2),
+    ],
+)
 def test_aggregation_hand_values(mode, expected):
     got = aggregate_loss(AGG_LOSS, AGG_MASK, mode, max_tokens=4.0)
     assert got.item() == pytest.approx(expected)
@@ -377,6 +390,7 @@ def test_sum_norm_requires_max_tokens():
 
 # ---------------------------------------------------------------- microbatch step
 
+
 def _batch(seed=6, b=4, t=5):
     g = torch.Generator().manual_seed(seed)
     mask = torch.ones(b, t)
@@ -404,9 +418,14 @@ def test_two_microbatches_match_full_batch_gradient(agg_mode):
         total = 0.0
         for s in slices:
             loss, _ = grpo_microbatch_step(
-                theta[s], d["mask"][s], gradient_accumulation_steps=steps,
-                advantages=d["advantages"][s], old_logprobs=d["old_logprobs"][s],
-                ref_logprobs=d["ref_logprobs"][s], **kw)
+                theta[s],
+                d["mask"][s],
+                gradient_accumulation_steps=steps,
+                advantages=d["advantages"][s],
+                old_logprobs=d["old_logprobs"][s],
+                ref_logprobs=d["ref_logprobs"][s],
+                **kw,
+            )
             total += loss.item()
         return total, theta.grad
 
@@ -420,8 +439,14 @@ def test_microbatch_step_matches_per_sequence_loop():
     d = _batch()
     theta = d["logprobs"].clone().requires_grad_(True)
     loss, metrics = grpo_microbatch_step(
-        theta, d["mask"], gradient_accumulation_steps=3, advantages=d["advantages"],
-        old_logprobs=d["old_logprobs"], ref_logprobs=d["ref_logprobs"], **STEP_KW)
+        theta,
+        d["mask"],
+        gradient_accumulation_steps=3,
+        advantages=d["advantages"],
+        old_logprobs=d["old_logprobs"],
+        ref_logprobs=d["ref_logprobs"],
+        **STEP_KW,
+    )
     per_seq = []
     for i in range(4):  # token by token, straight from the formulas
         terms = []
@@ -445,11 +470,16 @@ def test_microbatch_metrics_are_namespaced_detached_and_masked():
     d["old_logprobs"][0, 0] -= math.log(2.0)
     d["old_logprobs"][1, 4] -= 50.0  # padding
     theta = d["logprobs"].clone().requires_grad_(True)
-    _, m = grpo_microbatch_step(theta, d["mask"], gradient_accumulation_steps=1,
-                                advantages=d["advantages"], old_logprobs=d["old_logprobs"],
-                                ref_logprobs=d["ref_logprobs"], **STEP_KW)
-    assert {"loss/pg", "loss/kl", "actor/clip_frac", "actor/ratio_mean",
-            "actor/ratio_max", "actor/ratio_min"} <= set(m)
+    _, m = grpo_microbatch_step(
+        theta,
+        d["mask"],
+        gradient_accumulation_steps=1,
+        advantages=d["advantages"],
+        old_logprobs=d["old_logprobs"],
+        ref_logprobs=d["ref_logprobs"],
+        **STEP_KW,
+    )
+    assert {"loss/pg", "loss/kl", "actor/clip_frac", "actor/ratio_mean", "actor/ratio_max", "actor/ratio_min"} <= set(m)
     assert all(not v.requires_grad and v.dim() == 0 for v in m.values())
     n_tokens = 5 + 2 + 4 + 1
     assert m["actor/clip_frac"].item() == pytest.approx(1 / n_tokens)
@@ -463,9 +493,15 @@ def test_microbatch_loss_scales_with_accumulation_steps():
     losses = []
     for steps in (1, 4):
         theta = d["logprobs"].clone().requires_grad_(True)
-        loss, _ = grpo_microbatch_step(theta, d["mask"], gradient_accumulation_steps=steps,
-                                       advantages=d["advantages"], old_logprobs=d["old_logprobs"],
-                                       ref_logprobs=d["ref_logprobs"], **STEP_KW)
+        loss, _ = grpo_microbatch_step(
+            theta,
+            d["mask"],
+            gradient_accumulation_steps=steps,
+            advantages=d["advantages"],
+            old_logprobs=d["old_logprobs"],
+            ref_logprobs=d["ref_logprobs"],
+            **STEP_KW,
+        )
         losses.append(loss.item())
     assert losses[1] == pytest.approx(losses[0] / 4)
 
@@ -476,9 +512,14 @@ def test_kl_enters_the_loss_only_when_kl_coef_positive():
     def loss_with(**kw):
         theta = d["logprobs"].clone().requires_grad_(True)
         args = {**STEP_KW, **kw}
-        return grpo_microbatch_step(theta, d["mask"], gradient_accumulation_steps=1,
-                                    advantages=d["advantages"], old_logprobs=d["old_logprobs"],
-                                    **args)
+        return grpo_microbatch_step(
+            theta,
+            d["mask"],
+            gradient_accumulation_steps=1,
+            advantages=d["advantages"],
+            old_logprobs=d["old_logprobs"],
+            **args,
+        )
 
     no_ref, _ = loss_with(kl_coef=0.0)
     ref_unused, m = loss_with(kl_coef=0.0, ref_logprobs=d["ref_logprobs"])
@@ -492,13 +533,15 @@ def test_kl_enters_the_loss_only_when_kl_coef_positive():
 
 # ---------------------------------------------------------------- registries
 
+
 def _call(entry, name):
     """Call one public entry point with a variant name on tiny valid inputs."""
     lp, mask = torch.zeros(2, 4), torch.ones(2, 4)
     calls = {
         "advantage": lambda: group_advantages(torch.arange(4.0), 2, name),
-        "loss": lambda: policy_gradient_loss(name, lp, raw_rewards=torch.ones(2, 1),
-                                             advantages=torch.ones(2, 1), old_logprobs=lp),
+        "loss": lambda: policy_gradient_loss(
+            name, lp, raw_rewards=torch.ones(2, 1), advantages=torch.ones(2, 1), old_logprobs=lp
+        ),
         "kl": lambda: kl_penalty(lp, lp, name),
         "agg": lambda: aggregate_loss(lp, mask, name, max_tokens=4.0),
         "correction": lambda: core.importance_weights(lp, lp, name),
@@ -506,8 +549,13 @@ def _call(entry, name):
     return calls[entry]()
 
 
-ENTRIES = [("advantage", AdvantageMode), ("loss", LossType), ("kl", KLEstimator), ("agg", AggMode),
-           ("correction", core.ImportanceCorrection)]
+ENTRIES = [
+    ("advantage", AdvantageMode),
+    ("loss", LossType),
+    ("kl", KLEstimator),
+    ("agg", AggMode),
+    ("correction", core.ImportanceCorrection),
+]
 
 
 @pytest.mark.parametrize("entry,literal", ENTRIES)
@@ -527,16 +575,22 @@ def test_unknown_name_raises_listing_valid_names(entry, literal):
 
 def test_unknown_name_in_microbatch_step_raises():
     with pytest.raises(ValueError, match="grpo_clip"):
-        grpo_microbatch_step(torch.zeros(1, 2, requires_grad=True), torch.ones(1, 2),
-                             gradient_accumulation_steps=1, loss_type="ppo", agg_mode="token_mean",
-                             advantages=torch.ones(1, 1))
+        grpo_microbatch_step(
+            torch.zeros(1, 2, requires_grad=True),
+            torch.ones(1, 2),
+            gradient_accumulation_steps=1,
+            loss_type="ppo",
+            agg_mode="token_mean",
+            advantages=torch.ones(1, 1),
+        )
 
 
 def test_module_is_pure_torch():
     src = open(core.__file__).read()
-    imports = {line.split()[1].split(".")[0] for line in src.splitlines()
-               if line.startswith(("import ", "from "))}
-    assert imports <= {"typing", "torch"}
+    imports = {line.split()[1] for line in src.splitlines() if line.startswith(("import ", "from "))}
+    # torch, and the variant names declared once for the math and the config (Literals, no code)
+    assert {m.split(".")[0] for m in imports} - {"grpo"} <= {"typing", "torch"}
+    assert {m for m in imports if m.startswith("grpo")} <= {"grpo.variants"}
 
 
 def test_linear_decay_lr():
@@ -549,6 +603,7 @@ def test_config_names_the_same_variants_as_the_math():
     from typing import get_type_hints
 
     from grpo.config import AdvantageConfig, LearnConfig
+
     learn, adv = get_type_hints(LearnConfig), get_type_hints(AdvantageConfig)
     assert get_args(learn["loss_type"]) == get_args(LossType) and get_args(learn["agg_mode"]) == get_args(AggMode)
     assert get_args(learn["kl_estimator"]) == get_args(KLEstimator) and get_args(adv["mode"]) == get_args(AdvantageMode)
@@ -561,15 +616,32 @@ def test_tis_weighs_each_token_by_the_truncated_ratio_hand_computed():
     sampler = torch.log(torch.tensor([[0.2, 0.2, 0.3]]))
     logp = old.clone().requires_grad_(True)
     mask = torch.ones(1, 3)
-    loss, m = grpo_microbatch_step(logp, mask, gradient_accumulation_steps=1, loss_type="grpo_clip",
-                                   agg_mode="token_mean", advantages=torch.ones(1, 1), old_logprobs=old,
-                                   sampler_logprobs=sampler, importance_correction="tis", tis_cap=1.5)
+    loss, m = grpo_microbatch_step(
+        logp,
+        mask,
+        gradient_accumulation_steps=1,
+        loss_type="grpo_clip",
+        agg_mode="token_mean",
+        advantages=torch.ones(1, 1),
+        old_logprobs=old,
+        sampler_logprobs=sampler,
+        importance_correction="tis",
+        tis_cap=1.5,
+    )
     # per-token loss -A * ratio * w = -w at ratio 1; token mean: -(1.5 + 0.5 + 1) / 3 = -1
     assert loss.item() == pytest.approx(-1.0)
     assert logp.grad[0].tolist() == pytest.approx([-0.5, -1 / 6, -1 / 3])  # d(-w * exp(lp - old))/dlp / 3
     assert m["actor/is_weight_mean"].item() == pytest.approx(1.0)
     plain = old.clone().requires_grad_(True)
-    loss_none, _ = grpo_microbatch_step(plain, mask, gradient_accumulation_steps=1, loss_type="grpo_clip",
-                                        agg_mode="token_mean", advantages=torch.ones(1, 1), old_logprobs=old,
-                                        sampler_logprobs=sampler, importance_correction="none")
+    loss_none, _ = grpo_microbatch_step(
+        plain,
+        mask,
+        gradient_accumulation_steps=1,
+        loss_type="grpo_clip",
+        agg_mode="token_mean",
+        advantages=torch.ones(1, 1),
+        old_logprobs=old,
+        sampler_logprobs=sampler,
+        importance_correction="none",
+    )
     assert loss_none.item() == pytest.approx(-1.0) and plain.grad[0].tolist() == pytest.approx([-1 / 3] * 3)

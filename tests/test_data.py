@@ -1,4 +1,5 @@
 """User datasets: formats, column mapping, chat prompts, held-out split and epoch draws; the math reward."""
+
 import doctest
 import json
 
@@ -12,8 +13,9 @@ from grpo.data import DatasetError, draw, load_examples, render, split
 from grpo.tasks.math import math_reward
 from grpo.tiny_model import build_chat_tokenizer
 
-ROWS = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}", "level": i % 2}
-        for i in range(12)]
+ROWS = [
+    {"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}", "level": i % 2} for i in range(12)
+]
 
 
 @pytest.mark.parametrize("module", [grpo.data, grpo.tasks.math, grpo.tasks.functions])
@@ -34,6 +36,7 @@ def test_every_format_loads_with_mapped_columns_and_keeps_the_other_columns(tmp_
         df.to_csv(path, index=False)
     else:
         import datasets
+
         datasets.Dataset.from_pandas(df).save_to_disk(str(path))
     rows = load_examples(str(path), "question", "answer")
     assert [e.prompt for e in rows] == df.question.tolist()
@@ -43,6 +46,7 @@ def test_every_format_loads_with_mapped_columns_and_keeps_the_other_columns(tmp_
 
 def test_dataset_dict_folder_names_its_splits(tmp_path):
     import datasets
+
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_pandas(pd.DataFrame(ROWS))})
     dd.save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DatasetError, match=r"dd/train"):
@@ -68,8 +72,9 @@ def test_chat_prompts_render_through_the_template_with_the_system_prompt():
     tok = build_chat_tokenizer(["What is 1 + 1?"], vocab_size=300)
     messages = [{"role": "user", "content": "What is 1 + 1?"}]
     text, templated = render(tok, messages, "auto", "Be brief.")
-    assert templated and text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 1?"
-                                  "<|im_end|>\n<|im_start|>assistant\n")
+    assert templated and text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert render(tok, "What is 1 + 1?", "auto", "Be brief.") == ("What is 1 + 1?", False)  # auto: strings as is
     assert render(tok, "What is 1 + 1?", "chat", "Be brief.") == (text, True)
     with pytest.raises(DatasetError, match="list of chat messages"):
@@ -89,9 +94,20 @@ def test_held_out_rows_are_never_drawn_and_each_epoch_draws_every_row_once():
     assert picks[:40] != picks[40:]  # a new order each epoch
 
 
-@pytest.mark.parametrize("response, correct", [
-    ("The answer is 7.", 1.0), ("#### 7", 1.0), (r"so \boxed{7}", 1.0), ("7.0", 1.0), ("14/2", 1.0),
-    ("3 + 4 = 7", 1.0), ("8", 0.0), ("The answer is 8. Earlier I wrote 7", 0.0), ("", 0.0)])
+@pytest.mark.parametrize(
+    "response, correct",
+    [
+        ("The answer is 7.", 1.0),
+        ("#### 7", 1.0),
+        (r"so \boxed{7}", 1.0),
+        ("7.0", 1.0),
+        ("14/2", 1.0),
+        ("3 + 4 = 7", 1.0),
+        ("8", 0.0),
+        ("The answer is 8. Earlier I wrote 7", 0.0),
+        ("", 0.0),
+    ],
+)
 def test_math_reward_on_gsm8k_ground_truth(response, correct):
     assert math_reward(response, "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7")["correct"] == correct
     assert math_reward(response, "7.0")["correct"] == correct  # a ground truth of 7.0 matches 7

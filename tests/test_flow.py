@@ -1,6 +1,7 @@
 """The Prefect flow `grpo` in-process (prefect_test_harness) on the tiny HF config in tmp storage:
 commit, reuse, resume after a failed stage with earlier outputs byte-identical, force one stage,
 pick up after a CLI rerun of one stage; and once on a real S3 server."""
+
 import hashlib
 import importlib.util
 import json
@@ -16,14 +17,14 @@ from prefect import flow, task
 from prefect.artifacts import Artifact
 from prefect.exceptions import ParameterTypeError
 from prefect.testing.utilities import prefect_test_harness
+from test_stages import TINY
 
 import stages.rewards
+from flows.cli import main
 from flows.grpo import Stage, grpo, resolve_iteration, transient
-from grpo.cli import main
+from grpo.layout import stage_dir
 from grpo.storage import is_committed, list_attempts, open_storage
 from stages import STAGES, StageError
-from stages.common import stage_dir
-from test_stages import TINY
 
 RUN = "t"
 
@@ -139,8 +140,15 @@ def test_flow_on_a_real_s3_server(prefect_api, s3_env, s3_prefix):
     assert grpo(run_id="s3", iteration=0, storage_url=s3_prefix) == out  # all reused
 
 
-@pytest.mark.parametrize("error, retried", [(OSError("connection reset"), True), (TimeoutError("read"), True),
-                                            (FileNotFoundError("gone"), False), (StageError("bad input"), False)])
+@pytest.mark.parametrize(
+    "error, retried",
+    [
+        (OSError("connection reset"), True),
+        (TimeoutError("read"), True),
+        (FileNotFoundError("gone"), False),
+        (StageError("bad input"), False),
+    ],
+)
 def test_only_transient_storage_errors_are_retried(prefect_api, error, retried):
     calls = []
 
@@ -161,16 +169,21 @@ def test_only_transient_storage_errors_are_retried(prefect_api, error, retried):
 def committed_outputs(url: str, run_id: str, iterations: int) -> dict:
     """Per iteration: the policy version sampled from, the rewards, the new checkpoint's hash, eval."""
     import pandas as pd
+
     from grpo.checkpoint import content_hash
     from grpo.storage import latest_committed
+
     storage, out = open_storage(url), {}
     for k in range(iterations):
         c = {s: latest_committed(storage, stage_dir(storage, run_id, k, s)) for s in STAGES}
         rewards = pd.read_parquet(c["rewards"].path("rewards.parquet")).sort_values(["prompt_id", "sample_index"])
-        out[k] = {"policy_version": c["rollouts"].manifest.summary["policy_version"],
-                  "rewards": rewards["reward"].tolist(), "checkpoint": content_hash(c["learn"]),
-                  "eval": c["eval"].manifest.summary["exact_match"],
-                  "logprob_gap": round(c["learn"].manifest.summary["logprob_gap"], 4)}
+        out[k] = {
+            "policy_version": c["rollouts"].manifest.summary["policy_version"],
+            "rewards": rewards["reward"].tolist(),
+            "checkpoint": content_hash(c["learn"]),
+            "eval": c["eval"].manifest.summary["exact_match"],
+            "logprob_gap": round(c["learn"].manifest.summary["logprob_gap"], 4),
+        }
     return out
 
 
@@ -182,9 +195,10 @@ def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
     its model and optimizer) against two cold processes of one iteration each: same samples,
     rewards and checkpoints."""
     from grpo.generation import close_generators
+
     url = (tmp_path / "store").as_uri()
     vllm = [o for o in TINY if not o.startswith("rollout.backend")] + ["rollout.backend=vllm"]
-    cli = [sys.executable, "-m", "grpo.cli", "--storage", url]
+    cli = [sys.executable, "-m", "flows.cli", "--storage", url]
     subprocess.run(cli + ["init", "--run", "cold"] + [a for o in vllm for a in ("--set", o)], check=True)
     for _ in range(2):  # a new process per iteration, like grpo/iteration
         subprocess.run(cli + ["run", "--run", "cold", "--iterations", "1"], check=True)
@@ -199,5 +213,6 @@ def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
     assert warm[1]["logprob_gap"] < 1e-4
     assert warm == cold
     progress = json.loads(Artifact.get("warm-progress").data)  # the flow's table: a row per iteration
-    assert [(r["iteration"], r["eval_exact_match"]) for r in progress] == [(k, round(warm[k]["eval"], 4))
-                                                                           for k in (0, 1)]
+    assert [(r["iteration"], r["eval_exact_match"]) for r in progress] == [
+        (k, round(warm[k]["eval"], 4)) for k in (0, 1)
+    ]

@@ -1,6 +1,7 @@
 """End to end on real servers: a Prefect server on 127.0.0.1 (temporary PREFECT_HOME, SQLite), a
 process worker, the deployment from prefect.yaml, `prefect deployment run grpo/iteration` twice
 (tiny sort model, vLLM), and a flow run SIGKILLed in the middle of its rollouts, then retried."""
+
 import importlib.util
 import json
 import re
@@ -13,23 +14,29 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from grpo.storage import NotCommittedError, is_committed, latest_committed, list_attempts, open_storage
-from prefect_server import flow_run_processes, process_worker, prefect_server
-from stages import STAGES, StageError, stage_function
-from stages.common import stage_dir
 from test_stages import TINY
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")]
+from grpo.layout import stage_dir
+from grpo.storage import NotCommittedError, is_committed, latest_committed, list_attempts, open_storage
+from stages import STAGES, StageError, stage_function
+from tools.prefect_server import flow_run_processes, prefect_server, process_worker
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
+]
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_VLLM = [o for o in TINY if not o.startswith("rollout.backend")] + ["rollout.backend=vllm"]
 RUN_TIMEOUT_S = 420
 # Prefect's own log records (worker submissions, flow-run processes, leases), without the server's
 # recurring "database is locked" tracebacks of its mark_deployments_ready task (SQLite; harmless)
-SLOT_LOG = (r"^\d\d:\d\d:\d\d\.\d+ \| \w+ +\| "
-            r"(prefect\.(?!.*mark_deployments_ready)|Flow run '|.*(?i:\blease|concurrency slot))")
+SLOT_LOG = (
+    r"^\d\d:\d\d:\d\d\.\d+ \| \w+ +\| "
+    r"(prefect\.(?!.*mark_deployments_ready)|Flow run '|.*(?i:\blease|concurrency slot))"
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +62,25 @@ def store(tmp_path_factory) -> str:
 
 def deployment_run(server, store: str, **params) -> str:
     """`prefect deployment run grpo/iteration` with storage `store`; returns the flow run id."""
-    out = server.cli("deployment", "run", "grpo/iteration", "--params", json.dumps(params),
-                     "--job-variable", "env=" + json.dumps({"GRPO_STORAGE": store})).stdout
+    out = server.cli(
+        "deployment",
+        "run",
+        "grpo/iteration",
+        "--params",
+        json.dumps(params),
+        "--job-variable",
+        "env=" + json.dumps({"GRPO_STORAGE": store}),
+    ).stdout
     return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
 
 
 def format_states(states: list[dict]) -> str:
     """A flow run's state history, one line a state: timestamp, type, name, lease, message."""
-    return "\n".join(f"  {s['timestamp']}  {s['type']:<10} {s['name']!r:<27} "
-                     f"lease={s['state_details'].get('deployment_concurrency_lease_id')}  {s['message'] or ''}"
-                     for s in states)
+    return "\n".join(
+        f"  {s['timestamp']}  {s['type']:<10} {s['name']!r:<27} "
+        f"lease={s['state_details'].get('deployment_concurrency_lease_id')}  {s['message'] or ''}"
+        for s in states
+    )
 
 
 def running_period(states: list[dict]) -> tuple[datetime, datetime]:
@@ -92,9 +108,15 @@ def test_two_deployment_runs_make_two_iterations_one_after_the_other(server, wor
     first, second = deployment_run(server, store, **params), deployment_run(server, store, **params)
     runs = [server.wait_for_flow_run(i, RUN_TIMEOUT_S) for i in (first, second)]
     histories = {i: server.flow_run_states(i) for i in (first, second)}
-    diagnosis = "\n".join([*(f"flow run {i} (created {n}):\n{format_states(histories[i])}"
-                             for n, i in (("first", first), ("second", second))),
-                           server.log_tails(pattern=SLOT_LOG)])
+    diagnosis = "\n".join(
+        [
+            *(
+                f"flow run {i} (created {n}):\n{format_states(histories[i])}"
+                for n, i in (("first", first), ("second", second))
+            ),
+            server.log_tails(pattern=SLOT_LOG),
+        ]
+    )
     assert [r["state"]["type"] for r in runs] == ["COMPLETED", "COMPLETED"], diagnosis
     # The limit runs them one at a time, not in creation order: two runs that one worker poll
     # picks up race for the slot, and the loser waits (AwaitingConcurrencySlot) for the winner.

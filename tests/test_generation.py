@@ -1,4 +1,5 @@
 """The transformers backend's KV-cache decoding: agrees with `generate`, log-probs, stops, top-p."""
+
 import importlib.util
 
 import pytest
@@ -12,15 +13,16 @@ from grpo.tiny_model import EOS_ID, build_for_task
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    return build_for_task(str(tmp_path_factory.mktemp("arith")), "arithmetic", hidden_size=64, num_heads=2,
-                          intermediate_size=128, seed=3)
+    return build_for_task(
+        str(tmp_path_factory.mktemp("arith")), "arithmetic", hidden_size=64, num_heads=2, intermediate_size=128, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
 def prompts(model_dir) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = [tok(e.prompt)["input_ids"] for e in get_task("arithmetic").generate(12, seed=0)]
-    return [p[:len(p) - i % 4] for i, p in enumerate(ids)]  # different lengths: batches are left-padded
+    return [p[: len(p) - i % 4] for i, p in enumerate(ids)]  # different lengths: batches are left-padded
 
 
 def test_greedy_matches_transformers_generate(model_dir, prompts):
@@ -29,10 +31,16 @@ def test_greedy_matches_transformers_generate(model_dir, prompts):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for p, group in zip(prompts, ours):
         ids = torch.tensor([p])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                             eos_token_id=EOS_ID, pad_token_id=0)[0, len(p):].tolist()
+        ref = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=EOS_ID,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
         if EOS_ID in ref:
-            ref = ref[:ref.index(EOS_ID) + 1]
+            ref = ref[: ref.index(EOS_ID) + 1]
         assert [s.response_ids for s in group] == [ref, ref]
         assert group[0].finish_reason == ("stop" if ref[-1] == EOS_ID else "length")
 
@@ -46,16 +54,26 @@ def test_logprobs_are_the_raw_model_distribution(model_dir, prompts):
             assert len(s.logprobs) == len(s.response_ids) >= 1
             assert (s.finish_reason == "stop") == (s.response_ids[-1] == EOS_ID)
             ids = torch.tensor([p + s.response_ids])
-            logp = model(input_ids=ids).logits[0, len(p) - 1:-1].log_softmax(-1)  # no temperature, no top-p
+            logp = model(input_ids=ids).logits[0, len(p) - 1 : -1].log_softmax(-1)  # no temperature, no top-p
             want = logp.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
             assert s.logprobs == pytest.approx(want.tolist(), abs=1e-5)
     again = HFGenerator(model_dir).generate(prompts, spec)  # same seed, same samples
     assert [[s.response_ids for s in g] for g in again] == [[s.response_ids for s in g] for g in out]
 
 
-@pytest.mark.parametrize("backend", [
-    "hf", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="vllm is not installed")])])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "hf",
+        pytest.param(
+            "vllm",
+            marks=[
+                pytest.mark.vllm,
+                pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+            ],
+        ),
+    ],
+)
 def test_stop_string_ends_the_response(model_dir, prompts, backend):
     """Same seed with and without a stop string: the same samples, cut where the string appears."""
     gen = get_generator(backend, model_dir)
@@ -73,7 +91,7 @@ def test_stop_string_ends_the_response(model_dir, prompts, backend):
             hit += 1
             assert b.finish_reason == "stop" and stop in tok.decode(b.response_ids)
             assert stop not in tok.decode(b.response_ids[:-1])  # cut where it first appeared
-            assert b.response_ids == a.response_ids[:len(b.response_ids)]
+            assert b.response_ids == a.response_ids[: len(b.response_ids)]
         else:
             assert b.response_ids == a.response_ids
     assert hit

@@ -1,21 +1,31 @@
 """The learner's shared-prompt forward, its grouped batches and the reference it skips."""
+
 import pandas as pd
 import pytest
 import torch
 
 from grpo import core
 from grpo.config import load_config
+from grpo.layout import stage_dir
+from grpo.learner import PolicyLM
 from grpo.storage import StageWriter, latest_committed, open_storage
 from schemas import read_parquet, write_parquet
 from stages import StageError, stage_function
-from stages.common import stage_dir
 from stages.init import build_tiny_base, init_run
-from grpo.learner import PolicyLM
 from stages.learn import _padded, load_batch
 
-TINY = ["rollout.backend=hf", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
-        "learn.minibatch_size=32", "learn.microbatch_size=16", "eval.n_prompts=16",
-        "model.hidden_size=64", "model.num_heads=2", "model.intermediate_size=128", "reward.workers=1"]
+TINY = [
+    "rollout.backend=hf",
+    "rollout.prompts_per_iteration=16",
+    "rollout.group_size=4",
+    "learn.minibatch_size=32",
+    "learn.microbatch_size=16",
+    "eval.n_prompts=16",
+    "model.hidden_size=64",
+    "model.num_heads=2",
+    "model.intermediate_size=128",
+    "reward.workers=1",
+]
 
 
 @pytest.fixture
@@ -26,6 +36,7 @@ def storage(tmp_path):
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
     from transformers import AutoModelForCausalLM
+
     path = build_tiny_base(str(tmp_path_factory.mktemp("lm")), load_config(None, TINY))
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
@@ -36,11 +47,11 @@ def full_sequence_logprobs(lm, prompts, responses):
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, :len(p) + len(r)], mask[i, :len(p) + len(r)] = torch.tensor(p + r), 1
+        ids[i, : len(p) + len(r)], mask[i, : len(p) + len(r)] = torch.tensor(p + r), 1
     logp = core.token_logprobs(lm(input_ids=ids, attention_mask=mask).logits[:, :-1], ids[:, 1:])
     out = torch.zeros(len(prompts), t)
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        out[i, :len(r)] = logp[i, len(p) - 1:len(p) - 1 + len(r)]
+        out[i, : len(r)] = logp[i, len(p) - 1 : len(p) - 1 + len(r)]
     return out
 
 
@@ -53,10 +64,10 @@ def test_shared_prompt_forward_equals_full_sequences(lm):
     lp, t = max(map(len, prompts)), max(map(len, responses))
     prompt_ids, prompt_mask = torch.zeros(3, lp, dtype=torch.long), torch.zeros(3, lp, dtype=torch.long)
     for i, p in enumerate(prompts):
-        prompt_ids[i, lp - len(p):], prompt_mask[i, lp - len(p):] = torch.tensor(p), 1
+        prompt_ids[i, lp - len(p) :], prompt_mask[i, lp - len(p) :] = torch.tensor(p), 1
     response_ids, response_mask = torch.zeros(9, t, dtype=torch.long), torch.zeros(9, t)
     for i, r in enumerate(responses):
-        response_ids[i, :len(r)], response_mask[i, :len(r)] = torch.tensor(r), 1
+        response_ids[i, : len(r)], response_mask[i, : len(r)] = torch.tensor(r), 1
 
     full = full_sequence_logprobs(lm, [p for p in prompts for _ in range(g)], responses) * response_mask
     # shared prompt; then chunked logits (4 tokens at a time); then the full-sequence training forward
@@ -83,6 +94,7 @@ def test_shared_prompt_forward_equals_full_sequences(lm):
 def test_padded_rows_right_and_left():
     import numpy as np
     import pyarrow as pa
+
     column = pa.chunked_array([[[1, 2, 3], [4]], [[], [5, 6]]])  # two chunks, an empty row
     rows = np.array([3, 0, 2, 1])
     right, lengths = _padded(column, rows, 0, np.int64)
@@ -111,8 +123,15 @@ def test_batch_holds_whole_groups_and_rejects_a_broken_one(storage):
     # one sample of group 0 left out: the learner could not score that group's prompt once for G
     table = read_parquet(storage.fs, ad.path("advantages.parquet"), "advantages").to_pandas()
     table.loc[(table.prompt_id == 0) & (table.sample_index == 1), "kept"] = False
-    writer = StageWriter(storage, stage_dir(storage, "t", 0, "advantages"), run_id="t", iteration=0,
-                         stage="advantages", config={"broken": True}, inputs={})
+    writer = StageWriter(
+        storage,
+        stage_dir(storage, "t", 0, "advantages"),
+        run_id="t",
+        iteration=0,
+        stage="advantages",
+        config={"broken": True},
+        inputs={},
+    )
     write_parquet(storage.fs, writer.path("advantages.parquet"), "advantages", table.to_dict("list"))
     with pytest.raises(StageError, match="prompt_id 0 does not have rollout.group_size=4"):
         load_batch(storage, ro, writer.commit(), pad_id=0, group_size=4)
@@ -124,8 +143,10 @@ def test_reference_is_scored_only_with_a_kl_penalty(storage):
     tables = {}
     for run_id in ("nokl", "kl"):
         out = stage_function("learn")(storage, run_id, 0)
-        tables[run_id] = (pd.read_parquet(storage.uri(out.path("logprobs.parquet"))),
-                          pd.read_parquet(storage.uri(out.path("metrics.parquet"))))
+        tables[run_id] = (
+            pd.read_parquet(storage.uri(out.path("logprobs.parquet"))),
+            pd.read_parquet(storage.uri(out.path("metrics.parquet"))),
+        )
     lp, metrics = tables["nokl"]
     assert lp.ref_logprobs.isna().all() and metrics.kl.isna().all()
     lp, metrics = tables["kl"]

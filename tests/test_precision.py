@@ -1,5 +1,6 @@
 """The GPU path's settings, at tiny size on the CPU: precision, memory savers, engine settings and the
 hand-over of the accelerator between sampler and learner (the GPU itself: benchmarks/gpu_check.py)."""
+
 import json
 from pathlib import Path
 
@@ -9,18 +10,27 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from grpo import generation
-from grpo.cli import run_iteration
 from grpo.config import ConfigError, load_config
 from grpo.learner import MASTER_WEIGHTS
 from grpo.storage import open_storage
 from grpo.tiny_model import build_for_task
 from stages import stage_function
 from stages.init import init_run
+from stages.iteration import run_iteration
 from stages.learn import WARM
 
-TINY = ["rollout.backend=hf", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
-        "learn.minibatch_size=32", "learn.microbatch_size=16", "eval.n_prompts=16",
-        "model.hidden_size=64", "model.num_heads=2", "model.intermediate_size=128", "reward.workers=1"]
+TINY = [
+    "rollout.backend=hf",
+    "rollout.prompts_per_iteration=16",
+    "rollout.group_size=4",
+    "learn.minibatch_size=32",
+    "learn.microbatch_size=16",
+    "eval.n_prompts=16",
+    "model.hidden_size=64",
+    "model.num_heads=2",
+    "model.intermediate_size=128",
+    "reward.workers=1",
+]
 
 
 @pytest.fixture
@@ -32,8 +42,10 @@ def storage(tmp_path):
 def bf16_base(tmp_path_factory):
     """The tiny sort model saved in bfloat16, as most hub checkpoints are."""
     from transformers import AutoModelForCausalLM
-    src = build_for_task(str(tmp_path_factory.mktemp("f32")), "sort", hidden_size=64, num_heads=2,
-                         intermediate_size=128)
+
+    src = build_for_task(
+        str(tmp_path_factory.mktemp("f32")), "sort", hidden_size=64, num_heads=2, intermediate_size=128
+    )
     out = tmp_path_factory.mktemp("bf16")
     AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(out)
     for f in Path(src).iterdir():  # tokenizer and generation config as they are
@@ -105,19 +117,43 @@ def test_engine_settings_resolve_for_the_platform_pass_through_and_restart_the_e
     model = build_for_task(str(tmp_path / "m"), "sort", hidden_size=64, num_heads=2, intermediate_size=128)
     cfg = load_config(None, ["rollout.max_prompt_tokens=20", "rollout.max_tokens=16"])
     settings = generation.engine_settings("vllm", cfg.rollout, "auto", model)
-    assert settings == {"dtype": "float32", "max_model_len": 36, "enforce_eager": True, "enable_prefix_caching": False,
-                        "kv_cache_dtype": "auto", "tensor_parallel_size": 1, "enable_sleep_mode": False}
-    cfg = load_config(None, ["rollout.vllm.max_model_len=48", "rollout.vllm.enable_prefix_caching=true",
-                             "rollout.vllm.kv_cache_dtype=fp8", "model.dtype=bfloat16"])
+    assert settings == {
+        "dtype": "float32",
+        "max_model_len": 36,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "kv_cache_dtype": "auto",
+        "tensor_parallel_size": 1,
+        "enable_sleep_mode": False,
+    }
+    cfg = load_config(
+        None,
+        [
+            "rollout.vllm.max_model_len=48",
+            "rollout.vllm.enable_prefix_caching=true",
+            "rollout.vllm.kv_cache_dtype=fp8",
+            "model.dtype=bfloat16",
+        ],
+    )
     settings = generation.engine_settings("vllm", cfg.rollout, cfg.model.dtype, model)
-    assert (settings["max_model_len"], settings["enable_prefix_caching"], settings["kv_cache_dtype"],
-            settings["dtype"]) == (48, True, "fp8", "bfloat16")
+    assert (
+        settings["max_model_len"],
+        settings["enable_prefix_caching"],
+        settings["kv_cache_dtype"],
+        settings["dtype"],
+    ) == (48, True, "fp8", "bfloat16")
     assert generation.engine_settings("hf", cfg.rollout, "auto", model) == {"dtype": "float32"}
-    assert settings["max_model_len"] == 48 and 64 == json.loads((Path(model) / "config.json").read_text())[
-        "max_position_embeddings"]
-    for bad, field in [("rollout.vllm.gpu_memory_utilization=1.5", "gpu_memory_utilization"),
-                       ("rollout.vllm.kv_cache_dtype=int3", "kv_cache_dtype"), ("model.dtype=fp4", "model.dtype"),
-                       ("learn.mixed_precision=fp16", "mixed_precision"), ("learn.logprob_chunk=0", "logprob_chunk")]:
+    assert (
+        settings["max_model_len"] == 48
+        and 64 == json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
+    )
+    for bad, field in [
+        ("rollout.vllm.gpu_memory_utilization=1.5", "gpu_memory_utilization"),
+        ("rollout.vllm.kv_cache_dtype=int3", "kv_cache_dtype"),
+        ("model.dtype=fp4", "model.dtype"),
+        ("learn.mixed_precision=fp16", "mixed_precision"),
+        ("learn.logprob_chunk=0", "logprob_chunk"),
+    ]:
         with pytest.raises(ConfigError, match=field):
             load_config(None, [bad])
     try:

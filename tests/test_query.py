@@ -1,15 +1,15 @@
 """`grpo query`: DuckDB views over committed outputs only, on file:// and S3."""
+
 import pyarrow.parquet as pq
 import pytest
+from test_stages import make_run
 
-from grpo.cli import main
+from flows.cli import main
+from grpo.layout import stage_dir
 from grpo.query import committed_files, connect, query
 from grpo.storage import CorruptArtifactError, StageWriter, latest_committed, list_attempts, open_storage
 from schemas import read_parquet, write_parquet
 from stages import STAGES, StageError, stage_function
-from stages.common import stage_dir
-
-from test_stages import make_run
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,15 @@ def num_rows(storage, uri):
 
 def crash(storage, run_id, iteration, stage, name, table, rows):
     """Write `rows` into a new attempt that never commits, as a writer killed before its manifest."""
-    w = StageWriter(storage, stage_dir(storage, run_id, iteration, stage), run_id=run_id,
-                    iteration=iteration, stage=stage, config={"crashed": True}, inputs={})
+    w = StageWriter(
+        storage,
+        stage_dir(storage, run_id, iteration, stage),
+        run_id=run_id,
+        iteration=iteration,
+        stage=stage,
+        config={"crashed": True},
+        inputs={},
+    )
     write_parquet(storage.fs, w.path(name), table, rows)
     return w
 
@@ -57,14 +64,22 @@ def crash(storage, run_id, iteration, stage, name, table, rows):
 def test_counts_match_committed_parquet(run):
     files = committed_files(run, "q")
     assert {v: len(u) for v, u in files.items()} == {
-        "rollouts": 2, "rewards": 1, "advantages": 1, "logprobs": 1, "learn_metrics": 1, "eval": 1}
+        "rollouts": 2,
+        "rewards": 1,
+        "advantages": 1,
+        "logprobs": 1,
+        "learn_metrics": 1,
+        "eval": 1,
+    }
     con = connect(run, "q")
     for view, uris in files.items():
         expected = sum(num_rows(run, u) for u in uris)
         assert expected > 0
         assert con.execute(f'SELECT count(*) FROM "{view}"').fetchall() == [(expected,)], view
-    assert con.execute("SELECT iteration, count(*) FROM rollouts GROUP BY 1 ORDER BY 1").fetchall() == \
-        [(0, 64), (1, 64)]
+    assert con.execute("SELECT iteration, count(*) FROM rollouts GROUP BY 1 ORDER BY 1").fetchall() == [
+        (0, 64),
+        (1, 64),
+    ]
 
 
 def test_crashed_attempts_are_not_seen(run):
@@ -74,7 +89,7 @@ def test_crashed_attempts_are_not_seen(run):
     fake["prompt_id"] = [p + 10_000 for p in fake["prompt_id"]]
     before = query(run, "q", "SELECT count(*) AS n, max(prompt_id) AS top FROM rollouts")
     crash(run, "q", 0, "rollouts", "rollouts.parquet", "rollouts", fake)  # beside a committed attempt
-    crash(run, "q", 1, "rewards", "rewards.parquet", "rewards", [])       # the only attempt of a stage
+    crash(run, "q", 1, "rewards", "rewards.parquet", "rewards", [])  # the only attempt of a stage
     crash(run, "q", 2, "rollouts", "rollouts.parquet", "rollouts", fake)  # an iteration with nothing committed
     assert len(list_attempts(run, stage_dir(run, "q", 0, "rollouts"))) == 2
     after = query(run, "q", "SELECT count(*) AS n, max(prompt_id) AS top FROM rollouts")
@@ -83,23 +98,44 @@ def test_crashed_attempts_are_not_seen(run):
 
 
 def test_join_rollouts_rewards(run):
-    sql = ("SELECT r.prompt_id, avg(w.reward) AS reward, count(*) AS n FROM rollouts r "
-           "JOIN rewards w USING (prompt_id, sample_index, iteration) GROUP BY 1 ORDER BY 1")
+    sql = (
+        "SELECT r.prompt_id, avg(w.reward) AS reward, count(*) AS n FROM rollouts r "
+        "JOIN rewards w USING (prompt_id, sample_index, iteration) GROUP BY 1 ORDER BY 1"
+    )
     df = query(run, "q", sql)
     assert len(df) == 16 and (df.n == 4).all()  # iteration 1 has no rewards: only iteration 0 joins
-    rewards = read_parquet(run.fs, latest_committed(run, stage_dir(run, "q", 0, "rewards")).path(
-        "rewards.parquet"), "rewards").to_pandas()
+    rewards = read_parquet(
+        run.fs, latest_committed(run, stage_dir(run, "q", 0, "rewards")).path("rewards.parquet"), "rewards"
+    ).to_pandas()
     expected = rewards.groupby("prompt_id").reward.mean()
     assert df.reward.tolist() == pytest.approx(expected.loc[df.prompt_id].tolist())
     # the advantages stage's copy of the reward agrees with the rewards stage
-    assert query(run, "q", "SELECT count(*) AS bad FROM advantages a JOIN rewards w "
-                           "USING (iteration, prompt_id, sample_index) WHERE a.reward != w.reward").bad[0] == 0
+    assert (
+        query(
+            run,
+            "q",
+            "SELECT count(*) AS bad FROM advantages a JOIN rewards w "
+            "USING (iteration, prompt_id, sample_index) WHERE a.reward != w.reward",
+        ).bad[0]
+        == 0
+    )
 
 
 def test_cli_prints_table_and_bad_sql_exits_2(run, capsys):
     url = run.url
-    assert main(["--storage", url, "query", "--run", "q",
-                 "SELECT iteration, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1"]) == 0
+    assert (
+        main(
+            [
+                "--storage",
+                url,
+                "query",
+                "--run",
+                "q",
+                "SELECT iteration, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.split("\n")
     assert out[0].split() == ["iteration", "n"] and out[1].split() == ["0", "64"] and out[2].split() == ["1", "64"]
     assert main(["--storage", url, "query", "--run", "q", "SELECT * FROM rewards WHERE false"]) == 0
@@ -120,10 +156,24 @@ def _fake_run(storage, run_id):
 
 
 def _commit_rewards(storage, run_id, iteration, n):
-    rows = {"run_id": [run_id] * n, "iteration": [iteration] * n, "prompt_id": list(range(n)),
-            "sample_index": [0] * n, "reward": [1.0] * n, "components": [{}] * n, "error": [None] * n}
-    w = StageWriter(storage, stage_dir(storage, run_id, iteration, "rewards"), run_id=run_id,
-                    iteration=iteration, stage="rewards", config={"n": n}, inputs={})
+    rows = {
+        "run_id": [run_id] * n,
+        "iteration": [iteration] * n,
+        "prompt_id": list(range(n)),
+        "sample_index": [0] * n,
+        "reward": [1.0] * n,
+        "components": [{}] * n,
+        "error": [None] * n,
+    }
+    w = StageWriter(
+        storage,
+        stage_dir(storage, run_id, iteration, "rewards"),
+        run_id=run_id,
+        iteration=iteration,
+        stage="rewards",
+        config={"n": n},
+        inputs={},
+    )
     write_parquet(storage.fs, w.path("rewards.parquet"), "rewards", rows)
     return w.commit()
 
@@ -132,9 +182,10 @@ def test_newest_committed_attempt_wins_and_hashes_are_checked(storage):
     _fake_run(storage, "w")
     _commit_rewards(storage, "w", 0, 2)
     newest = _commit_rewards(storage, "w", 0, 3)  # a forced rerun: the old attempt stays beside it
-    _commit_rewards(storage, "w", 3, 5)           # iterations 1-2 have nothing: skipped
-    assert query(storage, "w", "SELECT iteration, count(*) AS n FROM rewards GROUP BY 1 ORDER BY 1"
-                 ).values.tolist() == [[0, 3], [3, 5]]
+    _commit_rewards(storage, "w", 3, 5)  # iterations 1-2 have nothing: skipped
+    assert query(
+        storage, "w", "SELECT iteration, count(*) AS n FROM rewards GROUP BY 1 ORDER BY 1"
+    ).values.tolist() == [[0, 3], [3, 5]]
     path = newest.path("rewards.parquet")
     good = storage.read_bytes(path)
     storage.fs.pipe_file(path, good[:4] + bytes([good[4] ^ 1]) + good[5:])  # one bit off in the data

@@ -4,6 +4,7 @@ The checkpoint is made here the way a real one looks: a Qwen2 model (grouped-que
 attention), a byte-level BPE tokenizer trained on the test's text, Qwen's special tokens
 and chat template, pad distinct from eos, and two eos ids in generation_config.json.
 """
+
 import importlib.util
 import json
 import os
@@ -15,26 +16,31 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from grpo.cli import main, run_iteration
+from flows.cli import main
 from grpo.config import ConfigError, load_config
 from grpo.generation import HFGenerator, SamplingSpec, close_generators, get_generator
 from grpo.storage import open_storage
 from grpo.tiny_model import build_chat_model
 from stages.init import init_run
-from stages.rollouts import eval_prompts, held_out_split, iteration_prompts
+from stages.iteration import run_iteration
+from stages.prompts import eval_prompts, held_out_split, iteration_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 IM_END, ENDOFTEXT = "<|im_end|>", "<|endoftext|>"
-needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                                   reason="vllm is not installed")]
+needs_vllm = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
 
 
 def problem(i: int) -> dict:
     """A GSM8K-format row: question, and a worked answer ending in `#### N`."""
     a, b = i % 7 + 1, i // 7 + 2
-    return {"question": f"Tom has {a} apples and buys {b} more. How many apples does Tom have now?",
-            "answer": f"Tom has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}",
-            "level": i % 3}
+    return {
+        "question": f"Tom has {a} apples and buys {b} more. How many apples does Tom have now?",
+        "answer": f"Tom has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}",
+        "level": i % 3,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -45,28 +51,44 @@ def world(tmp_path_factory):
         rows[i]["question"] = "Tom has 1 apple. " * 30 + "How many apples does Tom have now?"
     texts = [f"{r['question']} {r['answer']} The answer is 7. \\boxed{{7}}" for r in rows]
     texts += ["<|im_start|>system\nYou are a careful solver.<|im_end|>\n<|im_start|>user\n<|im_start|>assistant\n"]
-    model = build_chat_model(str(root / "model"), texts, vocab_size=400, max_position_embeddings=128)
+    build_chat_model(str(root / "model"), texts, vocab_size=400, max_position_embeddings=128)
     pd.DataFrame(rows).to_parquet(root / "gsm8k.parquet")
     with open(root / "chat.jsonl", "w") as f:  # prompts as chat messages
         for r in rows:
-            f.write(json.dumps({"prompt": [{"role": "user", "content": r["question"]}],
-                                "ground_truth": r["answer"]}) + "\n")
+            f.write(
+                json.dumps({"prompt": [{"role": "user", "content": r["question"]}], "ground_truth": r["answer"]}) + "\n"
+            )
     (root / "my_reward.py").write_text(
         "def graded(response, ground_truth, prompt, level):\n"
         "    return {'total': float(ground_truth.split('####')[-1].strip() in response), 'level': float(level),\n"
         "            'saw_template': float(prompt.startswith('<|im_start|>'))}\n\n"
         "def length(response, ground_truth, prompt, **row):\n"
-        "    return len(response) / 100\n")
+        "    return len(response) / 100\n"
+    )
     return root
 
 
 def chat_config(world, *extra):
-    return [f"model.base_model={world / 'model'}", "task.name=math", f"task.dataset={world / 'gsm8k.parquet'}",
-            "task.prompt_column=question", "task.answer_column=answer", "task.prompt_format=chat",
-            "task.system_prompt=You are a careful solver.", "rollout.backend=hf", "rollout.prompts_per_iteration=8",
-            "rollout.group_size=4", "rollout.max_tokens=12", "rollout.max_prompt_tokens=60",
-            "learn.minibatch_size=16", "learn.microbatch_size=8", "eval.n_prompts=8", "eval.split_fraction=0.25",
-            "reward.workers=1", *extra]
+    return [
+        f"model.base_model={world / 'model'}",
+        "task.name=math",
+        f"task.dataset={world / 'gsm8k.parquet'}",
+        "task.prompt_column=question",
+        "task.answer_column=answer",
+        "task.prompt_format=chat",
+        "task.system_prompt=You are a careful solver.",
+        "rollout.backend=hf",
+        "rollout.prompts_per_iteration=8",
+        "rollout.group_size=4",
+        "rollout.max_tokens=12",
+        "rollout.max_prompt_tokens=60",
+        "learn.minibatch_size=16",
+        "learn.microbatch_size=8",
+        "eval.n_prompts=8",
+        "eval.split_fraction=0.25",
+        "reward.workers=1",
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -86,7 +108,9 @@ def check_two_iterations(storage, run_id, eos_ids):
     stopped = 0
     for out in outs:
         ro = read(storage, out["rollouts"], "rollouts.parquet")
-        assert ro.prompt.str.startswith("<|im_start|>").all() and ro.prompt.str.endswith("<|im_start|>assistant\n").all()
+        assert (
+            ro.prompt.str.startswith("<|im_start|>").all() and ro.prompt.str.endswith("<|im_start|>assistant\n").all()
+        )
         assert not ro.response.str.contains(IM_END, regex=False).any()
         assert not ro.response.str.contains(ENDOFTEXT, regex=False).any()
         last = ro.response_ids.map(lambda ids: ids[-1])
@@ -115,7 +139,9 @@ def test_chat_model_gsm8k_two_iterations_hf(world, storage):
 
 def test_over_long_prompts_are_skipped_and_counted(world, storage):
     from transformers import AutoTokenizer
+
     from grpo import data
+
     cfg = load_config(None, chat_config(world, "rollout.prompts_per_iteration=28"))  # most of an epoch
     init_run(storage, "long", cfg)
     tok = AutoTokenizer.from_pretrained(world / "model")
@@ -123,6 +149,7 @@ def test_over_long_prompts_are_skipped_and_counted(world, storage):
     lengths = [len(ids) for ids in data.tokenize_prompts(tok, drawn, "chat", cfg.task.system_prompt)[1]]
     assert max(lengths) > 60 >= min(lengths)
     from stages import stage_function
+
     stage_function("snapshot")(storage, "long", 0)
     out = stage_function("rollouts")(storage, "long", 0)
     assert out.manifest.summary["skipped_prompts"] == sum(n > 60 for n in lengths) >= 1
@@ -132,8 +159,13 @@ def test_over_long_prompts_are_skipped_and_counted(world, storage):
 
 @pytest.mark.parametrize("backend", [pytest.param("vllm", marks=needs_vllm)])
 def test_chat_messages_dataset_two_iterations_vllm(world, storage, backend):
-    extra = [f"task.dataset={world / 'chat.jsonl'}", "task.prompt_column=prompt", "task.answer_column=ground_truth",
-             "task.prompt_format=auto", f"rollout.backend={backend}"]
+    extra = [
+        f"task.dataset={world / 'chat.jsonl'}",
+        "task.prompt_column=prompt",
+        "task.answer_column=ground_truth",
+        "task.prompt_format=auto",
+        f"rollout.backend={backend}",
+    ]
     init_run(storage, "chat-vllm", load_config(None, chat_config(world, *extra)))
     try:
         check_two_iterations(storage, "chat-vllm", eos_ids=[0, 2])
@@ -141,16 +173,25 @@ def test_chat_messages_dataset_two_iterations_vllm(world, storage, backend):
         close_generators()
 
 
-def test_user_reward_functions_are_stored_by_name_and_every_command_works(world, storage, tmp_path, monkeypatch,
-                                                                         capsys):
+def test_user_reward_functions_are_stored_by_name_and_every_command_works(
+    world, storage, tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(world)  # a relative path, as a user types it
-    cfg = load_config(None, chat_config(world, "reward.functions=[my_reward.py:graded, my_reward.py:length]",
-                                        "reward.weights=[1.0, 0.5]", "reward.truncated_reward=null"))
+    cfg = load_config(
+        None,
+        chat_config(
+            world,
+            "reward.functions=[my_reward.py:graded, my_reward.py:length]",
+            "reward.weights=[1.0, 0.5]",
+            "reward.truncated_reward=null",
+        ),
+    )
     init_run(storage, "mine", cfg)
     monkeypatch.chdir(tmp_path)  # the run carries its copy of the reward file
     out = run_iteration(storage, "mine", 0)
     rw = read(storage, out["rewards"], "rewards.parquet").merge(
-        read(storage, out["rollouts"], "rollouts.parquet"), on=["prompt_id", "sample_index"])
+        read(storage, out["rollouts"], "rollouts.parquet"), on=["prompt_id", "sample_index"]
+    )
     assert rw.error.isna().all()
     for _, r in rw.iterrows():
         c = dict(r.components)
@@ -160,19 +201,33 @@ def test_user_reward_functions_are_stored_by_name_and_every_command_works(world,
         assert r.reward == pytest.approx(c["graded"] + 0.5 * c["length"])
     url = storage.url
     assert main(["--storage", url, "status", "--run", "mine"]) == 0
-    assert main(["--storage", url, "query", "--run", "mine",
-                 "SELECT count(*) AS n, max(element_at(components, 'length')) AS l FROM rewards"]) == 0
+    assert (
+        main(
+            [
+                "--storage",
+                url,
+                "query",
+                "--run",
+                "mine",
+                "SELECT count(*) AS n, max(element_at(components, 'length')) AS l FROM rewards",
+            ]
+        )
+        == 0
+    )
     assert "n" in capsys.readouterr().out
     assert main(["--storage", url, "run", "--run", "mine", "--iterations", "1"]) == 0  # iteration 1, no wrapper
 
 
-@pytest.mark.parametrize("bad, culprit", [
-    (["reward.functions=[nowhere.py:graded]"], r"nowhere\.py:graded.*no file"),
-    (["reward.functions=[my_reward.py:absent]"], r"my_reward\.py:absent.*no function 'absent'"),
-    (["reward.functions=[json:dumps]"], r"json:dumps.*signature"),
-    (["task.answer_column=solution"], r"task\.dataset.*no column 'solution'"),
-    (["model.base_model=/no/such/model"], r"model\.base_model /no/such/model"),
-])
+@pytest.mark.parametrize(
+    "bad, culprit",
+    [
+        (["reward.functions=[nowhere.py:graded]"], r"nowhere\.py:graded.*no file"),
+        (["reward.functions=[my_reward.py:absent]"], r"my_reward\.py:absent.*no function 'absent'"),
+        (["reward.functions=[json:dumps]"], r"json:dumps.*signature"),
+        (["task.answer_column=solution"], r"task\.dataset.*no column 'solution'"),
+        (["model.base_model=/no/such/model"], r"model\.base_model /no/such/model"),
+    ],
+)
 def test_bad_input_fails_init_naming_it_and_writes_nothing(world, storage, monkeypatch, bad, culprit):
     monkeypatch.chdir(world)
     with pytest.raises(ConfigError, match=culprit):
@@ -181,8 +236,21 @@ def test_bad_input_fails_init_naming_it_and_writes_nothing(world, storage, monke
 
 
 def test_chat_format_needs_a_template_and_cli_says_so(tmp_path, capsys):
-    code = main(["--storage", str(tmp_path / "s"), "init", "--run", "t", "--set", "task.prompt_format=chat",
-                 "--set", "model.hidden_size=64", "--set", "model.num_heads=2"])
+    code = main(
+        [
+            "--storage",
+            str(tmp_path / "s"),
+            "init",
+            "--run",
+            "t",
+            "--set",
+            "task.prompt_format=chat",
+            "--set",
+            "model.hidden_size=64",
+            "--set",
+            "model.num_heads=2",
+        ]
+    )
     assert code == 2 and "no chat template" in capsys.readouterr().err
     assert not (tmp_path / "s" / "runs" / "t").exists()
 
@@ -197,13 +265,22 @@ def test_hub_id_resolves_from_the_cache_offline(world, tmp_path):
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
 
     def init(run, model):
-        return subprocess.run([sys.executable, "-m", "grpo.cli", "--storage", str(tmp_path / "s"), "init", "--run",
-                               run] + [a for kv in chat_config(world, f"model.base_model={model}") for a in ("--set", kv)],
-                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "flows.cli", "--storage", str(tmp_path / "s"), "init", "--run", run]
+            + [a for kv in chat_config(world, f"model.base_model={model}") for a in ("--set", kv)],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
     ok = init("hub", "acme/tiny-chat")
     assert ok.returncode == 0, ok.stderr
     base = next((tmp_path / "s" / "runs" / "hub" / "base").glob("attempt-*"))
-    assert (base / "policy" / "chat_template.jinja").read_bytes() == (world / "model" / "chat_template.jinja").read_bytes()
+    assert (base / "policy" / "chat_template.jinja").read_bytes() == (
+        world / "model" / "chat_template.jinja"
+    ).read_bytes()
     missing = init("nohub", "acme/absent-model")
     assert missing.returncode == 2 and "model.base_model acme/absent-model" in missing.stderr
     assert "HF_HUB_OFFLINE" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
@@ -220,7 +297,9 @@ def test_eval_pass_at_k_and_avg_at_k(world, storage):
 
 
 def test_training_draws_epoch_by_epoch_without_replacement(world):
-    cfg = load_config(None, chat_config(world, "rollout.prompts_per_iteration=6", "learn.minibatch_size=8"))  # 30 rows: 5 iterations an epoch
+    cfg = load_config(
+        None, chat_config(world, "rollout.prompts_per_iteration=6", "learn.minibatch_size=8")
+    )  # 30 rows: 5 iterations an epoch
     train, held = held_out_split(cfg)
     assert len(train) == 30 and len(held) == 10
     epoch = [e.ground_truth + e.prompt for k in range(5) for e in iteration_prompts(cfg, k)]
@@ -233,7 +312,9 @@ def test_training_draws_epoch_by_epoch_without_replacement(world):
 def test_both_backends_stop_on_every_eos_id_and_keep_each_budget(world, tmp_path, backend):
     """An eos id listed only in generation_config.json stops too; each prompt keeps its own budget."""
     from transformers import AutoTokenizer
+
     from grpo.generation import decode_responses
+
     model = tmp_path / "m"
     shutil.copytree(world / "model", model)
     tok = AutoTokenizer.from_pretrained(model)
@@ -277,6 +358,7 @@ def test_tokenizer_without_pad_token_pads_with_eos(world, tmp_path):
 def test_a_warm_engine_restarts_when_the_eos_ids_change(world, tmp_path):
     """Reloading weights in place keeps the old stop ids: a checkpoint with other eos ids is not 'the same'."""
     from grpo.generation import same_architecture
+
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(world / "model", a)
     shutil.copytree(world / "model", b)
@@ -306,8 +388,9 @@ def test_model_and_dataset_from_s3_urls(world, s3_storage):
     storage.fs.put(str(world / "model") + "/", storage.path("inputs", "model") + "/", recursive=True)
     storage.fs.put_file(str(world / "gsm8k.parquet"), storage.path("inputs", "gsm8k.parquet"))
     model, data_url = storage.uri(storage.path("inputs", "model")), storage.uri(storage.path("inputs", "gsm8k.parquet"))
-    base = init_run(storage, "s3", load_config(None, chat_config(world, f"model.base_model={model}",
-                                                               f"task.dataset={data_url}")))
+    base = init_run(
+        storage, "s3", load_config(None, chat_config(world, f"model.base_model={model}", f"task.dataset={data_url}"))
+    )
     assert "policy/chat_template.jinja" in {f.path for f in base.manifest.files}
     out = run_iteration(storage, "s3", 0)
     summary = out["eval"].manifest.summary
@@ -318,7 +401,9 @@ def test_model_and_dataset_from_s3_urls(world, s3_storage):
 def test_an_edited_download_cache_is_fetched_again(world, s3_storage):
     """A checkpoint cached from S3 is checked against its manifest before each use in a process."""
     import time
+
     from grpo.checkpoint import local_checkpoint
+
     base = init_run(s3_storage, "c", load_config(None, chat_config(world)))
     folder = Path(local_checkpoint(base))
     weights = folder / "model.safetensors"

@@ -33,9 +33,7 @@ def test_roundtrip_write_list_read_delete(s3, s3_prefix):
         f.write(b"\x00\x01" * 1000)
     fs.pipe({f"{root}/sub/c.json": b'{"c": 1}', f"{root}/d.txt": b"delta"})
 
-    assert sorted(fs.ls(root, detail=False)) == sorted(
-        [f"{root}/a.txt", f"{root}/d.txt", f"{root}/sub"]
-    )
+    assert sorted(fs.ls(root, detail=False)) == sorted([f"{root}/a.txt", f"{root}/d.txt", f"{root}/sub"])
     assert sorted(fs.find(root)) == sorted(
         [f"{root}/a.txt", f"{root}/d.txt", f"{root}/sub/b.bin", f"{root}/sub/c.json"]
     )
@@ -63,9 +61,7 @@ def test_credentials_are_enforced(s3):
         secret="not-the-secret",
         client_kwargs={"endpoint_url": s3.endpoint_url},
     )
-    anon = s3fs.S3FileSystem(
-        skip_instance_cache=True, anon=True, client_kwargs={"endpoint_url": s3.endpoint_url}
-    )
+    anon = s3fs.S3FileSystem(skip_instance_cache=True, anon=True, client_kwargs={"endpoint_url": s3.endpoint_url})
     for fs in (wrong, anon):
         with pytest.raises(PermissionError):
             fs.ls(s3.bucket)
@@ -197,7 +193,7 @@ def _weed_pids(workdir) -> list[int]:
 def test_server_lifecycle_restart_and_cleanup(tmp_path):
     """A second, private server: data survives a restart in the same workdir,
     and stopping leaves no process group and no listening port behind."""
-    from s3server import find_weed, s3_server
+    from tools.s3server import find_weed, s3_server
 
     if find_weed() is None:
         pytest.skip("weed binary not found")

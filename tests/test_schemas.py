@@ -1,4 +1,5 @@
 """Parquet schemas: validation on write and read names the file and the field."""
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -10,10 +11,21 @@ FS = LocalFileSystem()
 
 
 def rollout_row(i=0):
-    return {"run_id": "r", "iteration": 0, "prompt_id": i // 2, "sample_index": i % 2,
-            "prompt": "sort 2 1 :", "prompt_ids": [2, 5, 4, 6], "response": "1 2",
-            "response_ids": [4, 5, 3], "sampler_logprobs": [-0.1, -0.2, -0.05],
-            "finish_reason": "stop", "ground_truth": "1 2", "row": "{}", "policy_version": "abc"}
+    return {
+        "run_id": "r",
+        "iteration": 0,
+        "prompt_id": i // 2,
+        "sample_index": i % 2,
+        "prompt": "sort 2 1 :",
+        "prompt_ids": [2, 5, 4, 6],
+        "response": "1 2",
+        "response_ids": [4, 5, 3],
+        "sampler_logprobs": [-0.1, -0.2, -0.05],
+        "finish_reason": "stop",
+        "ground_truth": "1 2",
+        "row": "{}",
+        "policy_version": "abc",
+    }
 
 
 def test_every_table_round_trips(tmp_path):
@@ -47,8 +59,7 @@ def test_read_rejects_foreign_file_naming_file_and_field(tmp_path):
     pq.write_table(table, path)
     with pytest.raises(SchemaError, match=r"bad\.parquet.*finish_reason"):
         read_parquet(FS, str(path), "rollouts")
-    pq.write_table(to_table([rollout_row()], "rollouts").set_column(
-        1, "iteration", pa.array([0], pa.int64())), path)
+    pq.write_table(to_table([rollout_row()], "rollouts").set_column(1, "iteration", pa.array([0], pa.int64())), path)
     with pytest.raises(SchemaError, match="iteration.*int64"):
         read_parquet(FS, str(path), "rollouts")
 

@@ -1,4 +1,5 @@
 """Stages on a tiny model in tmp_path: commits, reuse, force, audits, failures and learning."""
+
 import contextlib
 
 import duckdb
@@ -7,16 +8,26 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo.cli import main, next_iteration, run_iteration
+from flows.cli import main
 from grpo.config import ConfigError, load_config
+from grpo.layout import stage_dir
 from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
 from stages import STAGES, StageError, stage_function
-from stages.common import stage_dir
 from stages.init import init_run
+from stages.iteration import next_iteration, run_iteration
 
-TINY = ["rollout.backend=hf", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
-        "learn.minibatch_size=32", "learn.microbatch_size=16", "eval.n_prompts=16",
-        "model.hidden_size=64", "model.num_heads=2", "model.intermediate_size=128", "reward.workers=1"]
+TINY = [
+    "rollout.backend=hf",
+    "rollout.prompts_per_iteration=16",
+    "rollout.group_size=4",
+    "learn.minibatch_size=32",
+    "learn.microbatch_size=16",
+    "eval.n_prompts=16",
+    "model.hidden_size=64",
+    "model.num_heads=2",
+    "model.intermediate_size=128",
+    "reward.workers=1",
+]
 
 
 def make_run(storage, run_id="t", extra=()):
@@ -34,19 +45,25 @@ def test_one_iteration_commits_every_stage_readable_by_pandas_and_duckdb(storage
     make_run(storage)
     out = run_iteration(storage, "t", 0)
     assert list(out) == list(STAGES)
-    files = {"rollouts": "rollouts.parquet", "rewards": "rewards.parquet", "advantages": "advantages.parquet",
-             "learn": "metrics.parquet", "eval": "eval.parquet"}
+    files = {
+        "rollouts": "rollouts.parquet",
+        "rewards": "rewards.parquet",
+        "advantages": "advantages.parquet",
+        "learn": "metrics.parquet",
+        "eval": "eval.parquet",
+    }
     for stage, name in files.items():
         uri = storage.uri(out[stage].path(name))
         df = pd.read_parquet(uri)
         assert len(df) > 0, stage
-        assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{uri[len('file://'):]}')").fetchall()[0][0] == len(df)
+        assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{uri[len('file://') :]}')").fetchall()[0][0] == len(df)
     ro = pd.read_parquet(storage.uri(out["rollouts"].path("rollouts.parquet")))
     assert len(ro) == 16 * 4 and ro.groupby("prompt_id").size().eq(4).all()
     assert (ro.response_ids.map(len) == ro.sampler_logprobs.map(len)).all()
     assert set(ro.finish_reason) <= {"stop", "length"}
-    rw = ro.merge(pd.read_parquet(storage.uri(out["rewards"].path("rewards.parquet"))),
-                  on=["prompt_id", "sample_index"])
+    rw = ro.merge(
+        pd.read_parquet(storage.uri(out["rewards"].path("rewards.parquet"))), on=["prompt_id", "sample_index"]
+    )
     cut = rw[rw.finish_reason == "length"]
     assert len(cut) and (cut.reward == 0).all()  # reward.truncated_reward defaults to 0
     assert all(dict(c)["truncated"] == 1.0 for c in cut.components)
@@ -79,7 +96,8 @@ def test_rerun_is_noop_and_force_adds_attempt_without_touching_old(storage):
     assert len(list_attempts(storage, stage_dir(storage, "t", 0, "rollouts"))) == 2
     # same seeds, same sampler: the forced attempt reproduces the rows
     assert pd.read_parquet(storage.uri(forced.path("rollouts.parquet"))).equals(
-        pd.read_parquet(storage.uri(first.path("rollouts.parquet"))))
+        pd.read_parquet(storage.uri(first.path("rollouts.parquet")))
+    )
     assert snap.manifest.identity == stage_function("snapshot")(storage, "t", 0).manifest.identity
 
 
@@ -92,24 +110,26 @@ def test_missing_input_names_uri_and_command(storage):
 
 
 def test_config_errors_name_the_field():
-    for bad, field in [(["rollout.group_size=1"], "rollout.group_size"),
-                       (["learn.minibatch_size=30"], "learn.minibatch_size"),
-                       (["learn.microbatch_size=2"], r"learn.microbatch_size \(2\) must be divisible by rollout.group_size"),
-                       (["model.initializer_range=0"], "model.initializer_range"),
-                       (["advantage.mode=zscore"], "advantage.mode"),
-                       (["rollout.backend=tgi"], "rollout.backend"),
-                       (["task.name=chess"], "valid tasks"),
-                       (["learn.clip_eps_high=-1"], "learn.clip_eps_high"),
-                       (["rollout.temperature=.nan"], "rollout.temperature: expected a finite number"),
-                       (["rollout.stop=5"], "rollout.stop: expected a list"),
-                       (["rollout.stop=[5]"], "rollout.stop: expected a list of strings"),
-                       (["learn.betas=[1,2,3]"], "learn.betas: expected two numbers"),
-                       (["learn.betas=5"], "learn.betas: expected two numbers"),
-                       (["learn.betas=[0.9, 1.5]"], r"learn.betas must each be in \[0, 1\)"),
-                       (["task.system_prompt=[1]"], None),  # a string setting takes the text as typed
-                       (["reward.weights=[1.0]"], "reward.weights has 1 weight"),
-                       (["task.name=math"], "task.dataset: task 'math' makes no prompts"),
-                       (["eval.samples_per_prompt=0"], "eval.samples_per_prompt")]:
+    for bad, field in [
+        (["rollout.group_size=1"], "rollout.group_size"),
+        (["learn.minibatch_size=30"], "learn.minibatch_size"),
+        (["learn.microbatch_size=2"], r"learn.microbatch_size \(2\) must be divisible by rollout.group_size"),
+        (["model.initializer_range=0"], "model.initializer_range"),
+        (["advantage.mode=zscore"], "advantage.mode"),
+        (["rollout.backend=tgi"], "rollout.backend"),
+        (["task.name=chess"], "valid tasks"),
+        (["learn.clip_eps_high=-1"], "learn.clip_eps_high"),
+        (["rollout.temperature=.nan"], "rollout.temperature: expected a finite number"),
+        (["rollout.stop=5"], "rollout.stop: expected a list"),
+        (["rollout.stop=[5]"], "rollout.stop: expected a list of strings"),
+        (["learn.betas=[1,2,3]"], "learn.betas: expected two numbers"),
+        (["learn.betas=5"], "learn.betas: expected two numbers"),
+        (["learn.betas=[0.9, 1.5]"], r"learn.betas must each be in \[0, 1\)"),
+        (["task.system_prompt=[1]"], None),  # a string setting takes the text as typed
+        (["reward.weights=[1.0]"], "reward.weights has 1 weight"),
+        (["task.name=math"], "task.dataset: task 'math' makes no prompts"),
+        (["eval.samples_per_prompt=0"], "eval.samples_per_prompt"),
+    ]:
         if field is None:
             assert load_config(None, TINY + bad)
             continue
@@ -120,6 +140,7 @@ def test_config_errors_name_the_field():
 @pytest.mark.parametrize("config", [None, {}, [], {"task": {}}, "x"])
 def test_a_partial_or_damaged_run_json_is_refused(storage, config):
     import json
+
     make_run(storage)
     path = storage.path("runs", "t", "run.json")
     storage.fs.pipe_file(path, json.dumps({"run_id": "t", "config": config}).encode())
@@ -129,6 +150,7 @@ def test_a_partial_or_damaged_run_json_is_refused(storage, config):
 
 def test_reward_errors_recorded_then_stage_fails_over_threshold(storage, monkeypatch):
     from grpo.tasks import sort
+
     real = sort.SortTask.reward
 
     def flaky(self, response, ground_truth, prompt):
@@ -157,12 +179,20 @@ def test_reward_errors_recorded_then_stage_fails_over_threshold(storage, monkeyp
 
 def test_reward_timeout_is_recorded(storage, monkeypatch):
     import time
+
     from grpo.tasks import sort
 
     monkeypatch.setattr(sort.SortTask, "reward", lambda self, r, g, p: time.sleep(5))
-    make_run(storage, extra=["reward.timeout_s=0.05", "reward.max_error_fraction=1.0",
-                             "rollout.prompts_per_iteration=4", "learn.minibatch_size=16",
-                             "learn.microbatch_size=16"])
+    make_run(
+        storage,
+        extra=[
+            "reward.timeout_s=0.05",
+            "reward.max_error_fraction=1.0",
+            "rollout.prompts_per_iteration=4",
+            "learn.minibatch_size=16",
+            "learn.microbatch_size=16",
+        ],
+    )
     stage_function("snapshot")(storage, "t", 0)
     stage_function("rollouts")(storage, "t", 0)
     df = pd.read_parquet(storage.uri(stage_function("rewards")(storage, "t", 0).path("rewards.parquet")))
@@ -177,6 +207,7 @@ def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_
     from grpo.config import RewardConfig
     from grpo.tasks import get_task, sort
     from stages.rewards import _fork_pool, batch_items, score_batch, scorer_key
+
     real = sort.SortTask.reward
 
     def slow_on_marker(self, response, ground_truth, prompt):
@@ -191,11 +222,18 @@ def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_
     slow = {5, 6, 400}  # two in a row in one job, one in another
     for i in slow:
         responses[i] = "slow"
-    batch = pa.RecordBatch.from_pydict({"response": responses, "ground_truth": [e.ground_truth for e in examples],
-                                        "prompt": [e.prompt for e in examples], "row": ["{}"] * len(examples)})
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "response": responses,
+            "ground_truth": [e.ground_truth for e in examples],
+            "prompt": [e.prompt for e in examples],
+            "row": ["{}"] * len(examples),
+        }
+    )
     with _fork_pool(2) as pool:
-        scored = score_batch(pool, scorer_key(load_config(), None), RewardConfig(workers=2, timeout_s=0.2),
-                             batch_items(batch))
+        scored = score_batch(
+            pool, scorer_key(load_config(), None), RewardConfig(workers=2, timeout_s=0.2), batch_items(batch)
+        )
     assert len(scored) == 700
     for i, ((reward, components, error), e) in enumerate(zip(scored, examples)):
         if i in slow:
@@ -207,7 +245,9 @@ def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_
 
 def test_reward_pool_is_kept_only_while_warm_and_never_after_a_failure():
     import os
+
     from stages.rewards import _WarmPools
+
     pools = _WarmPools()
     pids = []
     for _ in range(2):  # cold: a pool per stage
@@ -233,7 +273,9 @@ def test_a_pool_failed_as_it_starts_is_terminated_despite_the_parents_sigterm_ha
     for every worker to die (it hung the flow test that injects a reward fault)."""
     import signal
     import threading
+
     from stages.rewards import _WarmPools
+
     pools, done = _WarmPools(), threading.Event()
 
     def fail_at_once(times: int):
@@ -254,12 +296,12 @@ def test_a_pool_failed_as_it_starts_is_terminated_despite_the_parents_sigterm_ha
 
 def test_nan_loss_fails_learn_and_commits_nothing(storage, monkeypatch):
     import grpo.core as core
+
     make_run(storage)
     for s in ["snapshot", "rollouts", "rewards", "advantages"]:
         stage_function(s)(storage, "t", 0)
     real = core.grpo_microbatch_step
-    monkeypatch.setattr(core, "grpo_microbatch_step",
-                        lambda logp, *a, **k: real(logp * float("nan"), *a, **k))
+    monkeypatch.setattr(core, "grpo_microbatch_step", lambda logp, *a, **k: real(logp * float("nan"), *a, **k))
     with pytest.raises(StageError, match="non-finite"):
         stage_function("learn")(storage, "t", 0)
     assert list_attempts(storage, stage_dir(storage, "t", 0, "learn"))  # it started...
@@ -272,8 +314,11 @@ def test_optimizer_state_carries_to_next_iteration(storage):
     run_iteration(storage, "t", 0)
     assert next_iteration(storage, "t") == 1
     out = run_iteration(storage, "t", 1)
-    assert out["learn"].manifest.inputs["previous"].uri.endswith(
-        latest_committed(storage, stage_dir(storage, "t", 0, "learn")).attempt_dir.rsplit("/", 1)[1])
+    assert (
+        out["learn"]
+        .manifest.inputs["previous"]
+        .uri.endswith(latest_committed(storage, stage_dir(storage, "t", 0, "learn")).attempt_dir.rsplit("/", 1)[1])
+    )
     state0 = torch.load(latest_committed(storage, stage_dir(storage, "t", 0, "learn")).path("optimizer.pt"))
     state1 = torch.load(out["learn"].path("optimizer.pt"))
     steps = lambda s: next(iter(s["state"].values()))["step"].item()  # noqa: E731
@@ -299,7 +344,9 @@ def test_two_processes_give_the_same_update_as_one(storage):
     two = latest_committed(storage, stage_dir(storage, "two", 0, "learn"))
     assert two.manifest.summary["world_size"] == 2
     w1, w2 = (load_file(c.path("policy/model.safetensors")) for c in (one, two))
-    base = load_file(latest_committed(storage, stage_dir(storage, "one", None, "base")).path("policy/model.safetensors"))
+    base = load_file(
+        latest_committed(storage, stage_dir(storage, "one", None, "base")).path("policy/model.safetensors")
+    )
     # compare the updates; Adam's m / sqrt(v) can blow float noise up on near-zero gradients, so
     # the whole update must agree to a small relative error, not every weight bit for bit
     d1 = torch.cat([(w1[k] - base[k]).flatten() for k in sorted(w1)])
@@ -331,13 +378,23 @@ def test_mean_reward_rises(storage):
     are, lr 1.5e-3, 2 epochs), so 6 iterations of 512 samples (48 AdamW steps) move the reward
     far beyond its sampling noise.
     """
-    make_run(storage, "learns", extra=["rollout.prompts_per_iteration=64", "rollout.group_size=8",
-                                       "learn.minibatch_size=128", "learn.microbatch_size=128",
-                                       "rollout.max_tokens=5", "task.params={credit: position}",
-                                       "reward.truncated_reward=null", "model.initializer_range=0.05",
-                                       "learn.lr=1.5e-3", "learn.epochs=2"])
-    rewards = [run_iteration(storage, "learns", k)["advantages"].manifest.summary["reward_mean"]
-               for k in range(6)]
+    make_run(
+        storage,
+        "learns",
+        extra=[
+            "rollout.prompts_per_iteration=64",
+            "rollout.group_size=8",
+            "learn.minibatch_size=128",
+            "learn.microbatch_size=128",
+            "rollout.max_tokens=5",
+            "task.params={credit: position}",
+            "reward.truncated_reward=null",
+            "model.initializer_range=0.05",
+            "learn.lr=1.5e-3",
+            "learn.epochs=2",
+        ],
+    )
+    rewards = [run_iteration(storage, "learns", k)["advantages"].manifest.summary["reward_mean"] for k in range(6)]
     # the first policy's mean reward is ~0.06 with a sampling std of ~0.005 at 512 samples;
     # seeds 0-2 end at 0.136-0.163
     assert rewards[-1] > 2 * rewards[0] and rewards[-1] - rewards[0] > 0.05, rewards
@@ -363,10 +420,10 @@ def test_all_stages_on_s3(s3, monkeypatch, tmp_path):
 
 def test_user_dataset_and_arithmetic_task(storage, tmp_path):
     data = tmp_path / "arith.jsonl"
-    data.write_text("".join(f'{{"prompt": "{a} + {b} * 2 =", "ground_truth": "{a + 2 * b}"}}\n'
-                            for a in range(4) for b in range(3)))
-    make_run(storage, "ar", extra=["task.name=arithmetic", "task.params={max_operand: 9}",
-                                   f"task.dataset={data}"])
+    data.write_text(
+        "".join(f'{{"prompt": "{a} + {b} * 2 =", "ground_truth": "{a + 2 * b}"}}\n' for a in range(4) for b in range(3))
+    )
+    make_run(storage, "ar", extra=["task.name=arithmetic", "task.params={max_operand: 9}", f"task.dataset={data}"])
     out = run_iteration(storage, "ar", 0)
     ro = pd.read_parquet(storage.uri(out["rollouts"].path("rollouts.parquet")))
     assert set(ro.prompt) <= {f"{a} + {b} * 2 =" for a in range(4) for b in range(3)}
@@ -374,7 +431,9 @@ def test_user_dataset_and_arithmetic_task(storage, tmp_path):
     assert {"format", "correct"} <= set(dict(rw.components[0]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1 + 1 ="}\n')
-    with pytest.raises(ConfigError, match=r"task.dataset.*bad\.jsonl.*no column 'prompt'"):  # at init, before anything is written
+    with pytest.raises(
+        ConfigError, match=r"task.dataset.*bad\.jsonl.*no column 'prompt'"
+    ):  # at init, before anything is written
         make_run(storage, "bad", extra=["task.name=arithmetic", f"task.dataset={bad}"])
     assert not storage.exists(storage.path("runs", "bad", "run.json"))
 
@@ -385,8 +444,11 @@ def test_a_forced_earlier_stage_makes_the_later_ones_stale_and_grpo_run_rebuilds
     run_iteration(storage, "t", 0)
     run_iteration(storage, "t", 1)
     stage_function("rollouts")(storage, "t", 1, force=True)  # new samples (another attempt, same seeds)
-    with pytest.raises(StageError, match=r"learn iteration 1: input .* is stale: .*rewards.* was made from "
-                                         r".*rollouts/attempt-0001.* which .*rollouts/attempt-0002.* replaced"):
+    with pytest.raises(
+        StageError,
+        match=r"learn iteration 1: input .* is stale: .*rewards.* was made from "
+        r".*rollouts/attempt-0001.* which .*rollouts/attempt-0002.* replaced",
+    ):
         stage_function("learn")(storage, "t", 1)
     with pytest.raises(StageError, match="grpo run --run t --start 1"):
         stage_function("advantages")(storage, "t", 1)
@@ -410,7 +472,9 @@ def test_exploded_weights_are_never_committed_nor_sampled_from(storage, tmp_path
     assert not committed_attempts(storage, stage_dir(storage, "t", 0, "learn"))
     # a base model with a NaN weight is refused at init, before anything is written
     from safetensors.torch import load_file, save_file
+
     from grpo.tiny_model import build_for_task
+
     model = build_for_task(str(tmp_path / "nan"), "sort", hidden_size=64, num_heads=2, intermediate_size=128)
     weights = load_file(f"{model}/model.safetensors")
     name = sorted(weights)[0]
@@ -423,6 +487,7 @@ def test_exploded_weights_are_never_committed_nor_sampled_from(storage, tmp_path
 
 def test_an_init_killed_after_run_json_is_finished_by_the_command_the_error_names(storage, capsys):
     import shutil
+
     make_run(storage)
     shutil.rmtree(stage_dir(storage, "t", None, "base"))  # as if killed before the base model committed
     with pytest.raises(StageError, match=r"run `grpo init --run t` \(it reads run.json\)") as err:
@@ -434,6 +499,7 @@ def test_an_init_killed_after_run_json_is_finished_by_the_command_the_error_name
 
 def test_a_sampler_serving_stale_weights_trips_max_logprob_gap_and_tis_trains_through_it(storage, monkeypatch):
     from grpo.generation import HFGenerator, close_generators
+
     make_run(storage, extra=["learn.max_logprob_gap=0.01", "learn.lr=1e-2"])
     close_generators()
     for s in STAGES[:5]:
@@ -443,7 +509,9 @@ def test_a_sampler_serving_stale_weights_trips_max_logprob_gap_and_tis_trains_th
     stage_function("eval")(storage, "t", 0)
     for s in STAGES[:4]:
         stage_function(s)(storage, "t", 1)
-    with pytest.raises(StageError, match=r"learn iteration 1: the sampler's log-probs differ .*learn.max_logprob_gap=0.01"):
+    with pytest.raises(
+        StageError, match=r"learn iteration 1: the sampler's log-probs differ .*learn.max_logprob_gap=0.01"
+    ):
         stage_function("learn")(storage, "t", 1)
     close_generators()  # a fresh sampler loads the base weights, then (still patched) keeps them
     make_run(storage, "tis", extra=["learn.importance_correction=tis", "learn.tis_cap=2", "learn.lr=1e-2"])
@@ -458,6 +526,7 @@ def test_a_sampler_serving_stale_weights_trips_max_logprob_gap_and_tis_trains_th
 def test_status_verify_shows_corrupt_the_error_says_what_to_run_and_gc_lists_then_removes(storage, capsys):
     import os
     from pathlib import Path
+
     make_run(storage)
     run_iteration(storage, "t", 0)
     first = latest_committed(storage, stage_dir(storage, "t", 0, "rewards"))

@@ -1,4 +1,5 @@
 """Storage layer: commit protocol, refusal of uncommitted or corrupt stages, on file:// and S3."""
+
 import json
 import os
 import time
@@ -7,12 +8,25 @@ import pandas as pd
 import pytest
 
 import grpo.storage
-from grpo.storage import (CorruptArtifactError, NotCommittedError, StageWriter, find_committed, is_local,
-                          latest_committed, list_attempts, open_storage)
+from grpo.storage import (
+    CorruptArtifactError,
+    NotCommittedError,
+    StageWriter,
+    find_committed,
+    is_local,
+    latest_committed,
+    list_attempts,
+    open_storage,
+)
 from schemas import MANIFEST_NAME, read_parquet, write_parquet
 
-ROWS = {"run_id": ["r", "r"], "iteration": [0, 0], "prompt_id": [0, 1],
-        "prompt": ["sort 2 1 :", "sort 1 3 :"], "ground_truth": ["1 2", "1 3"]}
+ROWS = {
+    "run_id": ["r", "r"],
+    "iteration": [0, 0],
+    "prompt_id": [0, 1],
+    "prompt": ["sort 2 1 :", "sort 1 3 :"],
+    "ground_truth": ["1 2", "1 3"],
+}
 
 
 @pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
@@ -26,8 +40,7 @@ def storage(request, tmp_path):
 
 
 def write_stage(storage, stage_dir, config=None, rows=ROWS):
-    w = StageWriter(storage, stage_dir, run_id="r", iteration=0, stage="prompts",
-                    config=config or {"n": 2}, inputs={})
+    w = StageWriter(storage, stage_dir, run_id="r", iteration=0, stage="prompts", config=config or {"n": 2}, inputs={})
     write_parquet(storage.fs, w.path("prompts.parquet"), "prompts", rows)
     return w, w.commit(summary={"rows": len(rows["prompt_id"])})
 
@@ -54,8 +67,7 @@ def test_uncommitted_attempt_is_invisible(storage):
         latest_committed(storage, stage_dir)
     w, first = write_stage(storage, stage_dir)
     # a crashed writer: files written, manifest never
-    crashed = StageWriter(storage, stage_dir, run_id="r", iteration=0, stage="prompts",
-                          config={"n": 3}, inputs={})
+    crashed = StageWriter(storage, stage_dir, run_id="r", iteration=0, stage="prompts", config={"n": 3}, inputs={})
     write_parquet(storage.fs, crashed.path("prompts.parquet"), "prompts", ROWS)
     assert len(list_attempts(storage, stage_dir)) == 2
     assert latest_committed(storage, stage_dir).attempt_dir == first.attempt_dir
@@ -124,8 +136,15 @@ def test_new_attempt_never_overwrites_and_identity_lookup(storage):
 def test_manifest_records_inputs_config_and_code(storage):
     stage_dir = storage.path("runs/r/iter-0000/prompts")
     _, upstream = write_stage(storage, stage_dir)
-    w = StageWriter(storage, storage.path("runs/r/iter-0000/next"), run_id="r", iteration=0,
-                    stage="next", config={"a": 1}, inputs={"prompts": upstream.ref()})
+    w = StageWriter(
+        storage,
+        storage.path("runs/r/iter-0000/next"),
+        run_id="r",
+        iteration=0,
+        stage="next",
+        config={"a": 1},
+        inputs={"prompts": upstream.ref()},
+    )
     storage.fs.pipe_file(w.path("x.bin"), b"abc")
     c = w.commit()
     raw = json.loads(storage.read_bytes(f"{c.attempt_dir}/{MANIFEST_NAME}"))
@@ -139,10 +158,14 @@ def test_referenced_file_is_verified(storage):
     _, upstream = write_stage(storage, storage.path("runs/r/iter-0000/prompts"))
     entry = upstream.manifest.file("prompts.parquet")
     from schemas import FileEntry
-    w = StageWriter(storage, storage.path("runs/r/iter-0000/snap"), run_id="r", iteration=0,
-                    stage="snap", config={}, inputs={})
-    w.reference("prompts.parquet", FileEntry(entry.path, entry.size, entry.sha256,
-                                             uri=storage.uri(upstream.path("prompts.parquet"))))
+
+    w = StageWriter(
+        storage, storage.path("runs/r/iter-0000/snap"), run_id="r", iteration=0, stage="snap", config={}, inputs={}
+    )
+    w.reference(
+        "prompts.parquet",
+        FileEntry(entry.path, entry.size, entry.sha256, uri=storage.uri(upstream.path("prompts.parquet"))),
+    )
     w.commit()
     got = latest_committed(storage, storage.path("runs/r/iter-0000/snap"))
     assert got.path("prompts.parquet") == upstream.path("prompts.parquet")

@@ -10,10 +10,10 @@ import grpo.tasks
 import grpo.tasks.arithmetic
 import grpo.tasks.sort
 from grpo.tasks import TASKS, Example, generates, get_task
-
-GENERATORS = sorted(n for n in TASKS if generates(get_task(n)))  # the toy tasks; math scores a dataset
 from grpo.tasks.arithmetic import arithmetic_reward
 from grpo.tasks.sort import overlap, parse_numbers, sort_reward
+
+GENERATORS = sorted(n for n in TASKS if generates(get_task(n)))  # the toy tasks; math scores a dataset
 
 
 @pytest.mark.parametrize("module", [grpo.tasks, grpo.tasks.sort, grpo.tasks.arithmetic])
@@ -163,8 +163,11 @@ def test_unknown_param_is_named():
 
 @pytest.mark.parametrize(
     "name, params, bad",
-    [("sort", {"n_numbers": 0}, "n_numbers"), ("sort", {"max_value": 0}, "max_value"),
-     ("arithmetic", {"max_operand": 0}, "max_operand")],
+    [
+        ("sort", {"n_numbers": 0}, "n_numbers"),
+        ("sort", {"max_value": 0}, "max_value"),
+        ("arithmetic", {"max_operand": 0}, "max_operand"),
+    ],
 )
 def test_bad_param_value_is_named(name, params, bad):
     with pytest.raises(ValueError, match=bad):

@@ -16,7 +16,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo.tasks import get_task
 from grpo.tiny_model import (
-    BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_for_task, build_tiny_model, build_tokenizer,
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    build_for_task,
+    build_tiny_model,
+    build_tokenizer,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +63,7 @@ def test_decode_responses_drops_the_final_eos_and_keeps_other_specials(sort_mode
     import random
 
     from grpo.generation import decode_responses
+
     tok = AutoTokenizer.from_pretrained(sort_model)
     rng = random.Random(0)
     rows = [[rng.randrange(len(tok)) for _ in range(rng.randint(0, 6))] for _ in range(300)]
@@ -149,8 +156,9 @@ def test_vllm_loads_and_samples(sort_model, tmp_path):
     script.write_text(VLLM_SCRIPT)
     # in-process engine core: starts in seconds instead of ~30 s
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, str(script), sort_model], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), sort_model], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     outs = json.loads(line.removeprefix("RESULT "))
@@ -173,12 +181,23 @@ def test_vllm_loads_and_samples(sort_model, tmp_path):
     assert torch.allclose(ref, torch.tensor(sample["logprobs"]), atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", [
-    "hf", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="vllm is not installed")])])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "hf",
+        pytest.param(
+            "vllm",
+            marks=[
+                pytest.mark.vllm,
+                pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+            ],
+        ),
+    ],
+)
 def test_weight_reload_samples_like_a_fresh_generator(tmp_path, backend):
     """A warm generator that reloads checkpoint B in place samples exactly what one started on B does."""
     from grpo.generation import SamplingSpec, close_generators, get_generator
+
     a, b = (build_for_task(str(tmp_path / name), "sort", seed=seed) for name, seed in (("a", 0), ("b", 1)))
     tok = AutoTokenizer.from_pretrained(a)
     prompts = [tok(e.prompt)["input_ids"] for e in get_task("sort").generate(8, seed=0)]
@@ -206,6 +225,7 @@ def test_weight_reload_samples_like_a_fresh_generator(tmp_path, backend):
 
 def test_initializer_range_sets_the_init_std(tmp_path):
     from safetensors.torch import load_file
+
     for std in (0.02, 0.05):
         path = build_tiny_model(str(tmp_path / str(std)), WORDS, initializer_range=std)
         weights = load_file(f"{path}/model.safetensors")

@@ -73,9 +73,7 @@ def get_task(name: str, **params) -> Task:
     valid = [f.name for f in dataclasses.fields(cls) if f.init]
     for key in params:
         if key not in valid:
-            raise ValueError(
-                f"unknown parameter {key!r} for task {name!r}; valid parameters: {', '.join(valid)}"
-            )
+            raise ValueError(f"unknown parameter {key!r} for task {name!r}; valid parameters: {', '.join(valid)}")
     return cls(**params)
 
 

@@ -13,6 +13,7 @@ total is stored under its name and its other components as `name/component`.
     >>> score("11", "11", "3 + 4 * 2 =", {})
     {'format': 1.0, 'correct': 1.0, 'total': 1.0}
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,8 +48,9 @@ def split_spec(spec: str) -> tuple[str, str]:
     """`target:function` -> (target, function); a spec without both fails naming it."""
     target, _, name = spec.rpartition(":")
     if not target or not name.isidentifier():
-        raise RewardFunctionError(f"reward.functions: {spec!r} is not of the form path/to/file.py:function "
-                                  "or package.module:function")
+        raise RewardFunctionError(
+            f"reward.functions: {spec!r} is not of the form path/to/file.py:function or package.module:function"
+        )
     return target, name
 
 
@@ -98,8 +100,10 @@ def load_function(spec: str, file: str | None = None) -> Callable:
         sig = inspect.signature(fn)
         sig.bind("response", "ground_truth", "prompt", **{n: None for n in required_columns(fn)})
     except (TypeError, ValueError) as e:
-        raise RewardFunctionError(f"reward.functions: {spec!r}: signature {inspect.signature(fn)} does not take "
-                                  "(response, ground_truth, prompt, **row)") from e
+        raise RewardFunctionError(
+            f"reward.functions: {spec!r}: signature {inspect.signature(fn)} does not take "
+            "(response, ground_truth, prompt, **row)"
+        ) from e
     return fn
 
 
@@ -142,8 +146,10 @@ class Scorer:
     @classmethod
     def for_task(cls, task_name: str, params: dict) -> Scorer:
         task = get_task(task_name, **params)
-        return cls([(task_name, lambda response, ground_truth, prompt, **_: task.reward(response, ground_truth,
-                                                                                         prompt))], [1.0])
+        return cls(
+            [(task_name, lambda response, ground_truth, prompt, **_: task.reward(response, ground_truth, prompt))],
+            [1.0],
+        )
 
     @classmethod
     def for_functions(cls, specs: list[str], weights: list[float] | None, files: list[str | None]) -> Scorer:

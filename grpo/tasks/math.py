@@ -36,7 +36,7 @@ def last_boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i + 1:j].strip()
+            return text[i + 1 : j].strip()
     return None
 
 
@@ -112,11 +112,14 @@ def equivalent(answer: str, truth: str) -> bool:
     for name in ("math_verify.parser", "math_verify.grader"):  # "timeout is disabled": on purpose, see above
         logging.getLogger(name).setLevel(logging.ERROR)
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
 
     def parsed(text: str):
-        return parse(f"${text}$", extraction_config=configs, parsing_timeout=None) or \
-            parse(text, extraction_config=configs, parsing_timeout=None)
+        return parse(f"${text}$", extraction_config=configs, parsing_timeout=None) or parse(
+            text, extraction_config=configs, parsing_timeout=None
+        )
+
     gold, pred = parsed(truth), parsed(answer)
     return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
 

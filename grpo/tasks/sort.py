@@ -136,8 +136,11 @@ def sort_reward(response: str, ground_truth: str, credit: Credit = "ordered") ->
     want = parse_numbers(ground_truth)
     got = parse_numbers(response)
     words = response.split()
-    scores = {"present": present_score(got, want), "ordered": ordered_score(got, want),
-              "position": position_score(words, want)}
+    scores = {
+        "present": present_score(got, want),
+        "ordered": ordered_score(got, want),
+        "position": position_score(words, want),
+    }
     # any non-number word spoils an exact match
     scores["exact"] = float(got == want and len(got) == len(words))
     scores["total"] = scores["present"] / 4 + scores[credit] / 4 + scores["exact"] / 2

@@ -1,57 +1,31 @@
 """`grpo`: create runs, run one stage or whole iterations, and inspect a run.
 
-    grpo init --run demo [--config cfg.yaml] [--set learn.lr=1e-3 ...]
-    grpo stage rollouts --run demo --iteration 0 [--force]
-    grpo run --run demo --iterations 3          # every stage of each iteration, in order
-    grpo demo                                    # init + 2 iterations of the tiny sort model
-    grpo status --run demo
-    grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
+grpo init --run demo [--config cfg.yaml] [--set learn.lr=1e-3 ...]
+grpo stage rollouts --run demo --iteration 0 [--force]
+grpo run --run demo --iterations 3          # every stage of each iteration, in order
+grpo demo                                    # init + 2 iterations of the tiny sort model
+grpo status --run demo
+grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
 """
+
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
 
 from grpo.config import ConfigError, load_config_file
+from grpo.layout import STAGES, stage_dir
 from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
 from schemas import SchemaError
-from stages import STAGES, StageError, stage_function
-from stages.common import stage_dir
-
-
-def _committed(storage: Storage, run_id: str, k: int, stage: str) -> bool:
-    return bool(committed_attempts(storage, stage_dir(storage, run_id, k, stage)))
-
-
-def _finished(storage: Storage, run_id: str, k: int) -> bool:
-    """Iteration k has a committed eval whose chain (learn, advantages, ..., snapshot) is current."""
-    from stages.common import stale_attempt
-    attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
-    return bool(attempts) and not stale_attempt(storage, attempts[-1])
-
-
-def next_iteration(storage: Storage, run_id: str) -> int:
-    """The first unfinished iteration: the first without a committed `eval`, or whose stages were
-    made stale by a forced rerun of an earlier stage (the run resumes there and rebuilds them)."""
-    last = 0
-    while _committed(storage, run_id, last, "learn"):
-        last += 1
-    return next((k for k in range(last) if not _finished(storage, run_id, k)), last)
-
-
-def run_iteration(storage: Storage, run_id: str, iteration: int, force: bool = False) -> dict:
-    """All stages of one iteration in order; committed ones with the same identity are reused."""
-    out = {}
-    for name in STAGES:
-        out[name] = stage_function(name)(storage, run_id, iteration, force=force)
-    return out
+from stages import StageError, stage_function
+from stages.iteration import next_iteration, run_warm
 
 
 def cmd_init(args, storage):
     from stages.init import init_run, run_config
+
     cfg = run_config(storage, args.run, args.config, args.set)
     init_run(storage, args.run, cfg)
     print(f"run {args.run}: {storage.uri(storage.path('runs', args.run))}")
@@ -63,30 +37,19 @@ def cmd_stage(args, storage):
     print(f"{args.name} iteration {iteration}: {committed.uri}\n  {committed.manifest.summary}")
 
 
-def run_warm(storage: Storage, run_id: str, first: int, iterations: int):
-    """Iterations first.. in this process, warm: yields (k, run_iteration's committed outputs).
-
-    One reward worker pool serves them all, and what the first iteration loaded is frozen out
-    of later full garbage collections (see flows.grpo, which does the same between its tasks).
-    """
-    from stages.rewards import WARM_POOLS
-    with WARM_POOLS.keep():
-        for k in range(first, first + iterations):
-            out = run_iteration(storage, run_id, k)
-            if k == first:
-                gc.freeze()
-            yield k, out
-
-
 def cmd_run(args, storage):
     start = next_iteration(storage, args.run) if args.start == "next" else args.start
     for k, out in run_warm(storage, args.run, start, args.iterations):
-        print(f"iteration {k}: reward {out['advantages'].manifest.summary['reward_mean']:.3f}  "
-              f"eval exact {out['eval'].manifest.summary['exact_match']:.3f}", flush=True)
+        print(
+            f"iteration {k}: reward {out['advantages'].manifest.summary['reward_mean']:.3f}  "
+            f"eval exact {out['eval'].manifest.summary['exact_match']:.3f}",
+            flush=True,
+        )
 
 
 def cmd_demo(args, storage):
     from stages.init import init_run
+
     init_run(storage, args.run, load_config_file(args.config, args.set))
     args.start = "next"
     cmd_run(args, storage)
@@ -94,6 +57,7 @@ def cmd_demo(args, storage):
 
 def cmd_status(args, storage):
     from stages.common import load_run, stale_attempt
+
     load_run(storage, args.run)
     last = next_iteration(storage, args.run)
     while list_attempts(storage, stage_dir(storage, args.run, last + 1, "snapshot")):  # tried after a stale one
@@ -105,9 +69,16 @@ def cmd_status(args, storage):
             d = stage_dir(storage, args.run, k, s)
             tried, done = list_attempts(storage, d), committed_attempts(storage, d)
             failed = f" +{len(tried) - len(done)}f" if len(tried) > len(done) else ""
-            state = "corrupt" if done and args.verify and _corrupt(storage, done[-1]) else \
-                "stale" if done and stale_attempt(storage, done[-1]) else "ok"
-            cells.append("missing" if not tried else f"{state} x{len(done)}{failed}" if done else f"failed x{len(tried)}")
+            state = (
+                "corrupt"
+                if done and args.verify and _corrupt(storage, done[-1])
+                else "stale"
+                if done and stale_attempt(storage, done[-1])
+                else "ok"
+            )
+            cells.append(
+                "missing" if not tried else f"{state} x{len(done)}{failed}" if done else f"failed x{len(tried)}"
+            )
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
 
 
@@ -123,6 +94,7 @@ def _corrupt(storage: Storage, attempt_dir: str) -> bool:
 def cmd_gc(args, storage):
     from stages.common import load_run
     from stages.gc import find_garbage, remove
+
     load_run(storage, args.run)
     garbage = find_garbage(storage, args.run, min_age_s=args.older_than_s)
     for g in garbage:
@@ -137,7 +109,9 @@ def cmd_gc(args, storage):
 
 def cmd_query(args, storage):
     import duckdb
+
     from grpo.query import query
+
     try:
         df = query(storage, args.run, args.sql, verify=not args.no_verify)
     except duckdb.Error as e:
@@ -157,17 +131,23 @@ def _iteration(text: str) -> int | str:
 def describe(e: BaseException, storage_url: str = "") -> str:
     """One line for an error from storage, the network, the OS or a parser: what failed, where, what to do."""
     import errno
+
     name = type(e).__name__
     text = " ".join(str(e).split())
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return f"no space left on the device writing {e.filename or 'storage'}: free space, then rerun (nothing was committed)"
+        where = e.filename or "storage"
+        return f"no space left on the device writing {where}: free space, then rerun (nothing was committed)"
     if name in ("EndpointConnectionError", "ConnectTimeoutError") or "Could not connect to the endpoint" in text:
         return f"S3 endpoint unreachable ({text}): check AWS_ENDPOINT_URL and that the server is up"
     if name == "NoCredentialsError":
         return "S3: no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
     on_s3 = storage_url.startswith("s3://")
-    if name == "ClientError" or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or \
-            (on_s3 and isinstance(e, PermissionError)):
+    if (
+        name == "ClientError"
+        or "InvalidAccessKeyId" in text
+        or "SignatureDoesNotMatch" in text
+        or (on_s3 and isinstance(e, PermissionError))
+    ):
         return f"S3 refused the request ({text}): check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket"
     if isinstance(e, OSError) and e.filename:
         return f"{e.filename}: {e.strerror or text}"
@@ -211,12 +191,19 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("gc", help="list (or --delete) failed and superseded attempts and temporary files")
     sp.add_argument("--run", required=True)
     sp.add_argument("--delete", action="store_true", help="remove them (default: only list)")
-    sp.add_argument("--older-than-s", type=float, default=3600.0,
-                    help="leave anything written more recently (a stage may be running): default 3600")
+    sp.add_argument(
+        "--older-than-s",
+        type=float,
+        default=3600.0,
+        help="leave anything written more recently (a stage may be running): default 3600",
+    )
     sp.set_defaults(fn=cmd_gc)
-    sp = sub.add_parser("query", help="DuckDB SQL over the committed tables of a run",
-                        description="views: rollouts, rewards, advantages, logprobs, learn_metrics, eval "
-                                    "(newest committed attempt of each iteration; see grpo/query.py)")
+    sp = sub.add_parser(
+        "query",
+        help="DuckDB SQL over the committed tables of a run",
+        description="views: rollouts, rewards, advantages, logprobs, learn_metrics, eval "
+        "(newest committed attempt of each iteration; see grpo/query.py)",
+    )
     sp.add_argument("--run", required=True)
     sp.add_argument("sql", help='e.g. "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"')
     sp.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files read")
@@ -226,10 +213,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s"
+    )
     logging.getLogger("grpo").setLevel(logging.INFO)
     from transformers.utils.logging import disable_progress_bar
+
     disable_progress_bar()  # a "Writing model shards" bar per learner checkpoint between our lines
     try:
         args.fn(args, open_storage(args.storage))
@@ -239,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # storage, network, OS, parsing: one line; -v or GRPO_DEBUG=1 shows the traceback
         if args.verbose or os.environ.get("GRPO_DEBUG"):
             raise
-        print(f"grpo: error: {describe(e, args.storage or os.environ.get('GRPO_STORAGE', ''))} "
-              "(-v for the traceback)", file=sys.stderr)
+        print(
+            f"grpo: error: {describe(e, args.storage or os.environ.get('GRPO_STORAGE', ''))} (-v for the traceback)",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

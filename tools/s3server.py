@@ -3,7 +3,7 @@
 Usable from pytest (see ``tests/conftest.py``) and from plain scripts::
 
     from pathlib import Path
-    from tests.s3server import s3_server
+    from tools.s3server import s3_server
 
     with s3_server(Path("/tmp/s3demo")) as ep:
         import s3fs
@@ -42,6 +42,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterator
+
+from grpo.procs import stop_group, tail
 
 __all__ = ["S3Endpoint", "S3ServerError", "find_weed", "s3_server"]
 
@@ -148,45 +150,6 @@ def _free_port_pairs(n: int) -> list[int]:
     finally:
         for s in held:
             s.close()
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return f"<no log at {path}>"
-    return "\n".join(lines[-n:])
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - exists but not ours
-        return True
-    return True
-
-
-def _stop(proc: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM the process group, SIGKILL it after `timeout`, reap, verify empty."""
-    pgid = proc.pid  # start_new_session=True -> pgid == pid
-    if proc.poll() is None or _group_alive(pgid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    # anything left in the group (the leader after the timeout, or stray children)
-    if _group_alive(pgid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    deadline = time.monotonic() + 5
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _wait_http(url: str, proc: subprocess.Popen, deadline: float) -> None:
@@ -335,10 +298,10 @@ def s3_server(
             _wait_http(ep.endpoint_url + "/", proc, deadline)
             _create_bucket(ep, deadline)
         except BaseException as e:
-            _stop(proc, stop_timeout)
+            stop_group(proc, stop_timeout)
             _cleanup_tmp_sockets(ports)
-            tail = _tail(log_path)
-            if isinstance(e, S3ServerError) and "address already in use" in tail and attempt < 2:
+            log_tail = tail(log_path)
+            if isinstance(e, S3ServerError) and "address already in use" in log_tail and attempt < 2:
                 last_err = e
                 continue
             if not isinstance(e, S3ServerError):
@@ -346,12 +309,12 @@ def s3_server(
             raise S3ServerError(
                 f"SeaweedFS S3 server did not come up at {ep.endpoint_url} "
                 f"within {startup_timeout:.0f}s: {e}\n"
-                f"command: {' '.join(cmd)}\n--- last lines of {log_path} ---\n{tail}"
+                f"command: {' '.join(cmd)}\n--- last lines of {log_path} ---\n{log_tail}"
             ) from None
         try:
             yield ep
         finally:
-            _stop(proc, stop_timeout)
+            stop_group(proc, stop_timeout)
             _cleanup_tmp_sockets(ports)
         return
     raise S3ServerError(f"could not start SeaweedFS after 3 attempts: {last_err}")  # pragma: no cover
@@ -381,7 +344,7 @@ def _cleanup_tmp_sockets(ports: dict[str, int]) -> None:
                 p.unlink()
 
 
-if __name__ == "__main__":  # manual use: python tests/s3server.py [workdir]
+if __name__ == "__main__":  # manual use: .venv/bin/python -m tools.s3server [workdir]
     import tempfile
 
     wd = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="s3server-"))

@@ -1,4 +1,4 @@
-"""A real Prefect server and process worker on 127.0.0.1 for end-to-end tests.
+"""A real Prefect server and process worker on 127.0.0.1, for end-to-end tests, benchmarks and trying deployments.
 
     with prefect_server(tmp / "prefect") as server:           # temporary PREFECT_HOME, SQLite
         server.cli("work-pool", "create", "grpo-pool", "--type", "process", "--overwrite")
@@ -9,13 +9,11 @@
 Every process runs in its own session and is stopped with its whole process
 group (SIGTERM, then SIGKILL), the worker before the server.
 """
+
 from __future__ import annotations
 
 import json
 import os
-import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,48 +25,13 @@ from pathlib import Path
 
 import psutil
 
+from grpo.procs import free_port, stop_group, tail
+
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
 
 class PrefectServerError(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, n: int = 60, pattern: str | None = None) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join([line for line in lines if pattern is None or re.search(pattern, line)][-n:])
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 20) -> None:
-    """SIGTERM the process group of `proc` (and any descendant that left it), then SIGKILL."""
-    try:
-        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.Error:
-        family = [proc.pid]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=grace_s if sig == signal.SIGTERM else 10)
-        except subprocess.TimeoutExpired:
-            continue
-        break
-    for pid in family[1:]:  # children that started their own session
-        try:
-            psutil.Process(pid).kill()
-        except psutil.Error:
-            pass
 
 
 @dataclass
@@ -78,21 +41,33 @@ class PrefectServer:
     env: dict[str, str]
     """Environment for anything that talks to this server (PREFECT_HOME, PREFECT_API_URL, ...)."""
 
-    def cli(self, *args: str, cwd: str | Path | None = None, timeout: float = 300,
-            check: bool = True) -> subprocess.CompletedProcess:
+    def cli(
+        self, *args: str, cwd: str | Path | None = None, timeout: float = 300, check: bool = True
+    ) -> subprocess.CompletedProcess:
         """`prefect <args>` against this server; output captured, failure raises with it."""
-        res = subprocess.run([PREFECT, *args], cwd=cwd, env=self.env, capture_output=True, text=True,
-                             timeout=timeout, start_new_session=True)
+        res = subprocess.run(
+            [PREFECT, *args],
+            cwd=cwd,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
         if check and res.returncode != 0:
-            raise PrefectServerError(f"prefect {' '.join(args)} exited {res.returncode}:\n"
-                                     f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
+            raise PrefectServerError(
+                f"prefect {' '.join(args)} exited {res.returncode}:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+            )
         return res
 
     def api(self, method: str, path: str, body: dict | None = None):
         """One JSON request to the server's REST API."""
-        req = urllib.request.Request(f"{self.api_url}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.api_url}{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read() or "null")
 
@@ -119,14 +94,19 @@ class PrefectServer:
     def log_tails(self, n: int = 80, pattern: str | None = None) -> str:
         """The last `n` lines of the server's log and of every worker's log under PREFECT_HOME;
         with `pattern`, the last `n` of those lines that match it (`re.search`)."""
-        return "\n".join(f"--- {log.name} (last {n} {'matching ' if pattern else ''}lines)\n"
-                         f"{_tail(log, n, pattern)}" for log in sorted(self.home.glob("*.log")))
+        return "\n".join(
+            f"--- {log.name} (last {n} {'matching ' if pattern else ''}lines)\n{tail(log, n, pattern)}"
+            for log in sorted(self.home.glob("*.log"))
+        )
 
     def logs(self, flow_run_id: str) -> list[dict]:
         """The flow run's log records (its tasks' included; `name`, `message`, ...), oldest first."""
         rows, offset = [], 0
-        while batch := self.api("POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
-                                                          "sort": "TIMESTAMP_ASC", "limit": 200, "offset": offset}):
+        while batch := self.api(
+            "POST",
+            "/logs/filter",
+            {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC", "limit": 200, "offset": offset},
+        ):
             rows += batch
             offset += len(batch)
         return rows
@@ -139,23 +119,35 @@ class PrefectServer:
 def prefect_server(home: Path, timeout: float = 180):
     """A `prefect server start` on 127.0.0.1 with SQLite under `home`; yields a PrefectServer."""
     home.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url,
-           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
-           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
-           "PREFECT_WORKER_QUERY_SECONDS": "2",
-           "PREFECT_CLI_COLORS": "false", "PREFECT_CLI_WRAP_LINES": "false"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": api_url,
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_CLI_COLORS": "false",
+        "PREFECT_CLI_WRAP_LINES": "false",
+    }
     log = home / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise PrefectServerError(f"prefect server exited {proc.returncode}:\n{_tail(log)}")
+                raise PrefectServerError(f"prefect server exited {proc.returncode}:\n{tail(log)}")
             try:
                 with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -163,34 +155,41 @@ def prefect_server(home: Path, timeout: float = 180):
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise PrefectServerError(f"prefect server not healthy after {timeout:.0f}s:\n{_tail(log)}")
+                raise PrefectServerError(f"prefect server not healthy after {timeout:.0f}s:\n{tail(log)}")
             time.sleep(0.5)
         yield PrefectServer(api_url=api_url, home=home, env=env)
     finally:
-        stop(proc)
+        stop_group(proc)
 
 
 @contextmanager
-def process_worker(server: PrefectServer, pool: str, cwd: Path, env: dict[str, str] | None = None,
-                   timeout: float = 120):
+def process_worker(
+    server: PrefectServer, pool: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 120
+):
     """`prefect worker start --pool <pool>` in `cwd`; yields the Popen (its log file as `.log`)."""
     log = server.home / f"worker-{pool}.log"
     worker_env = {**server.env, **(env or {})}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool, "--type", "process"], cwd=cwd,
-                                env=worker_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [PREFECT, "worker", "start", "--pool", pool, "--type", "process"],
+            cwd=cwd,
+            env=worker_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     proc.log = log  # type: ignore[attr-defined]
     try:
         deadline = time.monotonic() + timeout
         while "started!" not in log.read_text(errors="replace"):
             if proc.poll() is not None:
-                raise PrefectServerError(f"worker exited {proc.returncode}:\n{_tail(log)}")
+                raise PrefectServerError(f"worker exited {proc.returncode}:\n{tail(log)}")
             if time.monotonic() > deadline:
-                raise PrefectServerError(f"worker not started after {timeout:.0f}s:\n{_tail(log)}")
+                raise PrefectServerError(f"worker not started after {timeout:.0f}s:\n{tail(log)}")
             time.sleep(0.5)
         yield proc
     finally:
-        stop(proc)
+        stop_group(proc)
 
 
 def flow_run_processes(worker: subprocess.Popen) -> list[psutil.Process]:

@@ -1,0 +1,57 @@
+"""Where a run lives in storage, the order of its stages, and the seeds they draw from.
+
+    <storage>/runs/<run_id>/run.json                 resolved config, written once
+    <storage>/runs/<run_id>/base/attempt-*/          the base (and reference) model
+    <storage>/runs/<run_id>/iter-000k/<stage>/attempt-*/
+
+Every path of a run is built here; the stages, the CLI, `grpo query` and the flow import it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal, get_args
+
+from grpo.errors import LayoutError
+from grpo.storage import Storage
+
+StageName = Literal["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]
+STAGES: tuple[str, ...] = get_args(StageName)  # the order an iteration runs them in
+
+
+def run_dir(storage: Storage, run_id: str) -> str:
+    if not run_id or "/" in run_id or run_id.startswith(".") or len(run_id) > 128:
+        raise LayoutError(
+            f"run id {run_id[:40]!r}{'...' if len(run_id) > 40 else ''} must be a name of 1-128 "
+            "characters without '/', not starting with '.'"
+        )
+    return storage.path("runs", run_id)
+
+
+def run_json(storage: Storage, run_id: str) -> str:
+    """The run's resolved config, written once by `grpo init`."""
+    return f"{run_dir(storage, run_id)}/run.json"
+
+
+def stage_dir(storage: Storage, run_id: str, iteration: int | None, stage: str) -> str:
+    """Folder of a stage's attempts: per iteration, or run-wide (iteration None: `base`)."""
+    if iteration is None:
+        return f"{run_dir(storage, run_id)}/{stage}"
+    if iteration < 0:
+        raise LayoutError(f"iteration must be >= 0, got {iteration}")
+    return f"{run_dir(storage, run_id)}/iter-{iteration:04d}/{stage}"
+
+
+class Salt(enum.IntEnum):
+    """What a seed is for: each purpose draws from its own stream of the run seed and iteration."""
+
+    PROMPTS = 1  # the task generator's training prompts of an iteration
+    SAMPLING = 2  # the sampler's random numbers
+    LEARNER_TORCH = 3  # torch's global RNG in the learner
+    LEARNER_SHUFFLE = 4  # the order of the learner's minibatches
+    EPOCH_DRAWS = 5  # the permutation of each epoch over a dataset (iteration 0's seed for all)
+
+
+def iteration_seed(run_seed: int, iteration: int, salt: Salt) -> int:
+    """Distinct, reproducible seed per (run seed, iteration, purpose)."""
+    return (run_seed * 1_000_003 + iteration * 7919 + int(salt)) % (2**31 - 1)

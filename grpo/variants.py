@@ -1,0 +1,10 @@
+"""Every variant name, declared once: grpo.core registers its functions under these names and
+grpo.config accepts exactly these (an unknown name fails there, listing the valid ones)."""
+
+from typing import Literal
+
+AdvantageMode = Literal["naive", "centered", "normalized"]
+LossType = Literal["naive", "reinforce_baseline", "grpo_clip"]
+KLEstimator = Literal["k1", "k2", "k3"]
+AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+ImportanceCorrection = Literal["none", "tis"]

@@ -1,0 +1,86 @@
+"""What runs an iteration: the stages in order, where a run resumes, and what one process keeps
+warm from one iteration to the next. `grpo run`, the flow `grpo` and the benchmarks go through here.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+from typing import Iterator
+
+from grpo.layout import STAGES, stage_dir
+from grpo.storage import Committed, Storage, committed_attempts
+from stages import stage_function
+from stages.common import stale_attempt
+from stages.rewards import WARM_POOLS
+
+
+def _committed(storage: Storage, run_id: str, k: int, stage: str) -> bool:
+    return bool(committed_attempts(storage, stage_dir(storage, run_id, k, stage)))
+
+
+def _finished(storage: Storage, run_id: str, k: int) -> bool:
+    """Iteration k has a committed eval whose chain (learn, advantages, ..., snapshot) is current."""
+    attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
+    return bool(attempts) and not stale_attempt(storage, attempts[-1])
+
+
+def next_iteration(storage: Storage, run_id: str) -> int:
+    """The first unfinished iteration: the first without a committed `eval`, or whose stages were
+    made stale by a forced rerun of an earlier stage (the run resumes there and rebuilds them)."""
+    last = 0
+    while _committed(storage, run_id, last, "learn"):
+        last += 1
+    return next((k for k in range(last) if not _finished(storage, run_id, k)), last)
+
+
+def run_iteration(storage: Storage, run_id: str, iteration: int, force: bool = False) -> dict[str, Committed]:
+    """All stages of one iteration in order; committed ones with the same identity are reused."""
+    return {name: stage_function(name)(storage, run_id, iteration, force=force) for name in STAGES}
+
+
+class WarmState:
+    """Handle of `warm_state`: call `loaded()` after each iteration."""
+
+    def __init__(self):
+        self.frozen = False
+
+    def loaded(self) -> None:
+        """After the first iteration: imports, engine and models are millions of objects that live as
+        long as the process; freeze them out of later full collections (~0.3 s every ~10 iterations)."""
+        if not self.frozen:
+            gc.freeze()
+            self.frozen = True
+
+
+@contextmanager
+def warm_state() -> Iterator[WarmState]:
+    """Everything one process keeps between the iterations it runs, entered once by the flow and by
+    `grpo run`:
+    - the reward worker pool (stages.rewards.WARM_POOLS): one for all iterations, stopped on exit;
+    - the learner one learn hands to the next iteration's (stages.learn.WARM, keyed by the commit it
+      made; on a GPU it waits in CPU memory);
+    - the sampling engine (grpo.generation's live generators): reloaded in place with each new
+      policy, asleep while the learner runs; `grpo.generation.close_generators()` stops it;
+    - gc.freeze of what the first iteration loaded (WarmState.loaded), undone on exit.
+    The learner and the engine outlive the block (a later block in the process takes them up again if
+    its run continues theirs). Process-wide caches that need no owner, read-only and bounded: tokenizer
+    and config per checkpoint files (grpo.checkpoint), file-hash stamps (grpo.storage), datasets
+    (grpo.data), config type hints (grpo.config).
+    """
+    state = WarmState()
+    with WARM_POOLS.keep():
+        try:
+            yield state
+        finally:
+            if state.frozen:
+                gc.unfreeze()
+
+
+def run_warm(storage: Storage, run_id: str, first: int, iterations: int) -> Iterator[tuple[int, dict]]:
+    """Iterations first.. in this process, warm: yields (k, run_iteration's committed outputs)."""
+    with warm_state() as warm:
+        for k in range(first, first + iterations):
+            out = run_iteration(storage, run_id, k)
+            warm.loaded()
+            yield k, out

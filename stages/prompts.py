@@ -1,0 +1,137 @@
+"""What a policy is prompted with: an iteration's training prompts, the held-out set, rendered and
+tokenized for a checkpoint, and the sampler that serves them (stages rollouts and eval).
+
+Prompts come from the task generator (seeded by the run seed and the iteration) or from the user's
+dataset (`task.dataset`, drawn epoch by epoch without replacement, the held-out rows left out; see
+grpo.data), rendered with the model's chat template where the prompt format asks for it. A prompt
+too long for `rollout.max_prompt_tokens` or for the model's context is skipped and counted; each
+other prompt gets the response budget its length leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import models as tokenizer_models
+
+from grpo import data
+from grpo.checkpoint import local_checkpoint, tokenizer_and_config
+from grpo.config import RunConfig
+from grpo.generation import Generator, engine_settings, get_generator, stop_token_ids
+from grpo.layout import Salt, iteration_seed
+from grpo.storage import Committed
+from grpo.tasks import Example, get_task
+from stages.common import StageError
+
+
+def _dataset(uri: str, cfg: RunConfig) -> tuple[Example, ...]:
+    try:
+        return data.load_examples(uri, cfg.task.prompt_column, cfg.task.answer_column)
+    except data.DatasetError as e:
+        raise StageError(str(e)) from e
+
+
+def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Example]:
+    """The `prompts_per_iteration` training prompts of `iteration`."""
+    n, seed = cfg.rollout.prompts_per_iteration, iteration_seed(cfg.seed, iteration, Salt.PROMPTS)
+    if cfg.task.dataset:
+        train, _ = held_out_split(cfg)
+        epochs_seed = iteration_seed(cfg.seed, 0, Salt.EPOCH_DRAWS)  # one seed for every epoch's permutation
+        return [train[i] for i in data.draw(len(train), n, iteration, epochs_seed)]
+    return get_task(cfg.task.name, **cfg.task.params).generate(n, seed)
+
+
+def held_out_split(cfg: RunConfig) -> tuple[list[Example], list[Example]]:
+    """(training rows, held-out rows) of task.dataset; all of it trains when eval.dataset is set."""
+    rows = _dataset(cfg.task.dataset, cfg)
+    if cfg.eval.dataset:
+        return list(rows), []
+    train, held = data.split(rows, cfg.eval.split_fraction, cfg.eval.seed)
+    if not train or not held:
+        raise StageError(
+            f"task.dataset {cfg.task.dataset}: {len(rows)} rows leave {len(train)} to train on and "
+            f"{len(held)} held out at eval.split_fraction={cfg.eval.split_fraction}"
+        )
+    return train, held
+
+
+def held_out_config(cfg: RunConfig) -> dict:
+    """The settings that choose the held-out rows (part of the identity of every stage that draws)."""
+    e = cfg.eval
+    return {"dataset": e.dataset, "split_fraction": e.split_fraction, "seed": e.seed}
+
+
+def eval_prompts(cfg: RunConfig) -> list[Example]:
+    """The fixed held-out prompts: eval.dataset, else the held-out split of task.dataset, else the
+    task generator's prompts of eval.seed; at most eval.n_prompts, the same every iteration."""
+    if cfg.eval.dataset:
+        return list(_dataset(cfg.eval.dataset, cfg)[: cfg.eval.n_prompts])
+    if cfg.task.dataset:
+        return held_out_split(cfg)[1][: cfg.eval.n_prompts]
+    return get_task(cfg.task.name, **cfg.task.params).generate(cfg.eval.n_prompts, cfg.eval.seed)
+
+
+def word_level(tokenizer) -> bool:
+    """Whether the tokenizer maps whole words (the tiny models'): only there is `unk` a missing word."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and isinstance(backend.model, tokenizer_models.WordLevel)
+
+
+@dataclass
+class Prompts:
+    """An iteration's prompts as the model sees them; those kept, and their own response budgets."""
+
+    model_dir: str
+    tokenizer: object
+    eos_ids: tuple[int, ...]
+    index: list[int]  # position of each kept prompt in the drawn list: its prompt_id
+    examples: list[Example]
+    texts: list[str]  # rendered: the chat template applied where the prompt format asks
+    ids: list[list[int]]
+    budgets: list[int]  # min(rollout.max_tokens, context left after the prompt)
+    skipped: int
+
+
+def policy_and_prompts(policy: Committed, examples: list[Example], cfg: RunConfig) -> Prompts:
+    """Render and tokenize `examples` for `policy`; skip (and count) those too long.
+
+    With a word-level tokenizer a word outside the vocabulary fails, naming the prompt.
+    """
+    model_dir = local_checkpoint(policy)
+    tokenizer, config = tokenizer_and_config(policy)
+    max_len = config.max_position_embeddings
+    if cfg.rollout.backend == "vllm" and cfg.rollout.vllm.max_model_len:  # the engine's own limit
+        max_len = min(max_len, cfg.rollout.vllm.max_model_len)
+    try:
+        texts, ids = data.tokenize_prompts(tokenizer, examples, cfg.task.prompt_format, cfg.task.system_prompt)
+    except data.DatasetError as e:
+        raise StageError(f"{cfg.task.dataset or cfg.task.name}: {e}") from e
+    limit = min(max_len - 1, cfg.rollout.max_prompt_tokens or max_len)
+    if word_level(tokenizer):
+        for t, p in zip(texts, ids):
+            if tokenizer.unk_token_id in p:
+                raise StageError(f"prompt {t!r} has words outside the model's vocabulary")
+    keep = [i for i, p in enumerate(ids) if len(p) <= limit]
+    if not keep:
+        raise StageError(
+            f"all {len(ids)} prompts are longer than {limit} tokens (rollout.max_prompt_tokens or "
+            f"the model's {max_len} positions less one for the response)"
+        )
+    return Prompts(
+        model_dir,
+        tokenizer,
+        stop_token_ids(tokenizer, model_dir),
+        keep,
+        [examples[i] for i in keep],
+        [texts[i] for i in keep],
+        [ids[i] for i in keep],
+        [min(cfg.rollout.max_tokens, max_len - len(ids[i])) for i in keep],
+        len(ids) - len(keep),
+    )
+
+
+def sampler(p: Prompts, cfg: RunConfig) -> tuple[Generator, dict]:
+    """The live generator for the prompts' checkpoint (started, woken, or reloaded in place) and what
+    it runs with: backend, dtype and engine settings, for the manifest's summary."""
+    settings = engine_settings(cfg.rollout.backend, cfg.rollout, cfg.model.dtype, p.model_dir)
+    return get_generator(cfg.rollout.backend, p.model_dir, **settings), {"backend": cfg.rollout.backend, **settings}
