@@ -10,14 +10,9 @@ import importlib
 from grpo.layout import STAGES
 from stages.common import StageError
 
-_FUNCTIONS = {
-    "snapshot": "stages.snapshot:snapshot",
-    "rollouts": "stages.rollouts:rollouts",
-    "rewards": "stages.rewards:rewards",
-    "advantages": "stages.advantages:advantages",
-    "learn": "stages.learn:learn",
-    "eval": "stages.eval:evaluate",
-}
+# the function of each stage of grpo.layout.STAGES (the order lives there): module stages.<name>,
+# function <name>, except where named here
+_FUNCTIONS = {name: f"stages.{name}:{ {'eval': 'evaluate'}.get(name, name) }" for name in STAGES}
 
 
 def stage_function(name: str):
