@@ -3,9 +3,10 @@
 grpo init --run demo [--config cfg.yaml] [--set learn.lr=1e-3 ...]
 grpo stage rollouts --run demo --iteration 0 [--force]
 grpo run --run demo --iterations 3          # every stage of each iteration, in order
-grpo demo                                    # init + 2 iterations of the tiny sort model
+grpo demo                                    # init + train the tiny sort model until it sorts
 grpo status --run demo
 grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
+grpo report --run demo                       # report.png and report.md in the run folder
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import argparse
 import logging
 import os
 import sys
+import time
+from pathlib import Path
 
 from grpo.config import ConfigError, load_config_file
-from grpo.layout import STAGES, stage_dir
+from grpo.layout import STAGES, run_dir, stage_dir
+from grpo.quiet import quiet_libraries
 from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
 from schemas import SchemaError
 from stages import StageError, stage_function
@@ -37,22 +41,57 @@ def cmd_stage(args, storage):
     print(f"{args.name} iteration {iteration}: {committed.uri}\n  {committed.manifest.summary}")
 
 
+def train(storage, run_id: str, start: int, iterations: int, target: float | None = None) -> int | None:
+    """Run iterations start.. warm, one line each; stop early once eval's exact match reaches `target`.
+    Returns the iteration that reached it (None: not reached, or no target)."""
+    t0 = time.perf_counter()
+    print(f"{'iteration':>9}  {'reward':>6}  {'eval exact':>10}  {'seconds':>7}", flush=True)
+    for k, out in run_warm(storage, run_id, start, iterations):
+        exact = out["eval"].manifest.summary["exact_match"]
+        reward = out["advantages"].manifest.summary["reward_mean"]
+        print(f"{k:>9}  {reward:>6.3f}  {exact:>10.3f}  {time.perf_counter() - t0:>7.1f}", flush=True)
+        if target is not None and exact >= target:
+            return k
+    return None
+
+
+def grpo_command(storage_arg: str | None) -> str:
+    """How to call grpo again from here: the venv's script (relative when under the working folder)."""
+    script = Path(sys.executable).with_name("grpo")
+    command = "grpo"
+    if script.exists():
+        command = str(script.relative_to(Path.cwd())) if script.is_relative_to(Path.cwd()) else str(script)
+    return command + (f" --storage {storage_arg}" if storage_arg else "")
+
+
+def next_steps(storage, run_id: str, storage_arg: str | None) -> str:
+    grpo = grpo_command(storage_arg)
+    return (
+        f"run {run_id}: {storage.uri(run_dir(storage, run_id))}\n"
+        f"next: {grpo} status --run {run_id}                 # iterations x stages\n"
+        f'      {grpo} query --run {run_id} "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"\n'
+        f"      {grpo} report --run {run_id}                 # report.png and report.md in the run folder\n"
+        f"      {grpo} run --run {run_id} --iterations 10    # 10 more"
+    )
+
+
 def cmd_run(args, storage):
     start = next_iteration(storage, args.run) if args.start == "next" else args.start
-    for k, out in run_warm(storage, args.run, start, args.iterations):
-        print(
-            f"iteration {k}: reward {out['advantages'].manifest.summary['reward_mean']:.3f}  "
-            f"eval exact {out['eval'].manifest.summary['exact_match']:.3f}",
-            flush=True,
-        )
+    train(storage, args.run, start, args.iterations)
 
 
 def cmd_demo(args, storage):
     from stages.init import init_run
 
     init_run(storage, args.run, load_config_file(args.config, args.set))
-    args.start = "next"
-    cmd_run(args, storage)
+    start = next_iteration(storage, args.run)
+    reached = train(storage, args.run, start, args.iterations, target=args.target)
+    done = (
+        f"held-out exact match reached {args.target} at iteration {reached}"
+        if reached is not None
+        else (f"held-out exact match did not reach {args.target} in {args.iterations} iterations")
+    )
+    print(f"{done}\n{next_steps(storage, args.run, args.storage)}")
 
 
 def cmd_status(args, storage):
@@ -105,6 +144,13 @@ def cmd_gc(args, storage):
         print(f"removed {len(garbage)} item(s), {total:.1f} MB")
     else:
         print(f"{len(garbage)} item(s), {total:.1f} MB; nothing removed (dry run): add --delete to remove them")
+
+
+def cmd_report(args, storage):
+    from grpo.report import write_report
+
+    png, md = write_report(storage, args.run)
+    print(f"{png}\n{md}")
 
 
 def cmd_query(args, storage):
@@ -179,9 +225,10 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--iterations", type=int, default=1)
     sp.add_argument("--start", default="next", type=_iteration, help="first iteration (default: next unfinished)")
     sp.set_defaults(fn=cmd_run)
-    sp = sub.add_parser("demo", help="init (if needed) and train the tiny sort model")
+    sp = sub.add_parser("demo", help="init (if needed) and train the tiny sort model until it sorts")
     sp.add_argument("--run", default="demo")
-    sp.add_argument("--iterations", type=int, default=2)
+    sp.add_argument("--iterations", type=int, default=40, help="at most this many (default 40)")
+    sp.add_argument("--target", type=float, default=0.9, help="stop at this held-out exact match (default 0.9)")
     with_config(sp)
     sp.set_defaults(fn=cmd_demo)
     sp = sub.add_parser("status", help="iterations x stages of a run")
@@ -198,6 +245,9 @@ def parser() -> argparse.ArgumentParser:
         help="leave anything written more recently (a stage may be running): default 3600",
     )
     sp.set_defaults(fn=cmd_gc)
+    sp = sub.add_parser("report", help="plot a run's progress: report.png and report.md in its folder")
+    sp.add_argument("--run", required=True)
+    sp.set_defaults(fn=cmd_report)
     sp = sub.add_parser(
         "query",
         help="DuckDB SQL over the committed tables of a run",
@@ -213,9 +263,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s"
-    )
+    quiet_libraries(args.verbose)
+    level = logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
+    for handler in logging.getLogger().handlers:  # the stages log at INFO; shown with -v
+        handler.setLevel(level)
     logging.getLogger("grpo").setLevel(logging.INFO)
     from transformers.utils.logging import disable_progress_bar
 

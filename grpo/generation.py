@@ -191,6 +191,10 @@ class VLLMGenerator:
         _fixed_mmap_threshold()
         from vllm import LLM
 
+        from grpo.quiet import filter_vllm_handlers
+
+        filter_vllm_handlers()
+
         self.model_dir = model_dir
         self.eos = stop_token_ids(None, model_dir)
         self.sleep_mode, self.asleep = bool(engine.get("enable_sleep_mode")), False
@@ -402,6 +406,28 @@ def get_generator(backend: str, model_dir: str, **settings) -> Generator:
     _CACHE[backend] = BACKENDS[backend](model_dir, **settings)
     _SETTINGS[backend] = settings
     return _CACHE[backend]
+
+
+VLLM_MIN_PARAMS = 10_000_000  # on 2 CPU cores vLLM samples 2.8x faster at 13M, transformers 3x faster at 0.1M
+
+
+def choose_backend(setting: str, model_dir: str) -> tuple[str, str]:
+    """(backend, why) for rollout.backend `setting`: `auto` picks vLLM on a GPU and for models of
+    VLLM_MIN_PARAMS and up, transformers for smaller ones on a CPU or where vLLM is not installed."""
+    if setting != "auto":
+        return setting, "rollout.backend"
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "hf", "auto: vLLM is not installed"
+    if torch.cuda.is_available():
+        return "vllm", "auto: a GPU"
+    from grpo.checkpoint import parameter_count
+
+    n = parameter_count(model_dir)
+    if n >= VLLM_MIN_PARAMS:
+        return "vllm", f"auto: {n / 1e6:.1f}M parameters on a CPU (>= {VLLM_MIN_PARAMS / 1e6:.0f}M)"
+    return "hf", f"auto: {n / 1e6:.1f}M parameters on a CPU (< {VLLM_MIN_PARAMS / 1e6:.0f}M)"
 
 
 def release_accelerator(keep_engine: bool) -> None:

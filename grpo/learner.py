@@ -404,6 +404,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "loss": last.get("loss"),
         "kl": last.get("kl"),
         "clip_frac": last.get("clip_frac"),
+        "entropy": sum(r["entropy"] for r in rows) / len(rows) if rows else None,  # mean over the steps
         "grad_norm": last.get("grad_norm"),
         "logprob_gap": gap,
         "world_size": world,

@@ -29,13 +29,17 @@ from stages.common import StageError, load_run, log, run_stage
 
 
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
-    """Write run.json once; a different config for an existing run is refused."""
+    """Write run.json once; a different config for an existing run is refused, except in its `tracking`
+    section (no stage reads it: turning tracking on for a run that exists is allowed)."""
     path = run_json(storage, run_id)
     data_ = json.dumps({"run_id": run_id, "config": cfg.to_dict()}, indent=1, sort_keys=True).encode()
     if storage.exists(path):
-        existing = json.loads(storage.read_bytes(path))
-        if load_config(existing.get("config")).to_dict() != cfg.to_dict():  # defaults of newer fields filled in
+        old, new = load_config(json.loads(storage.read_bytes(path)).get("config")).to_dict(), cfg.to_dict()
+        old_tracking, new_tracking = old.pop("tracking"), new.pop("tracking")  # defaults of newer fields filled in
+        if old != new:
             raise StageError(f"{storage.uri(path)}: run {run_id!r} exists with a different config; use a new run id")
+        if old_tracking != new_tracking:
+            storage.write_bytes_atomic(path, data_)
         return
     if is_local(storage.fs):  # object stores need no folders
         storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)

@@ -10,8 +10,9 @@ from typing import Iterator
 
 from grpo.layout import STAGES, stage_dir
 from grpo.storage import Committed, Storage, committed_attempts
+from grpo.tracking import track
 from stages import stage_function
-from stages.common import stale_attempt
+from stages.common import load_run, stale_attempt
 from stages.rewards import WARM_POOLS
 
 
@@ -78,9 +79,12 @@ def warm_state() -> Iterator[WarmState]:
 
 
 def run_warm(storage: Storage, run_id: str, first: int, iterations: int) -> Iterator[tuple[int, dict]]:
-    """Iterations first.. in this process, warm: yields (k, run_iteration's committed outputs)."""
+    """Iterations first.. in this process, warm: yields (k, run_iteration's committed outputs); each
+    committed iteration goes to the experiment tracker (tracking.backend)."""
+    cfg = load_run(storage, run_id)
     with warm_state() as warm:
         for k in range(first, first + iterations):
             out = run_iteration(storage, run_id, k)
             warm.loaded()
+            track(storage, run_id, cfg)
             yield k, out

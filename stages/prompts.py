@@ -17,7 +17,7 @@ from tokenizers import models as tokenizer_models
 from grpo import data
 from grpo.checkpoint import local_checkpoint, tokenizer_and_config
 from grpo.config import RunConfig
-from grpo.generation import Generator, engine_settings, get_generator, stop_token_ids
+from grpo.generation import Generator, choose_backend, engine_settings, get_generator, stop_token_ids
 from grpo.layout import Salt, iteration_seed
 from grpo.storage import Committed
 from grpo.tasks import Example, get_task
@@ -100,7 +100,7 @@ def policy_and_prompts(policy: Committed, examples: list[Example], cfg: RunConfi
     model_dir = local_checkpoint(policy)
     tokenizer, config = tokenizer_and_config(policy)
     max_len = config.max_position_embeddings
-    if cfg.rollout.backend == "vllm" and cfg.rollout.vllm.max_model_len:  # the engine's own limit
+    if cfg.rollout.backend != "hf" and cfg.rollout.vllm.max_model_len:  # the engine's own limit
         max_len = min(max_len, cfg.rollout.vllm.max_model_len)
     try:
         texts, ids = data.tokenize_prompts(tokenizer, examples, cfg.task.prompt_format, cfg.task.system_prompt)
@@ -133,5 +133,6 @@ def policy_and_prompts(policy: Committed, examples: list[Example], cfg: RunConfi
 def sampler(p: Prompts, cfg: RunConfig) -> tuple[Generator, dict]:
     """The live generator for the prompts' checkpoint (started, woken, or reloaded in place) and what
     it runs with: backend, dtype and engine settings, for the manifest's summary."""
-    settings = engine_settings(cfg.rollout.backend, cfg.rollout, cfg.model.dtype, p.model_dir)
-    return get_generator(cfg.rollout.backend, p.model_dir, **settings), {"backend": cfg.rollout.backend, **settings}
+    backend, why = choose_backend(cfg.rollout.backend, p.model_dir)
+    settings = engine_settings(backend, cfg.rollout, cfg.model.dtype, p.model_dir)
+    return get_generator(backend, p.model_dir, **settings), {"backend": backend, "why": why, **settings}

@@ -100,7 +100,8 @@ def test_sort_task_reward_matches_plain_function():
     ex = task.generate(1, seed=3)[0]
     assert sorted(parse_numbers(ex.prompt)) == parse_numbers(ex.ground_truth)
     assert task.reward(ex.ground_truth, ex.ground_truth, ex.prompt)["total"] == 1.0
-    assert task.reward("x", ex.ground_truth, ex.prompt) == sort_reward("x", ex.ground_truth)
+    assert task.credit == "position"  # the task's default; the plain function's is `ordered`
+    assert task.reward("x", ex.ground_truth, ex.prompt) == sort_reward("x", ex.ground_truth, credit="position")
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,8 @@
 Prompt ``"sort 3 1 4 1 5 :"``, answer ``"1 1 3 4 5"``. The reward gives
 partial credit, so a random policy already sees a useful signal:
 
-    total = present / 4 + ordered / 4 + exact / 2      (credit="ordered", the default)
-    total = present / 4 + position / 4 + exact / 2     (credit="position")
+    total = present / 4 + ordered / 4 + exact / 2      (credit="ordered", sort_reward's default)
+    total = present / 4 + position / 4 + exact / 2     (credit="position", the task's default)
 
 A perfect answer scores 1.0; anything short of exact scores at most 0.5.
 "ordered" credits neighbouring pairs of the sorted answer wherever they sit;
@@ -155,8 +155,9 @@ class SortTask:
     """How many numbers each prompt holds."""
     max_value: int = 9
     """Largest number that can appear (the smallest is 0)."""
-    credit: Credit = "ordered"
-    """Partial credit beside `present`: `ordered` (neighbouring pairs) or `position` (right places)."""
+    credit: Credit = "position"
+    """Partial credit beside `present`: `position` (right places) or `ordered` (neighbouring pairs, with
+    which a policy can settle on sorting the distinct values: benchmarks/RESULTS.md)."""
 
     name: ClassVar[str] = "sort"
 

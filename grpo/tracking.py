@@ -1,0 +1,98 @@
+"""Experiment tracking: each committed iteration's figures (grpo.report.iteration_rows) sent once to
+TensorBoard, MLflow or Weights & Biases, keyed by iteration.
+
+The figures come from the committed manifests, so a resumed or rerun iteration sends the values that
+were committed, once: `tracking.json` in the run folder records the iterations already sent and the
+tracker's own run id, so a later process (a resume, the next `grpo/iteration` flow run) continues the
+same tracker run. Called after every iteration by stages.iteration.run_warm and the flow `grpo`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from grpo.config import RunConfig, TrackingConfig
+from grpo.layout import run_dir
+from grpo.report import iteration_rows
+from grpo.storage import Storage, is_local
+
+
+def state_path(storage: Storage, run_id: str) -> str:
+    return f"{run_dir(storage, run_id)}/tracking.json"
+
+
+def _load_state(storage: Storage, run_id: str) -> dict:
+    path = state_path(storage, run_id)
+    return json.loads(storage.read_bytes(path)) if storage.exists(path) else {}
+
+
+def event_dir(storage: Storage, run_id: str, t: TrackingConfig) -> str:
+    """Where TensorBoard event files go: tracking.dir, else the run folder on local storage, else
+    ./tensorboard/<run_id>."""
+    if t.dir:
+        return str(Path(t.dir) / run_id)
+    if is_local(storage.fs):
+        return f"{run_dir(storage, run_id)}/tensorboard"
+    return str(Path("tensorboard") / run_id)
+
+
+def track(storage: Storage, run_id: str, cfg: RunConfig) -> list[int]:
+    """Send every committed iteration not sent yet; returns the iterations sent now."""
+    t = cfg.tracking
+    if t.backend == "none":
+        return []
+    state = _load_state(storage, run_id)
+    sent = set(state.get("iterations", []))
+    rows = [r for r in iteration_rows(storage, run_id) if r["iteration"] not in sent]
+    if not rows:
+        return []
+    metrics = [
+        (r["iteration"], {k: float(v) for k, v in r.items() if k != "iteration" and v is not None}) for r in rows
+    ]
+    state["tracker_run_id"] = SENDERS[t.backend](storage, run_id, t, state.get("tracker_run_id"), metrics)
+    state["backend"] = t.backend
+    state["iterations"] = sorted(sent | {k for k, _ in metrics})
+    storage.fs.pipe_file(state_path(storage, run_id), json.dumps(state, indent=1).encode())
+    return [k for k, _ in metrics]
+
+
+def _tensorboard(storage, run_id, t, tracker_id, metrics) -> str:
+    from torch.utils.tensorboard import SummaryWriter
+
+    folder = event_dir(storage, run_id, t)
+    with SummaryWriter(log_dir=folder) as writer:  # a new event file beside the earlier ones: one run
+        for step, values in metrics:
+            for key, value in values.items():
+                writer.add_scalar(key, value, global_step=step)
+    return tracker_id or folder
+
+
+def _mlflow(storage, run_id, t, tracker_id, metrics) -> str:
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(t.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
+    if tracker_id is None:
+        experiment = client.get_experiment_by_name(t.project)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(t.project)
+        tracker_id = client.create_run(experiment_id, run_name=run_id, tags={"grpo.run_id": run_id}).info.run_id
+    for step, values in metrics:
+        for key, value in values.items():
+            client.log_metric(tracker_id, key.replace("@", "_at_"), value, step=step)
+    return tracker_id
+
+
+def _wandb(storage, run_id, t, tracker_id, metrics) -> str:
+    import wandb
+
+    run = wandb.init(project=t.project, name=run_id, id=tracker_id, resume="allow", reinit=True)
+    try:
+        for step, values in metrics:
+            run.log(values, step=step)
+        return run.id
+    finally:
+        run.finish()
+
+
+SENDERS = {"tensorboard": _tensorboard, "mlflow": _mlflow, "wandb": _wandb}
