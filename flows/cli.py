@@ -11,9 +11,13 @@ grpo report --run demo                       # report.png and report.md in the r
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
+
+# before torch loads: its C++ warnings (vLLM's NUMA binding note on CPU) print straight to stderr
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
 import sys
 import time
 from pathlib import Path
@@ -263,11 +267,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    quiet_libraries(args.verbose)
     level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
     for handler in logging.getLogger().handlers:  # the stages log at INFO; shown with -v
         handler.setLevel(level)
+    quiet_libraries(args.verbose)
     logging.getLogger("grpo").setLevel(logging.INFO)
     from transformers.utils.logging import disable_progress_bar
 

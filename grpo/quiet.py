@@ -44,10 +44,13 @@ VERBOSE = False  # set by quiet_libraries for the engines started later in the p
 
 
 def quiet_libraries(verbose: bool = False) -> None:
-    """Before any engine starts: vLLM and transformers log WARNING and up (everything with verbose)."""
+    """Before any engine starts: vLLM and transformers log WARNING and up (everything with verbose);
+    the root logger's handlers drop vLLM's harmless warnings (some come while vLLM is imported)."""
     global VERBOSE
     VERBOSE = verbose
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if verbose else "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's records reach our handlers, not its own
+    filter_vllm_handlers()
     if not verbose:
         for name in ("transformers", "torch", "accelerate", "datasets", "filelock", "urllib3"):
             logging.getLogger(name).setLevel(logging.WARNING)
