@@ -42,7 +42,7 @@ from stages.iteration import next_iteration, warm_state
 FORWARDED_LOGGERS = ("grpo", "vllm")
 
 
-@flow(name="grpo")
+@flow(name="grpo", flow_run_name="{run_id}")
 def grpo(
     run_id: str = "demo",
     iteration: int | Literal["next"] = "next",
@@ -100,7 +100,7 @@ def transient(task, task_run, state) -> bool:
     return isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient)
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient, task_run_name="init {run_id}")
 def create_run(storage_url: str, run_id: str, config_path: str | None, overrides: list[str]) -> str:
     """Write run.json and commit the base model (idempotent); an existing run keeps its config."""
     storage = open_storage(storage_url)
@@ -109,37 +109,37 @@ def create_run(storage_url: str, run_id: str, config_path: str | None, overrides
     return base.uri
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient)
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient, task_run_name="snapshot {iteration}")
 def snapshot(storage_url: str, run_id: str, iteration: int, force: bool = False) -> str:
     """Freeze the policy of iteration k: the base model, or the previous iteration's learner output."""
     return run_stage("snapshot", storage_url, run_id, iteration, None, force)
 
 
-@task
+@task(task_run_name="rollouts {iteration}")
 def rollouts(storage_url: str, run_id: str, iteration: int, policy: str, force: bool = False) -> str:
     """Sample G responses per prompt from the snapshot, with the sampler's log-probs."""
     return run_stage("rollouts", storage_url, run_id, iteration, policy, force)
 
 
-@task
+@task(task_run_name="rewards {iteration}")
 def rewards(storage_url: str, run_id: str, iteration: int, samples: str, force: bool = False) -> str:
     """Score every sample with the task's verifiable reward."""
     return run_stage("rewards", storage_url, run_id, iteration, samples, force)
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient)
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient, task_run_name="advantages {iteration}")
 def advantages(storage_url: str, run_id: str, iteration: int, scores: str, force: bool = False) -> str:
     """Group-normalize the rewards of each prompt's G samples."""
     return run_stage("advantages", storage_url, run_id, iteration, scores, force)
 
 
-@task
+@task(task_run_name="learn {iteration}")
 def learn(storage_url: str, run_id: str, iteration: int, advs: str, force: bool = False) -> str:
     """Clipped policy gradient + KL to the reference; commits the next policy."""
     return run_stage("learn", storage_url, run_id, iteration, advs, force)
 
 
-@task(name="eval")
+@task(name="eval", task_run_name="eval {iteration}")
 def evaluate(storage_url: str, run_id: str, iteration: int, policy: str, force: bool = False) -> str:
     """Greedy decoding of the held-out prompts with the new policy."""
     return run_stage("eval", storage_url, run_id, iteration, policy, force)

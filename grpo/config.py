@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
 import types
@@ -370,6 +371,8 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def load_config(raw: dict | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Resolve a config mapping plus overrides into a validated RunConfig."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"a config is a mapping of sections (task, model, rollout, ...), got {raw!r}")
     merged = _merge(raw or {}, parse_overrides(overrides or []))
     cfg = _build(RunConfig, merged, "")
     validate(cfg)
@@ -478,5 +481,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {r.vllm.gpu_memory_utilization}")
     if r.vllm.max_model_len is not None and r.vllm.max_model_len < 2:
         raise ConfigError(f"rollout.vllm.max_model_len must be >= 2 or null, got {r.vllm.max_model_len}")
+    package = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}.get(cfg.tracking.backend)
+    if package and importlib.util.find_spec(package) is None:
+        raise ConfigError(
+            f"tracking.backend {cfg.tracking.backend}: the {package} package is not installed "
+            f"(pip install {'wandb' if package == 'wandb' else repr('grpo-flow[tracking]')})"
+        )
     if lc.lr_decay_steps < 0:
         raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {lc.lr_decay_steps}")

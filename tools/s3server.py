@@ -350,7 +350,9 @@ if __name__ == "__main__":  # manual use: .venv/bin/python -m tools.s3server [wo
     wd = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="s3server-"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # run the cleanup on SIGTERM too
     with s3_server(wd) as _ep:
-        print(json.dumps({**dataclasses.asdict(_ep), "env": _ep.env()}, indent=2), flush=True)
+        for _k, _v in _ep.env().items():  # for the shells of the worker and the CLI
+            print(f"export {_k}={_v}")
+        print(f"# bucket: {_ep.bucket}; storage for grpo: {_ep.url('runs-1')}", flush=True)
         print("Ctrl+C to stop", file=sys.stderr, flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()

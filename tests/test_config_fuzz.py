@@ -1,0 +1,77 @@
+"""Any value in any config field gives a valid config or a ConfigError naming the field, never another
+exception (property-based: hypothesis throws values of every kind at every field)."""
+
+import dataclasses
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from grpo.config import ConfigError, RunConfig, _hints, load_config
+
+# config fields whose values name files, modules or models: a wrong one fails at `grpo init` (which
+# loads them) with a ConfigError too, but that needs a run; here only their types are checked
+NAMES_THINGS = {"task.dataset", "eval.dataset", "model.base_model", "reward.functions", "tracking.uri", "tracking.dir"}
+
+
+def field_paths(cls=RunConfig, prefix=""):
+    for f in dataclasses.fields(cls):
+        hint = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from field_paths(hint, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+FIELDS = sorted(field_paths())
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**40), max_value=2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["auto", "hf", "vllm", "k3", "bf16", "bfloat16", "sort", "position", "tensorboard", "none"]),
+    st.lists(st.one_of(st.integers(-5, 5), st.floats(), st.text(max_size=4)), max_size=4),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+)
+
+
+def nested(path: str, value) -> dict:
+    *parents, leaf = path.split(".")
+    out = {leaf: value}
+    for p in reversed(parents):
+        out = {p: out}
+    return out
+
+
+def test_every_field_is_covered():
+    assert len(FIELDS) >= 74 and "rollout.vllm.gpu_memory_utilization" in FIELDS and "learn.betas" in FIELDS
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=st.sampled_from(FIELDS), value=VALUES)
+def test_any_value_in_any_field_is_a_valid_config_or_a_config_error_naming_a_field(path, value):
+    try:
+        cfg = load_config(nested(path, value))
+    except ConfigError as e:
+        message = str(e)
+        assert "\n" not in message, message  # one line
+        # names the field, or (a cross-field check) another field the value conflicts with
+        named = re.findall(r"\b([a-z_]+\.[a-z_]+(?:\.[a-z_]+)?)\b", message)
+        assert path in message or set(named) & set(FIELDS) or path.split(".")[0] in message, (path, value, message)
+        return
+    got = cfg.to_dict()
+    for key in path.split("."):
+        got = got[key]
+    if path not in NAMES_THINGS and value is not None and not isinstance(value, (dict, list)):
+        assert got == value or float(got) == float(value), (path, value, got)
+
+
+@pytest.mark.parametrize("raw", [None, [], "x", 3, {"learn": None}, {"learn": []}, {"nope": {}}])
+def test_a_config_that_is_not_a_mapping_of_sections_is_a_config_error(raw):
+    if raw is None:
+        assert load_config(raw) == RunConfig()
+        return
+    with pytest.raises(ConfigError):
+        load_config(raw)
