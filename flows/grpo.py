@@ -27,13 +27,18 @@ from typing import Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.exceptions import FailedRun
 from prefect.logging.handlers import APILogHandler
+from prefect.states import Failed, State
 
+from grpo.config import ConfigError
+from grpo.errors import StageError
 from grpo.layout import STAGES, StageName
 from grpo.quiet import HarmlessFilter
 from grpo.report import iteration_rows, markdown_table, write_report
-from grpo.storage import open_storage
+from grpo.storage import ArtifactError, open_storage
 from grpo.tracking import track
+from schemas import SchemaError
 from stages import stage_function
 from stages.common import load_run
 from stages.init import init_run, run_config
@@ -66,27 +71,31 @@ def grpo(
     url = open_storage(storage_url).url
     progress = ProgressTable(url, run_id)
     with stage_logs_to_prefect(), warm_state() as warm:  # pool, learner, engine: kept between iterations
-        create_run(url, run_id, config_path, overrides or [])
-        first = resolve_iteration(url, run_id, iteration)
-        for k in range(first, first + iterations):
-            force = {name: name == force_stage and k == first for name in STAGES}
-            policy = snapshot(url, run_id, k, force=force["snapshot"])
-            samples = rollouts(url, run_id, k, policy, force=force["rollouts"])
-            scores = rewards(url, run_id, k, samples, force=force["rewards"])
-            advs = advantages(url, run_id, k, scores, force=force["advantages"])
-            new_policy = learn(url, run_id, k, advs, force=force["learn"])
-            report = evaluate(url, run_id, k, new_policy, force=force["eval"])
-            uris = {
-                "snapshot": policy,
-                "rollouts": samples,
-                "rewards": scores,
-                "advantages": advs,
-                "learn": new_policy,
-                "eval": report,
-            }
-            progress.add()
-            warm.loaded()
-            track(open_storage(url), run_id, load_run(open_storage(url), run_id))
+        try:
+            create_run(url, run_id, config_path, overrides or [])
+            first = resolve_iteration(url, run_id, iteration)
+            for k in range(first, first + iterations):
+                force = {name: name == force_stage and k == first for name in STAGES}
+                policy = snapshot(url, run_id, k, force=force["snapshot"])
+                samples = rollouts(url, run_id, k, policy, force=force["rollouts"])
+                scores = rewards(url, run_id, k, samples, force=force["rewards"])
+                advs = advantages(url, run_id, k, scores, force=force["advantages"])
+                new_policy = learn(url, run_id, k, advs, force=force["learn"])
+                report = evaluate(url, run_id, k, new_policy, force=force["eval"])
+                uris = {
+                    "snapshot": policy,
+                    "rollouts": samples,
+                    "rewards": scores,
+                    "advantages": advs,
+                    "learn": new_policy,
+                    "eval": report,
+                }
+                progress.add()
+                warm.loaded()
+                track(open_storage(url), run_id, load_run(open_storage(url), run_id))
+        except FailedRun as e:  # a stage's one-line error (USER_ERRORS): the flow run's final state
+            progress.publish()
+            return Failed(message=str(e))
     progress.publish()
     return uris
 
@@ -104,7 +113,10 @@ def transient(task, task_run, state) -> bool:
 def create_run(storage_url: str, run_id: str, config_path: str | None, overrides: list[str]) -> str:
     """Write run.json and commit the base model (idempotent); an existing run keeps its config."""
     storage = open_storage(storage_url)
-    base = init_run(storage, run_id, run_config(storage, run_id, config_path, overrides))
+    try:
+        base = init_run(storage, run_id, run_config(storage, run_id, config_path, overrides))
+    except USER_ERRORS as e:
+        return Failed(message=f"init {run_id}: {' '.join(str(e).split())}")
     get_run_logger().info("run %s: base model %s", run_id, base.uri)
     return base.uri
 
@@ -148,12 +160,23 @@ def evaluate(storage_url: str, run_id: str, iteration: int, policy: str, force: 
 # ---------------------------------------------------------------- what every task does
 
 
-def run_stage(name: str, storage_url: str, run_id: str, iteration: int, upstream: str | None, force: bool) -> str:
-    """Run or reuse stage `name` (it logs which); return the committed attempt's URI.
+# errors the user acts on (a bad setting or input, a stale chain, a failed check): the task run fails
+# with their one line as its state's message, no traceback; anything else raises as it is
+USER_ERRORS = (StageError, ConfigError, ArtifactError, SchemaError)
+
+
+def run_stage(
+    name: str, storage_url: str, run_id: str, iteration: int, upstream: str | None, force: bool
+) -> str | State:
+    """Run or reuse stage `name` (it logs which); return the committed attempt's URI (or, for one of
+    USER_ERRORS, a Failed state with its line).
 
     `upstream` is the URI the previous task returned: the stage must have read exactly that.
     """
-    out = stage_function(name)(open_storage(storage_url), run_id, iteration, force=force)
+    try:
+        out = stage_function(name)(open_storage(storage_url), run_id, iteration, force=force)
+    except USER_ERRORS as e:
+        return Failed(message=f"{name} iteration {iteration}: {' '.join(str(e).split())}")
     if upstream and upstream not in {ref.uri for ref in out.manifest.inputs.values()}:
         raise RuntimeError(f"{name} read other inputs than {upstream}: another writer committed meanwhile")
     return out.uri

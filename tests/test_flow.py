@@ -217,3 +217,25 @@ def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
     assert [(r["iteration"], r["eval_exact_match"]) for r in progress] == [
         (k, round(warm[k]["eval"], 4)) for k in (0, 1)
     ]
+
+
+def test_a_stage_error_fails_the_flow_run_with_its_one_line_and_no_traceback(url, monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    from grpo.errors import StageError
+
+    def refuse(pool, key, cfg, items):
+        raise StageError("reward.functions my.py:score: returned 'yes' for sample 3,\nnot a number")
+
+    monkeypatch.setattr(stages.rewards, "score_batch", refuse)
+    state = grpo(run_id="oneline", iteration=0, overrides=TINY, storage_url=url, return_state=True)
+    assert state.is_failed()
+    assert (
+        state.message == "rewards iteration 0: reward.functions my.py:score: returned 'yes' for sample 3, not a number"
+    )
+    APILogHandler.flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    assert logs and not [log.message for log in logs if "Traceback" in log.message]
