@@ -72,16 +72,16 @@ def grpo(
     progress = ProgressTable(url, run_id)
     with stage_logs_to_prefect(), warm_state() as warm:  # pool, learner, engine: kept between iterations
         try:
-            create_run(url, run_id, config_path, overrides or [])
+            ok(create_run(url, run_id, config_path, overrides or []))
             first = resolve_iteration(url, run_id, iteration)
             for k in range(first, first + iterations):
                 force = {name: name == force_stage and k == first for name in STAGES}
-                policy = snapshot(url, run_id, k, force=force["snapshot"])
-                samples = rollouts(url, run_id, k, policy, force=force["rollouts"])
-                scores = rewards(url, run_id, k, samples, force=force["rewards"])
-                advs = advantages(url, run_id, k, scores, force=force["advantages"])
-                new_policy = learn(url, run_id, k, advs, force=force["learn"])
-                report = evaluate(url, run_id, k, new_policy, force=force["eval"])
+                policy = ok(snapshot(url, run_id, k, force=force["snapshot"]))
+                samples = ok(rollouts(url, run_id, k, policy, force=force["rollouts"]))
+                scores = ok(rewards(url, run_id, k, samples, force=force["rewards"]))
+                advs = ok(advantages(url, run_id, k, scores, force=force["advantages"]))
+                new_policy = ok(learn(url, run_id, k, advs, force=force["learn"]))
+                report = ok(evaluate(url, run_id, k, new_policy, force=force["eval"]))
                 uris = {
                     "snapshot": policy,
                     "rollouts": samples,
@@ -101,6 +101,14 @@ def grpo(
 
 
 # ---------------------------------------------------------------- tasks: one per stage
+
+
+def ok(result: str | State) -> str:
+    """A task's committed URI; the Failed state a task returns for one of USER_ERRORS ends the flow
+    run with that state's one line (FailedRun, caught in the flow body)."""
+    if isinstance(result, State):
+        raise FailedRun(result.message)
+    return result
 
 
 def transient(task, task_run, state) -> bool:
@@ -209,6 +217,8 @@ class ProgressTable:
             {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
             for row in iteration_rows(self.storage, self.run_id)
         ]
+        if not rows:  # no iteration of the run committed yet
+            return
         key = re.sub(r"[^a-z0-9-]+", "-", self.run_id.lower())
         span = f"iterations {rows[0]['iteration']}..{rows[-1]['iteration']}"
         create_table_artifact(rows, key=f"{key}-progress", description=f"run {self.run_id}, {span}")

@@ -235,7 +235,7 @@ def test_a_stage_error_fails_the_flow_run_with_its_one_line_and_no_traceback(url
     assert (
         state.message == "rewards iteration 0: reward.functions my.py:score: returned 'yes' for sample 3, not a number"
     )
-    APILogHandler.flush()
+    APILogHandler().flush()
     with get_client(sync_client=True) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     assert logs and not [log.message for log in logs if "Traceback" in log.message]
