@@ -72,6 +72,8 @@ def figure_png(rows: list[dict], title: str) -> bytes:
     fig, axes = plt.subplots(2, 3, figsize=(12, 6.5), constrained_layout=True)
     x = [r["iteration"] for r in rows]
     for ax, (name, keys) in zip(axes.flat, PLOTS):
+        if all(r.get(key) is None for r in rows for key in keys):  # the KL without a reference model
+            ax.text(0.5, 0.5, "not measured\n(learn.kl_coef = 0)", ha="center", va="center", transform=ax.transAxes)
         for key in keys:
             ys = [r.get(key) for r in rows]
             if any(y is not None for y in ys):
