@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from grpo.config import ConfigError, load_config_file
+from grpo.errors import describe
 from grpo.layout import STAGES, run_dir, stage_dir
 from grpo.quiet import quiet_libraries
 from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
@@ -176,32 +177,6 @@ def _iteration(text: str) -> int | str:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not an iteration: give an integer >= 0 or 'next'")
     return int(text)
-
-
-def describe(e: BaseException, storage_url: str = "") -> str:
-    """One line for an error from storage, the network, the OS or a parser: what failed, where, what to do."""
-    import errno
-
-    name = type(e).__name__
-    text = " ".join(str(e).split())
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        where = e.filename or "storage"
-        return f"no space left on the device writing {where}: free space, then rerun (nothing was committed)"
-    if name in ("EndpointConnectionError", "ConnectTimeoutError") or "Could not connect to the endpoint" in text:
-        return f"S3 endpoint unreachable ({text}): check AWS_ENDPOINT_URL and that the server is up"
-    if name == "NoCredentialsError":
-        return "S3: no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
-    on_s3 = storage_url.startswith("s3://")
-    if (
-        name == "ClientError"
-        or "InvalidAccessKeyId" in text
-        or "SignatureDoesNotMatch" in text
-        or (on_s3 and isinstance(e, PermissionError))
-    ):
-        return f"S3 refused the request ({text}): check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket"
-    if isinstance(e, OSError) and e.filename:
-        return f"{e.filename}: {e.strerror or text}"
-    return f"{name}: {text}"
 
 
 def parser() -> argparse.ArgumentParser:

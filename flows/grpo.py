@@ -17,6 +17,7 @@ a table artifact `<run>-progress` holds each iteration's reward, loss and eval.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -32,7 +33,7 @@ from prefect.logging.handlers import APILogHandler
 from prefect.states import Failed, State
 
 from grpo.config import ConfigError
-from grpo.errors import StageError
+from grpo.errors import StageError, describe, storage_error
 from grpo.layout import STAGES, StageName
 from grpo.quiet import HarmlessFilter
 from grpo.report import iteration_rows, markdown_table, write_report
@@ -111,10 +112,19 @@ def ok(result: str | State) -> str:
     return result
 
 
+def retried(exc: BaseException) -> bool:
+    """Storage hiccups (OSError: I/O, connection, timeout) are retried; not a missing file, a refused
+    permission, a full disk or a stage's checks."""
+    return (
+        isinstance(exc, OSError)
+        and not isinstance(exc, (FileNotFoundError, PermissionError))
+        and exc.errno != errno.ENOSPC
+    )
+
+
 def transient(task, task_run, state) -> bool:
-    """Retry storage hiccups (OSError: I/O, connection, timeout), not a missing file or a stage's checks."""
-    exc = state.result(raise_on_failure=False)
-    return isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)
+    """retry_condition_fn of the tasks that retry: `retried` of the exception the task raised."""
+    return retried(state.result(raise_on_failure=False))
 
 
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient, task_run_name="init {run_id}")
@@ -185,6 +195,10 @@ def run_stage(
         out = stage_function(name)(open_storage(storage_url), run_id, iteration, force=force)
     except USER_ERRORS as e:
         return Failed(message=f"{name} iteration {iteration}: {' '.join(str(e).split())}")
+    except Exception as e:
+        if not storage_error(e) or (isinstance(e, OSError) and retried(e)):
+            raise  # a bug keeps its traceback; a transient storage error is retried (the task's retries)
+        return Failed(message=f"{name} iteration {iteration}: {describe(e, storage_url)}")
     if upstream and upstream not in {ref.uri for ref in out.manifest.inputs.values()}:
         raise RuntimeError(f"{name} read other inputs than {upstream}: another writer committed meanwhile")
     return out.uri

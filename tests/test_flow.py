@@ -2,6 +2,7 @@
 commit, reuse, resume after a failed stage with earlier outputs byte-identical, force one stage,
 pick up after a CLI rerun of one stage; and once on a real S3 server."""
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -219,22 +220,35 @@ def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
     ]
 
 
-def test_a_stage_error_fails_the_flow_run_with_its_one_line_and_no_traceback(url, monkeypatch):
+ONE_LINE_ERRORS = {  # raised inside the rewards stage -> the flow run's message
+    "stage": (
+        lambda: StageError("reward.functions my.py:score: returned 'yes' for sample 3,\nnot a number"),
+        "reward.functions my.py:score: returned 'yes' for sample 3, not a number",
+    ),
+    "disk full": (
+        lambda: OSError(errno.ENOSPC, "No space left on device", "/data/x.parquet"),
+        "no space left on the device writing /data/x.parquet: free space, then rerun (nothing was committed)",
+    ),
+    "permission": (lambda: PermissionError(errno.EACCES, "Permission denied", "/data/x"), "/data/x: Permission denied"),
+}
+
+
+@pytest.mark.parametrize("case", ONE_LINE_ERRORS)
+def test_a_stage_error_fails_the_flow_run_with_its_one_line_and_no_traceback(url, monkeypatch, case):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.logging.handlers import APILogHandler
 
-    from grpo.errors import StageError
+    error, line = ONE_LINE_ERRORS[case]
 
     def refuse(pool, key, cfg, items):
-        raise StageError("reward.functions my.py:score: returned 'yes' for sample 3,\nnot a number")
+        raise error()
 
     monkeypatch.setattr(stages.rewards, "score_batch", refuse)
-    state = grpo(run_id="oneline", iteration=0, overrides=TINY, storage_url=url, return_state=True)
+    run_id = "oneline-" + case.replace(" ", "-")
+    state = grpo(run_id=run_id, iteration=0, overrides=TINY, storage_url=url, return_state=True)
     assert state.is_failed()
-    assert (
-        state.message == "rewards iteration 0: reward.functions my.py:score: returned 'yes' for sample 3, not a number"
-    )
+    assert state.message == f"rewards iteration 0: {line}"
     APILogHandler().flush()
     with get_client(sync_client=True) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
