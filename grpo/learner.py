@@ -313,11 +313,9 @@ class Learner:
         if self.save_dtype == torch.float32:
             lm.save_pretrained(out / "policy", safe_serialization=True)
         else:
-            lm.save_pretrained(
-                out / "policy",
-                safe_serialization=True,
-                state_dict={k: v.to(self.save_dtype) for k, v in lm.state_dict().items()},
-            )
+            cast: dict[int, torch.Tensor] = {}  # one copy per storage: tied weights stay tied (saved once)
+            state = {k: cast.setdefault(v.data_ptr(), v.to(self.save_dtype)) for k, v in lm.state_dict().items()}
+            lm.save_pretrained(out / "policy", safe_serialization=True, state_dict=state)
             config = json.loads((out / "policy/config.json").read_text())
             config["dtype"] = str(self.save_dtype).removeprefix("torch.")
             (out / "policy/config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

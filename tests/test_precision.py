@@ -74,6 +74,8 @@ def test_bf16_base_trains_under_autocast_writes_bf16_and_a_cold_resume_equals_a_
         WARM.take(None)
     learn = outs["cold"][1]["learn"]
     assert dtypes(learn.path("policy/model.safetensors")) == {"BF16"}
+    with safe_open(learn.path("policy/model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()  # tied to the embedding, saved once as in the base
     assert json.loads(Path(learn.path("policy/config.json")).read_text())["dtype"] == "bfloat16"
     assert dtypes(learn.path(MASTER_WEIGHTS)) == {"F32"}
     assert outs["cold"][1]["rollouts"].manifest.summary["sampler"]["dtype"] == "bfloat16"  # model.dtype auto
