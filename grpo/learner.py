@@ -251,9 +251,7 @@ class Learner:
     exactly as one built from the committed files would.
     """
 
-    def __init__(
-        self, cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None, shuffle_seed: int
-    ):
+    def __init__(self, cfg: RunConfig, policy_dir: str, ref_dir: str, state_dir: str | None, shuffle_seed: int):
         from accelerate import Accelerator
         from transformers import AutoModelForCausalLM
 

@@ -151,7 +151,6 @@ WARM = WarmLearners()
 def new_learner(cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None) -> Learner:
     return Learner(
         cfg,
-        iteration,
         policy_dir,
         ref_dir,
         state_dir,
