@@ -139,6 +139,8 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     os.environ.setdefault("PREFECT_HOME", str(root / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect's ephemeral API server gets 20 s to start by default: too few on a busy 2-core CI machine
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     import torch
 
     from flows.grpo import grpo
