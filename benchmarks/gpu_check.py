@@ -158,10 +158,9 @@ def main() -> int:
     wall = time.perf_counter() - t0
     cfg = load_config(None, overrides)
 
-    from safetensors import safe_open
+    from grpo.checkpoint import parameter_count
 
-    with safe_open(str(root / "model/model.safetensors"), framework="pt") as f:
-        n_params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    n_params = parameter_count(root / "model")
     peak = next((v for k, v in PEAK_BF16.items() if gpu and k in gpu), None)
     print(
         f"\nmodel: {n_params / 1e6:.1f}M parameters; {args.iterations} warm iterations in {wall:.0f} s "
@@ -207,13 +206,6 @@ def main() -> int:
         return 1
     print(f"OK: gap {worst:.4f} <= {args.max_gap}")
     return 0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 if __name__ == "__main__":

@@ -75,6 +75,8 @@ def grpo(
         try:
             ok(create_run(url, run_id, config_path, overrides or []))
             first = resolve_iteration(url, run_id, iteration)
+            storage = open_storage(url)
+            cfg = load_run(storage, run_id)  # for the tracker
             for k in range(first, first + iterations):
                 force = {name: name == force_stage and k == first for name in STAGES}
                 policy = ok(snapshot(url, run_id, k, force=force["snapshot"]))
@@ -93,7 +95,7 @@ def grpo(
                 }
                 progress.add()
                 warm.loaded()
-                track(open_storage(url), run_id, load_run(open_storage(url), run_id))
+                track(storage, run_id, cfg)
         except FailedRun as e:  # a stage's one-line error (USER_ERRORS): the flow run's final state
             progress.publish()
             return Failed(message=str(e))
@@ -227,16 +229,14 @@ class ProgressTable:
     def publish(self) -> None:
         if not self.changed:
             return
-        rows = [
-            {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
-            for row in iteration_rows(self.storage, self.run_id)
-        ]
-        if not rows:  # no iteration of the run committed yet
+        committed = iteration_rows(self.storage, self.run_id)
+        if not committed:  # no iteration of the run committed yet
             return
+        rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()} for row in committed]
         key = re.sub(r"[^a-z0-9-]+", "-", self.run_id.lower())
         span = f"iterations {rows[0]['iteration']}..{rows[-1]['iteration']}"
         create_table_artifact(rows, key=f"{key}-progress", description=f"run {self.run_id}, {span}")
-        png, _ = write_report(self.storage, self.run_id)
+        png, _ = write_report(self.storage, self.run_id, committed)
         last = rows[-1]
         create_markdown_artifact(
             f"# Run {self.run_id}, {span}\n\nAt iteration {last['iteration']}: mean reward {last['reward_mean']}, "

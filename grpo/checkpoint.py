@@ -8,6 +8,7 @@ downloaded once into a cache keyed by the manifest's hash.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -70,16 +71,8 @@ def parameter_count(model_dir: str | Path) -> int:
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                shape = st.get_slice(name).get_shape()
-                n += _numel(shape)
+                n += math.prod(st.get_slice(name).get_shape())
     return n
-
-
-def _numel(shape: list[int]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def non_finite_weights(model_dir: str | Path) -> list[str]:

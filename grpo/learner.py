@@ -221,12 +221,13 @@ def reduce_across_ranks(acc, metrics: dict[str, float]) -> dict[str, float]:
         return metrics
     import torch.distributed as dist
 
-    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}  # the suffixes of _EXTREMES
+    groups: dict[str, list[str]] = {}
+    for k in metrics:
+        suffix = k.rsplit("_", 1)[-1]
+        groups.setdefault(suffix if suffix in ops else "mean", []).append(k)
     out = {}
-    for op in ("mean", "max", "min"):
-        keys = [k for k in metrics if (k.rsplit("_", 1)[-1] if k.rsplit("_", 1)[-1] in ops else "mean") == op]
-        if not keys:
-            continue
+    for op, keys in groups.items():
         t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=acc.device)
         if op == "mean":
             t = acc.reduce(t, "mean")

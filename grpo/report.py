@@ -33,11 +33,13 @@ COLUMNS = [
 ]
 
 
-def iteration_rows(storage: Storage, run_id: str) -> list[dict]:
+def iteration_rows(storage: Storage, run_id: str, skip: set[int] | frozenset = frozenset()) -> list[dict]:
     """{iteration, <COLUMNS>, response_length, avg@k / pass@k (when sampled)} per iteration with a
     committed eval, ascending."""
     rows = []
     for k in iterations(storage, run_id):
+        if k in skip:  # not read at all: a tracker that sent them needs none of their manifests
+            continue
         try:
             s = {
                 stage: latest_committed(storage, stage_dir(storage, run_id, k, stage), verify=False).manifest.summary
@@ -101,9 +103,9 @@ def markdown_table(rows: list[dict], keys: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_report(storage: Storage, run_id: str) -> tuple[str, str]:
+def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) -> tuple[str, str]:
     """Write report.png and report.md into the run folder; returns their URIs."""
-    rows = iteration_rows(storage, run_id)
+    rows = iteration_rows(storage, run_id) if rows is None else rows  # the caller's, when it has them
     if not rows:
         raise StageError(f"run {run_id}: no iteration has a committed eval yet; run one (`grpo run --run {run_id}`)")
     rdir = run_dir(storage, run_id)

@@ -45,7 +45,7 @@ def track(storage: Storage, run_id: str, cfg: RunConfig) -> list[int]:
         return []
     state = _load_state(storage, run_id)
     sent = set(state.get("iterations", []))
-    rows = [r for r in iteration_rows(storage, run_id) if r["iteration"] not in sent]
+    rows = iteration_rows(storage, run_id, skip=sent)
     if not rows:
         return []
     metrics = [

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_learn import TINY  # the same tiny run
 
 from grpo import generation
 from grpo.config import ConfigError, load_config
@@ -18,19 +19,6 @@ from stages import stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration
 from stages.learn import WARM
-
-TINY = [
-    "rollout.backend=hf",
-    "rollout.prompts_per_iteration=16",
-    "rollout.group_size=4",
-    "learn.minibatch_size=32",
-    "learn.microbatch_size=16",
-    "eval.n_prompts=16",
-    "model.hidden_size=64",
-    "model.num_heads=2",
-    "model.intermediate_size=128",
-    "reward.workers=1",
-]
 
 
 @pytest.fixture
