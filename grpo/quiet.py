@@ -50,6 +50,7 @@ def quiet_libraries(verbose: bool = False) -> None:
     VERBOSE = verbose
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if verbose else "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's records reach our handlers, not its own
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "DEBUG" if verbose else "WARNING")  # its own handler, INFO
     filter_vllm_handlers()
     if not verbose:
         for name in ("transformers", "torch", "accelerate", "datasets", "filelock", "urllib3"):

@@ -83,6 +83,14 @@ def test_a_vllm_run_prints_nothing_but_its_lines(tmp_path):
     assert len(out.splitlines()) == 2 + 1 + 5  # header, one iteration, the verdict, where and next
 
 
+def test_a_tracked_run_prints_nothing_but_its_lines(tmp_path):
+    args = ["--set", "tracking.backend=mlflow", "--set", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    for kv in TINY:
+        args += ["--set", kv]
+    code, out, err = grpo(tmp_path, "demo", "--iterations", "1", *args)
+    assert code == 0 and err == "", err  # no MLflow INFO lines (its own handler logs them by default)
+
+
 def test_auto_backend_picks_by_model_size_and_says_why(tmp_path, storage, monkeypatch):
     from safetensors.torch import save_file
 
