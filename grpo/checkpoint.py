@@ -19,6 +19,7 @@ from pathlib import Path
 from grpo.storage import Committed, StageWriter, file_digest, is_local, url_to_fs
 
 CHECKPOINT_PREFIX = "policy/"
+ADAPTER_PREFIX = "adapter/"  # a LoRA policy: peft adapter files on top of the checkpoint under policy/
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
 _LOADED: OrderedDict[tuple, tuple] = OrderedDict()  # (tokenizer, config) by the files they come from
 
@@ -165,6 +166,23 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
     return str(target)
 
 
+def adapter_checkpoint(committed: Committed) -> str | None:
+    """A local folder holding the LoRA adapter files of `committed` (a snapshot or a LoRA learn);
+    None when it has none (full weights, or the base model itself)."""
+    if not checkpoint_files(committed, ADAPTER_PREFIX):
+        return None
+    return local_checkpoint(committed, ADAPTER_PREFIX)
+
+
+def policy_folders(policy: Committed, base: Committed | None = None) -> tuple[Committed, str, str | None]:
+    """(the committed stage holding the checkpoint, its local folder, the LoRA adapter folder or None) of a
+    committed policy: the base, a snapshot or a learn. A LoRA learn holds only adapters: its checkpoint is
+    `base`'s."""
+    if not checkpoint_files(policy) and base is not None and checkpoint_files(policy, ADAPTER_PREFIX):
+        return base, local_checkpoint(base), adapter_checkpoint(policy)
+    return policy, local_checkpoint(policy), adapter_checkpoint(policy)
+
+
 def _cache_intact(committed: Committed, target: Path, prefix: str) -> bool:
     """Whether a downloaded checkpoint folder still holds exactly the manifest's bytes (size and
     sha256; a file this process hashed before is trusted while its size, times and inode hold)."""
@@ -202,3 +220,117 @@ def tokenizer_and_config(committed: Committed, prefix: str = CHECKPOINT_PREFIX):
             _LOADED.popitem(last=False)
     _LOADED.move_to_end(key)
     return _LOADED[key]
+
+
+def export_policy(policy: Committed, base: Committed | None, out: str) -> str:
+    """Write the committed `policy` (a learn or the base) as a self-contained HF folder at `out` (a local
+    folder or an fsspec URL; it must not exist yet): a LoRA learn's adapters merged into `base`'s weights
+    (in the base's dtype), the tokenizer, chat template and generation config beside them. Returns `out`."""
+    from transformers import AutoModelForCausalLM
+
+    fs, root = url_to_fs(out)
+    if fs.exists(root):
+        raise FileExistsError(f"{out} exists; export writes a new folder (name another, or remove it)")
+    holder, model_dir, adapter_dir = policy_folders(policy, base)
+    with tempfile.TemporaryDirectory() as tmp:
+        if adapter_dir is None:
+            for f in Path(model_dir).iterdir():
+                shutil.copyfile(f, Path(tmp, f.name))  # the cache holds symlinks on local storage: real files
+        else:
+            from peft import PeftModel
+
+            lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=checkpoint_dtype(model_dir))
+            merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()
+            merged.save_pretrained(tmp, safe_serialization=True)
+            written = {p.name for p in Path(tmp).iterdir()}
+            for f in Path(model_dir).iterdir():  # tokenizer, chat template, generation config
+                if f.name not in written and not f.name.endswith(WEIGHT_SUFFIXES):
+                    shutil.copyfile(f, Path(tmp, f.name))
+        fs.put(tmp.rstrip("/") + "/", root, recursive=True)
+    return out
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's type and message on one line, cut at `limit` characters (transformers' messages
+    run to a screenful)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit] + '…' if len(text) > limit else text}"
+
+
+def tokenizer_files(model_dir: str | Path) -> list[str]:
+    """The files of `model_dir` a tokenizer takes its vocabulary from: tokenizer.json, a sentencepiece or
+    tiktoken model, vocab.json (+ merges.txt) or vocab.txt."""
+    patterns = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
+    return sorted({p.name for pattern in patterns for p in Path(model_dir).glob(pattern)})
+
+
+def safetensors_shapes(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, file name)} from the headers of a folder's safetensors files (no weights read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                shapes[name] = tuple(st.get_slice(name).get_shape()), f.name
+    return shapes
+
+
+def checkpoint_problem(model_dir: str | Path) -> str | None:
+    """What keeps a checkpoint folder from loading, in one line; None when its tokenizer files,
+    config.json and weights fit together.
+
+    The model config.json describes is built on the meta device (no memory, no weights); each of its
+    tensors found in the safetensors headers must have its shape there, and each parameter must be
+    there, except a lm_head tied to the embeddings and where transformers renames or fuses weights as
+    it loads them (MoE experts: only same-named tensors are compared). Quantized checkpoints and
+    weights only in .bin files are not compared.
+    """
+    import json
+
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not tokenizer_files(model_dir):
+        return "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): add the model's tokenizer"
+    try:
+        model_type = json.loads(Path(model_dir, "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        return f"config.json does not read: {one_line(e)}"
+    if model_type not in CONFIG_MAPPING:
+        return f"config.json's model_type {model_type!r} is none that transformers {transformers.__version__} knows"
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a config it cannot build)
+        return f"config.json describes no causal LM transformers can build: {one_line(e)}"
+    files = safetensors_shapes(model_dir)
+    if not files:
+        return None if any(Path(model_dir).glob("*.bin")) else "no weight files (*.safetensors)"
+    if getattr(config, "quantization_config", None):
+        return None
+    return _weights_mismatch(model, files, model_type)
+
+
+def _weights_mismatch(model, files: dict[str, tuple[tuple[int, ...], str]], model_type: str) -> str | None:
+    """The first tensor of `model` (on the meta device) whose shape differs from the files' or that the
+    files lack, in one line; None when they fit."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    compare_names = not get_model_conversion_mapping(model, add_legacy=False)
+    prefix = model.base_model_prefix + "."
+    bare = not any(n.startswith(prefix) for n in files)  # saved from the model without its head
+    params = dict(model.named_parameters())  # a tied lm_head is the embedding: listed once, under its name
+    for name, tensor in model.state_dict().items():
+        key = name.removeprefix(prefix) if bare else name
+        if key in files and files[key][0] != tuple(tensor.shape):
+            shape, file = files[key]
+            return f"tensor {key} in {file} has shape {list(shape)}; config.json makes it {list(tensor.shape)}"
+        if key not in files and name in params and compare_names:
+            names = sorted({file for _, file in files.values()})
+            where = names[0] if len(names) == 1 else f"any of its {len(names)} weight files"
+            return f"tensor {key} is not in {where} (config.json's model_type is {model_type!r})"
+    return None

@@ -48,6 +48,9 @@ class TaskConfig:
     `chat`: a string becomes one user message, then the template; `text`: strings as they are."""
     system_prompt: str | None = None
     """Chat formats: a system message put before each prompt's messages."""
+    skip_invalid_rows: bool = False
+    """Dataset rows without a prompt or a ground truth (null, NaN, empty): False refuses the dataset at
+    `grpo init` naming the column and the count; True leaves them out, counted in the base manifest."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,9 @@ class RewardConfig:
     """The stage fails when more than this fraction of samples errors."""
     truncated_reward: float | None = None
     """Reward of a response cut off at rollout.max_tokens; None scores it like any other (as TRL and verl do)."""
+    max_memory_mb: int | None = None
+    """Address-space cap (RLIMIT_AS) of each reward worker process, in MiB; a function that exceeds it fails
+    that sample instead of taking the machine. None: no cap."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,25 @@ class AdvantageConfig:
     """Added to the group std when normalizing."""
     filter_zero_variance: bool = False
     """Drop groups whose rewards are all equal (they carry no signal)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (peft) on the policy: only they train; the base weights stay frozen."""
+
+    r: int = 16
+    """Rank of each adapter's A (r x in) and B (out x r) matrices."""
+    alpha: float = 32.0
+    """Scale: the update is (alpha / r) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps the update deterministic)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names of the linear layers that get an adapter (peft's `target_modules`)."""
+
+
+Sharding = Literal["ddp", "fsdp2"]
 
 
 @dataclass(frozen=True)
@@ -209,6 +234,13 @@ class LearnConfig:
     max_logprob_gap: float | None = None
     """Fail the stage when the mean |sampler - learner| log-prob of the sampled tokens exceeds this (a
     sampler serving stale weights shows as a jump); None: only recorded (`logprob_gap`)."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (`learn.lora={}` for the defaults, `learn.lora.r=8`);
+    each learn commits the adapter and its optimizer state, not the base; None: full fine-tuning."""
+    sharding: Sharding = "ddp"
+    """How learn.num_processes processes split the model: `ddp` (each holds all of it, gradients averaged)
+    or `fsdp2` (parameters, gradients and optimizer state sharded per decoder layer with torch's
+    fully_shard; optimizer and master state saved per rank through torch Distributed Checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +273,16 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class RetentionConfig:
+    """What `grpo gc --retention` keeps of the weights and optimizer state; tables are never collected."""
+
+    keep_last: int | None = None
+    """Keep the policies of the last K committed learns; None keeps every one."""
+    keep_every: int | None = None
+    """Also keep the policy of every N-th iteration (0, N, 2N, ...); None: no such rule."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     seed: int = 0
     """Root seed: prompts, sampling and the learner derive theirs from it and the iteration."""
@@ -252,6 +294,7 @@ class RunConfig:
     learn: LearnConfig = field(default_factory=LearnConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -317,6 +360,14 @@ def _coerce(cls, name: str, value: Any, where: str) -> Any:
     return value
 
 
+def optional_dataclass(hint):
+    """The config class of a field typed `SomeConfig | None` (else the hint as it is)."""
+    if get_origin(hint) in (Union, types.UnionType):
+        classes = [a for a in get_args(hint) if dataclasses.is_dataclass(a)]
+        return classes[0] if classes else hint
+    return hint
+
+
 def _build(cls, raw: dict, where: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
@@ -326,7 +377,7 @@ def _build(cls, raw: dict, where: str):
         raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; valid: {sorted(fields)}")
     kwargs = {}
     for name, value in raw.items():
-        sub = fields[name]
+        sub = optional_dataclass(fields[name]) if value is not None else fields[name]
         if dataclasses.is_dataclass(sub):
             kwargs[name] = _build(sub, value, f"{where}.{name}" if where else name)
         else:
@@ -338,7 +389,7 @@ def _is_text_field(path: list[str]) -> bool:
     """Whether `section.field` is a string setting (its value is taken as typed, not parsed as YAML)."""
     cls = RunConfig
     for name in path[:-1]:
-        cls = _hints(cls).get(name)
+        cls = optional_dataclass(_hints(cls).get(name))
         if not dataclasses.is_dataclass(cls):
             return False
     hint = _hints(cls).get(path[-1])
@@ -487,5 +538,20 @@ def validate(cfg: RunConfig) -> None:
             f"tracking.backend {cfg.tracking.backend}: the {package} package is not installed "
             f"(pip install {'wandb' if package == 'wandb' else repr('grpo-flow[tracking]')})"
         )
+    if lc.lora is not None:
+        lo = lc.lora
+        if lo.r < 1 or lo.alpha <= 0 or not 0 <= lo.dropout < 1 or not lo.target_modules:
+            raise ConfigError(
+                f"learn.lora: r must be >= 1, alpha > 0, dropout in [0, 1) and target_modules not empty, "
+                f"got r={lo.r} alpha={lo.alpha} dropout={lo.dropout} target_modules={lo.target_modules}"
+            )
+    for name, value in {
+        "retention.keep_last": cfg.retention.keep_last,
+        "retention.keep_every": cfg.retention.keep_every,
+    }.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be >= 1 or null (no such rule), got {value}")
+    if cfg.reward.max_memory_mb is not None and cfg.reward.max_memory_mb < 64:
+        raise ConfigError(f"reward.max_memory_mb must be >= 64 or null (no cap), got {cfg.reward.max_memory_mb}")
     if lc.lr_decay_steps < 0:
         raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {lc.lr_decay_steps}")

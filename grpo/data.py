@@ -7,11 +7,15 @@ sample (`Example.row`) to user reward functions.
 
 Training draws without replacement: a seeded permutation per epoch, the position derived
 from the iteration, so a resumed run draws exactly the prompts an uninterrupted one would.
+
+A run is pinned to the bytes it was created with: `grpo init` records each dataset's `fingerprint`,
+and a run's stages read a dataset only while it still has that fingerprint (`pin`, `pinned_version`).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import random
 from typing import Any, Literal
@@ -19,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from grpo.storage import url_to_fs
+from grpo.storage import file_digest, is_local, url_to_fs
 from grpo.tasks import Example
 
 PromptFormat = Literal["auto", "chat", "text"]
@@ -28,6 +32,10 @@ _SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "
 
 class DatasetError(ValueError):
     """A dataset cannot be read or lacks what the config names."""
+
+
+class DatasetChangedError(DatasetError):
+    """A dataset no longer has the fingerprint its run recorded at grpo init."""
 
 
 def _read_frame(uri: str) -> pd.DataFrame:
@@ -81,9 +89,26 @@ def _prompt(value: Any, where: str) -> str | list[dict]:
     )
 
 
-@functools.lru_cache(maxsize=8)
-def load_examples(uri: str, prompt_column: str = "prompt", answer_column: str = "ground_truth") -> tuple[Example, ...]:
-    """Every row of the dataset at `uri` as an Example (cached per process: read once a run)."""
+def _blank(value: Any) -> bool:
+    """A cell that holds no prompt or answer: None, NaN, an empty (or all-space) string or list.
+
+    >>> [_blank(v) for v in (None, float("nan"), pd.NA, "", " ", [], "0", 0, [{"role": "user"}])]
+    [True, True, True, True, True, True, False, False, False]
+    """
+    value = _plain(value)
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, (list, dict)):
+        return not value
+    return value is None or bool(pd.isna(value))
+
+
+def _blank_rows(df: pd.DataFrame, columns: tuple[str, ...]) -> dict[str, set[int]]:
+    """{column: positions of the rows where it is blank} (null ground truths would be scored as "nan")."""
+    return {c: {i for i, v in enumerate(df[c]) if _blank(v)} for c in columns}
+
+
+def _read_columns(uri: str, prompt_column: str, answer_column: str) -> pd.DataFrame:
     df = _read_frame(uri)
     missing = [c for c in (prompt_column, answer_column) if c not in df.columns]
     if missing:
@@ -91,14 +116,113 @@ def load_examples(uri: str, prompt_column: str = "prompt", answer_column: str = 
             f"dataset {uri}: no column {missing[0]!r} (columns: {', '.join(map(str, df.columns))}); "
             "set task.prompt_column / task.answer_column"
         )
-    if df.empty:
-        raise DatasetError(f"dataset {uri}: no rows")
+    return df
+
+
+@functools.lru_cache(maxsize=8)
+def load_examples(
+    uri: str,
+    prompt_column: str = "prompt",
+    answer_column: str = "ground_truth",
+    skip_invalid: bool = False,
+    version: str = "",
+) -> tuple[Example, ...]:
+    """The rows of the dataset at `uri` as Examples (cached per process; `version`, the dataset's
+    fingerprint, only keys the cache: read once a run, again only if the dataset changes).
+
+    A row without a prompt or a ground truth (null, NaN, empty) fails the dataset, naming the column
+    and the count; with `skip_invalid` it is left out (`blank_row_count` counts them), the same rows
+    in every stage.
+    """
+    df = _read_columns(uri, prompt_column, answer_column)
+    blank = _blank_rows(df, (prompt_column, answer_column))
+    if any(blank.values()) and not skip_invalid:
+        counts = ", ".join(f"{len(r)} row{'s' * (len(r) > 1)} with no {c!r}" for c, r in blank.items() if r)
+        raise DatasetError(
+            f"dataset {uri}: {counts} (null, NaN or empty); fill them in, or set "
+            "task.skip_invalid_rows=true to leave them out"
+        )
+    skip = set().union(*blank.values())
     others = [c for c in df.columns if c not in (prompt_column, answer_column)]
     out = []
     for i, rec in enumerate(df.to_dict("records")):
+        if i in skip:
+            continue
         row = {str(c): _plain(rec[c]) for c in others}
         out.append(Example(_prompt(rec[prompt_column], f"dataset {uri} row {i}"), str(rec[answer_column]), row))
+    if not out:
+        raise DatasetError(
+            f"dataset {uri}: no rows" + (f" ({len(skip)} without a prompt or a ground truth)" if skip else "")
+        )
     return tuple(out)
+
+
+def blank_row_count(uri: str, prompt_column: str = "prompt", answer_column: str = "ground_truth") -> int:
+    """How many rows lack a prompt or a ground truth: those load_examples(skip_invalid=True) leaves out."""
+    df = _read_columns(uri, prompt_column, answer_column)
+    return len(set().union(*_blank_rows(df, (prompt_column, answer_column)).values()))
+
+
+def _object_version(info: dict) -> str:
+    """An object's size and ETag (opaque: a multipart one is no MD5), version or, failing both, time."""
+    keys = ("ETag", "etag", "VersionId", "generation", "LastModified", "mtime")
+    tag = str(next((info[k] for k in keys if info.get(k)), "")).strip('"')
+    return f"{info.get('size')}:{tag}"
+
+
+def fingerprint(uri: str) -> str:
+    """What identifies the dataset's bytes: `sha256:` of a local file's content (of each file's name and
+    content in a save_to_disk folder), `etag:` a hash of each object's size and ETag on object storage.
+
+    Local files are hashed once a process while their stat stamp holds (grpo.storage.file_digest);
+    objects cost one metadata request each.
+    """
+    fs, path = url_to_fs(uri)
+    if not fs.exists(path):
+        raise DatasetError(f"dataset {uri}: no such file or folder")
+    folder = fs.isdir(path)
+    if is_local(fs):
+        files = sorted(fs.find(path)) if folder else [path]
+        parts = [(f[len(path) :], *file_digest(fs, f)) for f in files]
+        if not folder:
+            return f"sha256:{parts[0][2]}"
+        kind = "sha256"
+    else:
+        infos = fs.find(path, detail=True) if folder else {path: fs.info(path)}
+        parts = [(f[len(path) :], _object_version(info)) for f, info in sorted(infos.items())]
+        kind = "etag"
+    return f"{kind}:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()}"
+
+
+_PINNED: dict[str, tuple[str, str]] = {}  # dataset uri -> (its config field, the fingerprint grpo init recorded)
+
+
+def pin(datasets: dict[str, dict] | None) -> None:
+    """Hold the datasets of the run being loaded to their recorded fingerprints: `datasets` is
+    {field: {"uri", "fingerprint", ...}} as grpo init recorded it, and replaces the pins of the run loaded
+    before. None (a run made before fingerprints were recorded) pins nothing: its datasets are read as
+    they are."""
+    _PINNED.clear()
+    for name, facts in (datasets or {}).items():
+        _PINNED[facts["uri"]] = name, facts["fingerprint"]
+
+
+def _short(fingerprint_: str) -> str:
+    """`kind:` and the first 12 hex digits, enough to tell two fingerprints apart in one line."""
+    kind, _, digest = fingerprint_.partition(":")
+    return f"{kind}:{digest[:12]}"
+
+
+def pinned_version(uri: str) -> str:
+    """The dataset's fingerprint; a DatasetChangedError when the run pinned it (`pin`) to another."""
+    now = fingerprint(uri)
+    name, then = _PINNED.get(uri, ("", now))
+    if now != then:
+        raise DatasetChangedError(
+            f"{name} {uri} changed since grpo init (fingerprint {_short(then)}, now {_short(now)}); "
+            "restore it, or start a new run with grpo init --run NEW"
+        )
+    return now
 
 
 def split(examples: tuple[Example, ...], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:

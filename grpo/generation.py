@@ -40,6 +40,7 @@ class Sample:
 
 class Generator(Protocol):
     model_dir: str
+    adapter_dir: str | None
 
     def generate(
         self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
@@ -49,7 +50,12 @@ class Generator(Protocol):
         ...
 
     def load_weights(self, model_dir: str) -> None:
-        """Swap in the weights of `model_dir`, a checkpoint of the same architecture."""
+        """Swap in the weights of `model_dir`, a checkpoint of the same architecture (dropping adapters)."""
+        ...
+
+    def load_adapter(self, adapter_dir: str | None) -> None:
+        """Sample with the LoRA adapters of `adapter_dir` (peft's files) on the loaded weights; None:
+        the weights alone. Adapters of one run share their shapes: no engine restart, no weight reload."""
         ...
 
     def sleep(self) -> bool:
@@ -79,6 +85,7 @@ class HFGenerator:
         self.eos = torch.tensor(stop_token_ids(self.tokenizer, model_dir), device=self.device)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self.model.to(self.device)
+        self.adapter_dir: str | None = None
 
     @torch.no_grad()
     def _batch(
@@ -155,6 +162,8 @@ class HFGenerator:
     def load_weights(self, model_dir: str) -> None:
         from safetensors.torch import load_file
 
+        if self.adapter_dir is not None or hasattr(self.model, "unload"):  # back to the plain model
+            self.model, self.adapter_dir = self.model.unload(), None
         state = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             state.update(load_file(f))
@@ -166,6 +175,25 @@ class HFGenerator:
                 f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})"
             )
         self.model_dir = model_dir
+
+    def load_adapter(self, adapter_dir: str | None) -> None:
+        """peft's LoRA layers in the model, unmerged (x W + s x A B): a new policy's adapters are loaded
+        into them in place; None switches them off."""
+        from peft import PeftModel, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if adapter_dir is None:
+            if hasattr(self.model, "disable_adapter_layers"):
+                self.model.base_model.disable_adapter_layers()
+        elif not hasattr(self.model, "get_base_model"):
+            self.model = PeftModel.from_pretrained(self.model, adapter_dir).eval().to(self.device)
+        else:
+            weights = load_file(str(Path(adapter_dir, "adapter_model.safetensors")), device=str(self.device))
+            result = set_peft_model_state_dict(self.model, weights)
+            if result.unexpected_keys:
+                raise ValueError(f"{adapter_dir}: adapters do not fit the loaded ones ({result.unexpected_keys[:3]})")
+            self.model.base_model.enable_adapter_layers()
+        self.adapter_dir = adapter_dir
 
     def sleep(self) -> bool:
         self.model.to("cpu")  # on a GPU: off it until the next use
@@ -386,11 +414,12 @@ def same_architecture(dir_a: str, dir_b: str) -> bool:
     )  # what stops sampling
 
 
-def get_generator(backend: str, model_dir: str, **settings) -> Generator:
-    """A generator for `model_dir` built with `settings` (the backend's keyword arguments). The live
-    one is reused when its settings are the same: woken if asleep, as is for the same checkpoint,
-    with its weights reloaded in place for another checkpoint of the same architecture (a warm
-    engine across iterations); it is restarted otherwise."""
+def get_generator(backend: str, model_dir: str, adapter_dir: str | None = None, **settings) -> Generator:
+    """A generator for `model_dir` (with the LoRA adapters of `adapter_dir`) built with `settings` (the
+    backend's keyword arguments). The live one is reused when its settings are the same: woken if
+    asleep, as is for the same checkpoint, with its weights reloaded in place for another checkpoint
+    of the same architecture (a warm engine across iterations), its adapters swapped for other ones;
+    it is restarted otherwise."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
     current = _CACHE.get(backend)
@@ -399,12 +428,16 @@ def get_generator(backend: str, model_dir: str, **settings) -> Generator:
             current.wake()
             if current.model_dir != model_dir:
                 current.load_weights(model_dir)
+            if current.adapter_dir != adapter_dir:
+                current.load_adapter(adapter_dir)
             return current
     if current is not None:
         current.close()
         del _CACHE[backend]
     _CACHE[backend] = BACKENDS[backend](model_dir, **settings)
     _SETTINGS[backend] = settings
+    if adapter_dir is not None:
+        _CACHE[backend].load_adapter(adapter_dir)
     return _CACHE[backend]
 
 
@@ -439,11 +472,12 @@ def release_accelerator(keep_engine: bool) -> None:
             del _CACHE[backend]
 
 
-def engine_settings(backend: str, rollout, dtype: str, model_dir: str) -> dict:
+def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None) -> dict:
     """The keyword arguments of the `backend` generator for this run on this machine: rollout.vllm's
     None settings resolved to the platform's defaults, model.dtype's `auto` to the checkpoint's dtype.
 
-    rollout: grpo.config.RolloutConfig. Recorded in the rollouts and eval manifests (`sampler`).
+    rollout: grpo.config.RolloutConfig; lora: grpo.config.LoraConfig or None. Recorded in the rollouts
+    and eval manifests (`sampler`).
     """
     from grpo.checkpoint import checkpoint_dtype_name
 

@@ -23,6 +23,7 @@ torchrun and commits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -34,13 +35,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from grpo import core
+from grpo import core, sharding
 from grpo.checkpoint import checkpoint_dtype
 from grpo.config import LearnConfig, RunConfig
 from grpo.errors import StageError
 
 log = logging.getLogger("grpo.learner")
 MASTER_WEIGHTS = "master.safetensors"  # float32 weights, written when the checkpoint's dtype is narrower
+ADAPTER_DIR = "adapter"  # a LoRA learn's policy: peft's adapter files (the base is the run's base model)
+STATE_DCP = "dcp"  # learn.sharding=fsdp2: every process's shards of the weights and AdamW state
 
 
 class LearnError(StageError):
@@ -96,6 +99,15 @@ class PolicyLM(torch.nn.Module):
         super().__init__()
         self.lm, self.logprob_chunk, self.full_sequences_in_training = lm, logprob_chunk, full_sequences_in_training
 
+    @property
+    def causal(self):
+        """The transformers causal LM (inside a peft wrapper, its adapters injected in place)."""
+        return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+
+    def adapter_disabled(self):
+        """Context: the base model alone (LoRA's frozen reference); a no-op context without adapters."""
+        return self.lm.disable_adapter() if hasattr(self.lm, "disable_adapter") else contextlib.nullcontext()
+
     def forward(self, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy: bool = False):
         """prompt_ids, prompt_mask (P, Lp) left-padded; response_ids, response_mask (P*G, T)
         right-padded -> log-probs (P*G, T) of response_ids and their entropy (or None)."""
@@ -104,13 +116,13 @@ class PolicyLM(torch.nn.Module):
             prompt_ids, prompt_mask, response_ids, response_mask
         )
         return core.chunked_token_logprobs(
-            hidden, self.lm.get_output_embeddings(), response_ids, self.logprob_chunk, with_entropy
+            hidden, self.causal.get_output_embeddings(), response_ids, self.logprob_chunk, with_entropy
         )
 
     def _shared_prompt(self, prompt_ids, prompt_mask, response_ids, response_mask) -> Tensor:
         """Hidden states (P*G, T, H), [:, t] predicting response_ids[:, t]."""
         g = response_ids.shape[0] // prompt_ids.shape[0]
-        out = self.lm.base_model(
+        out = self.causal.base_model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             position_ids=(prompt_mask.cumsum(1) - 1).clamp_min(0),
@@ -121,7 +133,7 @@ class PolicyLM(torch.nn.Module):
         first = out.last_hidden_state[:, -1:].repeat_interleave(g, 0)  # (P*G, 1, H): predicts response token 0
         start = prompt_mask.sum(1).repeat_interleave(g)[:, None]  # (P*G, 1)
         mask = torch.cat([prompt_mask.repeat_interleave(g, 0), response_mask.long()], 1)
-        out = self.lm.base_model(
+        out = self.causal.base_model(
             input_ids=response_ids,
             attention_mask=mask,
             past_key_values=cache,
@@ -134,7 +146,7 @@ class PolicyLM(torch.nn.Module):
         """Same hidden states from one forward over each sample's prompt + response, no cache."""
         g, width = response_ids.shape[0] // prompt_ids.shape[0], prompt_ids.shape[1]
         mask = torch.cat([prompt_mask.repeat_interleave(g, 0), response_mask.long()], 1)
-        out = self.lm.base_model(
+        out = self.causal.base_model(
             input_ids=torch.cat([prompt_ids.repeat_interleave(g, 0), response_ids], 1),
             attention_mask=mask,
             position_ids=(mask.cumsum(1) - 1).clamp_min(0),
@@ -244,15 +256,25 @@ def optimizer_steps(opt) -> int:
 
 
 class Learner:
-    """The policy being trained (float32 master weights), its AdamW state, the shuffling RNG and
-    the frozen reference (loaded only when learn.kl_coef > 0: nothing else reads it).
+    """The policy being trained (float32 master weights, or frozen base + float32 LoRA adapters), its
+    AdamW state, the shuffling RNG and the frozen reference (loaded only when learn.kl_coef > 0: nothing
+    else reads it; with LoRA it is the base with the adapters switched off, no second copy).
 
-    Built from checkpoint folders (and the previous iteration's optimizer.pt, rng.pt and master
-    weights); a warm run keeps it in memory for the next iteration instead, which then trains
-    exactly as one built from the committed files would.
+    Built from checkpoint folders (and the previous iteration's optimizer.pt or dcp/, rng.pt and master
+    weights); a warm run keeps it in memory for the next iteration instead, which then trains exactly as
+    one built from the committed files would. learn.sharding=fsdp2 shards it across processes
+    (grpo.sharding); the same code runs on every process.
     """
 
-    def __init__(self, cfg: RunConfig, policy_dir: str, ref_dir: str, state_dir: str | None, shuffle_seed: int):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        policy_dir: str,
+        ref_dir: str,
+        state_dir: str | None,
+        shuffle_seed: int,
+        adapter_dir: str | None = None,
+    ):
         from accelerate import Accelerator
         from transformers import AutoModelForCausalLM
 
@@ -262,33 +284,66 @@ class Learner:
         # process and refuses a second setting, and a warm process may serve runs with either
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.save_dtype = checkpoint_dtype(ref_dir)  # checkpoints keep the base model's dtype
-        lm = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
-        if state_dir and Path(state_dir, MASTER_WEIGHTS).exists():  # the unrounded weights of the last update
+        self.sharded = lcfg.sharding == "fsdp2"
+        self.lora = lcfg.lora is not None
+        # LoRA: the base is frozen and stays in its own dtype; only the adapters (float32) train
+        lm = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=self.save_dtype if self.lora else torch.float32)
+        if not self.lora and state_dir and Path(state_dir, MASTER_WEIGHTS).exists():  # the last update, unrounded
             from safetensors.torch import load_model
 
             load_model(lm, f"{state_dir}/{MASTER_WEIGHTS}")
         if lcfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:
+            lm = with_adapter(lm, lcfg.lora, adapter_dir, seed=shuffle_seed)
         model = PolicyLM(lm, lcfg.logprob_chunk, full_sequences_in_training=lcfg.gradient_checkpointing)
+        world, device = self.acc.num_processes, self.acc.device
+        shard = self.sharded and world > 1
         self.ref = None
-        if lcfg.kl_coef > 0:
-            ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
-            self.ref = PolicyLM(ref, lcfg.logprob_chunk).eval().to(self.acc.device)
+        if lcfg.kl_coef > 0 and not self.lora:
+            ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).requires_grad_(False)
+            self.ref = PolicyLM(ref, lcfg.logprob_chunk).eval().to(device)
+            if shard:
+                sharding.fully_shard_policy(self.ref, world, device)
+        if shard:
+            sharding.fully_shard_policy(model.to(device), world, device)
         # fused: one kernel for all parameters (4x faster steps on CPU for small models)
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay, fused=True
-        )
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay, fused=True)
         self.shuffle = torch.Generator().manual_seed(shuffle_seed)
         if state_dir:  # continue exactly where the previous iteration ended
-            opt.load_state_dict(torch.load(f"{state_dir}/optimizer.pt", weights_only=True, map_location="cpu"))
+            if Path(state_dir, STATE_DCP).exists():  # sharded state, written at any world size
+                sharding.load_state(model.to(device), opt, f"{state_dir}/{STATE_DCP}", trainable_only=self.lora)
+            else:
+                opt.load_state_dict(torch.load(f"{state_dir}/optimizer.pt", weights_only=True, map_location="cpu"))
             self.shuffle.set_state(torch.load(f"{state_dir}/rng.pt", weights_only=True)["shuffle"])
-        self.model, self.opt = self.acc.prepare(model, opt)
+        if self.sharded:  # no DDP wrapper: FSDP2 (or, on one process, nothing) averages the gradients
+            self.model, self.opt = model.to(device), opt
+        else:
+            self.model, self.opt = self.acc.prepare(model, opt)
 
     def autocast(self):
         """The forwards' precision: bf16 autocast with learn.mixed_precision=bf16, else as the weights."""
         return torch.autocast(
             self.acc.device.type, dtype=torch.bfloat16, enabled=self.cfg.learn.mixed_precision == "bf16"
         )
+
+    def reference_scores(self, batch: Batch, chunk_groups: int) -> Tensor | None:
+        """The frozen reference's log-probs (N, T); None without a KL penalty."""
+        if self.cfg.learn.kl_coef == 0:
+            return None
+        if self.ref is not None:
+            return score(self.ref, batch, chunk_groups)
+        policy = self.acc.unwrap_model(self.model)
+        with policy.adapter_disabled():  # LoRA: the base model is the reference
+            return score(policy, batch, chunk_groups)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients' global norm to max_norm; returns the norm before clipping."""
+        if not self.sharded:
+            return float(self.acc.clip_grad_norm_(self.model.parameters(), max_norm))
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return sharding.total_norm(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
 
     def to(self, device) -> None:
         """Move the model, the reference and AdamW's state (off the GPU while a sampler uses it)."""
@@ -303,24 +358,76 @@ class Learner:
             torch.cuda.empty_cache()
 
     def save(self, out_dir: str) -> None:
-        """policy/ (HF checkpoint in the base model's dtype), optimizer.pt, rng.pt and, when that dtype
-        is narrower than float32, master.safetensors, into the local folder out_dir."""
+        """Every process calls this. Into the local folder out_dir: policy/ (HF checkpoint in the base
+        model's dtype) or, with LoRA, adapter/ (peft's adapter_model.safetensors + adapter_config.json);
+        the optimizer state (optimizer.pt, or dcp/ with every process's shards under fsdp2); rng.pt; and,
+        when the checkpoint's dtype is narrower than float32 and nothing else keeps them, the float32
+        master weights (master.safetensors)."""
+        out, policy = Path(out_dir), self.acc.unwrap_model(self.model)
+        main = self.acc.is_main_process
+        state = sharding.full_state_dict(policy, trainable_only=self.lora) if self.sharded else None
+        if main and state is not None:  # gathered whole: a tied weight comes back once per name
+            aliases = _aliases(policy)
+            state = {k.removeprefix("lm."): v for k, v in state.items() if k not in aliases}
+        if main:
+            (self._save_adapter if self.lora else self._save_policy)(policy.lm, state, out)
+        if self.sharded:
+            sharding.save_state(policy, self.opt, out / STATE_DCP, trainable_only=self.lora)
+        elif main:
+            torch.save(self.opt.state_dict(), out / "optimizer.pt")
+        if main:
+            torch.save({"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()}, out / "rng.pt")
+
+    @staticmethod
+    def _save_adapter(lm, state: dict | None, out: Path) -> None:
+        """adapter/: the trained adapters alone (megabytes), loadable on the base with peft."""
+        lm.peft_config["default"].base_model_name_or_path = None  # a local cache path: not part of the policy
+        lm.save_pretrained(out / ADAPTER_DIR, state_dict=state)
+        (out / ADAPTER_DIR / "README.md").unlink(missing_ok=True)  # peft's model-card template
+
+    def _save_policy(self, lm, state: dict | None, out: Path) -> None:
+        """policy/: every weight in the base model's dtype, tied weights saved once."""
         from safetensors.torch import save_model
 
-        out = Path(out_dir)
-        lm = self.acc.unwrap_model(self.model).lm
         if self.save_dtype == torch.float32:
-            lm.save_pretrained(out / "policy", safe_serialization=True)
-        else:
-            cast: dict[int, torch.Tensor] = {}  # one copy per storage: tied weights stay tied (saved once)
-            state = {k: cast.setdefault(v.data_ptr(), v.to(self.save_dtype)) for k, v in lm.state_dict().items()}
             lm.save_pretrained(out / "policy", safe_serialization=True, state_dict=state)
-            config = json.loads((out / "policy/config.json").read_text())
-            config["dtype"] = str(self.save_dtype).removeprefix("torch.")
-            (out / "policy/config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            return
+        source = lm.state_dict() if state is None else state
+        cast: dict[int, torch.Tensor] = {}  # one copy per storage: tied weights stay tied (saved once)
+        narrow = {k: cast.setdefault(v.data_ptr(), v.to(self.save_dtype)) for k, v in source.items()}
+        lm.save_pretrained(out / "policy", safe_serialization=True, state_dict=narrow)
+        config = json.loads((out / "policy/config.json").read_text())
+        config["dtype"] = str(self.save_dtype).removeprefix("torch.")
+        (out / "policy/config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if state is None:  # sharded: dcp/ holds the float32 weights
             save_model(lm, str(out / MASTER_WEIGHTS))
-        torch.save(self.opt.state_dict(), out / "optimizer.pt")
-        torch.save({"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()}, out / "rng.pt")
+
+
+def _aliases(module: torch.nn.Module) -> set[str]:
+    """Names of parameters that are another name's parameter (tied weights), all but the first."""
+    first: dict[int, str] = {}
+    return {n for n, p in module.named_parameters(remove_duplicate=False) if first.setdefault(id(p), n) != n}
+
+
+def with_adapter(lm, lora, adapter_dir: str | None, seed: int):
+    """`lm` with LoRA adapters (peft): those of adapter_dir, trainable, or new ones (A drawn from `seed`,
+    B zero: the policy starts as the base). lora: grpo.config.LoraConfig."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel, get_peft_model
+
+    if adapter_dir:
+        return PeftModel.from_pretrained(lm, adapter_dir, is_trainable=True)
+    peft_config = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(lm, peft_config)
 
 
 @dataclass(frozen=True)
@@ -342,7 +449,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     t0 = time.perf_counter()
     with learner.autocast():
         old = score(acc.unwrap_model(model), batch, chunk)
-        scores = Scores(old, None if learner.ref is None else score(learner.ref, batch, chunk))
+        scores = Scores(old, learner.reference_scores(batch, chunk))
     score_s, update_s = time.perf_counter() - t0, 0.0
     mask = batch.response_mask
     gap = float(core.masked_mean((batch.sampler_logprobs - scores.old_logprobs).abs(), mask))
@@ -371,7 +478,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
             )
             if not all(math.isfinite(v) for v in m.values()):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
-            grad_norm = float(acc.clip_grad_norm_(model.parameters(), lcfg.max_grad_norm))
+            grad_norm = learner.clip_grad_norm(lcfg.max_grad_norm)
             if not math.isfinite(grad_norm):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite grad norm; nothing committed")
             lr = core.linear_decay_lr(lcfg.lr, optimizer_steps(opt), lcfg.lr_decay_steps)
@@ -419,7 +526,10 @@ def _check_weights(learner: Learner, batch: Batch, iteration: int, steps: int) -
     """Never commit weights the sampler cannot sample from: every parameter finite, and (finite weights
     can still be huge: a huge lr) the first group's log-probs too."""
     lm = learner.acc.unwrap_model(learner.model)
-    bad = [name for name, p in lm.named_parameters() if not bool(torch.isfinite(p).all())]
+    bad = [n for n, p in lm.named_parameters() if p.requires_grad and not bool(torch.isfinite(sharding.local(p)).all())]
+    if learner.acc.num_processes > 1:  # each process sees its own shards: all of them decide together
+        n_bad = learner.acc.reduce(torch.tensor(float(len(bad)), device=learner.acc.device), "sum")
+        bad = bad or (["weights of another process"] if float(n_bad) else [])
     if not bad:
         with learner.autocast():
             probe = score(lm, batch, 1, groups=torch.arange(1, device=batch.prompt_ids.device))

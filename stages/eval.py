@@ -28,13 +28,13 @@ def exact_match(components: dict[str, float]) -> float:
 def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)
     inputs = {"policy": committed_input(storage, run_id, iteration, "learn")}
-    if cfg.reward.functions:
+    if cfg.reward.functions or cfg.learn.lora is not None:  # reward files; LoRA: the weights under the adapters
         inputs["base"] = committed_input(storage, run_id, None, "base")
     check_chain(storage, run_id, iteration, "eval", inputs)
     k = cfg.eval.samples_per_prompt
 
     def body(writer):
-        p = policy_and_prompts(inputs["policy"], eval_prompts(cfg), cfg)
+        p = policy_and_prompts(inputs["policy"], eval_prompts(cfg), cfg, base=inputs.get("base"))
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)
         t1 = time.perf_counter()

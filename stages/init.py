@@ -6,10 +6,15 @@ config; otherwise the checkpoint (a local folder, an fsspec URL or a hub id) is
 copied in once, so every later stage references immutable, hashed files. Reward
 files named in `reward.functions` are copied beside it (`reward/`).
 
-Everything a later stage needs is checked before run.json is written: the model and
-its tokenizer load, the chat template exists where the prompt format needs one, the
-datasets have their columns, the reward functions import and take the right
-arguments. A typo fails here, naming the field, and leaves no run behind.
+Everything a later stage needs is checked before run.json is written: the model's
+weights fit its config.json and its tokenizer loads, the chat template exists where the
+prompt format needs one, the datasets have their columns and every row a prompt and a
+ground truth, the reward functions import and take the right arguments. A typo fails
+here, naming the field, and leaves no run behind.
+
+The base manifest's summary records each dataset's fingerprint (and the rows left out by
+task.skip_invalid_rows): the run is pinned to those bytes, and a stage refuses a dataset that
+changed since (grpo.data.pin). A run made before fingerprints were recorded is not pinned.
 """
 
 from __future__ import annotations
@@ -19,27 +24,43 @@ import tempfile
 from pathlib import Path
 
 from grpo import data
-from grpo.checkpoint import ModelNotFoundError, fetch_model, non_finite_weights, upload_folder
+from grpo.checkpoint import (
+    ModelNotFoundError,
+    checkpoint_problem,
+    fetch_model,
+    non_finite_weights,
+    one_line,
+    upload_folder,
+)
 from grpo.config import ConfigError, RunConfig, load_config, load_config_file
-from grpo.layout import run_dir, run_json
-from grpo.storage import Committed, Storage, is_local
-from grpo.tasks import functions, generates, get_task
+from grpo.layout import run_dir, run_json, stage_dir
+from grpo.storage import Committed, Storage, committed_attempts, is_local, load_manifest
+from grpo.tasks import Example, functions, generates, get_task
 from grpo.tiny_model import build_for_task
 from stages.common import StageError, load_run, log, run_stage
 
 
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
-    """Write run.json once; a different config for an existing run is refused, except in its `tracking`
-    section (no stage reads it: turning tracking on for a run that exists is allowed)."""
+    """Write run.json once; a different config for an existing run is refused, except where no committed
+    result depends on it: the `tracking` and `retention` sections (what is sent where, what gc keeps) and
+    learn.num_processes (with learn.sharding=fsdp2 the optimizer state reshards to any number of
+    processes; the next learns run with the new number)."""
     path = run_json(storage, run_id)
     data_ = json.dumps({"run_id": run_id, "config": cfg.to_dict()}, indent=1, sort_keys=True).encode()
     if storage.exists(path):
         old, new = load_config(json.loads(storage.read_bytes(path)).get("config")).to_dict(), cfg.to_dict()
-        old_tracking, new_tracking = old.pop("tracking"), new.pop("tracking")  # defaults of newer fields filled in
+        if old == new:
+            return
+        for c in (old, new):  # defaults of newer fields filled in
+            c.pop("tracking"), c.pop("retention")
+            if c["learn"]["sharding"] == "fsdp2":
+                c["learn"].pop("num_processes")
         if old != new:
-            raise StageError(f"{storage.uri(path)}: run {run_id!r} exists with a different config; use a new run id")
-        if old_tracking != new_tracking:
-            storage.write_bytes_atomic(path, data_)
+            raise StageError(
+                f"{storage.uri(path)}: run {run_id!r} exists with a different config; use a new run id (only "
+                "tracking, retention and, with learn.sharding=fsdp2, learn.num_processes may change)"
+            )
+        storage.write_bytes_atomic(path, data_)
         return
     if is_local(storage.fs):  # object stores need no folders
         storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)
@@ -60,16 +81,64 @@ def build_tiny_base(out_dir: str, cfg: RunConfig) -> str:
     return build_for_task(out_dir, cfg.task.name, cfg.task.params, cfg.model, cfg.seed)
 
 
+def _datasets(cfg: RunConfig) -> dict[str, str]:
+    """{config field: uri} of the datasets the run reads."""
+    return {name: uri for name, uri in (("task.dataset", cfg.task.dataset), ("eval.dataset", cfg.eval.dataset)) if uri}
+
+
+def _examples(cfg: RunConfig, name: str, uri: str) -> tuple[Example, ...]:
+    """The rows of dataset `name` as the stages read them (stages.prompts), a bad one naming the field."""
+    t = cfg.task
+    try:
+        return data.load_examples(uri, t.prompt_column, t.answer_column, t.skip_invalid_rows, data.pinned_version(uri))
+    except data.DatasetChangedError as e:
+        raise StageError(str(e)) from e
+    except data.DatasetError as e:
+        raise ConfigError(f"{name}: {e}") from e
+
+
+def dataset_facts(cfg: RunConfig) -> dict[str, dict]:
+    """{config field: {uri, fingerprint, rows, skipped_rows}} of each dataset: what the base manifest's
+    summary records, the run's pins (data.pin)."""
+    t, facts = cfg.task, {}
+    for name, uri in _datasets(cfg).items():
+        rows = _examples(cfg, name, uri)
+        skipped = data.blank_row_count(uri, t.prompt_column, t.answer_column) if t.skip_invalid_rows else 0
+        facts[name] = {"uri": uri, "fingerprint": data.pinned_version(uri), "rows": len(rows), "skipped_rows": skipped}
+    return facts
+
+
+def recorded_datasets(storage: Storage, run_id: str) -> dict[str, dict] | None:
+    """The datasets' facts the run's committed base recorded (dataset_facts); None before the base is
+    committed or for a run made before they were recorded (then not pinned: its datasets read as they are)."""
+    attempts = committed_attempts(storage, stage_dir(storage, run_id, None, "base"))
+    if not attempts:
+        return None
+    return load_manifest(storage, attempts[-1], verify=False)[0].summary.get("datasets")
+
+
+def pin_datasets(storage: Storage, run_id: str) -> None:
+    """Hold this process's reads of the run's datasets to the fingerprints its init recorded."""
+    data.pin(recorded_datasets(storage, run_id))
+
+
+def check_datasets(storage: Storage, run_id: str) -> None:
+    """A StageError naming the first dataset of the run that changed since grpo init."""
+    recorded = recorded_datasets(storage, run_id)
+    data.pin(recorded)
+    for facts in (recorded or {}).values():
+        try:
+            data.pinned_version(facts["uri"])
+        except data.DatasetError as e:
+            raise StageError(str(e)) from e
+
+
 def _sample_prompts(cfg: RunConfig) -> list:
     """A few prompts of each source the run reads, to check that they load and render."""
     examples = []
-    for name, uri in (("task.dataset", cfg.task.dataset), ("eval.dataset", cfg.eval.dataset)):
-        if uri:
-            try:
-                rows = data.load_examples(uri, cfg.task.prompt_column, cfg.task.answer_column)
-            except data.DatasetError as e:
-                raise ConfigError(f"{name}: {e}") from e
-            examples += [next((e for e in rows if isinstance(e.prompt, list)), rows[0]), rows[0]]
+    for name, uri in _datasets(cfg).items():
+        rows = _examples(cfg, name, uri)
+        examples += [next((e for e in rows if isinstance(e.prompt, list)), rows[0]), rows[0]]
     task = get_task(cfg.task.name, **cfg.task.params)
     if generates(task) and not cfg.task.dataset:  # the task's own prompts, for training and eval
         examples += task.generate(1, seed=0)
@@ -90,9 +159,7 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a broken folder)
-        raise ConfigError(
-            f"model.base_model {cfg.model.base_model}: the tokenizer does not load: {type(e).__name__}: {e}"
-        ) from e
+        raise ConfigError(f"model.base_model {cfg.model.base_model}: the tokenizer does not load: {one_line(e)}") from e
     examples = _sample_prompts(cfg)
     for example in examples:
         try:
@@ -123,6 +190,9 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
     else:
         build_tiny_base(folder, cfg)
         source = f"tiny {cfg.model.arch} for {cfg.task.name}"
+    problem = checkpoint_problem(folder)
+    if problem:
+        raise ConfigError(f"model.base_model {source}: {problem}")
     check_inputs(cfg, folder)
     bad = non_finite_weights(folder)
     if bad:
@@ -137,8 +207,12 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
         prepared = None
         if exists:
             write_run_json(storage, run_id, cfg)  # only checks that the config is the same
+            pin_datasets(storage, run_id)  # a committed base's datasets must not have changed
+            datasets = dataset_facts(cfg)
         else:
-            prepared = prepare_base(cfg, tmp)  # before anything is written
+            data.pin(None)  # a new run: nothing recorded yet (a run loaded before in this process pins no more)
+            datasets = dataset_facts(cfg)  # before anything is written
+            prepared = prepare_base(cfg, tmp)
             write_run_json(storage, run_id, cfg)
 
         def body(writer):
@@ -148,11 +222,12 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
                 if functions.is_file_spec(spec):
                     path = functions.split_spec(spec)[0]
                     writer.storage.fs.put_file(str(Path(path)), writer.path(functions.committed_name(i, spec)))
-            return {"base_model": source}
+            return {"base_model": source, "datasets": datasets}
 
         stage_cfg = {"model": cfg.to_dict()["model"], "task": cfg.to_dict()["task"], "seed": cfg.seed}
         if cfg.reward.functions:
             stage_cfg["reward_functions"] = cfg.reward.functions
         base = run_stage(storage, run_id, None, "base", config=stage_cfg, inputs={}, body=body, force=force)
+    data.pin(base.manifest.summary.get("datasets"))  # what the base recorded: the later stages of this process
     log.info("run %s ready at %s", run_id, storage.uri(run_dir(storage, run_id)))
     return base

@@ -26,11 +26,17 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from grpo.checkpoint import WEIGHT_SUFFIXES, local_checkpoint, tokenizer_and_config, upload_folder
+from grpo.checkpoint import (
+    WEIGHT_SUFFIXES,
+    adapter_checkpoint,
+    local_checkpoint,
+    tokenizer_and_config,
+    upload_folder,
+)
 from grpo.config import RunConfig
 from grpo.generation import release_accelerator
 from grpo.layout import Salt, iteration_seed
-from grpo.learner import MASTER_WEIGHTS, Batch, Learner, Scores, train
+from grpo.learner import MASTER_WEIGHTS, STATE_DCP, Batch, Learner, Scores, train
 from grpo.procs import free_port
 from grpo.storage import Committed, StageWriter, Storage, is_local
 from schemas import read_parquet, table_file, write_parquet
@@ -38,6 +44,7 @@ from schemas.tables import FLOAT_LISTS
 from stages.common import StageError, check_chain, committed_input, load_run, log, run_stage
 
 KEYS = ["prompt_id", "sample_index"]
+STATE_FILES = ("optimizer.pt", "rng.pt", MASTER_WEIGHTS)  # and dcp/ under fsdp2
 
 
 # ---------------------------------------------------------------- data
@@ -148,14 +155,22 @@ class WarmLearners:
 WARM = WarmLearners()
 
 
-def new_learner(cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None) -> Learner:
+def new_learner(
+    cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None, adapter_dir: str | None
+) -> Learner:
     return Learner(
         cfg,
         policy_dir,
         ref_dir,
         state_dir,
         shuffle_seed=iteration_seed(cfg.seed, iteration, Salt.LEARNER_SHUFFLE),
+        adapter_dir=adapter_dir,
     )
+
+
+def is_state_file(path: str) -> bool:
+    """Whether a learn attempt's file is resume state the next learn reads (not the policy or a table)."""
+    return path in STATE_FILES or path.startswith(STATE_DCP + "/")
 
 
 def logprob_columns(run_id: str, iteration: int, batch: Batch, scores: Scores) -> dict:
@@ -181,8 +196,8 @@ def train_and_save(learner: Learner, run_id: str, iteration: int, batch: Batch, 
     """`grpo.learner.train`, then (main process) policy/, optimizer.pt, rng.pt, metrics and log-probs
     into the local folder out_dir. Returns the summary."""
     update = train(learner, run_id, iteration, batch, iteration_seed(learner.cfg.seed, iteration, Salt.LEARNER_TORCH))
+    learner.save(out_dir)  # every process: under fsdp2 each writes its shards
     if learner.acc.is_main_process:
-        learner.save(out_dir)
         disk = fsspec.filesystem("file")  # out_dir is a local folder whatever the storage
         write_parquet(disk, f"{out_dir}/{table_file('learn_metrics')}", "learn_metrics", update.rows)
         write_parquet(
@@ -248,7 +263,9 @@ def _worker_main(args_path: str) -> None:
 
     cfg = load_config(args["config"])
     batch = torch.load(args["batch"], weights_only=False)
-    learner = new_learner(cfg, args["iteration"], args["policy_dir"], args["ref_dir"], args["state_dir"])
+    learner = new_learner(
+        cfg, args["iteration"], args["policy_dir"], args["ref_dir"], args["state_dir"], args["adapter_dir"]
+    )
     summary = train_and_save(learner, args["run_id"], args["iteration"], batch, args["out_dir"])
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args["summary"]).write_text(json.dumps(summary))
@@ -271,6 +288,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
     def body(writer: StageWriter) -> dict:
         nonlocal learner
         policy_dir = local_checkpoint(inputs["snapshot"])
+        adapter_dir = adapter_checkpoint(inputs["snapshot"])  # LoRA: the adapters this iteration sampled with
         pad_id = tokenizer_and_config(inputs["snapshot"])[1].pad_token_id or 0
         batch = load_batch(storage, inputs["rollouts"], inputs["advantages"], pad_id, cfg.rollout.group_size)
         if len(batch.response_ids) < cfg.learn.minibatch_size:
@@ -286,15 +304,16 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
             if "previous" in inputs and learner is None:
                 state_dir = f"{tmp}/state"
                 os.makedirs(state_dir)
-                for name in ("optimizer.pt", "rng.pt", MASTER_WEIGHTS):
-                    if name != MASTER_WEIGHTS or any(f.path == name for f in inputs["previous"].manifest.files):
-                        storage.fs.get_file(inputs["previous"].path(name), f"{state_dir}/{name}")
+                for f in inputs["previous"].manifest.files:
+                    if is_state_file(f.path):
+                        os.makedirs(os.path.dirname(f"{state_dir}/{f.path}"), exist_ok=True)
+                        storage.fs.get_file(inputs["previous"].path(f.path), f"{state_dir}/{f.path}")
             local = is_local(storage.fs)  # local storage: write into the attempt itself, no copy of the model
             out_dir = writer.attempt_dir if local else f"{tmp}/out"
             os.makedirs(out_dir, exist_ok=True)
             ref_dir = local_checkpoint(inputs["reference"])
             if in_process:
-                learner = learner or new_learner(cfg, iteration, policy_dir, ref_dir, state_dir)
+                learner = learner or new_learner(cfg, iteration, policy_dir, ref_dir, state_dir, adapter_dir)
                 summary = train_and_save(learner, run_id, iteration, batch, out_dir)
             else:
                 torch.save(batch, f"{tmp}/batch.pt")
@@ -307,14 +326,16 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
                         "policy_dir": policy_dir,
                         "ref_dir": ref_dir,
                         "state_dir": state_dir,
+                        "adapter_dir": adapter_dir,
                         "out_dir": out_dir,
                         "summary": f"{tmp}/summary.json",
                     },
                     cfg.learn.num_processes,
                 )
-            carry_checkpoint_files(policy_dir, f"{out_dir}/policy")
-            if not local:
-                upload_folder(writer, out_dir, prefix="")  # policy/, optimizer.pt, rng.pt, (master,) metrics, logprobs
+            if cfg.learn.lora is None:
+                carry_checkpoint_files(policy_dir, f"{out_dir}/policy")
+            if not local:  # policy/ or adapter/, optimizer.pt or dcp/, rng.pt, (master,) metrics, logprobs
+                upload_folder(writer, out_dir, prefix="")
         return summary
 
     config = {"seed": cfg.seed, "learn": cfg.to_dict()["learn"]}

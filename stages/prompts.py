@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from tokenizers import models as tokenizer_models
 
 from grpo import data
-from grpo.checkpoint import local_checkpoint, tokenizer_and_config
+from grpo.checkpoint import policy_folders, tokenizer_and_config
 from grpo.config import RunConfig
 from grpo.generation import Generator, choose_backend, engine_settings, get_generator, stop_token_ids
 from grpo.layout import Salt, iteration_seed
@@ -25,8 +25,11 @@ from stages.common import StageError
 
 
 def _dataset(uri: str, cfg: RunConfig) -> tuple[Example, ...]:
+    """The usable rows of a dataset (task.skip_invalid_rows), refused when it changed since grpo init
+    (data.pinned_version: every read of a dataset by a stage comes through here)."""
+    t = cfg.task
     try:
-        return data.load_examples(uri, cfg.task.prompt_column, cfg.task.answer_column)
+        return data.load_examples(uri, t.prompt_column, t.answer_column, t.skip_invalid_rows, data.pinned_version(uri))
     except data.DatasetError as e:
         raise StageError(str(e)) from e
 
@@ -82,6 +85,7 @@ class Prompts:
     """An iteration's prompts as the model sees them; those kept, and their own response budgets."""
 
     model_dir: str
+    adapter_dir: str | None  # LoRA: the policy's adapters on top of model_dir
     tokenizer: object
     eos_ids: tuple[int, ...]
     index: list[int]  # position of each kept prompt in the drawn list: its prompt_id
@@ -92,13 +96,16 @@ class Prompts:
     skipped: int
 
 
-def policy_and_prompts(policy: Committed, examples: list[Example], cfg: RunConfig) -> Prompts:
-    """Render and tokenize `examples` for `policy`; skip (and count) those too long.
+def policy_and_prompts(
+    policy: Committed, examples: list[Example], cfg: RunConfig, base: Committed | None = None
+) -> Prompts:
+    """Render and tokenize `examples` for `policy` (a LoRA learn's adapters go on `base`); skip (and
+    count) those too long.
 
     With a word-level tokenizer a word outside the vocabulary fails, naming the prompt.
     """
-    model_dir = local_checkpoint(policy)
-    tokenizer, config = tokenizer_and_config(policy)
+    holder, model_dir, adapter_dir = policy_folders(policy, base)
+    tokenizer, config = tokenizer_and_config(holder)
     max_len = config.max_position_embeddings
     if cfg.rollout.backend != "hf" and cfg.rollout.vllm.max_model_len:  # the engine's own limit
         max_len = min(max_len, cfg.rollout.vllm.max_model_len)
@@ -119,6 +126,7 @@ def policy_and_prompts(policy: Committed, examples: list[Example], cfg: RunConfi
         )
     return Prompts(
         model_dir,
+        adapter_dir,
         tokenizer,
         stop_token_ids(tokenizer, model_dir),
         keep,
@@ -134,5 +142,6 @@ def sampler(p: Prompts, cfg: RunConfig) -> tuple[Generator, dict]:
     """The live generator for the prompts' checkpoint (started, woken, or reloaded in place) and what
     it runs with: backend, dtype and engine settings, for the manifest's summary."""
     backend, why = choose_backend(cfg.rollout.backend, p.model_dir)
-    settings = engine_settings(backend, cfg.rollout, cfg.model.dtype, p.model_dir)
-    return get_generator(backend, p.model_dir, **settings), {"backend": backend, "why": why, **settings}
+    settings = engine_settings(backend, cfg.rollout, cfg.model.dtype, p.model_dir, cfg.learn.lora)
+    gen = get_generator(backend, p.model_dir, adapter_dir=p.adapter_dir, **settings)
+    return gen, {"backend": backend, "why": why, **settings}

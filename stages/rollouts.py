@@ -55,7 +55,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
 
     def body(writer):
         p = policy_and_prompts(snap, iteration_prompts(cfg, iteration), cfg)
-        bad = non_finite_weights(p.model_dir)
+        bad = non_finite_weights(p.model_dir) + (non_finite_weights(p.adapter_dir) if p.adapter_dir else [])
         if bad:  # sampling would die in torch ("probability tensor contains inf/nan") or sample garbage
             raise StageError(
                 f"{snap.uri}: the policy has non-finite weights ({', '.join(bad[:3])}); "

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo.config import ConfigError, RunConfig, _hints, load_config
+from grpo.config import ConfigError, RunConfig, _hints, load_config, optional_dataclass
 
 # config fields whose values name files, modules or models: a wrong one fails at `grpo init` (which
 # loads them) with a ConfigError too, but that needs a run; here only their types are checked
@@ -18,7 +18,10 @@ NAMES_THINGS = {"task.dataset", "eval.dataset", "model.base_model", "reward.func
 def field_paths(cls=RunConfig, prefix=""):
     for f in dataclasses.fields(cls):
         hint = _hints(cls)[f.name]
-        if dataclasses.is_dataclass(hint):
+        if dataclasses.is_dataclass(optional_dataclass(hint)):
+            if hint is not optional_dataclass(hint):
+                yield f"{prefix}{f.name}"  # the section itself may be null
+            hint = optional_dataclass(hint)
             yield from field_paths(hint, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}"

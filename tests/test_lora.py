@@ -1,0 +1,105 @@
+"""learn.lora: peft adapters train, the base stays frozen and is the KL reference, each learn commits the
+adapters (a small fraction of a full run's bytes), samplers serve them exactly, export merges them, and
+fsdp2 with 2 processes gives the adapters of 1 process."""
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_sharding import TOL, learn_of
+from test_stages import make_run
+
+from flows.cli import main
+from grpo.layout import stage_dir
+from grpo.storage import latest_committed, open_storage
+from stages import learn as learn_stage
+from stages.iteration import run_iteration
+
+LORA = ["learn.lora={r: 2, alpha: 4}", "learn.kl_coef=0.05"]
+
+
+@pytest.fixture
+def storage(tmp_path):
+    return open_storage((tmp_path / "store").as_uri())
+
+
+def learn_bytes(committed) -> int:
+    return sum(f.size for f in committed.manifest.files if not f.path.endswith(".parquet"))
+
+
+def test_lora_commits_adapters_only_the_base_is_the_reference_and_samplers_serve_the_adapters(storage):
+    make_run(storage, "full", extra=["learn.kl_coef=0.05"])
+    make_run(storage, "lora", extra=LORA)
+    for k in range(2):
+        run_iteration(storage, "full", k)
+        out = run_iteration(storage, "lora", k)
+    files = {f.path for f in learn_of(storage, "lora", 1).manifest.files}
+    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "optimizer.pt"} <= files
+    assert not any(f.startswith("policy/") for f in files)  # the base weights are never committed again
+    adapter = load_file(learn_of(storage, "lora", 1).path("adapter/adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at 0: it trained
+    # AdamW holds the adapters' state alone: one entry per adapter tensor
+    optimizer = torch.load(learn_of(storage, "lora", 1).path("optimizer.pt"))
+    assert len(optimizer["state"]) == len(adapter)
+    # the reference is the base with the adapters off: no second model in memory
+    assert learn_stage.WARM._learner is not None and learn_stage.WARM._learner.ref is None
+    lp0 = pd.read_parquet(learn_of(storage, "lora", 0).path("logprobs.parquet"))
+    lp1 = pd.read_parquet(learn_of(storage, "lora", 1).path("logprobs.parquet"))
+    same = lambda a, b: all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5) for x, y in zip(a, b))  # noqa: E731
+    assert same(lp0.old_logprobs, lp0.ref_logprobs)  # iteration 0: B = 0, the policy is the base
+    assert not same(lp1.old_logprobs, lp1.ref_logprobs)
+    # the snapshot of iteration 1 is the base's weights plus learn 0's adapters, and the sampler served them
+    snap = latest_committed(storage, stage_dir(storage, "lora", 1, "snapshot"))
+    assert {f.path for f in snap.manifest.files if f.path.startswith("adapter/")} == {
+        "adapter/adapter_config.json",
+        "adapter/adapter_model.safetensors",
+    }
+    assert set(snap.manifest.inputs) == {"policy", "base"}
+    assert out["learn"].manifest.summary["logprob_gap"] < 1e-5
+    full, lora = learn_bytes(learn_of(storage, "full", 1)), learn_bytes(learn_of(storage, "lora", 1))
+    print(f"bytes committed by learn 1: full {full}, LoRA r=2 {lora} ({lora / full:.3f})")
+    assert lora < 0.1 * full
+
+
+def test_export_merges_the_adapters_into_a_self_contained_hf_folder(storage, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    make_run(storage, "lora", extra=LORA)
+    run_iteration(storage, "lora", 0)
+    out = tmp_path / "exported"
+    assert main(["--storage", storage.uri(storage.path()), "export", "--run", "lora", "--out", str(out)]) == 0
+    assert "iteration 0" in capsys.readouterr().out
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    AutoTokenizer.from_pretrained(out)  # the tokenizer came along
+    assert not any("lora" in k for k in merged.state_dict())
+    from peft import PeftModel
+
+    from grpo.checkpoint import policy_folders
+
+    base = latest_committed(storage, stage_dir(storage, "lora", None, "base"))
+    _, model_dir, adapter_dir = policy_folders(learn_of(storage, "lora", 0), base)
+    peft_lm = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir
+    )
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, peft_lm(ids).logits, atol=1e-5)
+    # a folder that exists is never overwritten: one line, exit 2
+    assert main(["--storage", storage.uri(storage.path()), "export", "--run", "lora", "--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err
+
+
+def test_lora_under_fsdp2_with_two_processes_trains_the_adapters_of_one_process(storage):
+    make_run(storage, "one", extra=LORA)
+    make_run(storage, "two", extra=LORA + ["learn.sharding=fsdp2", "learn.num_processes=2"])
+    for k in range(2):
+        for r in ("one", "two"):
+            run_iteration(storage, r, k)
+    files = {f.path for f in learn_of(storage, "two", 1).manifest.files}
+    assert "dcp/.metadata" in files and "adapter/adapter_model.safetensors" in files and "optimizer.pt" not in files
+    one, two = (load_file(learn_of(storage, r, 1).path("adapter/adapter_model.safetensors")) for r in ("one", "two"))
+    assert sorted(one) == sorted(two)
+    b_one = torch.cat([one[k].flatten() for k in sorted(one) if "lora_B" in k])  # B starts at 0: B is the update
+    b_two = torch.cat([two[k].flatten() for k in sorted(one) if "lora_B" in k])
+    assert b_one.norm() > 1e-4 and float((b_one - b_two).norm() / b_one.norm()) < TOL
