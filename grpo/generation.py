@@ -223,9 +223,10 @@ class VLLMGenerator:
 
         filter_vllm_handlers()
 
-        self.model_dir = model_dir
+        self.model_dir, self.adapter_dir, self._lora_id = model_dir, None, 0
         self.eos = stop_token_ids(None, model_dir)
         self.sleep_mode, self.asleep = bool(engine.get("enable_sleep_mode")), False
+        self.lora_kernels = bool(engine.get("enable_lora"))
         # on CPU one scheduler step may hold a whole chunk (chunk_prompts x G sequences): the
         # default of 256 sequences runs a 512 x 8 chunk in 16 waves (GPUs keep vLLM's defaults)
         batch = {} if torch.cuda.is_available() else {"max_num_seqs": 4096, "max_num_batched_tokens": 65536}
@@ -257,7 +258,14 @@ class VLLMGenerator:
             )
             for i in range(len(prompts))
         ]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        lora = None
+        if self.lora_kernels and self.adapter_dir:  # every request of the call: never mixed with adapter-less ones
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(f"policy-{self._lora_id}", self._lora_id, self.adapter_dir)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=lora
+        )
         return [[self._sample(c) for c in o.outputs] for o in outs]
 
     @staticmethod
@@ -278,12 +286,33 @@ class VLLMGenerator:
         vllm_logger.setLevel(logging.ERROR)
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
+            self.adapter_dir = None
             # the reload rebuilds parameters layer by layer; a tied lm_head keeps the old tensor
             self.llm.collective_rpc(_retie_lm_head)
             self.llm.reset_prefix_cache()
         finally:
             vllm_logger.setLevel(level)
         self.model_dir = model_dir
+
+    def load_adapter(self, adapter_dir: str | None) -> None:
+        """With the engine's LoRA kernels (rollout.vllm.enable_lora): a new LoRARequest id for the new
+        adapters. Without: the adapted layers' weights merged (W + alpha / r * B A, from the base's files)
+        and pushed into the running engine in place, all parts of a fused layer (q/k/v, gate/up) together;
+        None pushes the base's own weights back."""
+        if self.lora_kernels:
+            self._lora_id += 1
+            self.adapter_dir = adapter_dir
+            return
+        weights = merged_lora_weights(self.model_dir, adapter_dir or self.adapter_dir, merge=adapter_dir is not None)
+        vllm_logger = logging.getLogger("vllm")  # warns of every layer not in the subset: all but these
+        level = vllm_logger.level
+        vllm_logger.setLevel(logging.ERROR)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            self.llm.reset_prefix_cache()
+        finally:
+            vllm_logger.setLevel(level)
+        self.adapter_dir = adapter_dir
 
     def sleep(self) -> bool:
         if not torch.cuda.is_available():
@@ -307,6 +336,41 @@ class VLLMGenerator:
 
             gc.collect()
             torch.cuda.empty_cache()
+
+
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # what vLLM stacks into one layer
+
+
+def merged_lora_weights(model_dir: str, adapter_dir: str, merge: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """The weights (HF names, the checkpoint's dtype) of every linear layer peft's adapters in adapter_dir
+    touch: W + lora_alpha / r * B @ A (merge=False: W alone), plus the untouched parts of a fused layer
+    (vLLM loads q/k/v and gate/up into one tensor: all its parts must come together)."""
+    from safetensors import safe_open
+
+    config = json.loads(Path(adapter_dir, "adapter_config.json").read_text())
+    if config.get("use_rslora") or config.get("use_dora"):
+        raise ValueError(f"{adapter_dir}: rsLoRA / DoRA adapters cannot be merged here")
+    scale = config["lora_alpha"] / config["r"]
+    with safe_open(str(Path(adapter_dir, "adapter_model.safetensors")), framework="pt") as f:
+        lora = {k: f.get_tensor(k) for k in f.keys()}
+    touched = {k.removeprefix("base_model.model.").split(".lora_A")[0] for k in lora if ".lora_A" in k}
+    for module in list(touched):
+        prefix, name = module.rsplit(".", 1)
+        touched |= {f"{prefix}.{part}" for group in _FUSED if name in group for part in group}
+    out = []
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                module = key.removesuffix(".weight")
+                if module not in touched or not key.endswith(".weight"):
+                    continue
+                w = st.get_tensor(key)
+                a = lora.get(f"base_model.model.{module}.lora_A.weight")  # (r, in)
+                if merge and a is not None:
+                    b = lora[f"base_model.model.{module}.lora_B.weight"]  # (out, r)
+                    w = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+                out.append((key, w))
+    return out
 
 
 def sample_token(logits: torch.Tensor, top_p: float, rng: torch.Generator) -> torch.Tensor:
@@ -499,7 +563,14 @@ def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None
     }
     if gpu:
         settings["gpu_memory_utilization"] = v.gpu_memory_utilization
+    if lora is not None and (gpu if v.enable_lora is None else v.enable_lora):  # else merged in memory
+        settings |= {"enable_lora": True, "max_lora_rank": _lora_rank(lora.r), "max_loras": 1}
     return settings
+
+
+def _lora_rank(r: int) -> int:
+    """vLLM's max_lora_rank: the smallest of the ranks it accepts that holds r."""
+    return next(n for n in (1, 8, 16, 32, 64, 128, 256, 320, 512) if n >= r)
 
 
 def _context_length(model_dir: str) -> int:

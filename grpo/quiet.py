@@ -22,6 +22,7 @@ HARMLESS_VLLM = re.compile(
             r"CPU backend doesn't allow to use `torch.set_num_threads`",
             r"Detected the chat template content format",
             r"reduce_op` is deprecated",
+            r"different tokenizers for different LoRAs",  # our adapters never carry a tokenizer
         ]
     )
 )

@@ -6,13 +6,17 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_real_path import chat_config, needs_vllm, world  # noqa: F401 (world: a fixture)
 from test_sharding import TOL, learn_of
 from test_stages import make_run
 
 from flows.cli import main
+from grpo.config import load_config
+from grpo.generation import close_generators
 from grpo.layout import stage_dir
 from grpo.storage import latest_committed, open_storage
 from stages import learn as learn_stage
+from stages.init import init_run
 from stages.iteration import run_iteration
 
 LORA = ["learn.lora={r: 2, alpha: 4}", "learn.kl_coef=0.05"]
@@ -103,3 +107,36 @@ def test_lora_under_fsdp2_with_two_processes_trains_the_adapters_of_one_process(
     b_one = torch.cat([one[k].flatten() for k in sorted(one) if "lora_B" in k])  # B starts at 0: B is the update
     b_two = torch.cat([two[k].flatten() for k in sorted(one) if "lora_B" in k])
     assert b_one.norm() > 1e-4 and float((b_one - b_two).norm() / b_one.norm()) < TOL
+
+
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        pytest.param(False, id="merged-in-memory", marks=needs_vllm),
+        pytest.param(True, id="lora-request", marks=needs_vllm),
+    ],
+)
+def test_vllm_serves_each_iterations_adapters_merged_in_memory_or_through_its_lora_kernels(world, storage, kernels):
+    """Iteration 1 samples from learn 0's adapters on a warm engine: the sampler's log-probs are the learner's
+    (gap ~1e-6), far from the base's (the reference) that an engine ignoring the adapters would give."""
+    extra = [
+        "rollout.backend=vllm",
+        f"rollout.vllm.enable_lora={str(kernels).lower()}",
+        "learn.lora={r: 4, alpha: 8}",
+        "learn.lr=1e-2",
+        "learn.kl_coef=0.01",
+    ]
+    init_run(storage, "v", load_config(None, chat_config(world, *extra)))
+    try:
+        outs = [run_iteration(storage, "v", k) for k in range(2)]
+    finally:
+        close_generators()
+    assert ("enable_lora" in outs[1]["rollouts"].manifest.summary["sampler"]) == kernels
+    lp = pd.read_parquet(outs[1]["learn"].path("logprobs.parquet"))
+    ro = pd.read_parquet(outs[1]["rollouts"].path("rollouts.parquet")).set_index(["prompt_id", "sample_index"])
+    sampler = ro.loc[list(zip(lp.prompt_id, lp.sample_index)), "sampler_logprobs"]
+    flat = lambda col: torch.tensor([x for row in col for x in row])  # noqa: E731
+    to_base = (flat(sampler) - flat(lp.ref_logprobs)).abs().mean().item()
+    gap = outs[1]["learn"].manifest.summary["logprob_gap"]
+    print(f"sampler vs learner {gap:.2e}, sampler vs base {to_base:.2e}")
+    assert gap < 1e-3 and gap < 0.05 * to_base
