@@ -116,7 +116,7 @@ def test_lora_under_fsdp2_with_two_processes_trains_the_adapters_of_one_process(
         pytest.param(True, id="lora-request", marks=needs_vllm),
     ],
 )
-def test_vllm_serves_each_iterations_adapters_merged_in_memory_or_through_its_lora_kernels(world, storage, kernels):
+def test_vllm_serves_each_iterations_adapters_merged_in_memory_or_through_its_lora_kernels(world, storage, kernels):  # noqa: F811
     """Iteration 1 samples from learn 0's adapters on a warm engine: the sampler's log-probs are the learner's
     (gap ~1e-6), far from the base's (the reference) that an engine ignoring the adapters would give."""
     extra = [
