@@ -55,7 +55,7 @@ def save_state(model: torch.nn.Module, opt: torch.optim.Optimizer, folder: str |
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     weights, optim = get_state_dict(model, opt, options=_options(trainable_only))
-    dcp.save({"model": weights, "optim": optim}, checkpoint_id=str(folder))
+    dcp.save({"model": weights, "optim": optim}, checkpoint_id=str(folder), no_dist=not _distributed())
 
 
 def load_state(model: torch.nn.Module, opt: torch.optim.Optimizer, folder: str | Path, trainable_only: bool) -> None:
@@ -65,10 +65,14 @@ def load_state(model: torch.nn.Module, opt: torch.optim.Optimizer, folder: str |
 
     weights, optim = get_state_dict(model, opt, options=_options(trainable_only))
     state = {"model": weights, "optim": optim}
-    dcp.load(state, checkpoint_id=str(folder))
+    dcp.load(state, checkpoint_id=str(folder), no_dist=not _distributed())
     set_state_dict(
         model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options(trainable_only)
     )
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -153,3 +153,32 @@ def test_engine_settings_resolve_for_the_platform_pass_through_and_restart_the_e
         assert second is not first and next(second.model.parameters()).dtype == torch.bfloat16
     finally:
         generation.close_generators()
+
+
+def test_fsdp2_keeps_float32_master_weights_in_its_sharded_state_and_a_cold_resume_equals_a_warm_one(
+    storage, bf16_base, tmp_path
+):
+    """learn.sharding=fsdp2 with a bf16 base: policy/ in bf16, the float32 weights and AdamW state in dcp/
+    (no master.safetensors); iteration 1 resumed from dcp/ equals the one kept in memory, bit for bit."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    cfg = load_config(
+        None, TINY + [f"model.base_model={bf16_base}", "learn.mixed_precision=bf16", "learn.sharding=fsdp2"]
+    )
+    outs = {}
+    for run_id in ("warm", "cold"):
+        init_run(storage, run_id, cfg)
+        outs[run_id] = [run_iteration(storage, run_id, 0)]
+        if run_id == "cold":
+            WARM.take(None)
+        outs[run_id].append(run_iteration(storage, run_id, 1))
+        WARM.take(None)
+    learn = outs["cold"][1]["learn"]
+    files = {f.path for f in learn.manifest.files}
+    assert "dcp/.metadata" in files and MASTER_WEIGHTS not in files and "optimizer.pt" not in files
+    assert dtypes(learn.path("policy/model.safetensors")) == {"BF16"}
+    dcp_to_torch_save(learn.path("dcp/.metadata").rsplit("/", 1)[0], tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    assert {v.dtype for v in state["model"].values()} == {torch.float32}
+    w, c = (load_file(o[1]["learn"].path("policy/model.safetensors")) for o in (outs["warm"], outs["cold"]))
+    assert all(torch.equal(w[n], c[n]) for n in w)

@@ -7,6 +7,7 @@ error of 1e-3 (the DDP test's), not every weight bit for bit.
 """
 
 import dataclasses
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -15,12 +16,13 @@ from safetensors.torch import load_file
 from test_stages import make_run
 
 from grpo.layout import stage_dir
-from grpo.storage import latest_committed, open_storage
-from stages import stage_function
+from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
+from stages import StageError, stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration
 
 TOL = 1e-3
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -90,3 +92,29 @@ def test_a_sharded_run_resumes_at_another_number_of_processes(storage):
     steps = pd.read_parquet(learn_of(storage, "w", 2).path("metrics.parquet"))
     ref_steps = pd.read_parquet(learn_of(storage, "ref", 2).path("metrics.parquet"))
     assert steps.lr.tolist() == pytest.approx(ref_steps.lr.tolist())
+
+
+def test_a_killed_rank_leaves_no_committed_attempt_and_a_rerun_commits(storage, tmp_path, monkeypatch):
+    """Rank 1 is SIGKILLed while it writes its shards: the stage fails, its attempt never commits, and the
+    next try (no kill) commits a complete learn."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(  # loaded by every python the learn stage starts
+        "import os, signal\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import grpo.sharding\n"
+        "    grpo.sharding.save_state = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    make_run(storage, "k", extra=["learn.num_processes=2", "learn.sharding=fsdp2"])
+    for s in ["snapshot", "rollouts", "rewards", "advantages"]:
+        stage_function(s)(storage, "k", 0)
+    with monkeypatch.context() as m:
+        m.setenv("PYTHONPATH", f"{hook}:{ROOT}")
+        with pytest.raises(StageError, match="torchrun exited"):
+            stage_function("learn")(storage, "k", 0)
+    d = stage_dir(storage, "k", 0, "learn")
+    assert len(list_attempts(storage, d)) == 1 and not committed_attempts(storage, d)
+    learn = stage_function("learn")(storage, "k", 0)
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "policy/model.safetensors"} <= {
+        f.path for f in learn.manifest.files
+    }
