@@ -140,3 +140,28 @@ def test_vllm_serves_each_iterations_adapters_merged_in_memory_or_through_its_lo
     gap = outs[1]["learn"].manifest.summary["logprob_gap"]
     print(f"sampler vs learner {gap:.2e}, sampler vs base {to_base:.2e}")
     assert gap < 1e-3 and gap < 0.05 * to_base
+
+
+def test_lora_learns_the_sort_task(storage):
+    """test_stages.test_mean_reward_rises's recipe with LoRA adapters (r=16 on every projection) at a
+    LoRA-sized lr: the mean sampled reward rises as clearly as with full fine-tuning (0.058 -> 0.138 at
+    seed 0; full fine-tuning: 0.136-0.163)."""
+    make_run(
+        storage,
+        "learns",
+        extra=[
+            "rollout.prompts_per_iteration=64",
+            "rollout.group_size=8",
+            "learn.minibatch_size=128",
+            "learn.microbatch_size=128",
+            "rollout.max_tokens=5",
+            "task.params={credit: position}",
+            "reward.truncated_reward=null",
+            "model.initializer_range=0.05",
+            "learn.lr=5e-3",
+            "learn.epochs=2",
+            "learn.lora={r: 16, alpha: 32}",
+        ],
+    )
+    rewards = [run_iteration(storage, "learns", k)["advantages"].manifest.summary["reward_mean"] for k in range(6)]
+    assert rewards[-1] > 2 * rewards[0] and rewards[-1] - rewards[0] > 0.05, rewards
