@@ -118,3 +118,22 @@ def test_a_killed_rank_leaves_no_committed_attempt_and_a_rerun_commits(storage, 
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "policy/model.safetensors"} <= {
         f.path for f in learn.manifest.files
     }
+
+
+@pytest.mark.s3
+def test_sharded_lora_state_round_trips_through_s3(s3, monkeypatch, tmp_path):
+    """fsdp2 + LoRA on S3: every rank's shards are uploaded with the adapters, and the next iteration's
+    learn (a fresh torchrun) reads them back from there."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage(f"s3://{s3.bucket}/sharding-{tmp_path.name}")
+    make_run(storage, "s", extra=["learn.num_processes=2", "learn.sharding=fsdp2", "learn.lora={r: 2, alpha: 4}"])
+    for k in range(2):
+        run_iteration(storage, "s", k)
+    learn = learn_of(storage, "s", 1)
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "adapter/adapter_model.safetensors"} <= {
+        f.path for f in learn.manifest.files
+    }
+    steps = pd.read_parquet(storage.uri(learn.path("metrics.parquet")), storage_options=s3.storage_options()).step
+    assert learn.manifest.summary["steps"] == len(steps) == 2
