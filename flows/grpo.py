@@ -99,6 +99,9 @@ def grpo(
         except FailedRun as e:  # a stage's one-line error (USER_ERRORS): the flow run's final state
             progress.publish()
             return Failed(message=str(e))
+        except USER_ERRORS as e:  # one raised between the tasks (a damaged tracking.json): its one line too
+            progress.publish()
+            return Failed(message=" ".join(str(e).split()))
     progress.publish()
     return uris
 
@@ -196,14 +199,29 @@ def run_stage(
     try:
         out = stage_function(name)(open_storage(storage_url), run_id, iteration, force=force)
     except USER_ERRORS as e:
-        return Failed(message=f"{name} iteration {iteration}: {' '.join(str(e).split())}")
+        return Failed(message=failure_line(name, iteration, str(e)))
     except Exception as e:
         if not storage_error(e) or (isinstance(e, OSError) and retried(e)):
             raise  # a bug keeps its traceback; a transient storage error is retried (the task's retries)
-        return Failed(message=f"{name} iteration {iteration}: {describe(e, storage_url)}")
+        return Failed(message=failure_line(name, iteration, describe(e, storage_url)))
     if upstream and upstream not in {ref.uri for ref in out.manifest.inputs.values()}:
         raise RuntimeError(f"{name} read other inputs than {upstream}: another writer committed meanwhile")
     return out.uri
+
+
+def failure_line(name: str, iteration: int, error: str) -> str:
+    """A failed task's state message: one line, `<stage> iteration <k>: ` once, though the stage's own
+    error may start with its name already (the CLI prints it alone).
+
+    >>> failure_line("rewards", 0, "rewards: 4/64 samples failed")
+    'rewards iteration 0: 4/64 samples failed'
+    >>> failure_line("learn", 1, "learn iteration 1: input advantages is stale:\\n  rerun")
+    'learn iteration 1: input advantages is stale: rerun'
+    """
+    text = " ".join(error.split())
+    for prefix in (f"{name} iteration {iteration}: ", f"{name}: "):
+        text = text.removeprefix(prefix)
+    return f"{name} iteration {iteration}: {text}"
 
 
 class ProgressTable:

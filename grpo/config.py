@@ -157,8 +157,9 @@ class RewardConfig:
     truncated_reward: float | None = None
     """Reward of a response cut off at rollout.max_tokens; None scores it like any other (as TRL and verl do)."""
     max_memory_mb: int | None = None
-    """Address-space cap (RLIMIT_AS) of each reward worker process, in MiB; a function that exceeds it fails
-    that sample instead of taking the machine. None: no cap."""
+    """Memory a reward worker process may take beyond what it inherits when forked, in MiB (RLIMIT_AS set to
+    its size at start plus this); a function that exceeds it fails that sample with a MemoryError instead
+    of taking the machine. None: no cap."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ Every path of a run is built here; the stages, the CLI, `grpo query` and the flo
 from __future__ import annotations
 
 import enum
+import unicodedata
 from typing import Literal, get_args
 
 from grpo.errors import LayoutError
@@ -20,12 +21,22 @@ STAGES: tuple[str, ...] = get_args(StageName)  # the order an iteration runs the
 
 
 def run_dir(storage: Storage, run_id: str) -> str:
+    """The run's folder; a run id that is no plain name is refused in one line."""
+    shown = f"{run_id[:40]!r}{'...' if len(run_id) > 40 else ''}"  # repr: U+202E and the like as escapes
     if not run_id or "/" in run_id or run_id.startswith(".") or len(run_id) > 128:
+        raise LayoutError(f"run id {shown} must be a name of 1-128 characters without '/', not starting with '.'")
+    at = next((i for i, c in enumerate(run_id) if unicodedata.category(c) in _INVISIBLE), None)
+    if at is not None:  # a bidi override shows a name other than the one stored; a newline splits a line
+        c = run_id[at]
         raise LayoutError(
-            f"run id {run_id[:40]!r}{'...' if len(run_id) > 40 else ''} must be a name of 1-128 "
-            "characters without '/', not starting with '.'"
+            f"run id {shown} must be a name without control or format characters; it holds "
+            f"U+{ord(c):04X} ({unicodedata.name(c, 'a control character')}) at position {at}"
         )
     return storage.path("runs", run_id)
+
+
+# control (Cc), format (Cf: bidi overrides and isolates, zero-width), surrogate (Cs), line and paragraph separators
+_INVISIBLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
 def run_json(storage: Storage, run_id: str) -> str:

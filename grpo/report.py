@@ -110,7 +110,7 @@ def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) 
         raise StageError(f"run {run_id}: no iteration has a committed eval yet; run one (`grpo run --run {run_id}`)")
     rdir = run_dir(storage, run_id)
     png, md = f"{rdir}/report.png", f"{rdir}/report.md"
-    storage.fs.pipe_file(
+    storage.write_bytes_atomic(  # replaced whole: a reader or a crash never sees half a file
         png, figure_png(rows, f"run {run_id}: iterations {rows[0]['iteration']}..{rows[-1]['iteration']}")
     )
     last = rows[-1]
@@ -120,5 +120,5 @@ def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) 
         f"held-out exact match {last['eval_exact_match']:.4g}.\n\n![progress](report.png)\n\n"
         f"{markdown_table(rows)}\n"
     )
-    storage.fs.pipe_file(md, text.encode())
+    storage.write_bytes_atomic(md, text.encode())
     return storage.uri(png), storage.uri(md)

@@ -4,7 +4,8 @@ TensorBoard, MLflow or Weights & Biases, keyed by iteration.
 The figures come from the committed manifests, so a resumed or rerun iteration sends the values that
 were committed, once: `tracking.json` in the run folder records the iterations already sent and the
 tracker's own run id, so a later process (a resume, the next `grpo/iteration` flow run) continues the
-same tracker run. Called after every iteration by stages.iteration.run_warm and the flow `grpo`.
+same tracker run; it is replaced whole (Storage.write_bytes_atomic), never left half-written. Called
+after every iteration by stages.iteration.run_warm and the flow `grpo`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from pathlib import Path
 
 from grpo.config import RunConfig, TrackingConfig
+from grpo.errors import StageError
 from grpo.layout import run_dir
 from grpo.report import iteration_rows
 from grpo.storage import Storage, is_local
@@ -24,8 +26,22 @@ def state_path(storage: Storage, run_id: str) -> str:
 
 
 def _load_state(storage: Storage, run_id: str) -> dict:
+    """What tracking.json says was sent ({} before the first send); a damaged one fails naming it."""
     path = state_path(storage, run_id)
-    return json.loads(storage.read_bytes(path)) if storage.exists(path) else {}
+    if not storage.exists(path):
+        return {}
+    try:
+        state = json.loads(storage.read_bytes(path))
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError: a file cut short or overwritten
+        state, why = None, "not valid JSON"
+    else:
+        why = "not the state grpo writes"
+    sent = state.get("iterations", []) if isinstance(state, dict) else None
+    if not isinstance(sent, list) or not all(isinstance(k, int) for k in sent):
+        raise StageError(
+            f"{storage.uri(path)}: damaged ({why}); delete it and rerun: tracking restarts a new tracker run"
+        )
+    return state
 
 
 def event_dir(storage: Storage, run_id: str, t: TrackingConfig) -> str:
@@ -54,7 +70,7 @@ def track(storage: Storage, run_id: str, cfg: RunConfig) -> list[int]:
     state["tracker_run_id"] = SENDERS[t.backend](storage, run_id, t, state.get("tracker_run_id"), metrics)
     state["backend"] = t.backend
     state["iterations"] = sorted(sent | {k for k, _ in metrics})
-    storage.fs.pipe_file(state_path(storage, run_id), json.dumps(state, indent=1).encode())
+    storage.write_bytes_atomic(state_path(storage, run_id), json.dumps(state, indent=1).encode())
     return [k for k, _ in metrics]
 
 

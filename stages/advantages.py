@@ -2,16 +2,20 @@
 
 Each prompt's G samples form a group; the stage checks every group is complete,
 stores per-sample advantages with their group's mean and std, and optionally
-drops groups with zero reward variance (they give no gradient signal).
+drops groups with zero reward variance (they give no gradient signal). Finite rewards whose group
+statistics overflow float64 (a mean or std of inf or nan) are refused, naming the group and the function.
 """
 
 from __future__ import annotations
+
+import math
 
 import pyarrow.compute as pc
 import torch
 
 from grpo.core import group_advantages
 from grpo.storage import Committed, Storage
+from grpo.tasks.functions import reward_source
 from schemas import read_parquet, table_file, write_parquet
 from stages.common import StageError, check_chain, committed_input, load_run, run_stage
 
@@ -40,6 +44,10 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
             )
         rewards = torch.tensor(table.column("reward").to_numpy(), dtype=torch.float64)
         adv, stats = group_advantages(rewards, group_size, acfg.mode, acfg.eps)
+        reward_mean, reward_std = rewards.mean().item(), rewards.std().item() if len(rewards) > 1 else 0.0
+        bad = overflowed(adv, stats, group_size, [reward_mean, reward_std])
+        if bad is not None:
+            refuse(table.slice(*bad), (reward_mean, reward_std))
         spread = stats["max"] > stats["min"]  # (n_groups,)
         kept = (
             spread.repeat_interleave(group_size)
@@ -62,13 +70,45 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
         return {
             "samples": len(prompt_ids),
             "groups": len(counts),
-            "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward_mean": reward_mean,
+            "reward_std": reward_std,
             "zero_variance_groups": int((~spread).sum()),
             "kept": int(kept.sum()),
         }
+
+    def refuse(rows, totals: tuple[float, float]) -> None:
+        """Fail naming the rows' group (or the batch) and the function of their largest reward."""
+        group = rows.num_rows == group_size
+        where = f"prompt_id {rows.column('prompt_id')[0].as_py()}" if group else "the batch"
+        stats = "its group's mean or std" if group else f"the mean {totals[0]} or std {totals[1]}"
+        top = max(range(rows.num_rows), key=lambda i: abs(rows.column("reward")[i].as_py()))
+        found = read_parquet(storage.fs, rewards_in.path(table_file("rewards")), "rewards")
+        found = found.filter(
+            pc.and_(
+                pc.equal(found.column("prompt_id"), rows.column("prompt_id")[top]),
+                pc.equal(found.column("sample_index"), rows.column("sample_index")[top]),
+            )
+        )
+        source = reward_source(cfg.task.name, cfg.reward.functions, dict(found.column("components")[0].as_py()))
+        raise StageError(
+            f"advantages: rewards of {where} overflow float64 in {stats} (not finite): {source} returned "
+            f"{rows.column('reward')[top].as_py():.3g}; scale its rewards down (nothing was committed)"
+        )
 
     config = {"advantage": cfg.to_dict()["advantage"], "group_size": group_size}
     return run_stage(
         storage, run_id, iteration, "advantages", config=config, inputs={"rewards": rewards_in}, body=body, force=force
     )
+
+
+def overflowed(adv, stats: dict, group_size: int, totals: list[float]) -> tuple[int, int] | None:
+    """(offset, length) of the rows of the first group whose mean, std or advantages are not finite, or of
+    the whole batch when only its mean or std (`totals`) is not; None when everything is finite.
+
+    adv: (B,); stats: {mean, std}, each (G,), B = G * group_size.
+    """
+    bad = ~(torch.isfinite(stats["mean"]) & torch.isfinite(stats["std"]))  # (G,)
+    bad |= ~torch.isfinite(adv).reshape(-1, group_size).all(dim=1)
+    if bad.any():
+        return int(bad.nonzero()[0, 0]) * group_size, group_size
+    return None if all(map(math.isfinite, totals)) else (0, len(adv))

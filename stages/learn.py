@@ -8,7 +8,7 @@ loss. When the next iteration runs in the same process (flow `grpo` with `iterat
 takes the model, optimizer and reference from memory (`WARM`) instead, with the same result.
 
 One process runs in-process; `learn.num_processes > 1` runs the same code under torchrun (gloo on
-CPU, NCCL on GPUs), rank r taking every r-th group of each minibatch.
+CPU, NCCL on GPUs; stages/launch.py), rank r taking every r-th group of each minibatch.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -37,11 +35,11 @@ from grpo.config import RunConfig
 from grpo.generation import release_accelerator
 from grpo.layout import Salt, iteration_seed
 from grpo.learner import MASTER_WEIGHTS, STATE_DCP, Batch, Learner, Scores, train
-from grpo.procs import free_port
 from grpo.storage import Committed, StageWriter, Storage, is_local
 from schemas import read_parquet, table_file, write_parquet
 from schemas.tables import FLOAT_LISTS
-from stages.common import StageError, check_chain, committed_input, load_run, log, run_stage
+from stages import launch
+from stages.common import StageError, check_chain, committed_input, load_run, run_stage
 
 KEYS = ["prompt_id", "sample_index"]
 STATE_FILES = ("optimizer.pt", "rng.pt", MASTER_WEIGHTS)  # and dcp/ under fsdp2
@@ -226,51 +224,6 @@ def carry_checkpoint_files(policy_dir: str, out_dir: str) -> list[str]:
     return carried
 
 
-def _run_distributed(args: dict, nproc: int) -> dict:
-    """Run `train` under torchrun; forward its output lines to the log; return rank 0's summary."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(args, f)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "stages.learn",
-        f.name,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-    )
-    tail = []
-    for line in proc.stdout:
-        log.info("learn[torchrun] %s", line.rstrip())
-        tail = (tail + [line])[-20:]
-    if proc.wait() != 0:
-        raise StageError(f"learn under torchrun exited with {proc.returncode}:\n{''.join(tail)}")
-    return json.loads(Path(args["summary"]).read_text())
-
-
-def _worker_main(args_path: str) -> None:
-    args = json.loads(Path(args_path).read_text())
-    from grpo.config import load_config
-
-    cfg = load_config(args["config"])
-    batch = torch.load(args["batch"], weights_only=False)
-    learner = new_learner(
-        cfg, args["iteration"], args["policy_dir"], args["ref_dir"], args["state_dir"], args["adapter_dir"]
-    )
-    summary = train_and_save(learner, args["run_id"], args["iteration"], batch, args["out_dir"])
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(args["summary"]).write_text(json.dumps(summary))
-
-
 def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)
     inputs = {
@@ -317,7 +270,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
                 summary = train_and_save(learner, run_id, iteration, batch, out_dir)
             else:
                 torch.save(batch, f"{tmp}/batch.pt")
-                summary = _run_distributed(
+                summary = launch.run_distributed(
                     {
                         "config": cfg.to_dict(),
                         "run_id": run_id,
@@ -343,7 +296,3 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
     if learner is not None:  # ran in this process and committed: keep it for iteration k + 1
         WARM.keep(WARM.key(cfg, out.uri, inputs["reference"].uri), learner)
     return out
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1])

@@ -4,20 +4,38 @@
 (a file is copied there at `grpo init`) or imported by module name, and get each sample's
 dataset row as keyword arguments (grpo.tasks.functions).
 
-Rewards run in a process pool; each sample has a time limit. A response cut off
-at max_tokens scores `reward.truncated_reward` when that is set (an unfinished
-answer is not an answer; without it a policy that never emits eos is never
-shown that stopping after the answer pays). An exception or a
-timeout is recorded in the `error` column with reward 0 instead of crashing, and
-the stage fails (committing nothing) when more than `max_error_fraction` errs.
+Rewards run in worker processes the stage watches (RewardPool); each sample has a time limit. A
+response cut off at max_tokens scores `reward.truncated_reward` when that is set (an unfinished
+answer is not an answer; without it a policy that never emits eos is never shown that stopping
+after the answer pays). An exception, a timeout, a MemoryError past `reward.max_memory_mb`, a
+function that ignores its alarm or a worker that dies (os._exit, a signal, the OOM killer) is
+recorded in the `error` column with reward 0, naming the function; a hung or dead worker is
+replaced at once; and the stage fails (committing nothing) as soon as more than
+`max_error_fraction` of its samples erred. What reward functions print goes to a file per worker:
+the log shows its first few KB once per scoring. A mean reward that is not finite (rewards whose
+sum overflows float64) is refused, naming the function.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
+import logging
+import math
 import multiprocessing as mp
+import os
 import signal
+import sys
+import tempfile
+import time
+from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing import connection
+from typing import Any
+
+import pyarrow.parquet as pq
 
 from grpo.checkpoint import local_checkpoint
 from grpo.config import RewardConfig, RunConfig
@@ -26,13 +44,19 @@ from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, table_file
 from stages.common import StageError, check_chain, committed_input, load_run, run_stage
 
+log = logging.getLogger("grpo.stages")
+
 _JOBS_PER_WORKER = 4  # a batch is split into about this many pool jobs per worker
 _MIN_CHUNK = 64  # samples; smaller jobs cost more in pickling and wake-ups than they score
-_MAX_CHUNK = 256  # samples; bounds how long a job hung in C code (no alarm reaches it) is waited for
+_MAX_CHUNK = 256  # samples; bounds what a dead worker's job costs to score again
+_GRACE_S = 1.0  # how long past its alarm a sample may run before the parent kills its worker
+_LOAD_TIMEOUT_S = 300.0  # for a worker to build the scorer (import the reward modules)
+_PRINTED_KEEP = 4096  # bytes of what reward functions print that one scoring logs
+_LOADING, _IDLE = -2.0, -1.0  # a worker's progress[0] when it is not scoring a sample (its index in the job)
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """The sample's alarm; not an Exception, so a reward function's `except Exception` does not swallow it."""
 
 
 def _alarm(signum, frame):
@@ -56,49 +80,318 @@ def scorer_key(cfg: RunConfig, base: Committed | None) -> tuple:
     return cfg.task.name, tuple(sorted(cfg.task.params.items())), specs, weights, tuple(files)
 
 
-def score_one(scorer, response: str, ground_truth: str, prompt: str, row: dict, timeout_s: float):
-    """(reward, components, error) of one sample; never raises. SIGALRM must be handled by `_alarm`."""
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+def function_names(key: tuple) -> list[str]:
+    """The names of the functions a scorer_key scores with, in order: the task's, or the user's."""
+    return functions.function_names(key[2]) if key[2] else [key[0]]
+
+
+def score_one(
+    scorer, response: str, ground_truth: str, prompt: str, row: dict, timeout_s: float, calling=None
+) -> tuple:
+    """(reward, components, error) of one sample; never raises (a reward function's SystemExit aside)."""
+    signal.signal(signal.SIGALRM, _alarm)  # each sample: a function may have replaced the handler
     try:
-        components = scorer(response, ground_truth, prompt, row)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            components = scorer(response, ground_truth, prompt, row, calling)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         return components["total"], components, None
     except _Timeout:
         return 0.0, {}, f"timeout after {timeout_s}s"
     except Exception as e:  # noqa: BLE001 (a reward bug must not kill the stage)
         return 0.0, {}, f"{type(e).__name__}: {e}"
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+# ---------------------------------------------------------------- the worker pool
+#
+# Why a pool of our own. multiprocessing.Pool replaces a worker that dies but loses its job without a
+# word: the parent waits for the job's whole timeout, then knows only that it hung. concurrent.futures'
+# ProcessPoolExecutor notices the death (BrokenProcessPool), but then the whole executor is broken: every
+# pending job fails with it, it cannot say which sample and function were running or how the worker
+# ended, and it cannot stop one job hung in C code (a running future cannot be cancelled). Here each
+# worker has its own pipe, its process sentinel and a shared progress record (sample, function, since
+# when), and the parent waits on all of them at once (multiprocessing.connection.wait): a death is seen
+# the moment it happens and named, a sample past its alarm is killed, and only that worker is replaced.
+
+_PROGRESS: Any = [_IDLE, 0.0, 0.0]  # this worker's record (where, function, since); a list outside a worker
+_CONN: Any = None  # this worker's pipe to the parent; None outside a worker
+_PARENT_FDS: set[int] = set()  # this process's ends of its workers' pipes and files: a new worker closes them
 
 
 def _worker_init() -> None:
     """A forked worker drops the handlers it inherited (Prefect's SIGTERM handler would report the
-    parent's task as crashed when the pool terminates its workers), then takes SIGTERM again."""
+    parent's task as crashed when a worker is stopped), then takes SIGTERM again."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
-def _fork_pool(workers: int):
-    """A fork pool whose workers never run the parent's SIGTERM handler.
+def _worker_main(conn, progress, out: int) -> None:
+    """A worker: runs the (fn, args) jobs `conn` brings, answers ("done", result) or ("failed", error
+    line); meanwhile a job may tell the parent of samples that erred (`_tell`).
 
-    SIGTERM stays blocked from the fork until `_worker_init` has restored its default action: a
-    pool terminated as it starts (a stage failing at once) would otherwise leave a worker that
-    handled SIGTERM the parent's way and lives on, and `terminate()` waits for it forever.
+    Its stdout and stderr go to the file `out`, which the parent reads and empties after each job. It
+    closes the parent's ends of the other workers' pipes, so that when the parent dies every worker
+    reads EOF and ends.
     """
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    global _PROGRESS, _CONN
+    _worker_init()
+    _PROGRESS, _CONN = progress, conn
+    _mapped_at_start()  # what reward.max_memory_mb is counted from
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    for fd in _PARENT_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    sys.stdout = sys.stderr = open(1, "w", closefd=False, errors="backslashreplace")
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        fn, args = job
+        try:
+            reply = ("done", fn(*args))
+        except Exception as e:  # noqa: BLE001 (said to the parent; SystemExit ends the worker, as asked)
+            reply = ("failed", f"{type(e).__name__}: {e}")
+        sys.stdout.flush()
+        conn.send(reply)
+
+
+def _tell(samples: list[int], error: str) -> None:
+    """Tell the parent now that these samples of the job erred, so that it can stop the scoring before
+    the job ends (a job of 256 samples that each time out takes 43 minutes at the defaults)."""
+    if _CONN is not None:
+        _CONN.send(("erred", (samples, error)))
+
+
+def _mapped_bytes() -> int:
+    """This process's address space now (Linux /proc; 0 elsewhere)."""
     try:
-        return mp.get_context("fork").Pool(workers, _worker_init)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
-def _score_chunk(key: tuple, timeout_s: float, items: list[tuple[str, str, str, dict]]):
+@functools.cache
+def _mapped_at_start() -> int:
+    return _mapped_bytes()
+
+
+def _cap_memory(max_memory_mb: int | None) -> None:
+    """RLIMIT_AS of this worker: what it mapped as it started, inherited from the stage's process
+    (torch alone maps gigabytes it never touches), plus `max_memory_mb`; an allocation past it raises
+    MemoryError in the function. Only the soft limit: a later job with no cap lifts it."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = resource.RLIM_INFINITY if max_memory_mb is None else _mapped_at_start() + max_memory_mb * 2**20
+    if hard != resource.RLIM_INFINITY and (cap == resource.RLIM_INFINITY or cap > hard):
+        cap = hard
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+
+
+def exit_text(code: int) -> str:
+    """How a worker process ended, from its exit code (negative: the signal that killed it).
+
+    >>> exit_text(3), exit_text(-9), exit_text(-11)
+    ('exit code 3', 'killed by SIGKILL (out of memory?)', 'killed by SIGSEGV')
+    """
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+
+
+@dataclass(eq=False)
+class _Worker:
+    process: Any  # multiprocessing Process (fork)
+    conn: Any  # the parent's end of its pipe
+    progress: Any  # shared doubles (where, function, since): where is a sample's index in the job, _LOADING or _IDLE
+    out: int  # the file its stdout and stderr go to
+    job: Any = None  # the caller's tag of what it was sent, until it answers or is replaced
+
+
+class RewardPool:
+    """Worker processes forked from this one, each watched by the parent (see the note above)."""
+
+    def __init__(self, workers: int):
+        self.workers: list[_Worker] = []
+        self.printed, self.printed_head = 0, b""  # what workers printed since the last log, its first bytes
+        try:
+            for _ in range(workers):
+                self.workers.append(self._spawn())
+        except BaseException:
+            self.terminate()
+            raise
+
+    def _spawn(self) -> _Worker:
+        """A new worker; SIGTERM stays blocked from the fork until `_worker_init` restored its default
+        action (a worker stopped as it starts would otherwise handle it the parent's way and live on)."""
+        ctx = mp.get_context("fork")
+        parent, child = ctx.Pipe()
+        progress = ctx.RawArray("d", [_IDLE, 0.0, 0.0])
+        out = _output_file()
+        _PARENT_FDS.update((parent.fileno(), out))
+        for stream in (sys.stdout, sys.stderr):  # else the worker's copy of their buffers lands in its file
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        process = ctx.Process(target=_worker_main, args=(child, progress, out), daemon=True)
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            child.close()
+        return _Worker(process, parent, progress, out)
+
+    def idle(self) -> list[_Worker]:
+        """Workers without a job; one that died idle (a thread of a reward function, a signal) is replaced."""
+        for w in [w for w in self.workers if w.job is None and not w.process.is_alive()]:
+            log.warning("a reward worker ended between jobs (%s); starting another", self.replace(w))
+        return [w for w in self.workers if w.job is None]
+
+    def busy(self) -> list[_Worker]:
+        return [w for w in self.workers if w.job is not None]
+
+    def submit(self, w: _Worker, fn, args: tuple, tag: Any = True) -> None:
+        w.job = tag
+        w.progress[0] = _IDLE
+        w.conn.send((fn, args))
+
+    def wait(self, timeout: float | None) -> list[tuple[_Worker, Any, str, Any]]:
+        """Waits up to `timeout` s for busy workers to say something or die: (worker, its job's tag,
+        kind, payload) for each message, kind "done" or "failed" (the worker is idle again), "erred"
+        (samples that erred, the job goes on) or "died" (the caller replaces the worker)."""
+        busy = self.busy()
+        ready = set(connection.wait([w.conn for w in busy] + [w.process.sentinel for w in busy], timeout))
+        events = []
+        for w in busy:
+            if w.conn not in ready and w.process.sentinel not in ready:
+                continue
+            job, died = w.job, False
+            try:
+                while w.job is not None and w.conn.poll():
+                    kind, payload = w.conn.recv()
+                    events.append((w, job, kind, payload))
+                    if kind != "erred":
+                        w.job = None
+                        self._collect(w)
+            except (EOFError, OSError):  # it died, perhaps as it answered
+                died = True
+            if w.job is not None and (died or not w.process.is_alive()):
+                events.append((w, job, "died", None))
+        return events
+
+    def apply(self, fn, args: tuple = ()):
+        """fn(*args) in an idle worker (a warm pool's pid, a check); raises RuntimeError if it fails."""
+        w = self.idle()[0]
+        self.submit(w, fn, args)
+        while True:
+            for _, _, kind, payload in self.wait(None):
+                if kind == "died":
+                    raise RuntimeError(f"reward worker died: {self.replace(w)}")
+                if kind == "failed":
+                    raise RuntimeError(payload)
+                if kind == "done":
+                    return payload
+
+    def replace(self, w: _Worker) -> str:
+        """Kill `w` if it lives, start another in its place; returns how `w` ended."""
+        i = self.workers.index(w)
+        how = self._retire(w)
+        self.workers[i] = self._spawn()
+        return how
+
+    def _retire(self, w: _Worker) -> str:
+        w.process.kill()  # SIGKILL: a hung worker ignores the rest; a dead one is not signalled again
+        w.process.join()
+        self._collect(w)
+        _PARENT_FDS.difference_update((w.conn.fileno(), w.out))
+        w.conn.close()
+        os.close(w.out)
+        return exit_text(w.process.exitcode)
+
+    def _collect(self, w: _Worker) -> None:
+        """Take what `w` printed: count it, keep the first _PRINTED_KEEP bytes, empty its file."""
+        size = os.fstat(w.out).st_size
+        if not size:
+            return
+        keep = _PRINTED_KEEP - len(self.printed_head)
+        if keep > 0:
+            self.printed_head += os.pread(w.out, min(keep, size), 0)
+        self.printed += size
+        os.ftruncate(w.out, 0)
+
+    def log_printed(self) -> None:
+        """Log what the workers printed since the last call, once, cut to _PRINTED_KEEP bytes."""
+        if not self.printed:
+            return
+        text = self.printed_head.decode(errors="backslashreplace")
+        more = self.printed - len(self.printed_head)
+        note = f"\n[... {more} more bytes not shown]" if more > 0 else ""
+        log.warning("reward functions printed %d bytes:\n%s%s", self.printed, text, note)
+        self.printed, self.printed_head = 0, b""
+
+    def terminate(self) -> None:
+        """Kill every worker and wait for it (nothing a reward function holds needs cleaning up)."""
+        while self.workers:
+            self._retire(self.workers.pop())
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.terminate()
+
+
+def _output_file() -> int:
+    """An unlinked temporary file opened for appending: a worker's stdout and stderr."""
+    fd, path = tempfile.mkstemp(prefix="grpo-reward-out-")
+    os.unlink(path)
+    # appending: after the parent empties the file, the worker's next write lands at 0, not past a hole
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+    return fd
+
+
+def _fork_pool(workers: int) -> RewardPool:
+    return RewardPool(workers)
+
+
+def _score_chunk(key: tuple, timeout_s: float, max_memory_mb: int | None, items: list[tuple[str, str, str, dict]]):
+    """Score `items` in a worker, keeping its progress record current for the parent's watchdog."""
+    progress = _PROGRESS
+    progress[2], progress[1], progress[0] = time.monotonic(), 0, _LOADING
+    _cap_memory(max_memory_mb)
     try:
         scorer = functions.cached(*key)
     except Exception as e:  # noqa: BLE001 (a reward module failing to load fails every sample, said once)
+        progress[0] = _IDLE
+        _tell(list(range(len(items))), f"{type(e).__name__}: {e}")
         return [(0.0, {}, f"{type(e).__name__}: {e}")] * len(items)
-    signal.signal(signal.SIGALRM, _alarm)
-    return [score_one(scorer, *item, timeout_s) for item in items]
+
+    def calling(i: int) -> None:
+        progress[1] = i
+
+    out = []
+    for j, item in enumerate(items):
+        progress[2], progress[1], progress[0] = time.monotonic(), 0, j
+        out.append(score_one(scorer, *item, timeout_s, calling))
+        if out[-1][2] is not None:
+            _tell([j], out[-1][2])
+    progress[0] = _IDLE
+    return out
 
 
 def batch_items(batch) -> list[tuple[str, str, str, dict]]:
@@ -114,21 +407,98 @@ def batch_items(batch) -> list[tuple[str, str, str, dict]]:
     )
 
 
-def score_batch(pool, key: tuple, cfg: RewardConfig, items: list[tuple[str, str, str, dict]]) -> list:
+def score_batch(
+    pool: RewardPool, key: tuple, cfg: RewardConfig, items: list[tuple[str, str, str, dict]], max_errors=None
+) -> list:
     """Score samples (response, ground_truth, prompt, row) in the pool, in about `_JOBS_PER_WORKER`
-    jobs per worker; returns (reward, components, error) per sample, in order."""
+    jobs per worker; returns (reward, components, error) per sample, in order.
+
+    A worker that dies, or runs a sample `_GRACE_S` past its alarm, costs that sample (an error naming
+    the function and how) and is replaced at once; the rest of its job is scored again. More than
+    `max_errors` errors (None: no bound) stop the scoring at once with a StageError naming the first.
+    """
     chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, -(-len(items) // (_JOBS_PER_WORKER * cfg.workers))))
-    jobs = [
-        pool.apply_async(_score_chunk, (key, cfg.timeout_s, items[i : i + chunk])) for i in range(0, len(items), chunk)
-    ]
-    results = []
-    for job, start in zip(jobs, range(0, len(items), chunk)):
-        n = min(chunk, len(items) - start)
-        try:  # a hang the in-worker alarm cannot break (C code) still ends here
-            results += job.get(timeout=cfg.timeout_s * n + 30)
-        except mp.TimeoutError:
-            raise StageError(f"reward worker hung beyond {cfg.timeout_s}s per sample and did not recover")
+    todo = deque(list(range(i, min(i + chunk, len(items)))) for i in range(0, len(items), chunk))
+    results: list = [None] * len(items)
+    erred: dict[int, str] = {}  # sample -> its error, as soon as a worker tells it (a rescored sample once)
+    names = function_names(key)
+
+    def lost(job: list[int], where: int, error: str) -> None:  # sample job[where] erred; the rest go back
+        results[job[where]] = (0.0, {}, error)
+        erred.setdefault(job[where], error)
+        if rest := job[:where] + job[where + 1 :]:
+            todo.appendleft(rest)
+
+    try:
+        while todo or pool.busy():
+            for w in pool.idle()[: len(todo)]:
+                job = todo.popleft()
+                pool.submit(w, _score_chunk, (key, cfg.timeout_s, cfg.max_memory_mb, [items[i] for i in job]), job)
+            for w, job, kind, payload in pool.wait(_wait_s(pool, cfg.timeout_s)):
+                if kind == "erred":
+                    erred.update({job[j]: payload[1] for j in payload[0] if job[j] not in erred})
+                elif kind in ("done", "failed"):
+                    scored = payload if kind == "done" else [(0.0, {}, f"reward worker: {payload}")] * len(job)
+                    for i, r in zip(job, scored):
+                        results[i] = r
+                        if r[2] is None:
+                            erred.pop(i, None)
+                        else:
+                            erred.setdefault(i, r[2])
+                else:  # died
+                    where, fn, _ = w.progress[:]
+                    how = pool.replace(w)
+                    if where < 0:  # loading the functions, or between samples: no sample to blame
+                        doing = f"loading {', '.join(names)}" if where == _LOADING else "between samples"
+                        raise StageError(f"a reward worker died {doing}: {how}")
+                    lost(job, int(where), f"reward worker died in {names[int(fn)]}: {how}")
+            now = time.monotonic()
+            for w in pool.busy():
+                where, fn, since = w.progress[:]
+                if where >= 0 and now - since > cfg.timeout_s + _GRACE_S:
+                    pool.replace(w)
+                    lost(
+                        w.job,
+                        int(where),
+                        f"{names[int(fn)]} ran past its {cfg.timeout_s}s alarm (it ignored or blocked SIGALRM, "
+                        "or hung in C code); its worker was killed",
+                    )
+                elif where == _LOADING and now - since > _LOAD_TIMEOUT_S:
+                    raise StageError(f"a reward worker took over {_LOAD_TIMEOUT_S:g}s loading {', '.join(names)}")
+            if max_errors is not None and len(erred) > max_errors:
+                raise StageError(
+                    f"rewards: {len(erred)} samples failed, more than the {max_errors} that "
+                    f"reward.max_error_fraction={cfg.max_error_fraction} allows; scoring stopped at once; "
+                    f"the first: {next(iter(erred.values()))}"
+                )
+    finally:
+        pool.log_printed()
     return results
+
+
+def _wait_s(pool: RewardPool, timeout_s: float) -> float:
+    """How long the parent may wait for answers before a busy worker's sample (or load) is overdue; at
+    most 1 s, so a worker that only just started a sample is looked at again soon."""
+    due = [
+        since + (timeout_s + _GRACE_S if where >= 0 else _LOAD_TIMEOUT_S)
+        for where, _, since in (w.progress[:] for w in pool.busy())
+        if where >= 0 or where == _LOADING
+    ]
+    return min([1.0] + [max(0.01, t - time.monotonic() + 0.01) for t in due])
+
+
+def allowed_errors(fraction: float, n: int) -> int:
+    """The most errors among `n` samples with errors / n <= fraction (the stage's own test).
+
+    >>> allowed_errors(0.05, 64), allowed_errors(0.29, 100), allowed_errors(0.0, 10), allowed_errors(1.0, 7)
+    (3, 29, 0, 7)
+    """
+    e = math.floor(fraction * n)
+    while e < n and (e + 1) / n <= fraction:
+        e += 1
+    while e > 0 and e / n > fraction:
+        e -= 1
+    return e
 
 
 def truncated(scored: tuple, finish_reason: str, value: float) -> tuple:
@@ -191,8 +561,10 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
 
     def body(writer):
         n = n_err = 0
-        total = 0.0
+        total, biggest = 0.0, (0.0, {})  # the sum of the rewards; the largest in magnitude and its components
         path = rollouts.path(table_file("rollouts"))
+        with storage.fs.open(path, "rb") as f:
+            allowed = allowed_errors(cfg.reward.max_error_fraction, pq.ParquetFile(f).metadata.num_rows)
         keys = ["run_id", "iteration", "prompt_id", "sample_index"]
         with (
             WARM_POOLS.pool(cfg.reward.workers) as pool,
@@ -200,7 +572,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
         ):
             key = scorer_key(cfg, inputs.get("base"))
             for batch in iter_batches(storage.fs, path, "rollouts", batch_size=8192):
-                scored = score_batch(pool, key, cfg.reward, batch_items(batch))
+                scored = score_batch(pool, key, cfg.reward, batch_items(batch), max_errors=allowed - n_err)
                 if cfg.reward.truncated_reward is not None:
                     scored = [
                         truncated(item, fr, cfg.reward.truncated_reward)
@@ -214,6 +586,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
                 n += len(scored)
                 n_err += sum(e is not None for _, _, e in scored)
                 total += sum(cols["reward"])
+                biggest = max([biggest] + [(r, c) for r, c, _ in scored], key=lambda rc: abs(rc[0]))
         if n == 0:
             raise StageError(f"{rollouts.uri}: rollouts.parquet has no rows")
         if n_err / n > cfg.reward.max_error_fraction:
@@ -221,6 +594,12 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
                 f"rewards: {n_err}/{n} samples failed (> reward.max_error_fraction="
                 f"{cfg.reward.max_error_fraction}); see the error column of an uncommitted "
                 f"attempt under {storage.uri(writer.attempt_dir)}"
+            )
+        if not math.isfinite(total / n):  # each reward is finite (functions.components_of); their sum is not
+            source = functions.reward_source(cfg.task.name, cfg.reward.functions, biggest[1])
+            raise StageError(
+                f"rewards: the mean reward is {total / n} (the rewards' sum overflows float64): {source} "
+                f"returned {biggest[0]:.3g}; scale its rewards down (nothing was committed)"
             )
         return {"samples": n, "errors": n_err, "reward_mean": total / n}
 

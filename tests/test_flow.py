@@ -89,7 +89,7 @@ def test_flow_commits_every_stage_then_reuses_all(url, caplog):
 def test_failed_stage_resumes_there_and_earlier_outputs_stay_byte_identical(url, monkeypatch, caplog):
     real = stages.rewards.score_batch
 
-    def broken(pool, key, cfg, items):  # iteration 1's first scoring: its rewards stage
+    def broken(pool, key, cfg, items, **_):  # iteration 1's first scoring: its rewards stage
         raise RuntimeError("injected reward fault")
 
     monkeypatch.setattr(stages.rewards, "score_batch", broken)
@@ -230,6 +230,10 @@ ONE_LINE_ERRORS = {  # raised inside the rewards stage -> the flow run's message
         "no space left on the device writing /data/x.parquet: free space, then rerun (nothing was committed)",
     ),
     "permission": (lambda: PermissionError(errno.EACCES, "Permission denied", "/data/x"), "/data/x: Permission denied"),
+    "named stage": (  # the stage's own prefix is not said twice
+        lambda: StageError("rewards: 4 samples failed, more than the 3 that reward.max_error_fraction=0.05 allows"),
+        "4 samples failed, more than the 3 that reward.max_error_fraction=0.05 allows",
+    ),
 }
 
 
@@ -241,7 +245,7 @@ def test_a_stage_error_fails_the_flow_run_with_its_one_line_and_no_traceback(url
 
     error, line = ONE_LINE_ERRORS[case]
 
-    def refuse(pool, key, cfg, items):
+    def refuse(pool, key, cfg, items, **_):
         raise error()
 
     monkeypatch.setattr(stages.rewards, "score_batch", refuse)

@@ -153,25 +153,61 @@ class Scorer:
 
     @classmethod
     def for_functions(cls, specs: list[str], weights: list[float] | None, files: list[str | None]) -> Scorer:
-        names = []
-        for spec in specs:
-            name = split_spec(spec)[1]
-            names.append(name if name not in names else f"{name}_{len(names)}")
-        fns = [(n, load_function(s, f)) for n, s, f in zip(names, specs, files)]
+        fns = [(n, load_function(s, f)) for n, s, f in zip(function_names(specs), specs, files)]
         return cls(fns, list(weights) if weights else [1.0] * len(fns))
 
-    def __call__(self, response: str, ground_truth: str, prompt: str, row: dict) -> dict[str, float]:
+    def __call__(
+        self, response: str, ground_truth: str, prompt: str, row: dict, calling: Callable[[int], None] | None = None
+    ) -> dict[str, float]:
+        """The sample's components and `total`; `calling(i)` is told before function i runs (a pool
+        worker's watchdog then names the function that hung or killed the worker)."""
         if len(self.fns) == 1 and self.weights == [1.0]:
             name, fn, keywords = self.fns[0]
             return components_of(fn(response, ground_truth, prompt, **keywords(row)), name)
         out, total = {}, 0.0
-        for (name, fn, keywords), w in zip(self.fns, self.weights):
+        for i, ((name, fn, keywords), w) in enumerate(zip(self.fns, self.weights)):
+            if calling is not None:
+                calling(i)
             comps = components_of(fn(response, ground_truth, prompt, **keywords(row)), name)
             out.update({f"{name}/{k}": v for k, v in comps.items() if k != "total"})
             out[name] = comps["total"]
             total += w * comps["total"]
+        if not math.isfinite(total):  # finite totals whose weighted sum overflows float64
+            terms = " + ".join(f"{w:g} * {name} ({out[name]:.3g})" for (name, _, _), w in zip(self.fns, self.weights))
+            raise ValueError(f"non-finite reward {total}: {terms} overflows; scale the rewards down")
         out["total"] = total
         return out
+
+
+def function_names(specs: list[str] | tuple[str, ...]) -> list[str]:
+    """The name each function's total is stored under: its function name, numbered when repeated.
+
+    >>> function_names(["a.py:score", "b.py:score", "pkg.m:length"])
+    ['score', 'score_1', 'length']
+    """
+    names: list[str] = []
+    for spec in specs:
+        name = split_spec(spec)[1]
+        names.append(name if name not in names else f"{name}_{len(names)}")
+    return names
+
+
+def reward_source(task_name: str, specs: list[str] | tuple[str, ...], components: dict[str, float]) -> str:
+    """What gave a sample its reward, for an error message: the task, the one function, or of several
+    functions the one whose total is largest in magnitude in `components` (a Scorer's output).
+
+    >>> reward_source("sort", [], {"total": 1.0})
+    'task sort'
+    >>> reward_source("sort", ["r.py:a", "r.py:b"], {"a": 1.0, "b": -1e308, "total": -1e308})
+    "reward function 'r.py:b'"
+    """
+    if not specs:
+        return f"task {task_name}"
+    names = function_names(specs)
+    if len(specs) == 1:
+        return f"reward function {specs[0]!r}"
+    biggest = max(range(len(specs)), key=lambda i: abs(components.get(names[i], 0.0)))
+    return f"reward function {specs[biggest]!r}"
 
 
 @functools.lru_cache(maxsize=4)
