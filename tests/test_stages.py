@@ -378,6 +378,27 @@ def test_cli_stage_and_status(storage, capsys):
     assert "ok x1" in capsys.readouterr().out
 
 
+SHORT_RUN = [  # the recipe of benchmarks/sort.yaml at 512 samples an iteration
+    "rollout.prompts_per_iteration=64",
+    "rollout.group_size=8",
+    "learn.minibatch_size=128",
+    "learn.microbatch_size=128",
+    "rollout.max_tokens=5",
+    "task.params={credit: position}",
+    "reward.truncated_reward=null",
+    "model.initializer_range=0.05",
+    "learn.epochs=2",
+]
+
+
+def rewards_of_a_short_run(storage, extra, iterations=6) -> list[float]:
+    """Mean sampled reward of each of `iterations` iterations of SHORT_RUN + extra."""
+    make_run(storage, "learns", extra=SHORT_RUN + list(extra))
+    return [
+        run_iteration(storage, "learns", k)["advantages"].manifest.summary["reward_mean"] for k in range(iterations)
+    ]
+
+
 def test_mean_reward_rises(storage):
     """A short budget on the sort task: GRPO must clearly raise the mean sampled reward.
 
@@ -385,23 +406,7 @@ def test_mean_reward_rises(storage):
     are, lr 1.5e-3, 2 epochs), so 6 iterations of 512 samples (48 AdamW steps) move the reward
     far beyond its sampling noise.
     """
-    make_run(
-        storage,
-        "learns",
-        extra=[
-            "rollout.prompts_per_iteration=64",
-            "rollout.group_size=8",
-            "learn.minibatch_size=128",
-            "learn.microbatch_size=128",
-            "rollout.max_tokens=5",
-            "task.params={credit: position}",
-            "reward.truncated_reward=null",
-            "model.initializer_range=0.05",
-            "learn.lr=1.5e-3",
-            "learn.epochs=2",
-        ],
-    )
-    rewards = [run_iteration(storage, "learns", k)["advantages"].manifest.summary["reward_mean"] for k in range(6)]
+    rewards = rewards_of_a_short_run(storage, ["learn.lr=1.5e-3"])
     # the first policy's mean reward is ~0.06 with a sampling std of ~0.005 at 512 samples;
     # seeds 0-2 end at 0.136-0.163
     assert rewards[-1] > 2 * rewards[0] and rewards[-1] - rewards[0] > 0.05, rewards
