@@ -7,6 +7,7 @@ grpo demo                                    # init + train the tiny sort model 
 grpo status --run demo
 grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
 grpo report --run demo                       # report.png and report.md in the run folder
+grpo export --run demo --out ./demo-policy   # the newest policy as an HF folder (LoRA merged)
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def cmd_demo(args, storage):
 
 def cmd_status(args, storage):
     from stages.common import load_run, stale_attempt
+    from stages.gc import collected_summary
+    from stages.init import check_datasets
 
     load_run(storage, args.run)
     last = next_iteration(storage, args.run)
@@ -124,6 +127,9 @@ def cmd_status(args, storage):
                 "missing" if not tried else f"{state} x{len(done)}{failed}" if done else f"failed x{len(tried)}"
             )
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
+    if collected := collected_summary(storage, args.run):  # removed on purpose: not corrupt
+        print(collected)
+    check_datasets(storage, args.run)  # a dataset changed since init: the next stage would refuse it
 
 
 def _corrupt(storage: Storage, attempt_dir: str) -> bool:
@@ -137,18 +143,45 @@ def _corrupt(storage: Storage, attempt_dir: str) -> bool:
 
 def cmd_gc(args, storage):
     from stages.common import load_run
-    from stages.gc import find_garbage, remove
+    from stages.gc import held_summary, plan, remove
 
-    load_run(storage, args.run)
-    garbage = find_garbage(storage, args.run, min_age_s=args.older_than_s)
-    for g in garbage:
-        print(f"{g.why:>10}  {g.bytes / 1e6:9.1f} MB  {storage.uri(g.path)}")
-    total = sum(g.bytes for g in garbage) / 1e6
+    cfg = load_run(storage, args.run)
+    found = plan(storage, args.run, min_age_s=args.older_than_s, retention=cfg.retention if args.retention else None)
+    for g in found.garbage:
+        files = sorted({f.split("/")[0] + ("/" if "/" in f else "") for f in g.files})
+        what = storage.uri(g.path) + (f" [{', '.join(files)}]  ({g.note})" if g.files else "")
+        print(f"{g.why:>10}  {g.bytes / 1e6:9.1f} MB  {what}")
+    for h in found.held:
+        print(f"{'left':>10}  {'':>12}  {storage.uri(h.path)}  ({h.note})")
+    for line in found.kept:
+        print(f"{'keep':>10}  {'':>12}  {line}")
+    if found.held:
+        print(f"held back: {held_summary(found.held)}")
+    total = sum(g.bytes for g in found.garbage) / 1e6
     if args.delete:
-        remove(storage, garbage)
-        print(f"removed {len(garbage)} item(s), {total:.1f} MB")
+        remove(storage, found.garbage)
+        print(f"removed {len(found.garbage)} item(s), {total:.1f} MB")
     else:
-        print(f"{len(garbage)} item(s), {total:.1f} MB; nothing removed (dry run): add --delete to remove them")
+        print(f"{len(found.garbage)} item(s), {total:.1f} MB; nothing removed (dry run): add --delete to remove them")
+
+
+def cmd_export(args, storage):
+    from grpo.checkpoint import export_policy
+    from stages.common import committed_input
+
+    k = args.iteration
+    if k is None:  # the newest committed learn
+        k = -1
+        while committed_attempts(storage, stage_dir(storage, args.run, k + 1, "learn")):
+            k += 1
+    policy = (
+        committed_input(storage, args.run, None, "base") if k < 0 else committed_input(storage, args.run, k, "learn")
+    )
+    try:
+        export_policy(policy, committed_input(storage, args.run, None, "base"), args.out)
+    except FileExistsError as e:
+        raise StageError(str(e)) from e
+    print(f"{'the base model' if k < 0 else f'the policy of iteration {k}'} of run {args.run}: {args.out}")
 
 
 def cmd_report(args, storage):
@@ -221,9 +254,20 @@ def parser() -> argparse.ArgumentParser:
         "--older-than-s",
         type=float,
         default=3600.0,
-        help="leave anything written more recently (a stage may be running): default 3600",
+        help="leave anything written, superseded or heartbeating more recently (a stage may be running): default 3600",
+    )
+    sp.add_argument(
+        "--retention",
+        action="store_true",
+        help="also the weights and optimizer state of older learns that the run's retention settings "
+        "(retention.keep_last, retention.keep_every; the best eval is kept) do not keep; never tables",
     )
     sp.set_defaults(fn=cmd_gc)
+    sp = sub.add_parser("export", help="write a policy as a self-contained HF folder (LoRA adapters merged)")
+    sp.add_argument("--run", required=True)
+    sp.add_argument("--out", required=True, help="a new local folder or fsspec URL")
+    sp.add_argument("--iteration", type=int, help="the learn of this iteration (default: the newest committed)")
+    sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("report", help="plot a run's progress: report.png and report.md in its folder")
     sp.add_argument("--run", required=True)
     sp.set_defaults(fn=cmd_report)

@@ -34,10 +34,10 @@ from prefect.states import Failed, State
 
 from grpo.config import ConfigError
 from grpo.errors import StageError, describe, storage_error
-from grpo.layout import STAGES, StageName
+from grpo.layout import STAGES, StageName, stage_dir
 from grpo.quiet import HarmlessFilter
 from grpo.report import iteration_rows, markdown_table, write_report
-from grpo.storage import ArtifactError, open_storage
+from grpo.storage import ArtifactError, latest_committed, open_storage
 from grpo.tracking import track
 from schemas import SchemaError
 from stages import stage_function
@@ -57,6 +57,7 @@ def grpo(
     overrides: list[str] | None = None,
     storage_url: str | None = None,
     force_stage: StageName | None = None,
+    placement: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """GRPO iterations of run `run_id`: sample, score, normalize, update, evaluate.
 
@@ -65,10 +66,14 @@ def grpo(
     and every stage still commits what a run of one iteration per process would. Returns the
     last iteration's committed URIs. `config_path`/`overrides` create the run if it does not
     exist; `storage_url` defaults to $GRPO_STORAGE or ./storage; `force_stage` reruns that
-    stage of the first iteration (and so every later stage).
+    stage of the first iteration (and so every later stage). `placement` ({stage: work pool})
+    runs those stages as flow runs of deployment `grpo-stage/<pool>` (`placed`), the rest here.
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
+    unknown = sorted(set(placement or {}) - set(STAGES))
+    if unknown:
+        return Failed(message=f"placement: unknown stage(s) {unknown}; stages: {list(STAGES)}")
     url = open_storage(storage_url).url
     progress = ProgressTable(url, run_id)
     with stage_logs_to_prefect(), warm_state() as warm:  # pool, learner, engine: kept between iterations
@@ -79,12 +84,13 @@ def grpo(
             cfg = load_run(storage, run_id)  # for the tracker
             for k in range(first, first + iterations):
                 force = {name: name == force_stage and k == first for name in STAGES}
-                policy = ok(snapshot(url, run_id, k, force=force["snapshot"]))
-                samples = ok(rollouts(url, run_id, k, policy, force=force["rollouts"]))
-                scores = ok(rewards(url, run_id, k, samples, force=force["rewards"]))
-                advs = ok(advantages(url, run_id, k, scores, force=force["advantages"]))
-                new_policy = ok(learn(url, run_id, k, advs, force=force["learn"]))
-                report = ok(evaluate(url, run_id, k, new_policy, force=force["eval"]))
+                at = Placement(placement or {}, url, run_id, k, force)
+                policy = ok(at("snapshot", None) or snapshot(url, run_id, k, force=force["snapshot"]))
+                samples = ok(at("rollouts", policy) or rollouts(url, run_id, k, policy, force=force["rollouts"]))
+                scores = ok(at("rewards", samples) or rewards(url, run_id, k, samples, force=force["rewards"]))
+                advs = ok(at("advantages", scores) or advantages(url, run_id, k, scores, force=force["advantages"]))
+                new_policy = ok(at("learn", advs) or learn(url, run_id, k, advs, force=force["learn"]))
+                report = ok(at("eval", new_policy) or evaluate(url, run_id, k, new_policy, force=force["eval"]))
                 uris = {
                     "snapshot": policy,
                     "rollouts": samples,
@@ -178,6 +184,69 @@ def learn(storage_url: str, run_id: str, iteration: int, advs: str, force: bool 
 def evaluate(storage_url: str, run_id: str, iteration: int, policy: str, force: bool = False) -> str:
     """Greedy decoding of the held-out prompts with the new policy."""
     return run_stage("eval", storage_url, run_id, iteration, policy, force)
+
+
+# ---------------------------------------------------------------- stages on other work pools
+
+TASKS = {"snapshot": snapshot, "rollouts": rollouts, "rewards": rewards, "advantages": advantages}
+TASKS |= {"learn": learn, "eval": evaluate}
+
+
+@flow(name="grpo-stage", flow_run_name="{run_id} {stage} {iteration}")
+def stage_flow(
+    storage_url: str, run_id: str, iteration: int, stage: StageName, upstream: str | None = None, force: bool = False
+) -> str:
+    """One stage of one iteration, run by a worker of the pool it is placed on (deployment
+    `grpo-stage/<pool>`); the same task, retries included, as in the flow `grpo`. Its result is the
+    committed manifest in storage: the orchestrating flow reads it there, no result storage needed."""
+    with stage_logs_to_prefect():
+        args = (storage_url, run_id, iteration) + ((upstream,) if stage != "snapshot" else ())
+        return TASKS[stage](*args, force=force)
+
+
+class Placement:
+    """Dispatch of placed stages: `at(stage, upstream)` runs a stage on its work pool and returns what
+    its task would (the committed URI, or a Failed state with its one line); None for a stage run here."""
+
+    def __init__(self, placement: dict[str, str], url: str, run_id: str, iteration: int, force: dict):
+        self.placement, self.url, self.run_id, self.k, self.force = placement, url, run_id, iteration, force
+
+    def __call__(self, stage: str, upstream: str | None) -> str | State | None:
+        pool = self.placement.get(stage)
+        if pool is None:
+            return None
+        from prefect.deployments import run_deployment
+        from prefect.runtime import flow_run
+
+        # one child flow run per stage, iteration and try of this flow run: a retried orchestrator
+        # starts the stages again (each reuses what committed), a repeated call in one try does not
+        key = f"{flow_run.get_id()}/{flow_run.get_run_count()}/{self.k}/{stage}"
+        child = run_deployment(
+            f"grpo-stage/{pool}",
+            parameters={
+                "storage_url": self.url,
+                "run_id": self.run_id,
+                "iteration": self.k,
+                "stage": stage,
+                "upstream": upstream,
+                "force": self.force[stage],
+            },
+            idempotency_key=key,
+            timeout=None,
+            poll_interval=2,
+        )
+        if not child.state.is_completed():
+            return Failed(message=failure_line(stage, self.k, child.state.message or child.state.name))
+        return committed_uri(self.url, self.run_id, self.k, stage, upstream)
+
+
+def committed_uri(storage_url: str, run_id: str, iteration: int, stage: str, upstream: str | None) -> str:
+    """The URI of the newest committed attempt of a stage, which must have read `upstream`."""
+    storage = open_storage(storage_url)
+    out = latest_committed(storage, stage_dir(storage, run_id, iteration, stage))
+    if upstream and upstream not in {ref.uri for ref in out.manifest.inputs.values()}:
+        raise RuntimeError(f"{stage} read other inputs than {upstream}: another writer committed meanwhile")
+    return out.uri
 
 
 # ---------------------------------------------------------------- what every task does

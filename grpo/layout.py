@@ -53,6 +53,15 @@ def stage_dir(storage: Storage, run_id: str, iteration: int | None, stage: str) 
     return f"{run_dir(storage, run_id)}/iter-{iteration:04d}/{stage}"
 
 
+POLICY_PREFIXES = ("policy/", "adapter/", "master.safetensors")
+"""A learn attempt's policy weights: the checkpoint (full fine-tuning) or the LoRA adapters, and the
+float32 master copy of a narrower checkpoint."""
+STATE_PREFIXES = ("optimizer.pt", "rng.pt", "master.safetensors", "dcp/")
+"""A learn attempt's optimizer and resume state: AdamW, the RNG states, the master copy, and the
+torch Distributed Checkpoint shards (learn.sharding=fsdp2). A file is either's when its path starts
+with one of these."""
+
+
 class Salt(enum.IntEnum):
     """What a seed is for: each purpose draws from its own stream of the run seed and iteration."""
 

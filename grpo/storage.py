@@ -10,6 +10,11 @@ opens a fresh attempt folder, so committed files are never written over; the
 attempt is committed once its `_manifest.json` exists, and that file is written
 last (a single object PUT on S3, a rename on a local disk). Readers take the
 newest committed attempt and check every file's size and sha256 against it.
+
+While a writer runs, its attempt holds a `.heartbeat` it rewrites every ~30 s (Heartbeat), so that
+`grpo gc` can tell a live attempt from a dead one however long its stage writes nothing else.
+`grpo gc --retention` may later remove a committed attempt's weights and optimizer state; it lists
+them first in the attempt's `collected.json`: verification skips them, and reading one fails naming it.
 """
 
 from __future__ import annotations
@@ -18,12 +23,16 @@ import datetime as dt
 import functools
 import hashlib
 import json
+import logging
 import os
 import secrets
+import socket
 import subprocess
+import threading
 import time
+import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
@@ -32,7 +41,10 @@ from fsspec import AbstractFileSystem
 from schemas.manifest import MANIFEST_NAME, FileEntry, InputRef, Manifest
 
 DEFAULT_STORAGE = "storage"
+HEARTBEAT_NAME = ".heartbeat"  # in an attempt being written: refreshed while its writer lives, never in a manifest
+COLLECTED_NAME = "collected.json"  # in a committed attempt: its files that `grpo gc --retention` removed
 _CHUNK = 1 << 20
+log = logging.getLogger("grpo.storage")
 
 
 class ArtifactError(RuntimeError):
@@ -45,6 +57,14 @@ class NotCommittedError(ArtifactError):
 
 class CorruptArtifactError(ArtifactError):
     pass
+
+
+class CollectedError(ArtifactError):
+    """A committed file that `grpo gc --retention` removed is needed."""
+
+
+class AttemptRemovedError(ArtifactError):
+    """The attempt being written was removed (by `grpo gc --delete`) before its commit."""
 
 
 def default_storage_url() -> str:
@@ -241,18 +261,65 @@ def file_path(storage: Storage, attempt_dir: str, entry: FileEntry) -> str:
     return f"{attempt_dir}/{entry.path}"
 
 
-def verify_files(storage: Storage, attempt_dir: str, manifest: Manifest) -> None:
+def read_collected(storage: Storage, attempt_dir: str) -> dict[str, dict]:
+    """{file path in the attempt: {"at", "why"}} of the files `grpo gc --retention` removed from it."""
+    path = f"{attempt_dir}/{COLLECTED_NAME}"
+    try:
+        return json.loads(storage.read_bytes(path))["files"]
+    except FileNotFoundError:
+        return {}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptArtifactError(f"{storage.uri(path)}: not a valid {COLLECTED_NAME}: {e}") from e
+
+
+def mark_collected(storage: Storage, attempt_dir: str, files: dict[str, str]) -> None:
+    """List {file path in the attempt: why} in its collected.json, before gc removes them."""
+    records = read_collected(storage, attempt_dir)
+    records.update({name: {"at": _now(), "why": why} for name, why in files.items()})
+    data = json.dumps({"by": "grpo gc --retention", "files": records}, indent=1, sort_keys=True).encode()
+    storage.write_bytes_atomic(f"{attempt_dir}/{COLLECTED_NAME}", data)
+
+
+def _collected_note(storage: Storage, path: str, known: dict[str, dict]) -> str | None:
+    """The one-line error for a missing file that gc collected (looked up in the collected.json of the
+    attempt holding it: a snapshot's files live in a learn's attempt); None when it was not collected."""
+    parts = path.split("/")
+    at = max((i for i, p in enumerate(parts) if p.startswith("attempt-")), default=None)
+    if at is None:
+        return None
+    owner = "/".join(parts[: at + 1])
+    if owner not in known:
+        known[owner] = read_collected(storage, owner)
+    record = known[owner].get("/".join(parts[at + 1 :]))
+    if record is None:
+        return None
+    return (
+        f"{storage.uri(path)} was collected by `grpo gc --retention` at {record['at']} ({record['why']}); "
+        "it cannot be read back: only the newest learn keeps all its files, so continue the run from there "
+        "(`grpo run`), or start a new run from a kept policy"
+    )
+
+
+def verify_files(storage: Storage, attempt_dir: str, manifest: Manifest) -> dict[str, str]:
+    """Check every file's size and sha256 against the manifest. Returns {manifest path: one-line error}
+    of the files `grpo gc --retention` collected: skipped here, refused by Committed.path."""
+    collected, known = {}, {}
     for entry in manifest.files:
         path = file_path(storage, attempt_dir, entry)
         where = storage.uri(path)
         try:
             size, digest = file_digest(storage.fs, path)
         except FileNotFoundError:
+            note = _collected_note(storage, path, known)
+            if note is not None:
+                collected[entry.path] = note
+                continue
             raise CorruptArtifactError(f"{where}: listed in the manifest but missing") from None
         if size != entry.size:
             raise CorruptArtifactError(f"{where}: size {size} != manifest's {entry.size}")
         if digest != entry.sha256:
             raise CorruptArtifactError(f"{where}: sha256 {digest[:12]}… != manifest's {entry.sha256[:12]}…")
+    return collected
 
 
 @dataclass(frozen=True)
@@ -263,8 +330,13 @@ class Committed:
     attempt_dir: str
     manifest: Manifest
     manifest_sha256: str
+    collected: dict[str, str] = field(default_factory=dict, compare=False)
+    """{manifest path: one-line error} of its files `grpo gc --retention` removed (known once verified)."""
 
     def path(self, name: str) -> str:
+        """Storage path of a listed file; CollectedError names a file gc collected."""
+        if name in self.collected:
+            raise CollectedError(self.collected[name])
         return file_path(self.storage, self.attempt_dir, self.manifest.file(name))
 
     @property
@@ -279,8 +351,9 @@ def latest_committed(storage: Storage, stage_dir: str, verify: bool = True) -> C
     """The newest committed attempt of a stage; uncommitted attempts are never read."""
     attempts = committed_attempts(storage, stage_dir)
     if attempts:
-        manifest, sha = load_manifest(storage, attempts[-1], verify=verify)
-        return Committed(storage, attempts[-1], manifest, sha)
+        manifest, sha = load_manifest(storage, attempts[-1], verify=False)
+        collected = verify_files(storage, attempts[-1], manifest) if verify else {}
+        return Committed(storage, attempts[-1], manifest, sha, collected)
     raise NotCommittedError(f"{storage.uri(stage_dir)}: no committed attempt")
 
 
@@ -289,9 +362,8 @@ def find_committed(storage: Storage, stage_dir: str, identity: str, verify: bool
     for attempt_dir in reversed(committed_attempts(storage, stage_dir)):
         manifest, sha = load_manifest(storage, attempt_dir, verify=False)
         if manifest.identity == identity:
-            if verify:
-                verify_files(storage, attempt_dir, manifest)
-            return Committed(storage, attempt_dir, manifest, sha)
+            collected = verify_files(storage, attempt_dir, manifest) if verify else {}
+            return Committed(storage, attempt_dir, manifest, sha, collected)
     return None
 
 
@@ -309,13 +381,75 @@ def stage_identity(run_id: str, iteration: int | None, stage: str, cfg_hash: str
     return config_hash(key)
 
 
+def heartbeat_interval_s() -> float:
+    """Seconds between two beats of a writer's heartbeat: $GRPO_HEARTBEAT_S, else 30."""
+    return float(os.environ.get("GRPO_HEARTBEAT_S", "30"))
+
+
+class Heartbeat:
+    """`.heartbeat` in an attempt being written, rewritten every `interval_s` by a daemon thread.
+
+    Its JSON says who writes the attempt (host, pid, stage), what it reads (`inputs`: URIs gc must
+    keep) and `beat_at`, this machine's clock at the beat; the storage dates each beat too (the
+    file's mtime). `grpo gc` leaves an uncommitted attempt alone while its heartbeat is recent.
+    A beat never recreates a heartbeat that is gone: the attempt was removed, and the writer fails
+    at commit instead of committing what is left of it.
+    """
+
+    def __init__(self, storage: Storage, attempt_dir: str, info: dict, interval_s: float):
+        self.storage, self.path = storage, f"{attempt_dir}/{HEARTBEAT_NAME}"
+        self.info = {**info, "interval_s": interval_s}
+        self.lost = False  # the heartbeat was found removed
+        self._stop = threading.Event()
+        self._write()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), name="grpo-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _write(self, **extra) -> None:
+        data = json.dumps({**self.info, "beat_at": time.time(), **extra}, sort_keys=True).encode()
+        self.storage.write_bytes_atomic(self.path, data)
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                if not self.storage.exists(self.path):
+                    self.lost = True
+                    return
+                self._write()
+            except Exception as e:  # a storage hiccup: the next beat tries again
+                log.warning("heartbeat %s: %s: %s", self.storage.uri(self.path), type(e).__name__, e)
+
+    def alive(self) -> bool:
+        """Whether the heartbeat is still there (nobody removed the attempt)."""
+        return not self.lost and self.storage.exists(self.path)
+
+    def stop(self, then: str | None = None) -> None:
+        """Stop beating; then "remove" the heartbeat (committed) or mark it "closed" (failed: gc no
+        longer sees the attempt live, and removes it once it is older than its age limit)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)  # a beat in flight finishes first
+        if then is None or not self.alive():
+            return
+        try:
+            if then == "remove":
+                self.storage.fs.rm_file(self.path)
+            else:
+                self._write(closed_at=time.time())
+        except Exception as e:  # the commit stands; a stale heartbeat only delays gc
+            log.warning("heartbeat %s: %s: %s", self.storage.uri(self.path), type(e).__name__, e)
+
+
 class StageWriter:
     """Writes one new attempt of a stage; nothing is visible to readers until `commit`.
 
     usage:
-        w = StageWriter(storage, stage_dir, run_id=..., iteration=..., stage=..., config=..., inputs=...)
-        with storage.fs.open(w.path("rollouts.parquet"), "wb") as f: ...
-        committed = w.commit(summary={...})
+        with StageWriter(storage, stage_dir, run_id=..., iteration=..., stage=..., config=..., inputs=...) as w:
+            with storage.fs.open(w.path("rollouts.parquet"), "wb") as f: ...
+            committed = w.commit(summary={...})
+
+    From its creation to its commit the attempt has a heartbeat (Heartbeat); leaving the `with`
+    block (or `close()`) without a commit marks it closed.
     """
 
     def __init__(
@@ -343,6 +477,36 @@ class StageWriter:
         self.started_at = _now()
         self._referenced: list[FileEntry] = []
         self._committed = False
+        info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "stage": stage,
+            "iteration": iteration,
+            "started_at": self.started_at,
+            "inputs": {name: ref.uri for name, ref in sorted(inputs.items())},
+        }
+        self._heartbeat = Heartbeat(storage, self.attempt_dir, info, heartbeat_interval_s())
+        weakref.finalize(self, self._heartbeat.stop)  # a writer dropped unclosed stops beating
+
+    def __enter__(self) -> StageWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the heartbeat; an attempt left uncommitted is marked closed (failed)."""
+        if not self._committed:
+            self._heartbeat.stop(then="closed")
+
+    def _check_attempt(self) -> None:
+        """Fail, in one line, when the attempt folder was removed while the stage ran."""
+        if not self._heartbeat.alive():
+            raise AttemptRemovedError(
+                f"{self.storage.uri(self.attempt_dir)}: this attempt was removed before its commit (its "
+                f"{HEARTBEAT_NAME} is gone: `grpo gc --delete` took it for dead?); nothing was committed, "
+                f"run the {self.stage} stage again"
+            )
 
     def path(self, name: str) -> str:
         path = f"{self.attempt_dir}/{name}"
@@ -360,16 +524,17 @@ class StageWriter:
         entries = []
         for p in sorted(found):
             rel = p[len(self.attempt_dir) + 1 :]
-            if rel == MANIFEST_NAME or ".tmp-" in rel:
+            if rel in (MANIFEST_NAME, HEARTBEAT_NAME) or ".tmp-" in rel:
                 continue
             size, digest = file_digest(fs, p)
             entries.append(FileEntry(path=rel, size=size, sha256=digest, uri=None))
         return entries
 
     def commit(self, summary: dict | None = None) -> Committed:
-        """Hash every file written, then write the manifest last."""
+        """Hash every file written, then write the manifest last (the heartbeat beats on meanwhile)."""
         if self._committed:
             raise ArtifactError(f"{self.storage.uri(self.attempt_dir)}: already committed")
+        self._check_attempt()
         manifest = Manifest(
             stage=self.stage,
             run_id=self.run_id,
@@ -386,6 +551,8 @@ class StageWriter:
             summary=summary or {},
         )
         data = manifest.to_json()
+        self._check_attempt()  # hashing a large checkpoint takes a while: still there?
         self.storage.write_bytes_atomic(f"{self.attempt_dir}/{MANIFEST_NAME}", data)
         self._committed = True
+        self._heartbeat.stop(then="remove")
         return Committed(self.storage, self.attempt_dir, manifest, hashlib.sha256(data).hexdigest())

@@ -8,6 +8,7 @@ writes a new attempt beside the old one.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import logging
 import sys
@@ -44,7 +45,7 @@ def load_run(storage: Storage, run_id: str) -> RunConfig:
     except ValueError as e:
         raise StageError(f"{storage.uri(path)}: not valid JSON: {e}") from e
     config = raw.get("config") if isinstance(raw, dict) else None
-    sections = [f.name for f in dataclasses.fields(RunConfig) if f.name != "tracking"]  # tracking: optional
+    sections = [f.name for f in dataclasses.fields(RunConfig) if f.name not in ("tracking", "retention")]  # optional
     missing = sections if not isinstance(config, dict) else [s for s in sections if s not in config]
     if missing:  # run.json is written whole by `grpo init`: a partial one was edited or damaged
         raise StageError(
@@ -52,9 +53,14 @@ def load_run(storage: Storage, run_id: str) -> RunConfig:
             f"by `grpo init`, so this one was edited or damaged: restore it or make a new run"
         )
     try:
-        return load_config(config)
+        cfg = load_config(config)
     except ConfigError as e:
         raise StageError(f"{storage.uri(path)}: {e}") from e
+    if cfg.task.dataset or cfg.eval.dataset:  # every read of them held to what grpo init fingerprinted
+        from stages.init import pin_datasets  # init imports this module
+
+        pin_datasets(storage, run_id)
+    return cfg
 
 
 def _newest_ref(storage: Storage, stage_dir: str) -> tuple[str, str] | None:
@@ -96,14 +102,36 @@ def stale_attempt(storage: Storage, attempt_dir: str) -> bool:
     return stale_input(storage, Committed(storage, attempt_dir, manifest, sha)) is not None
 
 
+# what tells this process's commits from another's: when it started, and the attempts it committed
+_STARTED = dt.datetime.now(dt.timezone.utc)
+_COMMITTED_HERE: set[str] = set()
+
+
+def raced(storage: Storage, attempt_dir: str) -> str | None:
+    """The message for a committed attempt that another process committed after this one started
+    (two processes driving one run, or a stage forced beside a running one); None when it was this
+    process's own, or older."""
+    if attempt_dir in _COMMITTED_HERE:
+        return None
+    manifest, _ = load_manifest(storage, attempt_dir, verify=False)
+    if dt.datetime.fromisoformat(manifest.committed_at) < _STARTED:
+        return None
+    where = manifest.stage if manifest.iteration is None else f"{manifest.stage} {manifest.iteration}"
+    return f"another process committed {where} ({manifest.attempt}) while this one ran; nothing to do"
+
+
 def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, inputs: dict[str, Committed]) -> None:
     """Every input of a stage must come from the current chain of its iteration (see stale_input);
-    the error names both attempts and the command that rebuilds the chain."""
+    the error names both attempts and the command that rebuilds the chain, or, when another process
+    committed the newer attempt while this one ran, says so (this one lost the race; see `raced`)."""
     seen: set = set()
     for name, committed in inputs.items():
         found = stale_input(storage, committed, seen)
         if found:
             reader, old, new = found
+            race = raced(storage, fsspec.core.strip_protocol(new) if "://" in new else new)
+            if race:
+                raise StageError(race)
             raise StageError(
                 f"{stage} iteration {iteration}: input {name} is stale: {reader} was made from {old}, "
                 f"which {new} replaced; rebuild the chain with `grpo run --run {run_id} --start "
@@ -176,7 +204,14 @@ def run_stage(
     torch = sys.modules.get("torch")  # not imported yet: nothing on a GPU yet either
     if torch is not None and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    summary = {**body(writer), **gpu_memory()}
-    committed = writer.commit(summary=summary)
+    with writer:  # its heartbeat tells `grpo gc` the attempt is live until the commit (or the failure)
+        summary = {**body(writer), **gpu_memory()}
+        if not force:  # another process committed this very stage while this one ran: ours would supersede it
+            found = find_committed(storage, sdir, writer.identity, verify=False)
+            race = found and raced(storage, found.attempt_dir)
+            if race:
+                raise StageError(race)
+        committed = writer.commit(summary=summary)
+        _COMMITTED_HERE.add(committed.attempt_dir)
     log.info("%s iteration %s: committed %s %s", stage, iteration, committed.uri, summary)
     return committed

@@ -1,79 +1,382 @@
-"""Housekeeping: what of a run's storage no committed chain needs, and removing it.
+"""Housekeeping: what of a run's storage nothing needs any more, and removing it (`grpo gc`).
 
-Candidates are attempts that never committed (a crash, a kill, a failed check) and
-committed attempts that a newer attempt of the same stage replaced, as long as no kept
-manifest reads them (an input) or references their files (a snapshot points at its
-policy's files), and leftover `*.tmp-*` files. Anything written less than `min_age_s`
-ago is left alone: it may belong to a stage that is running now.
+Always: attempts that never committed (a crash, a kill, a failed check), committed attempts that
+a newer attempt of the same stage replaced, as long as no kept manifest reads them (an input) or
+references their files (a snapshot points at its policy's files), and leftover `*.tmp-*` files.
+
+With retention (`grpo gc --retention`, the run's RetentionConfig): also the weights and optimizer
+state of older learns, and nothing else: tables, manifests, run.json and summaries stay, so every
+iteration still answers `grpo query`. A learn's policy stays when it is among the last
+`keep_last` learns, its iteration a multiple of `keep_every`, or the best by eval; its optimizer
+state only in the newest learn. Before removing them gc lists them in the attempt's
+collected.json (grpo.storage.mark_collected): verification skips them, a stage that needs one
+fails naming it.
+
+Left alone, and said so: an uncommitted attempt whose heartbeat is recent (its writer is alive,
+however long its stage writes nothing else: beat within `min_age_s`, and never fewer than
+LEASE_BEATS beats ago), anything written or superseded less than `min_age_s` ago, and whatever
+a live attempt reads (its heartbeat lists its inputs). File ages are taken by the storage's own
+clock (storage_clock), so a storage clock behind this machine's does not age them.
+
+The newest learn (and the one `grpo run` continues from, where a stale chain resumes earlier) keeps
+everything: the run resumes, reruns its newest eval and the next iteration's stages. Older
+iterations cannot rerun their learn (its previous optimizer state is gone).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
 import time
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 
-from grpo.layout import STAGES, run_dir, stage_dir
-from grpo.storage import Storage, committed_attempts, list_attempts, load_manifest
+import fsspec
+
+from grpo.config import RetentionConfig
+from grpo.layout import POLICY_PREFIXES, STAGES, STATE_PREFIXES, run_dir, stage_dir
+from grpo.storage import (
+    HEARTBEAT_NAME,
+    ArtifactError,
+    Storage,
+    committed_attempts,
+    is_committed,
+    is_local,
+    list_attempts,
+    load_manifest,
+    mark_collected,
+    read_collected,
+)
+from schemas.manifest import MANIFEST_NAME
+from stages.iteration import next_iteration
+
+BEST_METRIC = "exact_match"  # the eval summary's accuracy (stages/eval.py) that picks the best iteration
+LEASE_BEATS = 10  # a heartbeat is live for this many of its writer's beats at least, whatever min_age_s
 
 
 @dataclass(frozen=True)
 class Garbage:
     path: str
-    why: str  # "failed", "superseded" or "temporary"
+    """An attempt folder or a file; with `files`, the committed attempt they are in (the rest stays)."""
+    why: str
+    """"failed", "superseded", "temporary"; with retention also "policy" and "state"."""
     bytes: int
+    files: tuple[str, ...] = ()
+    """Retention: the attempt's files to remove, relative to it."""
+    note: str = ""
+    """Retention: why they go (recorded in collected.json, named by a stage that needs them)."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """Something gc could have removed but left alone."""
+
+    path: str
+    group: str
+    """What it is, for the count: "attempt{s} newer than 1 h"."""
+    note: str
+
+
+@dataclass
+class Plan:
+    garbage: list[Garbage] = field(default_factory=list)
+    held: list[Held] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    """Retention: the policies and optimizer states that stay, and why."""
+
+
+@dataclass(frozen=True)
+class Clock:
+    storage: float  # now by the storage's clock: compare file mtimes with it
+    local: float  # now by this machine's: compare times a writer put in a file with it
+
+
+def _mtime(info: dict) -> float | None:
+    t = info.get("mtime") or info.get("LastModified") or info.get("created")
+    return None if t is None else t.timestamp() if hasattr(t, "timestamp") else float(t)
+
+
+def storage_clock(storage: Storage, folder: str) -> Clock:
+    """Now by the storage's own clock, read as the mtime of a probe file written and removed at once
+    (this machine's clock where the storage gives no time or refuses the write)."""
+    local = time.time()
+    probe = f"{folder}/.gc-clock.tmp-{secrets.token_hex(4)}"  # a leftover is a temporary file gc removes
+    try:
+        storage.fs.pipe_file(probe, b"")
+        try:
+            t = _mtime(storage.fs.info(probe))
+        finally:
+            storage.fs.rm_file(probe)
+    except OSError:
+        t = None
+    return Clock(storage=local if t is None else t, local=local)
+
+
+def _span(s: float) -> str:
+    """3600 -> '1 h', 90 -> '2 min', 5 -> '5 s'."""
+    if s >= 3600:
+        return f"{s / 3600:.3g} h"
+    return f"{s / 60:.0f} min" if s >= 90 else f"{max(s, 0):.0f} s"
+
+
+def _iterations(storage: Storage, run_id: str) -> int:
+    k = 0
+    while list_attempts(storage, stage_dir(storage, run_id, k, "snapshot")):
+        k += 1
+    return k
 
 
 def _stage_dirs(storage: Storage, run_id: str) -> list[str]:
     dirs = [stage_dir(storage, run_id, None, "base")]
-    k = 0
-    while list_attempts(storage, stage_dir(storage, run_id, k, "snapshot")):
-        dirs += [stage_dir(storage, run_id, k, s) for s in STAGES]
-        k += 1
-    return dirs
+    return dirs + [stage_dir(storage, run_id, k, s) for k in range(_iterations(storage, run_id)) for s in STAGES]
 
 
-def _age_s(storage: Storage, path: str) -> float:
-    """Seconds since anything under `path` was last written (inf where the store gives no time)."""
-    times = []
-    for info in storage.fs.find(path, detail=True, withdirs=False).values() or [storage.fs.info(path)]:
-        t = info.get("mtime") or info.get("LastModified") or info.get("created")
-        if t is not None:
-            times.append(t.timestamp() if hasattr(t, "timestamp") else float(t))
-    return time.time() - max(times) if times else float("inf")
+def _by_attempt(listing: dict[str, dict]) -> dict[str, list[dict]]:
+    """Infos of a run's files grouped by the attempt folder holding them."""
+    out = defaultdict(list)
+    for path, info in listing.items():
+        i = path.find("/attempt-")
+        if i >= 0:
+            j = path.find("/", i + 1)
+            out[path if j < 0 else path[:j]].append(info)
+    return out
 
 
-def _size(storage: Storage, path: str) -> int:
-    return sum(info.get("size", 0) for info in storage.fs.find(path, detail=True).values())
+def _heartbeat(storage: Storage, attempt: str, listing: dict, clock: Clock) -> tuple[float, dict] | None:
+    """(seconds since the last beat, the heartbeat's JSON) of an uncommitted attempt; None when it has
+    no heartbeat or its writer closed it (the stage failed)."""
+    path = f"{attempt}/{HEARTBEAT_NAME}"
+    if path not in listing:
+        return None
+    try:
+        beat = json.loads(storage.read_bytes(path))
+    except FileNotFoundError:  # committed or removed since the listing
+        return None
+    except ValueError:
+        beat = {}
+    if beat.get("closed_at") is not None:
+        return None
+    # Two clocks date a beat: the storage's (the file's mtime, against the storage's now) and the
+    # writer's (beat_at in the file, against this machine's now). Either can be off: the storage's
+    # where the probe could not read it, the writer's or this machine's when out of sync. Removing a
+    # live attempt loses its work and fails its stage at commit; keeping a dead one costs its space
+    # until a later gc. So the younger age wins: live when either clock says it beat recently.
+    ages = [] if (t := _mtime(listing[path])) is None else [clock.storage - t]
+    if isinstance(beat.get("beat_at"), (int, float)):
+        ages.append(clock.local - beat["beat_at"])
+    return (min(ages) if ages else float("inf")), beat
 
 
-def find_garbage(storage: Storage, run_id: str, min_age_s: float = 3600.0) -> list[Garbage]:
-    """Failed and superseded attempts and temporary files of a run that nothing kept uses."""
-    dirs = _stage_dirs(storage, run_id)
-    kept, superseded, out = [], [], []
-    for d in dirs:
+def _interval(beat: dict) -> float:
+    """Seconds between its writer's beats (30 where the heartbeat does not say)."""
+    return float(beat["interval_s"]) if isinstance(beat.get("interval_s"), (int, float)) else 30.0
+
+
+def _read_by_live(storage: Storage, beats: dict[str, dict]) -> set[str]:
+    """URIs that live attempts read: their inputs, and the files those reference (a snapshot's policy)."""
+    uris = set()
+    for beat in beats.values():
+        for uri in (beat.get("inputs") or {}).values():
+            uris.add(uri.rstrip("/"))
+            try:
+                manifest, _ = load_manifest(storage, fsspec.core.strip_protocol(uri).rstrip("/"), verify=False)
+            except (ArtifactError, OSError):
+                continue
+            uris |= {f.uri for f in manifest.files if f.uri}
+    return uris
+
+
+def _under(uri: str, uris: set[str]) -> bool:
+    return any(u == uri or u.startswith(uri + "/") for u in uris)
+
+
+def kept_policies(
+    iterations: list[int], keep_last: int | None, keep_every: int | None, best: int | None
+) -> dict[int, str]:
+    """{iteration: why its policy stays} among `iterations` (those with a committed learn, ascending).
+
+    >>> kept_policies([0, 1, 2, 3, 4], keep_last=1, keep_every=2, best=1)
+    {0: 'a multiple of 2', 1: 'the best eval', 2: 'a multiple of 2', 4: 'among the last 1, a multiple of 2'}
+    >>> kept_policies([0, 1], keep_last=None, keep_every=None, best=None)
+    {0: 'no retention rule set', 1: 'no retention rule set'}
+    """
+    if keep_last is None and keep_every is None:
+        return {k: "no retention rule set" for k in iterations}
+    last = set(iterations[-keep_last:]) if keep_last else set()
+    why = {}
+    for k in iterations:
+        reasons = [f"among the last {keep_last}"] if k in last else []
+        reasons += [f"a multiple of {keep_every}"] if keep_every and k % keep_every == 0 else []
+        reasons += ["the best eval"] if k == best else []
+        if reasons:
+            why[k] = ", ".join(reasons)
+    return why
+
+
+def best_iteration(storage: Storage, run_id: str, iterations: list[int]) -> int | None:
+    """The iteration whose newest committed eval has the highest BEST_METRIC (ties: the higher mean
+    reward, then the later iteration); None when none has an eval."""
+    scores = {}
+    for k in iterations:
+        attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
+        summary = load_manifest(storage, attempts[-1], verify=False)[0].summary if attempts else {}
+        if isinstance(summary.get(BEST_METRIC), (int, float)):
+            scores[k] = (summary[BEST_METRIC], summary.get("reward_mean") or 0.0, k)
+    return max(scores, key=scores.__getitem__) if scores else None
+
+
+def _retention(storage: Storage, run_id: str, rules: RetentionConfig, listing: dict, live: set[str], out: Plan):
+    """Add to `out` the policies and optimizer states of older learns that `rules` do not keep."""
+    learned = {}
+    for k in range(_iterations(storage, run_id)):
+        attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))
+        if attempts:
+            learned[k] = attempts[-1]
+    if not learned:
+        return
+    newest = max(learned)
+    # whole: what `grpo run` continues from (and the newest eval reruns on); a stale learn resumes earlier
+    whole = {next_iteration(storage, run_id) - 1: "where `grpo run` continues", newest: "the newest learn"}
+    best = best_iteration(storage, run_id, sorted(learned))
+    kept = kept_policies(sorted(learned), rules.keep_last, rules.keep_every, best)
+    dropped = [f"not among the last {rules.keep_last}"] if rules.keep_last else []
+    dropped += [f"not a multiple of {rules.keep_every}"] if rules.keep_every else []
+    dropped += [f"not the best eval (iteration {best})" if best is not None else "no eval committed"]
+    for k, attempt in sorted(learned.items()):
+        if k in whole:
+            out.kept.append(f"iteration {k}: policy and optimizer state ({whole[k]})")
+            continue
+        if _under(storage.uri(attempt).rstrip("/"), live):
+            out.held.append(Held(attempt, "learn{s} read by a live attempt", f"iteration {k}'s policy and state"))
+            continue
+        manifest, _ = load_manifest(storage, attempt, verify=False)
+        here = [f for f in manifest.files if f.uri is None and f"{attempt}/{f.path}" in listing]
+        state = [f for f in here if f.path.startswith(STATE_PREFIXES)]
+        policy = [f for f in here if f.path.startswith(POLICY_PREFIXES) and f not in state]
+        if state:
+            why = f"optimizer state of iteration {k}: only the newest learn ({newest}) keeps it"
+            out.garbage.append(Garbage(attempt, "state", sum(f.size for f in state), tuple(f.path for f in state), why))
+        if k in kept:
+            out.kept.append(f"iteration {k}: policy ({kept[k]})")
+        elif policy:
+            why = f"policy of iteration {k}: " + ", ".join(dropped)
+            out.garbage.append(
+                Garbage(attempt, "policy", sum(f.size for f in policy), tuple(f.path for f in policy), why)
+            )
+
+
+def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: RetentionConfig | None = None) -> Plan:
+    """What gc would remove of a run, and what it leaves alone and why; with `retention`, also the
+    weights and optimizer state those rules do not keep."""
+    rdir = run_dir(storage, run_id)
+    clock = storage_clock(storage, rdir)
+    listing = storage.fs.find(rdir, detail=True)
+    files = _by_attempt(listing)
+    span, out = _span(min_age_s), Plan()
+
+    def age(infos: list[dict]) -> float:  # since the newest of them was written; inf where no time is given
+        times = [t for t in map(_mtime, infos) if t is not None]
+        return clock.storage - max(times) if times else float("inf")
+
+    kept, superseded, beats = [], [], {}
+    for d in _stage_dirs(storage, run_id):
         committed = committed_attempts(storage, d)
         kept += committed[-1:]
-        superseded += committed[:-1]
-        for name in list_attempts(storage, d):
-            path = f"{d}/{name}"
-            if path not in committed and _age_s(storage, path) >= min_age_s:
-                out.append(Garbage(path, "failed", _size(storage, path)))
-    used: set[str] = set()  # uris that kept manifests read or reference
+        superseded += zip(committed[:-1], committed[1:])
+        for path in (f"{d}/{name}" for name in list_attempts(storage, d)):
+            if path in committed or (path not in files and not is_local(storage.fs)):
+                continue  # no object under it: an empty folder of an S3 server that keeps them (SeaweedFS)
+            beat = _heartbeat(storage, path, listing, clock)
+            if beat is not None and beat[0] < max(min_age_s, LEASE_BEATS * _interval(beat[1])):
+                beats[path] = b = beat[1]
+                who = f"{b.get('stage')} on {b.get('host')}, pid {b.get('pid')}"
+                out.held.append(Held(path, "live attempt{s} (recent heartbeat)", f"{who}: beat {_span(beat[0])} ago"))
+            elif (a := age(files.get(path, []))) >= min_age_s:
+                out.garbage.append(Garbage(path, "failed", sum(i.get("size", 0) for i in files.get(path, []))))
+            else:
+                out.held.append(Held(path, f"attempt{{s}} newer than {span}", f"uncommitted, written {_span(a)} ago"))
+    live = _read_by_live(storage, beats)
+    used = set(live)  # uris that kept manifests or live attempts read or reference
     for path in kept:
         manifest, _ = load_manifest(storage, path, verify=False)
         used |= {ref.uri.rstrip("/") for ref in manifest.inputs.values()}
         used |= {f.uri for f in manifest.files if f.uri}  # a snapshot's policy files live in another attempt
-    for path in superseded:
+    for path, newer in superseded:
         uri = storage.uri(path).rstrip("/")
-        if not any(u == uri or u.startswith(uri + "/") for u in used):
-            out.append(Garbage(path, "superseded", _size(storage, path)))
-    removed = tuple(g.path + "/" for g in out)
-    for path in storage.fs.find(run_dir(storage, run_id)):
-        if ".tmp-" in path.rsplit("/", 1)[-1] and not path.startswith(removed) and _age_s(storage, path) >= min_age_s:
-            out.append(Garbage(path, "temporary", _size(storage, path)))
+        since = age([listing.get(f"{newer}/{MANIFEST_NAME}", {})])
+        if _under(uri, live):
+            out.held.append(Held(path, "superseded attempt{s} read by a live attempt", "superseded, still read"))
+        elif _under(uri, used):
+            continue  # the current chain reads it: not garbage
+        elif since < min_age_s:
+            out.held.append(
+                Held(path, f"attempt{{s}} superseded less than {span} ago", f"superseded {_span(since)} ago")
+            )
+        else:
+            out.garbage.append(Garbage(path, "superseded", sum(i.get("size", 0) for i in files.get(path, []))))
+    skip = tuple(x.path + "/" for x in out.garbage + out.held)  # attempts already listed, with their files
+    for path, info in listing.items():
+        if ".tmp-" in path.rsplit("/", 1)[-1] and not path.startswith(skip):
+            if (a := age([info])) >= min_age_s:
+                out.garbage.append(Garbage(path, "temporary", info.get("size", 0)))
+            else:
+                out.held.append(Held(path, f"temporary file{{s}} newer than {span}", f"written {_span(a)} ago"))
+    if retention is not None:
+        _retention(storage, run_id, retention, listing, live, out)
     return out
 
 
+def find_garbage(storage: Storage, run_id: str, min_age_s: float = 3600.0) -> list[Garbage]:
+    """Failed and superseded attempts and temporary files of a run that nothing kept uses."""
+    return plan(storage, run_id, min_age_s).garbage
+
+
+def held_summary(held: list[Held]) -> str:
+    """'1 live attempt (recent heartbeat) left alone; 2 attempts newer than 1 h left alone'."""
+    counts = Counter(h.group for h in held)
+    return "; ".join(f"{n} {group.format(s='' if n == 1 else 's')} left alone" for group, n in counts.items())
+
+
 def remove(storage: Storage, garbage: list[Garbage]) -> None:
+    """Remove what `plan` listed. Retention's files are first listed in their attempt's collected.json,
+    then removed one by one; the rest of the attempt (tables, manifest) stays."""
+    collect = defaultdict(list)
     for g in garbage:
-        storage.fs.rm(g.path, recursive=True)
+        if g.files:
+            collect[g.path].append(g)
+        elif g.why == "failed" and is_committed(storage, g.path):
+            continue  # it committed after the plan: not failed after all
+        else:
+            try:
+                storage.fs.rm(g.path, recursive=True)
+            except FileNotFoundError:  # removed meanwhile
+                pass
+    for attempt, items in collect.items():
+        mark_collected(storage, attempt, {name: g.note for g in items for name in g.files})
+        names = [name for g in items for name in g.files]
+        for name in names:
+            storage.fs.rm_file(f"{attempt}/{name}")
+        if is_local(storage.fs):  # folders left empty (policy/, dcp/): deepest first
+            for d in sorted({os.path.dirname(f"{attempt}/{n}") for n in names if "/" in n}, key=len, reverse=True):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
+
+
+def collected_summary(storage: Storage, run_id: str) -> str | None:
+    """One line on what `grpo gc --retention` removed of a run (for `grpo status`); None when nothing."""
+    policy, state = [], []
+    for k in range(_iterations(storage, run_id)):
+        attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))
+        names = read_collected(storage, attempts[-1]) if attempts else {}
+        if any(n.startswith(STATE_PREFIXES) for n in names):
+            state.append(str(k))
+        if any(n.startswith(POLICY_PREFIXES) and not n.startswith(STATE_PREFIXES) for n in names):
+            policy.append(str(k))
+    if not policy and not state:
+        return None
+    parts = [f"policy of iteration {', '.join(policy)}"] if policy else []
+    parts += [f"optimizer state of iteration {', '.join(state)}"] if state else []
+    return f"collected by `grpo gc --retention` (each learn's collected.json): {'; '.join(parts)}"

@@ -33,8 +33,8 @@ from grpo.checkpoint import (
 )
 from grpo.config import RunConfig
 from grpo.generation import release_accelerator
-from grpo.layout import Salt, iteration_seed
-from grpo.learner import MASTER_WEIGHTS, STATE_DCP, Batch, Learner, Scores, train
+from grpo.layout import STATE_PREFIXES, Salt, iteration_seed
+from grpo.learner import Batch, Learner, Scores, train
 from grpo.storage import Committed, StageWriter, Storage, is_local
 from schemas import read_parquet, table_file, write_parquet
 from schemas.tables import FLOAT_LISTS
@@ -42,7 +42,6 @@ from stages import launch
 from stages.common import StageError, check_chain, committed_input, load_run, run_stage
 
 KEYS = ["prompt_id", "sample_index"]
-STATE_FILES = ("optimizer.pt", "rng.pt", MASTER_WEIGHTS)  # and dcp/ under fsdp2
 
 
 # ---------------------------------------------------------------- data
@@ -168,7 +167,7 @@ def new_learner(
 
 def is_state_file(path: str) -> bool:
     """Whether a learn attempt's file is resume state the next learn reads (not the policy or a table)."""
-    return path in STATE_FILES or path.startswith(STATE_DCP + "/")
+    return path.startswith(STATE_PREFIXES)
 
 
 def logprob_columns(run_id: str, iteration: int, batch: Batch, scores: Scores) -> dict:

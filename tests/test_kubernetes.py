@@ -1,0 +1,159 @@
+"""deploy/kubernetes offline: each deployment of its prefect.yaml rendered into the Kubernetes Job a
+worker would create, through prefect-kubernetes' own code (KubernetesWorkerJobConfiguration
+.resolve_for_flow_run, as the worker calls it for a flow run), with no Prefect API and no cluster.
+The manifest must deserialize into a kubernetes V1Job with no field the model does not know."""
+
+import asyncio
+import json
+import re
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("prefect_kubernetes", reason="prefect-kubernetes not installed: pip install -e '.[kubernetes]'")
+
+from kubernetes_asyncio.client import ApiClient, V1Job  # noqa: E402 (prefect-kubernetes' client)
+from kubernetes_asyncio.client import models as k8s_models  # noqa: E402
+from prefect.client.schemas.objects import Flow, FlowRun, WorkPool  # noqa: E402
+from prefect.client.schemas.responses import DeploymentResponse  # noqa: E402
+from prefect.server.schemas.actions import WorkPoolCreate  # noqa: E402
+from prefect.utilities.schema_tools import validate  # noqa: E402
+from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration  # noqa: E402
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+TEMPLATE = json.loads((DEPLOY / "base-job-template.json").read_text())
+PREFECT_YAML = yaml.safe_load((DEPLOY / "prefect.yaml").read_text())
+DEPLOYMENTS = {d["name"]: d for d in PREFECT_YAML["deployments"]}
+SECRET_ENV = {"GRPO_STORAGE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"}
+# prefect-kubernetes' own required manifest puts these two Job fields in the pod spec; the API server drops them
+PREFECT_EXTRAS = {"spec.template.spec.parallelism", "spec.template.spec.completions"}
+
+
+class OfflineClient:
+    """Stands in for the PrefectClient: answers the one read resolve_for_flow_run makes (the flow);
+    anything else would be an API call the render must not need."""
+
+    def __init__(self, flow: Flow):
+        self.flow = flow
+
+    async def read_flow(self, flow_id):
+        return self.flow
+
+    def __getattr__(self, name):
+        raise AssertionError(f"rendering the job called the Prefect API: {name}")
+
+
+def render(deployment: dict) -> dict:
+    """The Job manifest a kubernetes worker of the deployment's pool creates for a flow run of it."""
+    pool = deployment["work_pool"]
+    flow = Flow(id=uuid.uuid4(), name="grpo")
+    dep = DeploymentResponse(
+        id=uuid.uuid4(),
+        name=deployment["name"],
+        flow_id=flow.id,
+        entrypoint=deployment["entrypoint"],
+        parameters=deployment["parameters"],
+        work_pool_name=pool["name"],
+        job_variables=pool["job_variables"],
+    )
+    run = FlowRun(id=uuid.uuid4(), name="k1", flow_id=flow.id, deployment_id=dep.id, parameters=dep.parameters)
+    work_pool = WorkPool(name=pool["name"], type="kubernetes", base_job_template=TEMPLATE)
+    config = asyncio.run(
+        KubernetesWorkerJobConfiguration.resolve_for_flow_run(
+            run, client=OfflineClient(flow), work_pool=work_pool, worker_name="test", deployment=dep
+        )
+    )
+    return config.job_manifest
+
+
+async def as_v1job(manifest: dict) -> V1Job:
+    """The manifest through the kubernetes client's own deserializer (required fields checked)."""
+    async with ApiClient() as api:
+        return api._ApiClient__deserialize(manifest, "V1Job")
+
+
+def unknown_fields(data, kind: str, at: str = "") -> list[str]:
+    """Paths in `data` that the kubernetes model `kind` ('V1Job', 'list[V1EnvVar]', ...) has no field for."""
+    if m := re.fullmatch(r"list\[(.*)\]", kind):
+        return [p for i, item in enumerate(data) for p in unknown_fields(item, m.group(1), f"{at}[{i}]")]
+    if m := re.fullmatch(r"dict\(str, (.*)\)", kind):
+        return [p for k, v in data.items() for p in unknown_fields(v, m.group(1), f"{at}.{k}")]
+    model = getattr(k8s_models, kind, None)
+    if model is None:  # str, int, object, ...
+        return []
+    fields = {json_name: model.openapi_types[attr] for attr, json_name in model.attribute_map.items()}
+    out = []
+    for key, value in data.items():
+        path = f"{at}.{key}".lstrip(".")
+        if key not in fields:
+            out.append(path)
+        elif value is not None:
+            out += unknown_fields(value, fields[key], path)
+    return out
+
+
+def test_the_template_is_a_valid_kubernetes_work_pool_template():
+    WorkPoolCreate(name="grpo-k8s-gpu", type="kubernetes", base_job_template=TEMPLATE)  # the server's check
+    standard = KubernetesWorker.get_default_base_job_template()["variables"]["properties"]
+    assert {"image", "namespace", "env", "command", "labels"} <= set(TEMPLATE["variables"]["properties"])
+    assert set(standard) - set(TEMPLATE["variables"]["properties"]) == {
+        "cpu_request", "cpu_limit", "memory_request", "memory_limit"  # fmt: skip
+    }, "replaced by cpu and memory"
+
+
+def test_every_pool_of_the_deployments_is_named_in_the_readme_commands():
+    comments = (DEPLOY / "prefect.yaml").read_text()
+    for d in DEPLOYMENTS.values():
+        assert d["entrypoint"] == "flows.grpo:grpo"
+        pool = d["work_pool"]["name"]
+        assert f"prefect work-pool create {pool} --type kubernetes --base-job-template" in comments
+
+
+@pytest.mark.parametrize("name", sorted(DEPLOYMENTS))
+def test_deployment_job_variables_are_the_pools_variables(name):
+    """What the server checks when a flow run is created: the job variables fit the pool's schema."""
+    variables = DEPLOYMENTS[name]["work_pool"]["job_variables"]
+    schema = TEMPLATE["variables"]
+    assert set(variables) <= set(schema["properties"]), "a misspelled variable would be silently ignored"
+    defaults = {k: p["default"] for k, p in schema["properties"].items() if p.get("default") is not None}
+    validate({**defaults, **variables}, schema, raise_on_error=True, preprocess=True, allow_none_with_default=True)
+
+
+@pytest.mark.parametrize("name", sorted(DEPLOYMENTS))
+def test_deployment_renders_a_job_with_its_resources_and_the_secret(name):
+    deployment = DEPLOYMENTS[name]
+    variables = deployment["work_pool"]["job_variables"]
+    manifest = render(deployment)
+    assert [p for p in unknown_fields(manifest, "V1Job") if p not in PREFECT_EXTRAS] == []
+    job = asyncio.run(as_v1job(manifest))
+    assert isinstance(job, V1Job) and job.kind == "Job" and job.api_version == "batch/v1"
+
+    pod = job.spec.template.spec
+    (container,) = pod.containers
+    assert container.image == variables["image"]
+    assert container.args == ["prefect", "flow-run", "execute"]
+    limits, requests = container.resources.limits, container.resources.requests
+    if "gpus" in variables:
+        assert limits["nvidia.com/gpu"] == str(variables["gpus"]) == "1"
+    else:
+        assert "nvidia.com/gpu" not in limits and "nvidia.com/gpu" not in (requests or {})
+    assert requests == {"cpu": variables["cpu"], "memory": variables["memory"]}
+    assert limits["memory"] == variables["memory"] and "cpu" not in limits
+    assert pod.node_selector == variables["node_selector"] and pod.node_selector
+    assert [t.key for t in pod.tolerations or []] == [t["key"] for t in variables.get("tolerations", [])]
+    assert pod.restart_policy == "Never"
+    shm = {v.name: v for v in pod.volumes}["dshm"]
+    assert shm.empty_dir.medium == "Memory" and "/dev/shm" in [m.mount_path for m in container.volume_mounts]
+
+    # storage settings come from the Secret, by reference; no literal value of them in the Job
+    env = {e.name: e for e in container.env}
+    assert SECRET_ENV <= set(env)
+    for key in SECRET_ENV:
+        ref = env[key].value_from.secret_key_ref
+        assert env[key].value is None and (ref.name, ref.key) == ("grpo-storage", key)
+        assert ref.optional is (None if key == "GRPO_STORAGE" else True)  # no storage URL: the pod does not start
+    for e in container.env:
+        assert e.value is None or not re.search(r"SECRET|ACCESS_KEY|PASSWORD|TOKEN|GRPO_STORAGE", e.name), e.name
+    assert env["PREFECT__FLOW_RUN_ID"].value  # the worker's own variables are still there

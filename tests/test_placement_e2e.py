@@ -1,0 +1,104 @@
+"""Stages across machines, end to end on real servers: a Prefect server, two process work pools ("gpu",
+one stage at a time; "cpu") with a worker each in its own working folder, the local S3 server as the only
+thing they share, and two runs of `grpo/placed` (two iterations, one after the other). Every committed
+row and checkpoint equals what the stages commit in one process."""
+
+import hashlib
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from test_stages import TINY
+
+from grpo.layout import stage_dir
+from grpo.storage import latest_committed, open_storage
+from stages.init import init_run
+from stages.iteration import run_iteration
+from tools.prefect_server import prefect_server, process_worker
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.s3]
+
+REPO = Path(__file__).resolve().parent.parent
+PLACEMENT = {"snapshot": "cpu", "rollouts": "gpu", "rewards": "cpu", "advantages": "cpu", "learn": "gpu", "eval": "gpu"}
+TABLES = {"rollouts": "rollouts.parquet", "rewards": "rewards.parquet", "advantages": "advantages.parquet"}
+
+
+def placed_run(server, storage_url: str, run_id: str) -> str:
+    out = server.cli(
+        "deployment",
+        "run",
+        "grpo/placed",
+        "--params",
+        json.dumps({"run_id": run_id, "overrides": TINY}),
+        "--job-variable",
+        "env=" + json.dumps({"GRPO_STORAGE": storage_url}),
+    ).stdout
+    return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+
+
+def stage_runs(server) -> list[dict]:
+    """Every flow run of the flow grpo-stage: name, work pool, start and end."""
+    runs = server.api("POST", "/flow_runs/filter", {"flow_runs": {"name": {"like_": " "}}, "limit": 200})
+    return [r for r in runs if r.get("work_pool_name") in ("gpu", "cpu") and r["start_time"] and r["end_time"]]
+
+
+def content(storage, committed, name: str) -> pd.DataFrame:
+    return pd.read_parquet(storage.fs.open(committed.path(name), "rb")).drop(columns=["run_id"])
+
+
+def sha256(storage, path: str) -> str:
+    return hashlib.sha256(storage.fs.cat_file(path)).hexdigest()
+
+
+def test_two_iterations_with_stages_on_two_pools_commit_what_one_process_does(s3, tmp_path, monkeypatch):
+    s3_env = s3.env()
+    storage_url = f"s3://{s3.bucket}/placement-{tmp_path.name}"
+    with prefect_server(tmp_path / "prefect") as server:
+        for pool in ("gpu", "cpu"):
+            server.cli("work-pool", "create", pool, "--type", "process", "--overwrite")
+        server.cli("work-pool", "set-concurrency-limit", "gpu", "1")  # one GPU stage at a time
+        server.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deploy/placement/prefect.yaml", cwd=REPO)
+        homes = {pool: tmp_path / f"machine-{pool}" for pool in ("gpu", "cpu")}  # no shared folder
+        for home in homes.values():
+            home.mkdir()
+        env = lambda pool: {**s3_env, "GRPO_CACHE": str(homes[pool] / "cache")}  # noqa: E731
+        with process_worker(server, "gpu", cwd=homes["gpu"], env=env("gpu")):
+            with process_worker(server, "cpu", cwd=homes["cpu"], env=env("cpu")):
+                ids = [placed_run(server, storage_url, "placed") for _ in range(2)]
+                runs = [server.wait_for_flow_run(i, 900) for i in ids]
+                assert [r["state"]["type"] for r in runs] == ["COMPLETED", "COMPLETED"], server.log_tails(40)
+                children = stage_runs(server)
+
+    # each stage ran on its pool, and the two iterations never overlapped
+    by_name = {r["name"]: r for r in children}
+    for k in (0, 1):
+        for stage, pool in PLACEMENT.items():
+            assert by_name[f"placed {stage} {k}"]["work_pool_name"] == pool
+    t = lambda r, key: datetime.fromisoformat(r[key])  # noqa: E731
+    end_0 = max(t(r, "end_time") for r in children if r["name"].endswith(" 0"))
+    start_1 = min(t(r, "start_time") for r in children if r["name"].endswith(" 1"))
+    assert end_0 <= start_1
+
+    # the same rows and checkpoints as the stages run in one process
+    for key, value in {**s3_env, "GRPO_CACHE": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(key, value)
+    storage = open_storage(storage_url)
+    init_run(storage, "single", latest_config(storage))
+    for k in (0, 1):
+        single = run_iteration(storage, "single", k)
+        for stage, name in TABLES.items():
+            placed = latest_committed(storage, stage_dir(storage, "placed", k, stage))
+            pd.testing.assert_frame_equal(content(storage, placed, name), content(storage, single[stage], name))
+        placed = latest_committed(storage, stage_dir(storage, "placed", k, "learn"))
+        assert sha256(storage, placed.path("policy/model.safetensors")) == sha256(
+            storage, single["learn"].path("policy/model.safetensors")
+        )
+
+
+def latest_config(storage):
+    from stages.common import load_run
+
+    return load_run(storage, "placed")
