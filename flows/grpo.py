@@ -188,6 +188,7 @@ def evaluate(storage_url: str, run_id: str, iteration: int, policy: str, force: 
 
 # ---------------------------------------------------------------- stages on other work pools
 
+WARM_WORKERS = "warm"  # a placement that sends the stage to a long-lived stage worker, not a work pool
 TASKS = {"snapshot": snapshot, "rollouts": rollouts, "rewards": rewards, "advantages": advantages}
 TASKS |= {"learn": learn, "eval": evaluate}
 
@@ -215,6 +216,8 @@ class Placement:
         pool = self.placement.get(stage)
         if pool is None:
             return None
+        if pool == WARM_WORKERS:
+            return self.warm(stage, upstream)
         from prefect.deployments import run_deployment
         from prefect.runtime import flow_run
 
@@ -237,6 +240,16 @@ class Placement:
         )
         if not child.state.is_completed():
             return Failed(message=failure_line(stage, self.k, child.state.message or child.state.name))
+        return committed_uri(self.url, self.run_id, self.k, stage, upstream)
+
+    def warm(self, stage: str, upstream: str | None) -> str | State:
+        """The stage's task run by a long-lived stage worker that serves it (flows/stage_worker.py)."""
+        args = (self.url, self.run_id, self.k) + ((upstream,) if stage != "snapshot" else ())
+        future = TASKS[stage].delay(*args, force=self.force[stage])
+        future.wait()
+        state = future.state  # a task that returned Failed (one of USER_ERRORS) ended in that state
+        if not state.is_completed():
+            return Failed(message=failure_line(stage, self.k, state.message or state.name))
         return committed_uri(self.url, self.run_id, self.k, stage, upstream)
 
 

@@ -251,6 +251,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
         release_accelerator(cfg.rollout.keep_engine)  # the sampler sleeps (or closes) while the learner runs
         if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
             learner = WARM.take(WARM.key(cfg, inputs["previous"].uri, inputs["reference"].uri))
+        warm = learner is not None
         with tempfile.TemporaryDirectory() as tmp:
             state_dir = None
             if "previous" in inputs and learner is None:
@@ -288,7 +289,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
                 carry_checkpoint_files(policy_dir, f"{out_dir}/policy")
             if not local:  # policy/ or adapter/, optimizer.pt or dcp/, rng.pt, (master,) metrics, logprobs
                 upload_folder(writer, out_dir, prefix="")
-        return summary
+        return {**summary, "warm_learner": warm}  # taken from memory, not built from the committed files
 
     config = {"seed": cfg.seed, "learn": cfg.to_dict()["learn"]}
     out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)

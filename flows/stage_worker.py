@@ -1,0 +1,34 @@
+"""Long-lived stage workers: a Prefect task worker that serves some stages' tasks and keeps what they load
+(the sampling engine, the learner's model and optimizer, the reward pool) between iterations.
+
+    python -m flows.stage_worker rollouts learn eval      # on a GPU machine: sampler and learner stay loaded
+    python -m flows.stage_worker rewards advantages snapshot   # on a CPU machine
+
+The flow `grpo` sends a stage placed on `warm` (`placement={"rollouts": "warm", ...}`) to whichever
+worker serves it (`Task.delay`) and waits; the stage commits to storage as everywhere else, and the
+flow reads its manifest there. Prefect hands a task run's parameters to the worker through result
+storage: on one machine the default local folder; across machines set PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK
+(or PREFECT_LOCAL_STORAGE_PATH on a shared mount) to a store both sides reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from prefect.task_worker import serve
+
+from flows.grpo import TASKS, stage_logs_to_prefect
+from stages.iteration import warm_state
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m flows.stage_worker", description=__doc__.split("\n")[0])
+    p.add_argument("stages", nargs="+", choices=sorted(TASKS), help="the stages this machine runs")
+    args = p.parse_args(argv)
+    # one task at a time: a stage owns the machine's accelerator while it runs
+    with stage_logs_to_prefect(), warm_state():
+        serve(*(TASKS[s] for s in dict.fromkeys(args.stages)), limit=1)
+
+
+if __name__ == "__main__":
+    main()
