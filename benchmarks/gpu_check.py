@@ -2,18 +2,26 @@
 
     .venv/bin/python benchmarks/gpu_check.py           # a GPU machine: a ~0.5B Qwen2 in bf16
     .venv/bin/python benchmarks/gpu_check.py --tiny    # anywhere (CI runs it on CPU): the same steps, toy size
+    .venv/bin/python benchmarks/gpu_check.py --cases full lora   # some of the cases (default: all)
 
 1. A Qwen2-architecture model built from a config (Qwen2.5-0.5B's shape: 24 layers, width 896,
    grouped-query attention, a 151,936-row embedding), random weights saved in bf16, with a byte-level
    BPE tokenizer trained here by `tokenizers` and Qwen's chat template; word-problem prompts as JSONL
    and a reward function in a file (the response's length: random weights need a reward with spread).
-2. Three warm iterations of the Prefect flow `grpo` (no server: Prefect's ephemeral API): vLLM
-   with its GPU settings (CUDA graphs, prefix caching, sleep mode: asleep while the learner runs),
-   the learner under bf16 autocast with a KL penalty (the reference model loaded too).
-3. Prints, per iteration and then for the last: rollout tokens/s in the pipeline; vLLM's own
-   tokens/s on the same prompts outside the pipeline (the ratio is the pipeline's cost); learner
-   tokens/s and model FLOPs utilization; each stage's peak GPU memory; the mean |sampler - learner|
-   log-prob of the sampled tokens. Fails when that gap exceeds --max-gap (0.05).
+2. Per case, three warm iterations of the Prefect flow `grpo` (no server: Prefect's ephemeral API):
+   vLLM with its GPU settings (CUDA graphs, prefix caching, sleep mode: asleep while the learner runs),
+   the learner under bf16 autocast with a KL penalty. Cases (CASES): `full` fine-tuning on one process
+   (the reference model loaded too); `lora`, r=16 adapters on every projection (vLLM serves them with
+   its LoRA kernels on a GPU, merged into its weights on a CPU; the reference is the base, adapters
+   off); `fsdp2`, full fine-tuning sharded over 2 processes, one GPU each (NCCL): needs 2 GPUs, skipped
+   with a note otherwise (`--tiny` on a CPU skips it too: tests/test_sharding.py runs it on gloo).
+3. Prints per case, per iteration: rollout tokens/s in the pipeline; learner tokens/s and model FLOPs
+   utilization (6N FLOPs a token, 4N for LoRA: the frozen base gets no weight gradients; over every
+   learner GPU); each stage's peak GPU memory (this process's), and every GPU's peak in use over the
+   case (NVML: torchrun's workers included); the bytes the last learn committed; the mean |sampler -
+   learner| log-prob of the sampled tokens. After the `full` case, vLLM's own tokens/s on the same
+   prompts outside the pipeline (the ratio is the pipeline's cost). Fails when a gap exceeds --max-gap
+   (0.05).
 """
 
 from __future__ import annotations
@@ -21,8 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -64,6 +74,12 @@ SETTINGS = {
         "eval.n_prompts=8",
     ],
 }
+# name -> (its settings on top of make_world's, GPUs it needs: 0 runs on a CPU too)
+CASES = {
+    "full": ([], 0),
+    "lora": (["learn.lora={r: 16, alpha: 32}", "learn.lr=1e-4"], 0),
+    "fsdp2": (["learn.num_processes=2", "learn.sharding=fsdp2"], 2),
+}
 
 
 def make_world(root: Path, size: str) -> list[str]:
@@ -104,6 +120,88 @@ def seconds(m) -> float:
     return (datetime.fromisoformat(m.committed_at) - datetime.fromisoformat(m.started_at)).total_seconds()
 
 
+class DevicePeak(threading.Thread):
+    """Polls every GPU's memory in use (all processes: torchrun's workers too) until stopped; GiB peaks."""
+
+    def __init__(self, every_s: float = 0.2):
+        super().__init__(daemon=True)
+        self.every_s, self.stop, self.peaks = every_s, threading.Event(), None
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            used = device_memory_used()
+            if used is None:
+                return
+            self.peaks = [max(a, b) for a, b in zip(self.peaks, used)] if self.peaks else used
+            time.sleep(self.every_s)
+
+
+def device_memory_used() -> list[float] | None:
+    """GiB in use on each GPU (NVML through torch, else nvidia-smi); None without a GPU or either."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return [torch.cuda.device_memory_used(i) / 2**30 for i in range(torch.cuda.device_count())]
+    except Exception:  # no pynvml
+        pass
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+        return [float(x) / 1024 for x in out.split()]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def learn_bytes(committed) -> tuple[int, int]:
+    """(bytes, Parquet bytes) a learn committed: weights and resume state, then its tables."""
+    sizes = [(f.size, f.path.endswith(".parquet")) for f in committed.manifest.files]
+    return sum(n for n, table in sizes if not table), sum(n for n, table in sizes if table)
+
+
+def report(storage, run_id: str, iterations: int, n_params: int, peak: float | None, lora: bool) -> tuple[list, dict]:
+    """Print a case's table, one row an iteration; returns its log-prob gaps and the last iteration's
+    sampler settings and rollout tokens/s (generate calls, whole stage)."""
+    from grpo.layout import stage_dir
+    from grpo.storage import latest_committed
+    from stages import STAGES
+
+    print(
+        f"{'iter':>4} {'rollout tok/s':>13} {'stage tok/s':>11} {'learn tok/s':>11} {'MFU':>6} {'gap':>7}  "
+        "peak GPU GiB per stage (torch allocator / device in use)"
+    )
+    gaps = []
+    for k in range(iterations):
+        m = {s: latest_committed(storage, stage_dir(storage, run_id, k, s), verify=False).manifest for s in STAGES}
+        ro, le = m["rollouts"].summary, m["learn"].summary
+        rollout_tps = ro["response_tokens"] / ro["generate_s"]
+        stage_tps = ro["response_tokens"] / seconds(m["rollouts"])
+        learn_tps = le["tokens"] / le["update_s"]
+        flops = (4 if lora else 6) * n_params * learn_tps
+        mfu = f"{flops / (peak * le['world_size']):.1%}" if peak else "n/a"
+        mem = (
+            " ".join(
+                f"{s} {m[s].summary['gpu_peak_gib']:.1f}/{m[s].summary['gpu_used_gib']:.1f}"
+                for s in ("rollouts", "learn", "eval")
+                if "gpu_peak_gib" in m[s].summary
+            )
+            or "(no GPU)"
+        )
+        gaps.append(le["logprob_gap"])
+        print(
+            f"{k:>4} {rollout_tps:>13.0f} {stage_tps:>11.0f} {learn_tps:>11.0f} {mfu:>6} {le['logprob_gap']:>7.4f}  "
+            f"{mem}"
+        )
+    committed, tables = learn_bytes(latest_committed(storage, stage_dir(storage, run_id, iterations - 1, "learn")))
+    print(f"learn {iterations - 1} committed {committed / 1e6:.1f} MB (+ {tables / 1e6:.2f} MB of Parquet)")
+    return gaps, {"sampler": ro["sampler"], "rollout_tps": rollout_tps, "stage_tps": stage_tps}
+
+
 def vllm_alone(storage, run_id: str, iteration: int, cfg) -> float:
     """vLLM's own tokens/s on the iteration's prompts, its G samples each, outside the pipeline (the
     run's live engine, awake with the iteration's snapshot weights: no reads, decoding or Parquet)."""
@@ -134,6 +232,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="toy size, runs on a CPU")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--max-gap", type=float, default=0.05)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     args = parser.parse_args()
     size = "tiny" if args.tiny else "full"
     root = Path(tempfile.mkdtemp(prefix="gpu_check-"))
@@ -144,67 +243,53 @@ def main() -> int:
     import torch
 
     from flows.grpo import grpo
+    from grpo.checkpoint import parameter_count
     from grpo.config import load_config
-    from grpo.layout import stage_dir
-    from grpo.storage import latest_committed, open_storage
-    from stages import STAGES
+    from grpo.generation import close_generators
+    from grpo.storage import open_storage
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    print(f"device: {gpu or 'cpu'}; size: {size}; folder: {root}", flush=True)
+    print(f"device: {gpu or 'cpu'} x {torch.cuda.device_count()}; size: {size}; folder: {root}", flush=True)
     t0 = time.perf_counter()
-    overrides = make_world(root, size)
+    common = make_world(root, size)
     storage = open_storage((root / "store").as_uri())
-    grpo(run_id="check", iterations=args.iterations, overrides=overrides, storage_url=storage.url)
-    wall = time.perf_counter() - t0
-    cfg = load_config(None, overrides)
-
-    from grpo.checkpoint import parameter_count
-
     n_params = parameter_count(root / "model")
     peak = next((v for k, v in PEAK_BF16.items() if gpu and k in gpu), None)
-    print(
-        f"\nmodel: {n_params / 1e6:.1f}M parameters; {args.iterations} warm iterations in {wall:.0f} s "
-        "(with model build and engine start)"
-    )
-    print(
-        f"{'iter':>4} {'rollout tok/s':>13} {'stage tok/s':>11} {'learn tok/s':>11} {'MFU':>6} {'gap':>7}  "
-        "peak GPU GiB per stage (torch allocator / device in use)"
-    )
-    gaps = []
-    for k in range(args.iterations):
-        m = {s: latest_committed(storage, stage_dir(storage, "check", k, s), verify=False).manifest for s in STAGES}
-        ro, le = m["rollouts"].summary, m["learn"].summary
-        rollout_tps = ro["response_tokens"] / ro["generate_s"]
-        stage_tps = ro["response_tokens"] / seconds(m["rollouts"])
-        learn_tps = le["tokens"] / le["update_s"]
-        mfu = f"{6 * n_params * learn_tps / peak:.1%}" if peak else "n/a"
-        mem = (
-            " ".join(
-                f"{s} {m[s].summary['gpu_peak_gib']:.1f}/{m[s].summary['gpu_used_gib']:.1f}"
-                for s in ("rollouts", "learn", "eval")
-                if "gpu_peak_gib" in m[s].summary
-            )
-            or "(no GPU)"
-        )
-        gaps.append(le["logprob_gap"])
+    print(f"model: {n_params / 1e6:.1f}M parameters; built in {time.perf_counter() - t0:.0f} s")
+    gaps = {}
+    for name in args.cases:
+        settings, gpus = CASES[name]
+        if torch.cuda.device_count() < gpus:
+            print(f"\n{name}: skipped, needs {gpus} GPUs ({torch.cuda.device_count()} here)")
+            continue
+        t = time.perf_counter()
+        devices = DevicePeak()
+        devices.start()
+        grpo(run_id=f"check-{name}", iterations=args.iterations, overrides=common + settings, storage_url=storage.url)
+        devices.stop.set()
+        devices.join()
         print(
-            f"{k:>4} {rollout_tps:>13.0f} {stage_tps:>11.0f} {learn_tps:>11.0f} {mfu:>6} {le['logprob_gap']:>7.4f}  "
-            f"{mem}"
+            f"\n{name}: {args.iterations} warm iterations in {time.perf_counter() - t:.0f} s "
+            f"(with an engine start where the sampler settings changed); settings {settings or 'as make_world'}"
         )
-    print(f"sampler settings: {ro['sampler']}")
-    alone = vllm_alone(storage, "check", args.iterations - 1, cfg)
-    print(
-        f"vLLM alone on iteration {args.iterations - 1}'s prompts: {alone:.0f} tok/s; the pipeline's rollouts "
-        f"stage ran at {stage_tps / alone:.2f}x that (generate calls alone: {rollout_tps / alone:.2f}x)"
-    )
-    from grpo.generation import close_generators
-
+        gaps[name], last = report(storage, f"check-{name}", args.iterations, n_params, peak, "lora" in name)
+        if devices.peaks:
+            print("peak GPU memory in use over the case, GiB: " + " ".join(f"{g:.1f}" for g in devices.peaks))
+        print(f"sampler settings: {last['sampler']}")
+        if name == "full":
+            alone = vllm_alone(storage, "check-full", args.iterations - 1, load_config(None, common + settings))
+            print(
+                f"vLLM alone on iteration {args.iterations - 1}'s prompts: {alone:.0f} tok/s; the pipeline's rollouts "
+                f"stage ran at {last['stage_tps'] / alone:.2f}x that (generate calls alone: "
+                f"{last['rollout_tps'] / alone:.2f}x)"
+            )
     close_generators()
-    worst = max(gaps)
-    if worst > args.max_gap:
-        print(f"FAIL: sampler-vs-learner log-prob gap {worst:.4f} > {args.max_gap}")
+    print(f"\n{time.perf_counter() - t0:.0f} s in all")
+    failed = {name: max(g) for name, g in gaps.items() if max(g) > args.max_gap}
+    if failed:
+        print(f"FAIL: sampler-vs-learner log-prob gap above {args.max_gap}: {failed}")
         return 1
-    print(f"OK: gap {worst:.4f} <= {args.max_gap}")
+    print(f"OK: gap {max(max(g) for g in gaps.values()):.4f} <= {args.max_gap} ({', '.join(gaps)})")
     return 0
 
 

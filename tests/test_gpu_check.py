@@ -27,3 +27,5 @@ def test_gpu_check_runs_three_warm_flow_iterations_and_reports(tmp_path):
     assert [int(row.split()[0]) for row in table] == [0, 1, 2]
     assert all(float(row.split()[1]) > 0 and float(row.split()[3]) > 0 for row in table)  # rollout, learner tok/s
     assert "'dtype': 'bfloat16'" in proc.stdout and "vLLM alone" in proc.stdout and "OK: gap" in proc.stdout
+    assert "(full, lora)" in proc.stdout  # the LoRA case ran on the CPU too, within the gap
+    assert "fsdp2: skipped, needs 2 GPUs" in proc.stdout

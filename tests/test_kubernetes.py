@@ -1,11 +1,13 @@
 """deploy/kubernetes offline: each deployment of its prefect.yaml rendered into the Kubernetes Job a
 worker would create, through prefect-kubernetes' own code (KubernetesWorkerJobConfiguration
 .resolve_for_flow_run, as the worker calls it for a flow run), with no Prefect API and no cluster.
-The manifest must deserialize into a kubernetes V1Job with no field the model does not know."""
+The manifest must deserialize into a V1Job with no field the model does not know (kubernetes_asyncio:
+the client prefect-kubernetes creates jobs with; the same generated models as `kubernetes`)."""
 
 import asyncio
 import json
 import re
+import tomllib
 import uuid
 from pathlib import Path
 
@@ -22,12 +24,17 @@ from prefect.server.schemas.actions import WorkPoolCreate  # noqa: E402
 from prefect.utilities.schema_tools import validate  # noqa: E402
 from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration  # noqa: E402
 
+from grpo.layout import STAGES  # noqa: E402
+
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 TEMPLATE = json.loads((DEPLOY / "base-job-template.json").read_text())
 PREFECT_YAML = yaml.safe_load((DEPLOY / "prefect.yaml").read_text())
-DEPLOYMENTS = {d["name"]: d for d in PREFECT_YAML["deployments"]}
+FLOWS = {"flows.grpo:grpo": "grpo", "flows.grpo:stage_flow": "grpo-stage"}  # entrypoint -> flow name
+DEPLOYMENTS = {f"{FLOWS[d['entrypoint']]}/{d['name']}": d for d in PREFECT_YAML["deployments"]}
+PLACEMENT = DEPLOYMENTS["grpo/k8s-placed"]["parameters"]["placement"]
+NEEDS_GPU = {"rollouts", "learn", "eval"}  # sampling and the update; the other stages only read and write files
 SECRET_ENV = {"GRPO_STORAGE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"}
-# prefect-kubernetes' own required manifest puts these two Job fields in the pod spec; the API server drops them
+# prefect-kubernetes requires these two Job fields in the pod spec; the API server ignores them (a warning at most)
 PREFECT_EXTRAS = {"spec.template.spec.parallelism", "spec.template.spec.completions"}
 
 
@@ -45,20 +52,21 @@ class OfflineClient:
         raise AssertionError(f"rendering the job called the Prefect API: {name}")
 
 
-def render(deployment: dict) -> dict:
+def render(deployment: dict, parameters: dict | None = None) -> dict:
     """The Job manifest a kubernetes worker of the deployment's pool creates for a flow run of it."""
     pool = deployment["work_pool"]
-    flow = Flow(id=uuid.uuid4(), name="grpo")
+    flow = Flow(id=uuid.uuid4(), name=FLOWS[deployment["entrypoint"]])
     dep = DeploymentResponse(
         id=uuid.uuid4(),
         name=deployment["name"],
         flow_id=flow.id,
         entrypoint=deployment["entrypoint"],
-        parameters=deployment["parameters"],
+        parameters=deployment.get("parameters", {}),
         work_pool_name=pool["name"],
         job_variables=pool["job_variables"],
     )
-    run = FlowRun(id=uuid.uuid4(), name="k1", flow_id=flow.id, deployment_id=dep.id, parameters=dep.parameters)
+    params = {**dep.parameters, **(parameters or {})}
+    run = FlowRun(id=uuid.uuid4(), name="k1", flow_id=flow.id, deployment_id=dep.id, parameters=params)
     work_pool = WorkPool(name=pool["name"], type="kubernetes", base_job_template=TEMPLATE)
     config = asyncio.run(
         KubernetesWorkerJobConfiguration.resolve_for_flow_run(
@@ -94,21 +102,55 @@ def unknown_fields(data, kind: str, at: str = "") -> list[str]:
     return out
 
 
+def check_job(manifest: dict, variables: dict) -> None:
+    """The Job is a valid V1Job with the resources and placement of `variables`, storage from the Secret."""
+    assert [p for p in unknown_fields(manifest, "V1Job") if p not in PREFECT_EXTRAS] == []
+    job = asyncio.run(as_v1job(manifest))
+    assert isinstance(job, V1Job) and job.kind == "Job" and job.api_version == "batch/v1"
+
+    pod = job.spec.template.spec
+    (container,) = pod.containers
+    assert container.image == variables["image"]
+    assert container.args == ["prefect", "flow-run", "execute"]
+    # the manifest holds the integer 1, which the API server reads as the quantity "1"
+    limits, requests = container.resources.limits, container.resources.requests
+    if "gpus" in variables:
+        assert limits["nvidia.com/gpu"] == str(variables["gpus"]) == "1"
+    else:
+        assert "nvidia.com/gpu" not in limits and "nvidia.com/gpu" not in requests
+    assert requests == {"cpu": variables["cpu"], "memory": variables["memory"]}
+    assert limits["memory"] == variables["memory"] and "cpu" not in limits
+    assert pod.node_selector == variables["node_selector"] and pod.node_selector
+    assert [t.key for t in pod.tolerations or []] == [t["key"] for t in variables.get("tolerations", [])]
+    assert pod.restart_policy == "Never"
+    shm = {v.name: v for v in pod.volumes}["dshm"]
+    assert shm.empty_dir.medium == "Memory" and "/dev/shm" in [m.mount_path for m in container.volume_mounts]
+
+    # storage settings come from the Secret, by reference; no literal value of them in the Job
+    env = {e.name: e for e in container.env}
+    assert SECRET_ENV <= set(env)
+    for key in SECRET_ENV:
+        assert env[key].value is None and env[key].value_from, f"{key}: a literal value, not the Secret's"
+        ref = env[key].value_from.secret_key_ref
+        assert (ref.name, ref.key) == ("grpo-storage", key)
+        assert ref.optional is (None if key == "GRPO_STORAGE" else True)  # no storage URL: the pod does not start
+    for e in container.env:
+        assert e.value is None or not re.search(r"SECRET|ACCESS_KEY|PASSWORD|TOKEN|GRPO_STORAGE", e.name), e.name
+    assert env["PREFECT__FLOW_RUN_ID"].value  # the worker's own variables are still there
+
+
 def test_the_template_is_a_valid_kubernetes_work_pool_template():
     WorkPoolCreate(name="grpo-k8s-gpu", type="kubernetes", base_job_template=TEMPLATE)  # the server's check
-    standard = KubernetesWorker.get_default_base_job_template()["variables"]["properties"]
-    assert {"image", "namespace", "env", "command", "labels"} <= set(TEMPLATE["variables"]["properties"])
-    assert set(standard) - set(TEMPLATE["variables"]["properties"]) == {
-        "cpu_request", "cpu_limit", "memory_request", "memory_limit"  # fmt: skip
-    }, "replaced by cpu and memory"
+    ours = set(TEMPLATE["variables"]["properties"])
+    standard = set(KubernetesWorker.get_default_base_job_template()["variables"]["properties"])
+    assert standard - ours == {"cpu_request", "cpu_limit", "memory_request", "memory_limit"}  # -> cpu, memory
 
 
-def test_every_pool_of_the_deployments_is_named_in_the_readme_commands():
-    comments = (DEPLOY / "prefect.yaml").read_text()
+def test_the_commands_create_every_pool_and_run_the_deployments():
+    text = (DEPLOY / "prefect.yaml").read_text()
     for d in DEPLOYMENTS.values():
-        assert d["entrypoint"] == "flows.grpo:grpo"
-        pool = d["work_pool"]["name"]
-        assert f"prefect work-pool create {pool} --type kubernetes --base-job-template" in comments
+        assert f"prefect work-pool create {d['work_pool']['name']} --type kubernetes --base-job-template" in text
+    assert "prefect deployment run grpo/k8s-gpu" in text
 
 
 @pytest.mark.parametrize("name", sorted(DEPLOYMENTS))
@@ -124,36 +166,36 @@ def test_deployment_job_variables_are_the_pools_variables(name):
 @pytest.mark.parametrize("name", sorted(DEPLOYMENTS))
 def test_deployment_renders_a_job_with_its_resources_and_the_secret(name):
     deployment = DEPLOYMENTS[name]
+    check_job(render(deployment), deployment["work_pool"]["job_variables"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_placed_stage_renders_a_job_on_its_pool(stage):
+    """grpo/k8s-placed runs a stage as a flow run of grpo-stage/<pool> (flows.grpo.Placement): a GPU
+    pod for sampling and the update, a CPU pod for the rest."""
+    pool = PLACEMENT[stage]
+    deployment = DEPLOYMENTS[f"grpo-stage/{pool}"]
+    assert deployment["work_pool"]["name"] == pool
     variables = deployment["work_pool"]["job_variables"]
-    manifest = render(deployment)
-    assert [p for p in unknown_fields(manifest, "V1Job") if p not in PREFECT_EXTRAS] == []
-    job = asyncio.run(as_v1job(manifest))
-    assert isinstance(job, V1Job) and job.kind == "Job" and job.api_version == "batch/v1"
+    assert ("gpus" in variables) == (stage in NEEDS_GPU)
+    params = {"storage_url": "s3://bucket/runs", "run_id": "k1", "iteration": 0, "stage": stage}
+    check_job(render(deployment, params), variables)
 
-    pod = job.spec.template.spec
-    (container,) = pod.containers
-    assert container.image == variables["image"]
-    assert container.args == ["prefect", "flow-run", "execute"]
-    limits, requests = container.resources.limits, container.resources.requests
-    if "gpus" in variables:
-        assert limits["nvidia.com/gpu"] == str(variables["gpus"]) == "1"
-    else:
-        assert "nvidia.com/gpu" not in limits and "nvidia.com/gpu" not in (requests or {})
-    assert requests == {"cpu": variables["cpu"], "memory": variables["memory"]}
-    assert limits["memory"] == variables["memory"] and "cpu" not in limits
-    assert pod.node_selector == variables["node_selector"] and pod.node_selector
-    assert [t.key for t in pod.tolerations or []] == [t["key"] for t in variables.get("tolerations", [])]
-    assert pod.restart_policy == "Never"
-    shm = {v.name: v for v in pod.volumes}["dshm"]
-    assert shm.empty_dir.medium == "Memory" and "/dev/shm" in [m.mount_path for m in container.volume_mounts]
 
-    # storage settings come from the Secret, by reference; no literal value of them in the Job
-    env = {e.name: e for e in container.env}
-    assert SECRET_ENV <= set(env)
-    for key in SECRET_ENV:
-        ref = env[key].value_from.secret_key_ref
-        assert env[key].value is None and (ref.name, ref.key) == ("grpo-storage", key)
-        assert ref.optional is (None if key == "GRPO_STORAGE" else True)  # no storage URL: the pod does not start
-    for e in container.env:
-        assert e.value is None or not re.search(r"SECRET|ACCESS_KEY|PASSWORD|TOKEN|GRPO_STORAGE", e.name), e.name
-    assert env["PREFECT__FLOW_RUN_ID"].value  # the worker's own variables are still there
+def test_a_literal_storage_setting_in_job_variables_fails_the_check():
+    deployment = DEPLOYMENTS["grpo/k8s-gpu"]
+    variables = {**deployment["work_pool"]["job_variables"], "env": {"AWS_SECRET_ACCESS_KEY": "abc"}}
+    manifest = render({**deployment, "work_pool": {**deployment["work_pool"], "job_variables": variables}})
+    with pytest.raises(AssertionError, match="AWS_SECRET_ACCESS_KEY: a literal value"):
+        check_job(manifest, variables)
+
+
+def test_the_image_copies_every_package():
+    pyproject = tomllib.loads((DEPLOY.parent.parent / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY (\w+)/ ", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE))
+    assert packages <= copied
+
+
+def test_every_stage_is_placed():
+    assert set(PLACEMENT) == set(STAGES)
