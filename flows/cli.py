@@ -25,7 +25,7 @@ from pathlib import Path
 
 from grpo.config import ConfigError, load_config_file
 from grpo.errors import describe
-from grpo.layout import STAGES, run_dir, stage_dir
+from grpo.layout import SHARDED, STAGES, run_dir, stage_dir
 from grpo.quiet import quiet_libraries
 from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
 from schemas import SchemaError
@@ -43,7 +43,10 @@ def cmd_init(args, storage):
 
 def cmd_stage(args, storage):
     iteration = next_iteration(storage, args.run) if args.iteration == "next" else args.iteration
-    committed = stage_function(args.name)(storage, args.run, iteration, force=args.force)
+    shard = {} if args.shard is None else {"shard": args.shard}
+    if shard and args.name not in SHARDED:
+        raise StageError(f"--shard: stage {args.name} has no shards; {' and '.join(SHARDED)} have")
+    committed = stage_function(args.name)(storage, args.run, iteration, force=args.force, **shard)
     print(f"{args.name} iteration {iteration}: {committed.uri}\n  {committed.manifest.summary}")
 
 
@@ -231,6 +234,12 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--run", required=True)
     sp.add_argument("--iteration", required=True, type=_iteration, help="an integer >= 0, or 'next'")
     sp.add_argument("--force", action="store_true", help="write a new attempt even if one is committed")
+    sp.add_argument(
+        "--shard",
+        type=int,
+        help="rollouts, rewards: only this shard (0-based) of rollout.shards or reward.shards; without it "
+        "every shard not committed yet, then the stage",
+    )
     sp.set_defaults(fn=cmd_stage)
     sp = sub.add_parser("run", help="run whole iterations")
     sp.add_argument("--run", required=True)

@@ -82,9 +82,10 @@ def grpo(
             first = resolve_iteration(url, run_id, iteration)
             storage = open_storage(url)
             cfg = load_run(storage, run_id)  # for the tracker
+            shards = {"rollouts": cfg.rollout.shards, "rewards": cfg.reward.shards}
             for k in range(first, first + iterations):
                 force = {name: name == force_stage and k == first for name in STAGES}
-                at = Placement(placement or {}, url, run_id, k, force)
+                at = Placement(placement or {}, url, run_id, k, force, shards)
                 policy = ok(at("snapshot", None) or snapshot(url, run_id, k, force=force["snapshot"]))
                 samples = ok(at("rollouts", policy) or rollouts(url, run_id, k, policy, force=force["rollouts"]))
                 scores = ok(at("rewards", samples) or rewards(url, run_id, k, samples, force=force["rewards"]))
@@ -156,16 +157,35 @@ def snapshot(storage_url: str, run_id: str, iteration: int, force: bool = False)
     return run_stage("snapshot", storage_url, run_id, iteration, None, force)
 
 
-@task(task_run_name="rollouts {iteration}")
-def rollouts(storage_url: str, run_id: str, iteration: int, policy: str, force: bool = False) -> str:
-    """Sample G responses per prompt from the snapshot, with the sampler's log-probs."""
-    return run_stage("rollouts", storage_url, run_id, iteration, policy, force)
+def shard_run_name(stage: str):
+    """task_run_name of a sharded stage's task: `rollouts 3`, or `rollouts 3 shard 1` for one shard."""
+
+    def name() -> str:
+        from prefect.runtime import task_run
+
+        params = task_run.parameters
+        shard = params.get("shard")
+        return f"{stage} {params['iteration']}" + ("" if shard is None else f" shard {shard}")
+
+    return name
 
 
-@task(task_run_name="rewards {iteration}")
-def rewards(storage_url: str, run_id: str, iteration: int, samples: str, force: bool = False) -> str:
-    """Score every sample with the task's verifiable reward."""
-    return run_stage("rewards", storage_url, run_id, iteration, samples, force)
+@task(task_run_name=shard_run_name("rollouts"))
+def rollouts(
+    storage_url: str, run_id: str, iteration: int, policy: str, force: bool = False, shard: int | None = None
+) -> str:
+    """Sample G responses per prompt from the snapshot, with the sampler's log-probs (one shard of them, or
+    with shard None all, then the shards merged: stages.shards)."""
+    return run_stage("rollouts", storage_url, run_id, iteration, policy, force, shard)
+
+
+@task(task_run_name=shard_run_name("rewards"))
+def rewards(
+    storage_url: str, run_id: str, iteration: int, samples: str, force: bool = False, shard: int | None = None
+) -> str:
+    """Score every sample with the task's verifiable reward (one shard of them, or with shard None all, then
+    the shards merged: stages.shards)."""
+    return run_stage("rewards", storage_url, run_id, iteration, samples, force, shard)
 
 
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient, task_run_name="advantages {iteration}")
@@ -193,64 +213,137 @@ TASKS = {"snapshot": snapshot, "rollouts": rollouts, "rewards": rewards, "advant
 TASKS |= {"learn": learn, "eval": evaluate}
 
 
-@flow(name="grpo-stage", flow_run_name="{run_id} {stage} {iteration}")
+def stage_run_name() -> str:
+    """flow_run_name of grpo-stage: `demo rewards 3`, `demo rewards 3 shard 1`."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    return f"{p['run_id']} {p['stage']} {p['iteration']}" + ("" if p.get("shard") is None else f" shard {p['shard']}")
+
+
+@flow(name="grpo-stage", flow_run_name=stage_run_name)
 def stage_flow(
-    storage_url: str, run_id: str, iteration: int, stage: StageName, upstream: str | None = None, force: bool = False
+    storage_url: str,
+    run_id: str,
+    iteration: int,
+    stage: StageName,
+    upstream: str | None = None,
+    force: bool = False,
+    shard: int | None = None,
 ) -> str:
-    """One stage of one iteration, run by a worker of the pool it is placed on (deployment
-    `grpo-stage/<pool>`); the same task, retries included, as in the flow `grpo`. Its result is the
-    committed manifest in storage: the orchestrating flow reads it there, no result storage needed."""
+    """One stage of one iteration (or one shard of it), run by a worker of the pool it is placed on
+    (deployment `grpo-stage/<pool>`); the same task, retries included, as in the flow `grpo`. Its result is
+    the committed manifest in storage: the orchestrating flow reads it there, no result storage needed."""
     with stage_logs_to_prefect():
         args = (storage_url, run_id, iteration) + ((upstream,) if stage != "snapshot" else ())
-        return TASKS[stage](*args, force=force)
+        return TASKS[stage](*args, force=force, **({} if shard is None else {"shard": shard}))
 
 
 class Placement:
-    """Dispatch of placed stages: `at(stage, upstream)` runs a stage on its work pool and returns what
-    its task would (the committed URI, or a Failed state with its one line); None for a stage run here."""
+    """Dispatch of placed and sharded stages: `at(stage, upstream)` runs a stage on its work pool (or its
+    shards, wherever the stage runs, then merges them here) and returns what its task would (the committed
+    URI, or a Failed state with its one line); None for an unsharded stage run here."""
 
-    def __init__(self, placement: dict[str, str], url: str, run_id: str, iteration: int, force: dict):
+    def __init__(
+        self, placement: dict[str, str], url: str, run_id: str, iteration: int, force: dict, shards: dict[str, int]
+    ):
         self.placement, self.url, self.run_id, self.k, self.force = placement, url, run_id, iteration, force
+        self.shards = shards
 
     def __call__(self, stage: str, upstream: str | None) -> str | State | None:
-        pool = self.placement.get(stage)
+        pool, n = self.placement.get(stage), self.shards.get(stage, 1)
+        if n > 1:
+            return self.sharded(stage, upstream, pool, n)
         if pool is None:
             return None
         if pool == WARM_WORKERS:
-            return self.warm(stage, upstream)
+            return self.wait_tasks(stage, [self.delay(stage, upstream, None)], upstream)
+        return self.wait_flow_runs(stage, [self.flow_run(pool, stage, upstream, None)], upstream)
+
+    def sharded(self, stage: str, upstream: str | None, pool: str | None, n: int) -> str | State:
+        """Every shard as its own task run: here one after the other, on the pool as concurrent flow runs
+        (each on whichever worker takes it), or by the stage workers; then the shards merged here (reading
+        them from storage). A failed shard fails the stage once all have ended; the others stay committed."""
+        if pool is None:
+            args = (self.url, self.run_id, self.k, upstream)
+            for k in range(n):
+                done = TASKS[stage](*args, force=self.force[stage], shard=k)
+                if isinstance(done, State):
+                    return done
+        elif pool == WARM_WORKERS:
+            done = self.wait_tasks(stage, [self.delay(stage, upstream, k) for k in range(n)], upstream, shards=True)
+        else:
+            runs = [self.flow_run(pool, stage, upstream, k) for k in range(n)]
+            done = self.wait_flow_runs(stage, runs, upstream, shards=True)
+        if isinstance(done, State):
+            return done
+        return TASKS[stage](self.url, self.run_id, self.k, upstream)  # reuses the shards: merges them
+
+    def flow_run(self, pool: str, stage: str, upstream: str | None, shard: int | None):
+        """A flow run of the stage (or one shard) on `pool`, scheduled; the caller waits for it."""
         from prefect.deployments import run_deployment
         from prefect.runtime import flow_run
 
-        # one child flow run per stage, iteration and try of this flow run: a retried orchestrator
+        # one child flow run per stage (shard), iteration and try of this flow run: a retried orchestrator
         # starts the stages again (each reuses what committed), a repeated call in one try does not
-        key = f"{flow_run.get_id()}/{flow_run.get_run_count()}/{self.k}/{stage}"
-        child = run_deployment(
-            f"grpo-stage/{pool}",
-            parameters={
-                "storage_url": self.url,
-                "run_id": self.run_id,
-                "iteration": self.k,
-                "stage": stage,
-                "upstream": upstream,
-                "force": self.force[stage],
-            },
-            idempotency_key=key,
-            timeout=None,
-            poll_interval=2,
+        key = f"{flow_run.get_id()}/{flow_run.get_run_count()}/{self.k}/{stage}" + (
+            "" if shard is None else f"/shard-{shard}"
         )
-        if not child.state.is_completed():
-            return Failed(message=failure_line(stage, self.k, child.state.message or child.state.name))
-        return committed_uri(self.url, self.run_id, self.k, stage, upstream)
+        parameters = {
+            "storage_url": self.url,
+            "run_id": self.run_id,
+            "iteration": self.k,
+            "stage": stage,
+            "upstream": upstream,
+            "force": self.force[stage],
+        }
+        if shard is not None:
+            parameters["shard"] = shard
+        return run_deployment(f"grpo-stage/{pool}", parameters=parameters, idempotency_key=key, timeout=0)
 
-    def warm(self, stage: str, upstream: str | None) -> str | State:
-        """The stage's task run by a long-lived stage worker that serves it (flows/stage_worker.py)."""
+    def wait_flow_runs(self, stage: str, runs: list, upstream: str | None, shards: bool = False) -> str | State:
+        from prefect.client.orchestration import get_client
+
+        ended = {}
+        with get_client(sync_client=True) as client:
+            while len(ended) < len(runs):
+                for run in runs:
+                    if run.id not in ended:
+                        state = client.read_flow_run(run.id).state
+                        if state is not None and state.is_final():
+                            ended[run.id] = state
+                if len(ended) < len(runs):
+                    time.sleep(2)
+        return self.outcome(stage, [ended[run.id] for run in runs], upstream, shards)
+
+    def delay(self, stage: str, upstream: str | None, shard: int | None):
+        """The stage's task (or one shard's) sent to the long-lived stage workers that serve it
+        (flows/stage_worker.py)."""
         args = (self.url, self.run_id, self.k) + ((upstream,) if stage != "snapshot" else ())
-        future = TASKS[stage].delay(*args, force=self.force[stage])
-        future.wait()
-        state = future.state  # a task that returned Failed (one of USER_ERRORS) ended in that state
-        if not state.is_completed():
-            return Failed(message=failure_line(stage, self.k, state.message or state.name))
-        return committed_uri(self.url, self.run_id, self.k, stage, upstream)
+        return TASKS[stage].delay(*args, force=self.force[stage], **({} if shard is None else {"shard": shard}))
+
+    def wait_tasks(self, stage: str, futures: list, upstream: str | None, shards: bool = False) -> str | State:
+        for future in futures:
+            for _ in range(60):  # a task run the server has not given its first state yet: wait() raises
+                try:
+                    future.wait()  # (PrefectHQ/prefect#18280)
+                    break
+                except RuntimeError as e:
+                    if "has no state" not in str(e):
+                        raise
+                    time.sleep(1)
+            else:
+                future.wait()
+        return self.outcome(stage, [future.state for future in futures], upstream, shards)
+
+    def outcome(self, stage: str, states: list[State], upstream: str | None, shards: bool) -> str | State:
+        """The first failed run's one line (a task that returned Failed, one of USER_ERRORS, ended in that
+        state), or the committed URI of the stage; with `shards`, "" (the caller merges)."""
+        for k, state in enumerate(states):
+            if not state.is_completed():
+                where = f"shard {k}: " if shards else ""
+                return Failed(message=failure_line(stage, self.k, where + (state.message or state.name)))
+        return "" if shards else committed_uri(self.url, self.run_id, self.k, stage, upstream)
 
 
 def committed_uri(storage_url: str, run_id: str, iteration: int, stage: str, upstream: str | None) -> str:
@@ -271,15 +364,22 @@ USER_ERRORS = (StageError, ConfigError, ArtifactError, SchemaError)
 
 
 def run_stage(
-    name: str, storage_url: str, run_id: str, iteration: int, upstream: str | None, force: bool
+    name: str,
+    storage_url: str,
+    run_id: str,
+    iteration: int,
+    upstream: str | None,
+    force: bool,
+    shard: int | None = None,
 ) -> str | State:
-    """Run or reuse stage `name` (it logs which); return the committed attempt's URI (or, for one of
-    USER_ERRORS, a Failed state with its line).
+    """Run or reuse stage `name` (it logs which), or one shard of it; return the committed attempt's URI
+    (or, for one of USER_ERRORS, a Failed state with its line).
 
     `upstream` is the URI the previous task returned: the stage must have read exactly that.
     """
     try:
-        out = stage_function(name)(open_storage(storage_url), run_id, iteration, force=force)
+        kwargs = {} if shard is None else {"shard": shard}
+        out = stage_function(name)(open_storage(storage_url), run_id, iteration, force=force, **kwargs)
     except USER_ERRORS as e:
         return Failed(message=failure_line(name, iteration, str(e)))
     except Exception as e:

@@ -138,6 +138,11 @@ class RolloutConfig:
     """Keep the sampling engine between stages and iterations: asleep while the learner runs where sleep
     mode is on, awake on a CPU; on a GPU without sleep mode it is closed before the learner anyway.
     False closes it before every learn and starts it again for the next rollouts or eval."""
+    shards: int = 1
+    """Split the iteration's prompts into this many ranges of whole `chunk_prompts` chunks, each sampled by its
+    own task run (on its own worker where the stage is placed) and committed on its own, so a failed shard
+    reruns alone; the stage commits their rows merged, the same rows as one shard (seeds go by chunk). At
+    most the iteration's number of chunks. Not part of the stage's identity."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,11 @@ class RewardConfig:
     """Memory a reward worker process may take beyond what it inherits when forked, in MiB (RLIMIT_AS set to
     its size at start plus this); a function that exceeds it fails that sample with a MemoryError instead
     of taking the machine. None: no cap."""
+    shards: int = 1
+    """Split the samples into this many ranges, each scored by its own task run (on its own worker where the
+    stage is placed) and committed on its own, so a failed shard reruns alone; the stage commits their rows
+    merged, the same as one shard. Each shard holds `max_error_fraction` on its own. Not part of the
+    stage's identity."""
 
 
 @dataclass(frozen=True)
@@ -490,10 +500,19 @@ def validate(cfg: RunConfig) -> None:
         "rollout.vllm.tensor_parallel_size": r.vllm.tensor_parallel_size,
         "eval.n_prompts": cfg.eval.n_prompts,
         "reward.workers": cfg.reward.workers,
+        "rollout.shards": r.shards,
+        "reward.shards": cfg.reward.shards,
     }
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
+    chunks = -(-r.prompts_per_iteration // r.chunk_prompts)
+    if r.shards > chunks:
+        raise ConfigError(
+            f"rollout.shards={r.shards} is more than the iteration's {chunks} chunk(s) of rollout.chunk_prompts="
+            f"{r.chunk_prompts} (rollout.prompts_per_iteration={r.prompts_per_iteration}): a shard is whole "
+            "chunks; lower rollout.shards or rollout.chunk_prompts"
+        )
     if a.mode == "normalized" and r.group_size < 2:
         raise ConfigError(f"rollout.group_size must be >= 2 when advantage.mode is normalized, got {r.group_size}")
     batch = r.prompts_per_iteration * r.group_size

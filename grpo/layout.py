@@ -10,6 +10,7 @@ Every path of a run is built here; the stages, the CLI, `grpo query` and the flo
 from __future__ import annotations
 
 import enum
+import re
 import unicodedata
 from typing import Literal, get_args
 
@@ -51,6 +52,20 @@ def stage_dir(storage: Storage, run_id: str, iteration: int | None, stage: str) 
     if iteration < 0:
         raise LayoutError(f"iteration must be >= 0, got {iteration}")
     return f"{run_dir(storage, run_id)}/iter-{iteration:04d}/{stage}"
+
+
+SHARDED = ("rollouts", "rewards")
+"""The stages that split their work into shards (rollout.shards, reward.shards: stages.shards)."""
+
+
+def shard_stage(stage: str, shard: int, shards: int) -> str:
+    """The stage name (and folder, beside the stage's own) of shard `shard` of `shards` of a sharded stage
+    (rollout.shards, reward.shards): `rollouts-shard-1-of-4`."""
+    return f"{stage}-shard-{shard}-of-{shards}"
+
+
+SHARD_FOLDER = re.compile(r"(?P<stage>[a-z]+)-shard-(?P<shard>\d+)-of-(?P<shards>\d+)$")
+"""What `shard_stage` names."""
 
 
 POLICY_PREFIXES = ("policy/", "adapter/", "master.safetensors")

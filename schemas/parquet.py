@@ -108,6 +108,13 @@ def _checked_file(fs: AbstractFileSystem, path: str, name: str) -> pq.ParquetFil
     return pf
 
 
+def iter_row_groups(fs: AbstractFileSystem, path: str, name: str) -> Iterable[pa.Table]:
+    """Stream a validated file of table `name` as it was written, row group by row group."""
+    pf = _checked_file(fs, path, name)
+    for i in range(pf.num_row_groups):
+        yield pf.read_row_group(i)
+
+
 def read_parquet(fs: AbstractFileSystem, path: str, name: str, columns: list[str] | None = None) -> pa.Table:
     """Read and validate a whole file of table `name`."""
     return _checked_file(fs, path, name).read(columns=columns)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from grpo.config import RetentionConfig
-from grpo.layout import POLICY_PREFIXES, STAGES, STATE_PREFIXES, run_dir, stage_dir
+from grpo.layout import POLICY_PREFIXES, SHARD_FOLDER, STAGES, STATE_PREFIXES, run_dir, stage_dir
 from grpo.storage import (
     HEARTBEAT_NAME,
     ArtifactError,
@@ -128,8 +128,14 @@ def _iterations(storage: Storage, run_id: str) -> int:
 
 
 def _stage_dirs(storage: Storage, run_id: str) -> list[str]:
+    """The run's stage folders: base, every iteration's stages and their shards' (stages.shards)."""
     dirs = [stage_dir(storage, run_id, None, "base")]
-    return dirs + [stage_dir(storage, run_id, k, s) for k in range(_iterations(storage, run_id)) for s in STAGES]
+    for k in range(_iterations(storage, run_id)):
+        dirs += [stage_dir(storage, run_id, k, s) for s in STAGES]
+        idir = stage_dir(storage, run_id, k, STAGES[0]).rsplit("/", 1)[0]
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(idir, detail=False))
+        dirs += [f"{idir}/{name}" for name in names if SHARD_FOLDER.match(name)]
+    return dirs
 
 
 def _by_attempt(listing: dict[str, dict]) -> dict[str, list[dict]]:

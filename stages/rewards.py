@@ -43,6 +43,7 @@ from grpo.storage import Committed, Storage
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, table_file
 from stages.common import StageError, check_chain, committed_input, load_run, run_stage
+from stages.shards import ranges, run_sharded
 
 log = logging.getLogger("grpo.stages")
 
@@ -551,27 +552,31 @@ class _WarmPools:
 WARM_POOLS = _WarmPools()
 
 
-def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
+def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, shard: int | None = None) -> Committed:
+    """Score every sample; with reward.shards > 1, shard `shard` alone or every shard then their rows
+    merged (stages.shards). A sample's reward depends on that sample alone, so 1 and N shards score the
+    same rows."""
     cfg = load_run(storage, run_id)
     rollouts = committed_input(storage, run_id, iteration, "rollouts")
     inputs = {"rollouts": rollouts}
     if cfg.reward.functions:  # the committed copies of reward files, and their hashes in the identity
         inputs["base"] = committed_input(storage, run_id, None, "base")
     check_chain(storage, run_id, iteration, "rewards", inputs)
+    path = rollouts.path(table_file("rollouts"))
 
-    def body(writer):
+    def score(writer, shard_k: int = 0) -> dict:
+        with storage.fs.open(path, "rb") as f:
+            rows = ranges(pq.ParquetFile(f).metadata.num_rows, cfg.reward.shards)[shard_k]
         n = n_err = 0
         total, biggest = 0.0, (0.0, {})  # the sum of the rewards; the largest in magnitude and its components
-        path = rollouts.path(table_file("rollouts"))
-        with storage.fs.open(path, "rb") as f:
-            allowed = allowed_errors(cfg.reward.max_error_fraction, pq.ParquetFile(f).metadata.num_rows)
+        allowed = allowed_errors(cfg.reward.max_error_fraction, len(rows))
         keys = ["run_id", "iteration", "prompt_id", "sample_index"]
         with (
             WARM_POOLS.pool(cfg.reward.workers) as pool,
             ParquetWriter(storage.fs, writer.path(table_file("rewards")), "rewards") as out,
         ):
             key = scorer_key(cfg, inputs.get("base"))
-            for batch in iter_batches(storage.fs, path, "rollouts", batch_size=8192):
+            for batch in batches_in(path, rows):
                 scored = score_batch(pool, key, cfg.reward, batch_items(batch), max_errors=allowed - n_err)
                 if cfg.reward.truncated_reward is not None:
                     scored = [
@@ -603,5 +608,39 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False) 
             )
         return {"samples": n, "errors": n_err, "reward_mean": total / n}
 
-    config = {"task": cfg.to_dict()["task"], "reward": cfg.to_dict()["reward"]}
-    return run_stage(storage, run_id, iteration, "rewards", config=config, inputs=inputs, body=body, force=force)
+    def batches_in(path: str, rows: range):
+        """The rollouts' record batches of rows `rows` (at most 8192 rows each)."""
+        at = 0
+        for batch in iter_batches(storage.fs, path, "rollouts", batch_size=8192):
+            lo, hi = max(rows.start - at, 0), min(rows.stop - at, batch.num_rows)
+            if lo < hi:
+                yield batch.slice(lo, hi - lo)
+            at += batch.num_rows
+            if at >= rows.stop:
+                return
+
+    reward = {k: v for k, v in cfg.to_dict()["reward"].items() if k != "shards"}  # same rows for any
+    config = {"task": cfg.to_dict()["task"], "reward": reward}
+    if cfg.reward.shards == 1 and not shard:
+        return run_stage(storage, run_id, iteration, "rewards", config=config, inputs=inputs, body=score, force=force)
+    return run_sharded(
+        storage,
+        run_id,
+        iteration,
+        "rewards",
+        shards=cfg.reward.shards,
+        setting="reward.shards",
+        config=config,
+        inputs=inputs,
+        shard_body=lambda k, writer: score(writer, k),
+        merge_summary=merged_summary,
+        force=force,
+        shard=shard,
+    )
+
+
+def merged_summary(parts: list[dict]) -> dict:
+    """The rewards summary of its shards'."""
+    samples = sum(s["samples"] for s in parts)
+    mean = sum(s["reward_mean"] * s["samples"] for s in parts) / samples
+    return {"samples": samples, "errors": sum(s["errors"] for s in parts), "reward_mean": mean}

@@ -18,6 +18,7 @@ from grpo.storage import Committed, Storage
 from schemas import ParquetWriter, table_file
 from stages.common import StageError, check_chain, committed_input, load_run, log, run_stage
 from stages.prompts import Prompts, held_out_config, iteration_prompts, policy_and_prompts, sampler
+from stages.shards import ranges, run_sharded
 
 
 def chunk_columns(
@@ -47,13 +48,17 @@ def chunk_columns(
     }
 
 
-def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
+def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False, shard: int | None = None) -> Committed:
+    """Sample the iteration's prompts; with rollout.shards > 1, shard `shard` alone or every shard then
+    their rows merged (stages.shards). A shard is whole chunks and every chunk draws its seeds as it would
+    in one process (the sampler seeds a chunk's generate call from the stage's seed alone), so 1 and N
+    shards sample the same rows."""
     cfg = load_run(storage, run_id)
     snap = committed_input(storage, run_id, iteration, "snapshot")
     check_chain(storage, run_id, iteration, "rollouts", {"snapshot": snap})
     r = cfg.rollout
 
-    def body(writer):
+    def sample(writer, shard_k: int = 0) -> dict:
         p = policy_and_prompts(snap, iteration_prompts(cfg, iteration), cfg)
         bad = non_finite_weights(p.model_dir) + (non_finite_weights(p.adapter_dir) if p.adapter_dir else [])
         if bad:  # sampling would die in torch ("probability tensor contains inf/nan") or sample garbage
@@ -61,6 +66,13 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
                 f"{snap.uri}: the policy has non-finite weights ({', '.join(bad[:3])}); "
                 f"nothing sampled. Rerun the learn that made it with a lower learn.lr"
             )
+        chunks = -(-len(p.ids) // r.chunk_prompts)
+        if r.shards > chunks:  # fewer prompts than asked for were left (skipped ones)
+            raise StageError(
+                f"rollouts iteration {iteration}: rollout.shards={r.shards} is more than the {chunks} chunk(s) "
+                f"of rollout.chunk_prompts={r.chunk_prompts} left of {len(p.ids)} prompts; lower either"
+            )
+        part = ranges(len(p.ids), r.shards, unit=r.chunk_prompts)[shard_k]
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)  # starts the engine, or wakes a warm one and reloads its weights
         engine_s, generate_s = time.perf_counter() - t0, 0.0
@@ -75,7 +87,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
         version = content_hash(snap)[:16]
         n_tokens = n_stop = 0
         with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out:
-            for start in range(0, len(p.ids), r.chunk_prompts):
+            for start in range(part.start, part.stop, r.chunk_prompts):
                 chunk = slice(start, start + r.chunk_prompts)
                 t0 = time.perf_counter()
                 groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk])
@@ -85,13 +97,14 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
                 n_tokens += sum(map(len, columns["response_ids"]))
                 n_stop += columns["finish_reason"].count("stop")
                 log.info(
-                    "rollouts iteration %d: %d/%d prompts",
+                    "rollouts iteration %d%s: %d/%d prompts",
                     iteration,
-                    min(start + r.chunk_prompts, len(p.ids)),
-                    len(p.ids),
+                    f" shard {shard_k}" if r.shards > 1 else "",
+                    min(start + r.chunk_prompts, part.stop) - part.start,
+                    len(part),
                 )
         return {
-            "prompts": len(p.ids),
+            "prompts": len(part),
             "skipped_prompts": p.skipped,
             "samples": out.num_rows,
             "response_tokens": n_tokens,
@@ -102,9 +115,39 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False)
             "sampler": settings,
         }
 
-    config = {"seed": cfg.seed, "task": cfg.to_dict()["task"], "rollout": cfg.to_dict()["rollout"]}
+    rollout = {k: v for k, v in cfg.to_dict()["rollout"].items() if k != "shards"}  # same rows for any
+    config = {"seed": cfg.seed, "task": cfg.to_dict()["task"], "rollout": rollout}
     if cfg.task.dataset:  # the held-out rows are never drawn
         config["held_out"] = held_out_config(cfg)
-    return run_stage(
-        storage, run_id, iteration, "rollouts", config=config, inputs={"snapshot": snap}, body=body, force=force
+    inputs = {"snapshot": snap}
+    if r.shards == 1 and not shard:
+        return run_stage(storage, run_id, iteration, "rollouts", config=config, inputs=inputs, body=sample, force=force)
+    return run_sharded(
+        storage,
+        run_id,
+        iteration,
+        "rollouts",
+        shards=r.shards,
+        setting="rollout.shards",
+        config=config,
+        inputs=inputs,
+        shard_body=lambda k, writer: sample(writer, k),
+        merge_summary=merged_summary,
+        force=force,
+        shard=shard,
     )
+
+
+def merged_summary(parts: list[dict]) -> dict:
+    """The rollouts summary of its shards'."""
+    samples = sum(s["samples"] for s in parts)
+    total = {k: sum(s[k] for s in parts) for k in ("prompts", "samples", "response_tokens", "engine_s", "generate_s")}
+    stops = sum(s["stop_fraction"] * s["samples"] for s in parts)
+    first = parts[0]
+    return {
+        **total,
+        "skipped_prompts": first["skipped_prompts"],  # of the iteration's prompts: every shard counts them all
+        "stop_fraction": stops / max(samples, 1),
+        "policy_version": first["policy_version"],
+        "sampler": first["sampler"],
+    }

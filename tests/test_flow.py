@@ -23,6 +23,7 @@ from test_stages import TINY
 import stages.rewards
 from flows.cli import main
 from flows.grpo import grpo, resolve_iteration, transient
+from grpo.config import load_config
 from grpo.layout import stage_dir
 from grpo.storage import is_committed, list_attempts, open_storage
 from stages import STAGES, StageError
@@ -257,3 +258,32 @@ def test_a_stage_error_fails_the_flow_run_with_its_one_line_and_no_traceback(url
     with get_client(sync_client=True) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     assert logs and not [log.message for log in logs if "Traceback" in log.message]
+
+
+def test_sharded_stages_run_as_task_runs_per_shard_and_commit_the_rows_of_one(prefect_api, tmp_path):
+    import pandas as pd
+    from prefect.client.orchestration import get_client
+
+    from grpo.layout import shard_stage
+    from grpo.storage import latest_committed
+    from stages.init import init_run
+    from stages.iteration import run_iteration
+
+    url = (tmp_path / "store").as_uri()
+    chunked = TINY + ["rollout.chunk_prompts=8"]
+    out = grpo(
+        run_id="sharded", iteration=0, overrides=chunked + ["rollout.shards=2", "reward.shards=2"], storage_url=url
+    )
+    storage = open_storage(url)
+    init_run(storage, "one", load_config(None, chunked))
+    one = run_iteration(storage, "one", 0)
+    for stage in ("rollouts", "rewards"):
+        merged = latest_committed(storage, stage_dir(storage, "sharded", 0, stage))
+        assert out[stage] == merged.uri and {"shard-0", "shard-1"} <= set(merged.manifest.inputs)
+        table = lambda c: pd.read_parquet(storage.fs.open(c.path(f"{stage}.parquet"), "rb")).drop(columns="run_id")  # noqa: E731
+        pd.testing.assert_frame_equal(table(merged), table(one[stage]))
+        for k in (0, 1):
+            assert list_attempts(storage, stage_dir(storage, "sharded", 0, shard_stage(stage, k, 2)))
+    with get_client(sync_client=True) as client:
+        names = {t.name for t in client.read_task_runs()}
+    assert {"rollouts 0 shard 0", "rollouts 0 shard 1", "rewards 0 shard 1", "rollouts 0"} <= names
