@@ -1,8 +1,10 @@
 """Stages across machines, end to end on real servers: a Prefect server, two process work pools ("gpu",
 one stage at a time; "cpu") with a worker each in its own working folder, the local S3 server as the only
-thing they share, and two runs of `grpo/placed` (two iterations, one after the other). Every committed
-row and checkpoint equals what the stages commit in one process."""
+thing they share, and two runs of `grpo/placed` (two iterations, one after the other), with rollouts and
+rewards in two shards each (a flow run each). Every committed row and checkpoint equals what the stages
+commit in one process, unsharded."""
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -24,6 +26,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.s3]
 REPO = Path(__file__).resolve().parent.parent
 PLACEMENT = {"snapshot": "cpu", "rollouts": "gpu", "rewards": "cpu", "advantages": "cpu", "learn": "gpu", "eval": "gpu"}
 TABLES = {"rollouts": "rollouts.parquet", "rewards": "rewards.parquet", "advantages": "advantages.parquet"}
+SHARDS = {"rollouts": 2, "rewards": 2}  # each shard a flow run on the stage's pool
+OVERRIDES = TINY + ["rollout.chunk_prompts=8", "rollout.shards=2", "reward.shards=2"]
 
 
 def placed_run(server, storage_url: str, run_id: str) -> str:
@@ -32,7 +36,7 @@ def placed_run(server, storage_url: str, run_id: str) -> str:
         "run",
         "grpo/placed",
         "--params",
-        json.dumps({"run_id": run_id, "overrides": TINY}),
+        json.dumps({"run_id": run_id, "overrides": OVERRIDES}),
         "--job-variable",
         "env=" + json.dumps({"GRPO_STORAGE": storage_url}),
     ).stdout
@@ -76,17 +80,20 @@ def test_two_iterations_with_stages_on_two_pools_commit_what_one_process_does(s3
     by_name = {r["name"]: r for r in children}
     for k in (0, 1):
         for stage, pool in PLACEMENT.items():
-            assert by_name[f"placed {stage} {k}"]["work_pool_name"] == pool
+            names = [f"placed {stage} {k} shard {i}" for i in range(SHARDS[stage])] if stage in SHARDS else []
+            for name in names or [f"placed {stage} {k}"]:
+                assert by_name[name]["work_pool_name"] == pool
     t = lambda r, key: datetime.fromisoformat(r[key])  # noqa: E731
-    end_0 = max(t(r, "end_time") for r in children if r["name"].endswith(" 0"))
-    start_1 = min(t(r, "start_time") for r in children if r["name"].endswith(" 1"))
+    of = lambda k: [r for r in children if re.match(rf"placed \w+ {k}\b", r["name"])]  # noqa: E731
+    end_0 = max(t(r, "end_time") for r in of(0))
+    start_1 = min(t(r, "start_time") for r in of(1))
     assert end_0 <= start_1
 
     # the same rows and checkpoints as the stages run in one process
     for key, value in {**s3_env, "GRPO_CACHE": str(tmp_path / "cache")}.items():
         monkeypatch.setenv(key, value)
     storage = open_storage(storage_url)
-    init_run(storage, "single", latest_config(storage))
+    init_run(storage, "single", unsharded(latest_config(storage)))
     for k in (0, 1):
         single = run_iteration(storage, "single", k)
         for stage, name in TABLES.items():
@@ -96,6 +103,14 @@ def test_two_iterations_with_stages_on_two_pools_commit_what_one_process_does(s3
         assert sha256(storage, placed.path("policy/model.safetensors")) == sha256(
             storage, single["learn"].path("policy/model.safetensors")
         )
+
+
+def unsharded(cfg):
+    return dataclasses.replace(
+        cfg,
+        rollout=dataclasses.replace(cfg.rollout, shards=1),
+        reward=dataclasses.replace(cfg.reward, shards=1),
+    )
 
 
 def latest_config(storage):

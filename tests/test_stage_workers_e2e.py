@@ -1,7 +1,8 @@
 """Long-lived stage workers (flows/stage_worker.py): two Prefect task workers, one serving the "GPU"
-stages (rollouts, learn, eval) and one the rest, keep what they load between iterations; a flow run
-with every stage placed on `warm` commits what the stages commit in one process, and its second
-iteration's learner comes from the worker's memory."""
+stages (rollouts, learn, eval) and one the rest, keep what they load between iterations, and a third
+serves rewards too; a flow run with every stage placed on `warm`, rollouts and rewards in two shards
+each, commits what the unsharded stages commit in one process, and its second iteration's learner comes
+from the worker's memory."""
 
 import json
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_placement_e2e import unsharded
 from test_stages import TINY
 
 from grpo.layout import stage_dir
@@ -23,6 +25,8 @@ from tools.prefect_server import prefect_server
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
+WORKERS = [["rollouts", "learn", "eval"], ["snapshot", "rewards", "advantages"], ["rewards"]]
+OVERRIDES = TINY + ["rollout.chunk_prompts=8", "rollout.shards=2", "reward.shards=2"]
 WARM = {s: "warm" for s in ("snapshot", "rollouts", "rewards", "advantages", "learn", "eval")}
 TABLES = {"rollouts": "rollouts.parquet", "rewards": "rewards.parquet", "advantages": "advantages.parquet"}
 
@@ -39,11 +43,11 @@ def test_flow_on_warm_stage_workers_commits_what_one_process_does_and_keeps_the_
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-            for i, stages in enumerate([["rollouts", "learn", "eval"], ["snapshot", "rewards", "advantages"]])
+            for i, stages in enumerate(WORKERS)
         ]
         try:
             code = "import json, sys; from flows.grpo import grpo; print(json.dumps(grpo(**json.loads(sys.argv[1]))))"
-            params = {"run_id": "w", "overrides": TINY, "storage_url": store, "iterations": 2, "placement": WARM}
+            params = {"run_id": "w", "overrides": OVERRIDES, "storage_url": store, "iterations": 2, "placement": WARM}
             out = subprocess.run(
                 [sys.executable, "-c", code, json.dumps(params)],
                 cwd=REPO,
@@ -52,7 +56,9 @@ def test_flow_on_warm_stage_workers_commits_what_one_process_does_and_keeps_the_
                 text=True,
                 timeout=900,
             )
-            logs = "\n".join((tmp_path / f"worker-{i}.log").read_text(errors="replace")[-3000:] for i in range(2))
+            logs = "\n".join(
+                (tmp_path / f"worker-{i}.log").read_text(errors="replace")[-3000:] for i in range(len(WORKERS))
+            )
             assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + logs
         finally:
             for w in workers:
@@ -60,7 +66,7 @@ def test_flow_on_warm_stage_workers_commits_what_one_process_does_and_keeps_the_
     storage = open_storage(store)
     learn = [latest_committed(storage, stage_dir(storage, "w", k, "learn")) for k in (0, 1)]
     assert [c.manifest.summary["warm_learner"] for c in learn] == [False, True]  # kept by the worker
-    init_run(storage, "single", load_run(storage, "w"))
+    init_run(storage, "single", unsharded(load_run(storage, "w")))
     for k in (0, 1):
         single = run_iteration(storage, "single", k)
         for stage, name in TABLES.items():
