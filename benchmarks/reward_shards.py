@@ -148,7 +148,8 @@ def main() -> None:
     make_runs(url, root, runs, args.prompts, args.cost_ms)
     seconds = {way: [] for way, _, _ in ways}
     with prefect_server(root / "prefect") as server:
-        server.cli("work-pool", "create", "cpu", "--type", "process", "--overwrite")
+        for pool in ("cpu", "gpu"):  # the deployments name both
+            server.cli("work-pool", "create", pool, "--type", "process", "--overwrite")
         server.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deploy/placement/prefect.yaml", cwd=REPO)
         for r in range(args.repeats):  # the ways side by side, repeat after repeat
             for way, workers, shards in ways:
