@@ -2,6 +2,7 @@
 
 grpo init --run demo [--config cfg.yaml] [--set learn.lr=1e-3 ...]
 grpo stage rollouts --run demo --iteration 0 [--force]
+grpo stage learn --run demo --iteration 0 --node-rank 1   # node 1 of a learner on learn.nodes machines
 grpo run --run demo --iterations 3          # every stage of each iteration, in order
 grpo demo                                    # init + train the tiny sort model until it sorts
 grpo status --run demo
@@ -12,6 +13,7 @@ grpo export --run demo --out ./demo-policy   # the newest policy as an HF folder
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 
 # before torch loads: its C++ warnings (vLLM's NUMA binding note on CPU) print straight to stderr
@@ -42,12 +44,40 @@ def cmd_init(args, storage):
 
 
 def cmd_stage(args, storage):
+    started = dt.datetime.now(dt.timezone.utc)
     iteration = next_iteration(storage, args.run) if args.iteration == "next" else args.iteration
     shard = {} if args.shard is None else {"shard": args.shard}
     if shard and args.name not in SHARDED:
         raise StageError(f"--shard: stage {args.name} has no shards; {' and '.join(SHARDED)} have")
-    committed = stage_function(args.name)(storage, args.run, iteration, force=args.force, **shard)
-    print(f"{args.name} iteration {iteration}: {committed.uri}\n  {committed.manifest.summary}")
+    node = {"node_rank": args.node_rank} if args.node_rank is not None else {}
+    if node and args.name != "learn":
+        raise StageError(f"--node-rank: stage {args.name} runs on one machine; learn runs on learn.nodes")
+    committed = stage_function(args.name)(storage, args.run, iteration, force=args.force, **shard, **node)
+    where = f"{args.name} iteration {iteration}"
+    if dt.datetime.fromisoformat(committed.manifest.committed_at) < started:  # found with the same identity
+        print(f"{where}: already committed ({committed.uri}): nothing to do; --force for a new attempt")
+        return
+    print(f"{where}: committed {committed.uri}\n{summary_lines(committed.manifest.summary)}")
+
+
+def summary_lines(summary: dict, indent: str = "  ") -> str:
+    """A manifest summary as aligned `key: value` lines, numbers rounded to 4 significant digits.
+
+    >>> print(summary_lines({"loss": 0.0291667617857, "steps": 2, "sampler": {"backend": "hf", "why": "x"}}))
+      loss:    0.02917
+      steps:   2
+      sampler: backend=hf, why=x
+    """
+
+    def text(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, dict):
+            return ", ".join(f"{k}={text(x)}" for k, x in v.items())
+        return str(v)
+
+    width = max((len(k) for k in summary), default=0) + 1
+    return "\n".join(f"{indent}{k + ':':<{width}} {text(v)}" for k, v in summary.items())
 
 
 def train(storage, run_id: str, start: int, iterations: int, target: float | None = None) -> int | None:
@@ -239,6 +269,12 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         help="rollouts, rewards: only this shard (0-based) of rollout.shards or reward.shards; without it "
         "every shard not committed yet, then the stage",
+    )
+    sp.add_argument(
+        "--node-rank",
+        type=int,
+        help="learn with learn.nodes > 1: run node r (1..nodes-1) of the learner on this machine; it joins node 0, "
+        "the learn stage run without --node-rank, through storage and returns once node 0 committed",
     )
     sp.set_defaults(fn=cmd_stage)
     sp = sub.add_parser("run", help="run whole iterations")

@@ -194,10 +194,19 @@ def advantages(storage_url: str, run_id: str, iteration: int, scores: str, force
     return run_stage("advantages", storage_url, run_id, iteration, scores, force)
 
 
-@task(task_run_name="learn {iteration}")
-def learn(storage_url: str, run_id: str, iteration: int, advs: str, force: bool = False) -> str:
-    """Clipped policy gradient + KL to the reference; commits the next policy."""
-    return run_stage("learn", storage_url, run_id, iteration, advs, force)
+def learn_run_name() -> str:
+    """task_run_name of learn: `learn 3`, or `learn 3 node 1` for a node joining a learner on learn.nodes."""
+    from prefect.runtime import task_run
+
+    params = task_run.parameters
+    return f"learn {params['iteration']}" + (f" node {params['node_rank']}" if params.get("node_rank") else "")
+
+
+@task(task_run_name=learn_run_name)
+def learn(storage_url: str, run_id: str, iteration: int, advs: str, force: bool = False, node_rank: int = 0) -> str:
+    """Clipped policy gradient + KL to the reference; commits the next policy (with learn.nodes > 1 node 0
+    does, and `node_rank` r joins it as node r: stages.nodes)."""
+    return run_stage("learn", storage_url, run_id, iteration, advs, force, node_rank=node_rank)
 
 
 @task(name="eval", task_run_name="eval {iteration}")
@@ -218,7 +227,8 @@ def stage_run_name() -> str:
     from prefect.runtime import flow_run
 
     p = flow_run.parameters
-    return f"{p['run_id']} {p['stage']} {p['iteration']}" + ("" if p.get("shard") is None else f" shard {p['shard']}")
+    name = f"{p['run_id']} {p['stage']} {p['iteration']}" + ("" if p.get("shard") is None else f" shard {p['shard']}")
+    return name + (f" node {p['node_rank']}" if p.get("node_rank") else "")
 
 
 @flow(name="grpo-stage", flow_run_name=stage_run_name)
@@ -230,13 +240,15 @@ def stage_flow(
     upstream: str | None = None,
     force: bool = False,
     shard: int | None = None,
+    node_rank: int = 0,
 ) -> str:
-    """One stage of one iteration (or one shard of it), run by a worker of the pool it is placed on
-    (deployment `grpo-stage/<pool>`); the same task, retries included, as in the flow `grpo`. Its result is
-    the committed manifest in storage: the orchestrating flow reads it there, no result storage needed."""
+    """One stage of one iteration (or one shard of it, or one node of learn), run by a worker of the pool it is
+    placed on (deployment `grpo-stage/<pool>`); the same task, retries included, as in the flow `grpo`. Its
+    result is the committed manifest in storage: the orchestrating flow reads it there, no result storage needed."""
     with stage_logs_to_prefect():
         args = (storage_url, run_id, iteration) + ((upstream,) if stage != "snapshot" else ())
-        return TASKS[stage](*args, force=force, **({} if shard is None else {"shard": shard}))
+        node = {"node_rank": node_rank} if node_rank else {}
+        return TASKS[stage](*args, force=force, **({} if shard is None else {"shard": shard}), **node)
 
 
 class Placement:
@@ -256,6 +268,8 @@ class Placement:
             return self.sharded(stage, upstream, pool, n)
         if pool is None:
             return None
+        if stage == "learn" and (nodes := load_run(open_storage(self.url), self.run_id).learn.nodes) > 1:
+            return self.learn_nodes(pool, upstream, nodes)
         if pool == WARM_WORKERS:
             return self.wait_tasks(stage, [self.delay(stage, upstream, None)], upstream)
         return self.wait_flow_runs(stage, [self.flow_run(pool, stage, upstream, None)], upstream)
@@ -279,15 +293,28 @@ class Placement:
             return done
         return TASKS[stage](self.url, self.run_id, self.k, upstream)  # reuses the shards: merges them
 
-    def flow_run(self, pool: str, stage: str, upstream: str | None, shard: int | None):
-        """A flow run of the stage (or one shard) on `pool`, scheduled; the caller waits for it."""
+    def learn_nodes(self, pool: str, upstream: str | None, nodes: int) -> str | State:
+        """learn on learn.nodes machines: node 0 (the stage, which commits) and nodes 1..n-1 at once, each a
+        flow run on the pool (whose concurrency limit must let n run, one per machine) or a task run on the
+        stage workers; node 0's line comes first when they fail."""
+        if pool == WARM_WORKERS:
+            return self.wait_tasks("learn", [self.delay("learn", upstream, None, r) for r in range(nodes)], upstream)
+        return self.wait_flow_runs(
+            "learn", [self.flow_run(pool, "learn", upstream, None, r) for r in range(nodes)], upstream
+        )
+
+    def flow_run(self, pool: str, stage: str, upstream: str | None, shard: int | None, node_rank: int = 0):
+        """A flow run of the stage (or one shard, or one node of learn) on `pool`, scheduled; the caller waits
+        for it."""
         from prefect.deployments import run_deployment
         from prefect.runtime import flow_run
 
         # one child flow run per stage (shard), iteration and try of this flow run: a retried orchestrator
         # starts the stages again (each reuses what committed), a repeated call in one try does not
-        key = f"{flow_run.get_id()}/{flow_run.get_run_count()}/{self.k}/{stage}" + (
-            "" if shard is None else f"/shard-{shard}"
+        key = (
+            f"{flow_run.get_id()}/{flow_run.get_run_count()}/{self.k}/{stage}"
+            + ("" if shard is None else f"/shard-{shard}")
+            + (f"/node-{node_rank}" if node_rank else "")
         )
         parameters = {
             "storage_url": self.url,
@@ -299,6 +326,8 @@ class Placement:
         }
         if shard is not None:
             parameters["shard"] = shard
+        if node_rank:
+            parameters["node_rank"] = node_rank
         return run_deployment(f"grpo-stage/{pool}", parameters=parameters, idempotency_key=key, timeout=0)
 
     def wait_flow_runs(self, stage: str, runs: list, upstream: str | None, shards: bool = False) -> str | State:
@@ -316,11 +345,12 @@ class Placement:
                     time.sleep(2)
         return self.outcome(stage, [ended[run.id] for run in runs], upstream, shards)
 
-    def delay(self, stage: str, upstream: str | None, shard: int | None):
-        """The stage's task (or one shard's) sent to the long-lived stage workers that serve it
-        (flows/stage_worker.py)."""
+    def delay(self, stage: str, upstream: str | None, shard: int | None, node_rank: int = 0):
+        """The stage's task (or one shard's, or one node's of learn) sent to the long-lived stage workers that
+        serve it (flows/stage_worker.py)."""
         args = (self.url, self.run_id, self.k) + ((upstream,) if stage != "snapshot" else ())
-        return TASKS[stage].delay(*args, force=self.force[stage], **({} if shard is None else {"shard": shard}))
+        extra = ({} if shard is None else {"shard": shard}) | ({"node_rank": node_rank} if node_rank else {})
+        return TASKS[stage].delay(*args, force=self.force[stage], **extra)
 
     def wait_tasks(self, stage: str, futures: list, upstream: str | None, shards: bool = False) -> str | State:
         for future in futures:
@@ -371,14 +401,15 @@ def run_stage(
     upstream: str | None,
     force: bool,
     shard: int | None = None,
+    node_rank: int = 0,
 ) -> str | State:
-    """Run or reuse stage `name` (it logs which), or one shard of it; return the committed attempt's URI
-    (or, for one of USER_ERRORS, a Failed state with its line).
+    """Run or reuse stage `name` (it logs which), or one shard of it (or join learn as node `node_rank`);
+    return the committed attempt's URI (or, for one of USER_ERRORS, a Failed state with its line).
 
     `upstream` is the URI the previous task returned: the stage must have read exactly that.
     """
     try:
-        kwargs = {} if shard is None else {"shard": shard}
+        kwargs = ({} if shard is None else {"shard": shard}) | ({"node_rank": node_rank} if node_rank else {})
         out = stage_function(name)(open_storage(storage_url), run_id, iteration, force=force, **kwargs)
     except USER_ERRORS as e:
         return Failed(message=failure_line(name, iteration, str(e)))

@@ -13,6 +13,7 @@ learner sizes yourself (examples/gsm8k.yaml).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import importlib.util
 import json
@@ -232,7 +233,18 @@ class LearnConfig:
     kl_estimator: KLEstimator = "k3"
     """KL estimator; k3 = r - log r - 1 with r = pi_ref / pi."""
     num_processes: int = 1
-    """>1 runs the learner under torchrun with that many processes (gloo on CPU)."""
+    """Learner processes in all, every node's together (the world size, as Accelerate's num_processes);
+    >1 runs the learner under torchrun (gloo on CPU, NCCL on GPUs)."""
+    nodes: int = 1
+    """Machines the learner's processes span (torchrun --nnodes). >1: the learn stage is node 0 (rank 0,
+    which commits) and waits for nodes 1..N-1, each started with `grpo stage learn --node-rank r` or by the
+    flow on learn's work pool, to meet it through storage (stages/nodes.py)."""
+    processes_per_node: int | None = None
+    """Learner processes on each node (torchrun --nproc_per_node); None: num_processes / nodes. Where the
+    processes run, not what they compute: this and `nodes` may change for an existing run."""
+    node_timeout_s: float = 600.0
+    """nodes > 1: seconds node 0 waits for a node to join (and hears nothing from one that joined) and a
+    node waits for node 0's rendezvous before the stage fails naming it."""
     importance_correction: ImportanceCorrection = "none"
     """`tis`: weigh each token's loss by min(pi_old / pi_sampler, tis_cap) (truncated importance sampling),
     for samplers whose numerics differ from the learner's (bf16 vLLM); = grpo.core.ImportanceCorrection."""
@@ -257,6 +269,17 @@ class LearnConfig:
     """How learn.num_processes processes split the model: `ddp` (each holds all of it, gradients averaged)
     or `fsdp2` (parameters, gradients and optimizer state sharded per decoder layer with torch's
     fully_shard; optimizer and master state saved per rank through torch Distributed Checkpoint)."""
+
+    @property
+    def node_processes(self) -> int:
+        """Learner processes on each node: processes_per_node, or num_processes / nodes."""
+        return self.processes_per_node or self.num_processes // self.nodes
+
+
+LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s")
+"""The learn fields that say where its processes run and how long they wait for each other, not what they
+compute (rank r does the same work on any node): left out of the learn stage's identity, and free to
+change for an existing run."""
 
 
 @dataclass(frozen=True)
@@ -388,17 +411,46 @@ def _build(cls, raw: dict, where: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
     fields = _hints(cls)
-    unknown = set(raw) - set(fields)
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; valid: {sorted(fields)}")
+    errors = [_unknown(name, where, fields) for name in raw if name not in fields]
     kwargs = {}
     for name, value in raw.items():
+        if name not in fields:
+            continue
         sub = optional_dataclass(fields[name]) if value is not None else fields[name]
-        if dataclasses.is_dataclass(sub):
-            kwargs[name] = _build(sub, value, f"{where}.{name}" if where else name)
-        else:
-            kwargs[name] = _coerce(cls, name, value, f"{where}.{name}" if where else name)
+        try:  # every bad setting is reported, not only the first
+            if dataclasses.is_dataclass(sub):
+                kwargs[name] = _build(sub, value, f"{where}.{name}" if where else name)
+            else:
+                kwargs[name] = _coerce(cls, name, value, f"{where}.{name}" if where else name)
+        except ConfigError as e:
+            errors.append(str(e))
+    if errors:
+        raise ConfigError("; ".join(errors))
     return cls(**kwargs)
+
+
+def _settings(cls=None, prefix: str = "") -> list[str]:
+    """Every setting's and section's dotted name: `learn`, `learn.lr`, `rollout.vllm.enable_lora`, ..."""
+    out = []
+    for name, hint in _hints(cls or RunConfig).items():
+        sub = optional_dataclass(hint)
+        out += [f"{prefix}{name}"] + (_settings(sub, f"{prefix}{name}.") if dataclasses.is_dataclass(sub) else [])
+    return out
+
+
+def _unknown(name: str, where: str, fields: dict) -> str:
+    """`unknown setting 'lr': did you mean learn.lr?`: the closest names in the same section and settings
+    of that name (or close to it) in any section; else the section's valid names."""
+    full = f"{where}.{name}" if where else name
+    near = [f"{where}.{f}" if where else f for f in difflib.get_close_matches(name, list(fields), n=3, cutoff=0.7)]
+    leaves = {s: s.rsplit(".", 1)[-1] for s in _settings()}
+    near += [s for s, leaf in leaves.items() if leaf == name and s != full]
+    close = difflib.get_close_matches(name, sorted(set(leaves.values())), n=2, cutoff=0.8)
+    near += [s for s, leaf in leaves.items() if leaf in close and leaf != name and s not in near]
+    near = list(dict.fromkeys(n for n in near if n != full))[:4]
+    if near:
+        return f"unknown setting {full!r}: did you mean {' or '.join(near)}?"
+    return f"unknown setting {full!r}; valid in {where or 'the config'}: {', '.join(sorted(fields))}"
 
 
 def _is_text_field(path: list[str]) -> bool:
@@ -527,7 +579,8 @@ def validate(cfg: RunConfig) -> None:
         )
     if batch % lc.minibatch_size:
         raise ConfigError(
-            f"the batch (prompts_per_iteration x group_size = {batch}) must be divisible by "
+            f"the batch (rollout.prompts_per_iteration x rollout.group_size = {r.prompts_per_iteration} x "
+            f"{r.group_size} = {batch}) must be divisible by "
             f"learn.minibatch_size ({lc.minibatch_size})"
         )
     if lc.minibatch_size % (lc.microbatch_size * lc.num_processes):
@@ -535,6 +588,7 @@ def validate(cfg: RunConfig) -> None:
             f"learn.minibatch_size ({lc.minibatch_size}) must be divisible by "
             f"learn.microbatch_size x learn.num_processes ({lc.microbatch_size} x {lc.num_processes})"
         )
+    validate_nodes(lc)
     if r.temperature <= 0 or not 0 < r.top_p <= 1:
         raise ConfigError(
             f"rollout.temperature must be > 0 and rollout.top_p in (0, 1], got {r.temperature}, {r.top_p}"
@@ -580,3 +634,26 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"reward.max_memory_mb must be >= 64 or null (no cap), got {cfg.reward.max_memory_mb}")
     if lc.lr_decay_steps < 0:
         raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {lc.lr_decay_steps}")
+
+
+def validate_nodes(lc: LearnConfig) -> None:
+    """learn.nodes x the processes on each node must make learn.num_processes."""
+    if lc.nodes < 1:
+        raise ConfigError(f"learn.nodes must be >= 1, got {lc.nodes}")
+    if lc.processes_per_node is not None and lc.processes_per_node < 1:
+        raise ConfigError(
+            f"learn.processes_per_node must be >= 1 or null (num_processes / nodes), got {lc.processes_per_node}"
+        )
+    if lc.node_timeout_s <= 0:
+        raise ConfigError(f"learn.node_timeout_s must be > 0, got {lc.node_timeout_s}")
+    if lc.processes_per_node is None and lc.num_processes % lc.nodes:
+        raise ConfigError(
+            f"learn.nodes ({lc.nodes}) must divide learn.num_processes ({lc.num_processes}, every node's "
+            "processes together): set learn.num_processes to nodes x the processes on each node"
+        )
+    if lc.processes_per_node is not None and lc.nodes * lc.processes_per_node != lc.num_processes:
+        raise ConfigError(
+            f"learn.processes_per_node: {lc.nodes} node(s) x {lc.processes_per_node} make "
+            f"{lc.nodes * lc.processes_per_node} processes, but learn.num_processes (every node's together) is "
+            f"{lc.num_processes}; set learn.num_processes={lc.nodes * lc.processes_per_node}"
+        )

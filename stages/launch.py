@@ -3,52 +3,131 @@ GPUs), each running `worker_main`, the same update code as one process runs in-p
 
 stages/learn.py writes the arguments (config, batch, checkpoint folders, output folder) to a file, calls
 `run_distributed`, and commits what rank 0 and the others wrote once every process has exited cleanly.
+With learn.nodes > 1 this machine is one node of several (`Rendezvous`); stages/nodes.py has them meet.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from grpo.procs import free_port
+from grpo.config import RunConfig
+from grpo.procs import free_port, stop_group
 from stages.common import StageError, log
 
+WORKER_ENV_DEFAULTS = {
+    "OMP_NUM_THREADS": "1",
+    # glibc: blocks over 128 KiB from mmap, returned on free. Its default raises the threshold to the largest
+    # block freed so far, so FSDP2's per-layer gather buffers stay resident and a CPU rank peaked above a
+    # DDP rank (benchmarks/RESULTS.md, "Learner memory and bytes": 1416 vs 858 MiB a rank with it)
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+}
+"""The learner processes' environment where this one does not set these."""
 
-def run_distributed(args: dict, nproc: int) -> dict:
-    """Run `train` under torchrun; forward its output lines to the log; return rank 0's summary."""
+
+class LearnersExited(StageError):
+    """torchrun ended with an error (a rank failed, or a peer on another node went away)."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the nodes of one learner meet: torchrun's static rendezvous, whose store node 0 hosts at
+    addr:port; node r's local rank i is global rank r x processes_per_node + i."""
+
+    addr: str
+    port: int
+    nodes: int
+    node_rank: int
+    timeout_s: float
+
+    def torchrun_args(self) -> list[str]:
+        return [
+            f"--nnodes={self.nodes}",
+            f"--node_rank={self.node_rank}",
+            f"--master_addr={self.addr}",
+            f"--master_port={self.port}",
+            f"--rdzv_conf=timeout={int(self.timeout_s) + 60}",  # past node_timeout_s: the nodes' watch speaks first
+        ]
+
+
+def learner_args(cfg: RunConfig, run_id: str, iteration: int, batch, folders: dict, out_dir: str, tmp: str) -> dict:
+    """What `worker_main` reads: the config, the batch (saved into `tmp`), the checkpoint folders a Learner
+    is built from (learn.checkpoint_folders), where to write, and where rank 0 leaves its summary."""
+    torch.save(batch, f"{tmp}/batch.pt")
+    return {
+        "config": cfg.to_dict(),
+        "run_id": run_id,
+        "iteration": iteration,
+        "batch": f"{tmp}/batch.pt",
+        **folders,
+        "out_dir": out_dir,
+        "summary": f"{tmp}/summary.json",
+    }
+
+
+def run_distributed(
+    args: dict, nproc: int, rendezvous: Rendezvous | None = None, check: Callable[[], str | None] | None = None
+) -> dict | None:
+    """Run `train` under torchrun, on this machine alone or as one node of `rendezvous`; forward its output
+    lines to the log. `check()` is asked every second while it runs: a problem it names (another node
+    failed) stops the processes and fails with that line. Returns rank 0's summary (None on another node)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(args, f)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "stages.launch",
-        f.name,
-    ]
+    where = rendezvous.torchrun_args() if rendezvous else ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *where]
     proc = subprocess.Popen(
-        cmd,
+        [*cmd, "-m", "stages.launch", f.name],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+        env={**WORKER_ENV_DEFAULTS, **os.environ},
+        start_new_session=True,  # stop_group ends torchrun and its workers together
     )
-    tail = []
+    tail: collections.deque[str] = collections.deque(maxlen=20)
+    cause: list[str] = []  # the last exception line a worker printed
+    reader = threading.Thread(target=_forward, args=(proc, tail, cause), daemon=True)
+    reader.start()
+    try:
+        while proc.poll() is None:
+            try:
+                proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                problem = check() if check else None
+                if problem:
+                    raise StageError(problem)
+    finally:
+        if proc.poll() is None:
+            stop_group(proc, grace_s=10)
+        reader.join(timeout=10)
+        Path(f.name).unlink(missing_ok=True)
+    if proc.returncode != 0:
+        why = f" ({cause[-1][:300]})" if cause else ""
+        raise LearnersExited(f"learn under torchrun exited with {proc.returncode}{why}:\n{''.join(tail)}")
+    summary = Path(args["summary"])
+    return json.loads(summary.read_text()) if summary.exists() else None
+
+
+# a traceback's last line, e.g. "torch.OutOfMemoryError: CUDA out of memory. ..."; not torchrun's own summary
+EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b(?::.*)?$")
+
+
+def _forward(proc: subprocess.Popen, tail: collections.deque, cause: list[str]) -> None:
     for line in proc.stdout:
         log.info("learn[torchrun] %s", line.rstrip())
-        tail = (tail + [line])[-20:]
-    if proc.wait() != 0:
-        raise StageError(f"learn under torchrun exited with {proc.returncode}:\n{''.join(tail)}")
-    return json.loads(Path(args["summary"]).read_text())
+        tail.append(line)
+        if EXCEPTION_LINE.match(line.strip()) and "ChildFailedError" not in line:
+            cause.append(line.strip())
 
 
 def worker_main(args_path: str) -> None:

@@ -8,7 +8,8 @@ loss. When the next iteration runs in the same process (flow `grpo` with `iterat
 takes the model, optimizer and reference from memory (`WARM`) instead, with the same result.
 
 One process runs in-process; `learn.num_processes > 1` runs the same code under torchrun (gloo on
-CPU, NCCL on GPUs; stages/launch.py), rank r taking every r-th group of each minibatch.
+CPU, NCCL on GPUs; stages/launch.py), rank r taking every r-th group of each minibatch, on one machine
+or on learn.nodes machines that meet through storage (stages/nodes.py; this stage is node 0).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import fsspec
@@ -31,14 +33,14 @@ from grpo.checkpoint import (
     tokenizer_and_config,
     upload_folder,
 )
-from grpo.config import RunConfig
+from grpo.config import LEARN_PLACEMENT, RunConfig
 from grpo.generation import release_accelerator
 from grpo.layout import STATE_PREFIXES, Salt, iteration_seed
 from grpo.learner import Batch, Learner, Scores, train
-from grpo.storage import Committed, StageWriter, Storage, is_local
+from grpo.storage import Committed, StageWriter, Storage, config_hash, is_local, stage_identity
 from schemas import read_parquet, table_file, write_parquet
 from schemas.tables import FLOAT_LISTS
-from stages import launch
+from stages import launch, nodes
 from stages.common import StageError, check_chain, committed_input, load_run, run_stage
 
 KEYS = ["prompt_id", "sample_index"]
@@ -223,8 +225,8 @@ def carry_checkpoint_files(policy_dir: str, out_dir: str) -> list[str]:
     return carried
 
 
-def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
-    cfg = load_run(storage, run_id)
+def learn_inputs(storage: Storage, run_id: str, iteration: int) -> dict[str, Committed]:
+    """The stage's inputs (snapshot, reference, rollouts, advantages, the previous learn), checked current."""
     inputs = {
         "snapshot": committed_input(storage, run_id, iteration, "snapshot"),
         "reference": committed_input(storage, run_id, None, "base"),
@@ -234,65 +236,109 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False) ->
     if iteration > 0:
         inputs["previous"] = committed_input(storage, run_id, iteration - 1, "learn")
     check_chain(storage, run_id, iteration, "learn", inputs)
+    return inputs
+
+
+def stage_config(cfg: RunConfig) -> dict:
+    """What the stage's identity covers: the seed and the learn section, less where its processes run
+    (LEARN_PLACEMENT: one node or several train the same update)."""
+    return {"seed": cfg.seed, "learn": {k: v for k, v in cfg.to_dict()["learn"].items() if k not in LEARN_PLACEMENT}}
+
+
+def read_batch(storage: Storage, cfg: RunConfig, inputs: dict[str, Committed]) -> Batch:
+    pad_id = tokenizer_and_config(inputs["snapshot"])[1].pad_token_id or 0
+    batch = load_batch(storage, inputs["rollouts"], inputs["advantages"], pad_id, cfg.rollout.group_size)
+    if len(batch.response_ids) < cfg.learn.minibatch_size:
+        raise StageError(
+            f"learn: {len(batch.response_ids)} kept samples, fewer than learn.minibatch_size "
+            f"({cfg.learn.minibatch_size}); lower it or turn off advantage.filter_zero_variance"
+        )
+    return batch
+
+
+def checkpoint_folders(storage: Storage, inputs: dict[str, Committed], tmp: str, state: bool) -> dict[str, str | None]:
+    """The local folders a Learner is built from (new_learner's arguments); with `state`, the previous
+    learn's optimizer state, rng and master weights downloaded into `tmp`."""
+    state_dir = None
+    if "previous" in inputs and state:
+        state_dir = f"{tmp}/state"
+        os.makedirs(state_dir)
+        for f in inputs["previous"].manifest.files:
+            if is_state_file(f.path):
+                os.makedirs(os.path.dirname(f"{state_dir}/{f.path}"), exist_ok=True)
+                storage.fs.get_file(inputs["previous"].path(f.path), f"{state_dir}/{f.path}")
+    return {
+        "policy_dir": local_checkpoint(inputs["snapshot"]),
+        "ref_dir": local_checkpoint(inputs["reference"]),
+        "state_dir": state_dir,
+        "adapter_dir": adapter_checkpoint(inputs["snapshot"]),  # LoRA: the adapters this iteration sampled with
+    }
+
+
+def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, node_rank: int = 0) -> Committed:
+    """The stage; with learn.nodes > 1 this is node 0, and `node_rank` r >= 1 joins it as node r (stages.nodes)."""
+    cfg = load_run(storage, run_id)
+    if node_rank:
+        return join_learn(storage, cfg, run_id, iteration, node_rank, force)
+    inputs = learn_inputs(storage, run_id, iteration)
     in_process = cfg.learn.num_processes == 1
     learner: Learner | None = None
 
     def body(writer: StageWriter) -> dict:
         nonlocal learner
-        policy_dir = local_checkpoint(inputs["snapshot"])
-        adapter_dir = adapter_checkpoint(inputs["snapshot"])  # LoRA: the adapters this iteration sampled with
-        pad_id = tokenizer_and_config(inputs["snapshot"])[1].pad_token_id or 0
-        batch = load_batch(storage, inputs["rollouts"], inputs["advantages"], pad_id, cfg.rollout.group_size)
-        if len(batch.response_ids) < cfg.learn.minibatch_size:
-            raise StageError(
-                f"learn: {len(batch.response_ids)} kept samples, fewer than learn.minibatch_size "
-                f"({cfg.learn.minibatch_size}); lower it or turn off advantage.filter_zero_variance"
-            )
+        batch = read_batch(storage, cfg, inputs)
         release_accelerator(cfg.rollout.keep_engine)  # the sampler sleeps (or closes) while the learner runs
         if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
             learner = WARM.take(WARM.key(cfg, inputs["previous"].uri, inputs["reference"].uri))
         warm = learner is not None
         with tempfile.TemporaryDirectory() as tmp:
-            state_dir = None
-            if "previous" in inputs and learner is None:
-                state_dir = f"{tmp}/state"
-                os.makedirs(state_dir)
-                for f in inputs["previous"].manifest.files:
-                    if is_state_file(f.path):
-                        os.makedirs(os.path.dirname(f"{state_dir}/{f.path}"), exist_ok=True)
-                        storage.fs.get_file(inputs["previous"].path(f.path), f"{state_dir}/{f.path}")
+            folders = checkpoint_folders(storage, inputs, tmp, state=not warm)
             local = is_local(storage.fs)  # local storage: write into the attempt itself, no copy of the model
             out_dir = writer.attempt_dir if local else f"{tmp}/out"
             os.makedirs(out_dir, exist_ok=True)
-            ref_dir = local_checkpoint(inputs["reference"])
             if in_process:
-                learner = learner or new_learner(cfg, iteration, policy_dir, ref_dir, state_dir, adapter_dir)
+                learner = learner or new_learner(cfg, iteration, **folders)
                 summary = train_and_save(learner, run_id, iteration, batch, out_dir)
             else:
-                torch.save(batch, f"{tmp}/batch.pt")
-                summary = launch.run_distributed(
-                    {
-                        "config": cfg.to_dict(),
-                        "run_id": run_id,
-                        "iteration": iteration,
-                        "batch": f"{tmp}/batch.pt",
-                        "policy_dir": policy_dir,
-                        "ref_dir": ref_dir,
-                        "state_dir": state_dir,
-                        "adapter_dir": adapter_dir,
-                        "out_dir": out_dir,
-                        "summary": f"{tmp}/summary.json",
-                    },
-                    cfg.learn.num_processes,
+                args = launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp)
+                lc = cfg.learn
+                summary = (
+                    nodes.lead(writer, args, lc, run_id, iteration)
+                    if lc.nodes > 1
+                    else launch.run_distributed(args, lc.num_processes)
                 )
             if cfg.learn.lora is None:
-                carry_checkpoint_files(policy_dir, f"{out_dir}/policy")
+                carry_checkpoint_files(folders["policy_dir"], f"{out_dir}/policy")
             if not local:  # policy/ or adapter/, optimizer.pt or dcp/, rng.pt, (master,) metrics, logprobs
                 upload_folder(writer, out_dir, prefix="")
         return {**summary, "warm_learner": warm}  # taken from memory, not built from the committed files
 
-    config = {"seed": cfg.seed, "learn": cfg.to_dict()["learn"]}
+    config = stage_config(cfg)
     out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
     if learner is not None:  # ran in this process and committed: keep it for iteration k + 1
         WARM.keep(WARM.key(cfg, out.uri, inputs["reference"].uri), learner)
     return out
+
+
+def join_learn(storage: Storage, cfg: RunConfig, run_id: str, iteration: int, node_rank: int, force: bool) -> Committed:
+    """Node `node_rank` of the learn stage's nodes: the same inputs, read as node 0 reads them."""
+    nodes.check_rank(cfg.learn, node_rank)
+    deadline = time.monotonic() + cfg.learn.node_timeout_s
+    while True:  # a node started before the iteration's earlier stages committed waits for them
+        try:
+            inputs = learn_inputs(storage, run_id, iteration)
+            break
+        except StageError as e:
+            if not str(e).startswith("input missing") or time.monotonic() > deadline:
+                raise
+            time.sleep(nodes.POLL_S)
+
+    def prepare(tmp: str, out_dir: str) -> dict:
+        batch = read_batch(storage, cfg, inputs)
+        release_accelerator(cfg.rollout.keep_engine)
+        folders = checkpoint_folders(storage, inputs, tmp, state=True)
+        return launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp)
+
+    refs = {k: v.ref() for k, v in inputs.items()}
+    identity = stage_identity(run_id, iteration, "learn", config_hash(stage_config(cfg)), refs)
+    return nodes.join(storage, run_id, iteration, node_rank, cfg.learn, identity, prepare, force)

@@ -80,3 +80,49 @@ def test_s3_wrong_secret_is_one_line(s3, capsys, monkeypatch):
     code, err = run(capsys, "--storage", f"s3://{s3.bucket}/wrong", "status", "--run", "r")
     assert code == 2 and len(err.splitlines()) == 1
     assert "S3 refused the request" in err or "AWS_SECRET_ACCESS_KEY" in err
+
+
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        (["lr=1e-3"], ["unknown setting 'lr': did you mean learn.lr?"]),
+        (["learn.lrr=1e-3"], ["unknown setting 'learn.lrr': did you mean learn.lr?"]),
+        (["vllm.enable_lora=true"], ["unknown setting 'vllm': did you mean rollout.vllm?"]),
+        (  # every bad value at once
+            ["learn.lr=abc", "rollout.group_size=x", "zzz=1"],
+            ["learn.lr: expected a number, got 'abc'", "rollout.group_size: expected an integer", "'zzz'; valid in"],
+        ),
+        (
+            ["rollout.prompts_per_iteration=3", "learn.minibatch_size=16", "learn.microbatch_size=8"],
+            ["rollout.prompts_per_iteration x rollout.group_size = 3 x 8 = 24", "learn.minibatch_size (16)"],
+        ),
+    ],
+)
+def test_config_errors_suggest_the_setting_and_report_every_bad_value(tmp_path, capsys, settings, says):
+    code, err = run(
+        capsys, "--storage", str(tmp_path), "init", "--run", "r", *[a for s in settings for a in ("--set", s)]
+    )
+    assert code == 2 and len(err.splitlines()) == 1
+    for text in says:
+        assert text in err
+    assert not (tmp_path / "runs" / "r").exists()  # nothing written
+
+
+def test_a_rerun_stage_says_it_did_nothing_and_a_summary_prints_aligned(tmp_path, capsys):
+    from test_stages import TINY
+
+    store = ["--storage", str(tmp_path)]
+    assert main(store + ["init", "--run", "r", *[a for s in TINY for a in ("--set", s)]]) == 0
+    assert main(store + ["stage", "snapshot", "--run", "r", "--iteration", "0"]) == 0
+    assert main(store + ["stage", "rollouts", "--run", "r", "--iteration", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    summary = lines[lines.index(next(s for s in lines if s.startswith("rollouts iteration 0: committed "))) + 1 :]
+    assert (
+        summary[0].startswith("  prompts:") and len({len(s) - len(s.split(":", 1)[1].lstrip()) for s in summary}) == 1
+    )
+    assert any(
+        s.split(":", 1)[1].strip() == f"{float(s.split(':', 1)[1]):.4g}" for s in summary if "stop_fraction" in s
+    )
+    assert main(store + ["stage", "rollouts", "--run", "r", "--iteration", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "rollouts iteration 0: already committed (" in out and "nothing to do; --force for a new attempt" in out

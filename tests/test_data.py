@@ -6,9 +6,11 @@ import json
 import pandas as pd
 import pytest
 
+import flows.cli
 import grpo.data
 import grpo.tasks.functions
 import grpo.tasks.math
+import stages.shards
 from grpo.data import DatasetError, draw, load_examples, render, split
 from grpo.tasks.math import math_reward
 from grpo.tiny_model import build_chat_tokenizer
@@ -18,7 +20,7 @@ ROWS = [
 ]
 
 
-@pytest.mark.parametrize("module", [grpo.data, grpo.tasks.math, grpo.tasks.functions])
+@pytest.mark.parametrize("module", [grpo.data, grpo.tasks.math, grpo.tasks.functions, flows.cli, stages.shards])
 def test_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
