@@ -42,7 +42,7 @@ from grpo.config import RewardConfig, RunConfig
 from grpo.storage import Committed, Storage
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, table_file
-from stages.common import StageError, check_chain, committed_input, load_run, run_stage
+from stages.common import StageError, check_chain, committed_input, load_run
 from stages.shards import ranges, run_sharded
 
 log = logging.getLogger("grpo.stages")
@@ -621,8 +621,6 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
 
     reward = {k: v for k, v in cfg.to_dict()["reward"].items() if k != "shards"}  # same rows for any
     config = {"task": cfg.to_dict()["task"], "reward": reward}
-    if cfg.reward.shards == 1 and not shard:
-        return run_stage(storage, run_id, iteration, "rewards", config=config, inputs=inputs, body=score, force=force)
     return run_sharded(
         storage,
         run_id,

@@ -16,7 +16,7 @@ from grpo.generation import Sample, SamplingSpec, decode_responses
 from grpo.layout import Salt, iteration_seed
 from grpo.storage import Committed, Storage
 from schemas import ParquetWriter, table_file
-from stages.common import StageError, check_chain, committed_input, load_run, log, run_stage
+from stages.common import StageError, check_chain, committed_input, load_run, log
 from stages.prompts import Prompts, held_out_config, iteration_prompts, policy_and_prompts, sampler
 from stages.shards import ranges, run_sharded
 
@@ -120,8 +120,6 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
     if cfg.task.dataset:  # the held-out rows are never drawn
         config["held_out"] = held_out_config(cfg)
     inputs = {"snapshot": snap}
-    if r.shards == 1 and not shard:
-        return run_stage(storage, run_id, iteration, "rollouts", config=config, inputs=inputs, body=sample, force=force)
     return run_sharded(
         storage,
         run_id,

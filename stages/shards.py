@@ -54,6 +54,9 @@ def run_sharded(
     and then the stage: their tables `stage` merged. `shard_body(k, writer)` writes shard k's table and
     returns its summary; `merge_summary` makes the stage's summary of the shards'. `setting` names the
     shards' setting for errors (rollout.shards)."""
+    if shards == 1 and not shard:  # the stage as it always ran: no shard folders
+        body = lambda writer: shard_body(0, writer)  # noqa: E731
+        return run_stage(storage, run_id, iteration, stage, config=config, inputs=inputs, body=body, force=force)
     if shard is not None and not 0 <= shard < shards:
         raise StageError(f"{stage}: there is no shard {shard}: {setting}={shards} makes shards 0..{shards - 1}")
 
