@@ -1,8 +1,10 @@
 """Stages across machines, end to end on real servers: a Prefect server, two process work pools ("gpu",
 one stage at a time; "cpu") with a worker each in its own working folder, the local S3 server as the only
-thing they share, and two runs of `grpo/placed` (two iterations, one after the other), with rollouts and
-rewards in two shards each (a flow run each). Every committed row and checkpoint equals what the stages
-commit in one process, unsharded."""
+thing they share, and a run of `grpo/placed` (one iteration), with rollouts and rewards in two shards each
+(a flow run each). Every committed row and checkpoint equals what the stages commit in one process,
+unsharded. That a second iteration waits for the first is the deployments' concurrency limit, tested end to
+end on `grpo/iteration` (tests/test_flow_e2e.py); `test_placed_iterations_run_one_at_a_time` checks that
+`grpo/placed` sets the same limit."""
 
 import dataclasses
 import hashlib
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 from test_stages import TINY
 
 from grpo.layout import stage_dir
@@ -57,7 +60,13 @@ def sha256(storage, path: str) -> str:
     return hashlib.sha256(storage.fs.cat_file(path)).hexdigest()
 
 
-def test_two_iterations_with_stages_on_two_pools_commit_what_one_process_does(s3, tmp_path, monkeypatch):
+def test_placed_iterations_run_one_at_a_time():
+    deployments = yaml.safe_load((REPO / "deploy/placement/prefect.yaml").read_text())["deployments"]
+    placed = next(d for d in deployments if d["name"] == "placed")
+    assert placed["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
+
+
+def test_an_iteration_with_stages_on_two_pools_commits_what_one_process_does(s3, tmp_path, monkeypatch):
     s3_env = s3.env()
     storage_url = f"s3://{s3.bucket}/placement-{tmp_path.name}"
     with prefect_server(tmp_path / "prefect") as server:
@@ -71,38 +80,34 @@ def test_two_iterations_with_stages_on_two_pools_commit_what_one_process_does(s3
         env = lambda pool: {**s3_env, "GRPO_CACHE": str(homes[pool] / "cache")}  # noqa: E731
         with process_worker(server, "gpu", cwd=homes["gpu"], env=env("gpu")):
             with process_worker(server, "cpu", cwd=homes["cpu"], env=env("cpu")):
-                ids = [placed_run(server, storage_url, "placed") for _ in range(2)]
-                runs = [server.wait_for_flow_run(i, 900) for i in ids]
-                assert [r["state"]["type"] for r in runs] == ["COMPLETED", "COMPLETED"], server.log_tails(40)
+                run = server.wait_for_flow_run(placed_run(server, storage_url, "placed"), 900)
+                assert run["state"]["type"] == "COMPLETED", server.log_tails(40)
                 children = stage_runs(server)
 
-    # each stage ran on its pool, and the two iterations never overlapped
+    # each stage ran on its pool; the gpu pool ran one stage at a time, its two rollouts shards too
     by_name = {r["name"]: r for r in children}
-    for k in (0, 1):
-        for stage, pool in PLACEMENT.items():
-            names = [f"placed {stage} {k} shard {i}" for i in range(SHARDS[stage])] if stage in SHARDS else []
-            for name in names or [f"placed {stage} {k}"]:
-                assert by_name[name]["work_pool_name"] == pool
+    for stage, pool in PLACEMENT.items():
+        names = [f"placed {stage} 0 shard {i}" for i in range(SHARDS[stage])] if stage in SHARDS else []
+        for name in names or [f"placed {stage} 0"]:
+            assert by_name[name]["work_pool_name"] == pool
     t = lambda r, key: datetime.fromisoformat(r[key])  # noqa: E731
-    of = lambda k: [r for r in children if re.match(rf"placed \w+ {k}\b", r["name"])]  # noqa: E731
-    end_0 = max(t(r, "end_time") for r in of(0))
-    start_1 = min(t(r, "start_time") for r in of(1))
-    assert end_0 <= start_1
+    on_gpu = sorted((r for r in children if r["work_pool_name"] == "gpu"), key=lambda r: t(r, "start_time"))
+    assert len(on_gpu) == 4  # rollouts x2, learn, eval
+    assert all(t(a, "end_time") <= t(b, "start_time") for a, b in zip(on_gpu, on_gpu[1:]))
 
     # the same rows and checkpoints as the stages run in one process
     for key, value in {**s3_env, "GRPO_CACHE": str(tmp_path / "cache")}.items():
         monkeypatch.setenv(key, value)
     storage = open_storage(storage_url)
     init_run(storage, "single", unsharded(latest_config(storage)))
-    for k in (0, 1):
-        single = run_iteration(storage, "single", k)
-        for stage, name in TABLES.items():
-            placed = latest_committed(storage, stage_dir(storage, "placed", k, stage))
-            pd.testing.assert_frame_equal(content(storage, placed, name), content(storage, single[stage], name))
-        placed = latest_committed(storage, stage_dir(storage, "placed", k, "learn"))
-        assert sha256(storage, placed.path("policy/model.safetensors")) == sha256(
-            storage, single["learn"].path("policy/model.safetensors")
-        )
+    single = run_iteration(storage, "single", 0)
+    for stage, name in TABLES.items():
+        placed = latest_committed(storage, stage_dir(storage, "placed", 0, stage))
+        pd.testing.assert_frame_equal(content(storage, placed, name), content(storage, single[stage], name))
+    placed = latest_committed(storage, stage_dir(storage, "placed", 0, "learn"))
+    assert sha256(storage, placed.path("policy/model.safetensors")) == sha256(
+        storage, single["learn"].path("policy/model.safetensors")
+    )
 
 
 def unsharded(cfg):
