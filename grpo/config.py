@@ -24,7 +24,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from grpo.variants import AdvantageMode, AggMode, ImportanceCorrection, KLEstimator, LossType
+from grpo.variants import AdvantageMode, AggMode, DualClipLossType, ImportanceCorrection, KLEstimator, LossType
 
 Backend = Literal["auto", "vllm", "hf"]
 
@@ -205,7 +205,10 @@ Sharding = Literal["ddp", "fsdp2"]
 @dataclass(frozen=True)
 class LearnConfig:
     loss_type: LossType = "grpo_clip"
-    """Policy-gradient loss (grpo.core)."""
+    """Policy-gradient loss (grpo.core): `grpo_clip` (PPO's clipped ratio per token), `gspo` (one ratio per
+    sequence, clipped per sequence: GSPO, with clip ranges like clip_eps=3e-4, clip_eps_high=4e-4), `cispo`
+    (the clipped ratio as a stop-gradient weight on -A * logp: MiniMax-M1), `reinforce_baseline` (-A * logp),
+    `naive` (-reward * logp)."""
     agg_mode: AggMode = "seq_mean_token_mean"
     """How per-token losses become one scalar; `seq_mean_token_sum_norm` is Dr.GRPO."""
     epochs: int = 2
@@ -225,9 +228,13 @@ class LearnConfig:
     max_grad_norm: float = 1.0
     """Gradient-norm clip."""
     clip_eps: float = 0.2
-    """PPO clip range: ratio clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    """PPO clip range: ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (gspo: the sequence's ratio; cispo:
+    the token's weight)."""
     clip_eps_high: float | None = None
     """Upper clip range (DAPO); None uses clip_eps."""
+    dual_clip_c: float | None = None
+    """Dual-clip (Ye et al. 2020; loss_type grpo_clip or gspo): where the advantage A < 0 a token's loss is at
+    most -dual_clip_c * A, however large its ratio (e.g. 3.0; must be > 1); None: no such bound."""
     kl_coef: float = 0.0
     """beta: weight of the KL penalty to the frozen reference (base) model; 0 skips it and the reference's forward."""
     kl_estimator: KLEstimator = "k3"
@@ -280,6 +287,17 @@ LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s")
 """The learn fields that say where its processes run and how long they wait for each other, not what they
 compute (rank r does the same work on any node): left out of the learn stage's identity, and free to
 change for an existing run."""
+
+ADDED_SETTINGS = {"learn": ("dual_clip_c",)}
+"""Settings added after runs were made without them, per section: a stage's identity leaves each out while it
+holds its default (what runs did before it existed), so the stages those runs committed stay theirs."""
+
+
+def identity_section(cfg: RunConfig, section: str) -> dict:
+    """Section `section` of cfg as stage identities cover it: its ADDED_SETTINGS left out at their defaults."""
+    values = cfg.to_dict()[section]
+    defaults = {f.name: f.default for f in dataclasses.fields(getattr(cfg, section))}
+    return {k: v for k, v in values.items() if k not in ADDED_SETTINGS.get(section, ()) or v != defaults[k]}
 
 
 @dataclass(frozen=True)
@@ -601,6 +619,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("learn.clip_eps and learn.lr must be > 0 and learn.kl_coef >= 0")
     if lc.clip_eps_high is not None and lc.clip_eps_high <= 0:
         raise ConfigError(f"learn.clip_eps_high must be > 0 or null (= clip_eps), got {lc.clip_eps_high}")
+    if lc.dual_clip_c is not None and (lc.dual_clip_c <= 1 or lc.loss_type not in get_args(DualClipLossType)):
+        raise ConfigError(
+            f"learn.dual_clip_c must be > 1 (or null) and needs learn.loss_type in {list(get_args(DualClipLossType))}, "
+            f"got {lc.dual_clip_c} with loss_type {lc.loss_type}"
+        )
     if not all(0 <= b < 1 for b in lc.betas):
         raise ConfigError(f"learn.betas must each be in [0, 1), got {list(lc.betas)}")
     if lc.tis_cap <= 0 or (lc.max_logprob_gap is not None and lc.max_logprob_gap <= 0):

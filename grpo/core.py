@@ -5,7 +5,11 @@ Stanford CS336 (2025) lecture 17 / assignment 5 reference, with these departures
 - advantages come in three modes; "normalized" is the paper's z-score (with the
   unbiased torch.std, as CS336 uses), "centered" only subtracts the group mean
   (Dr.GRPO, nanochat), "naive" uses the raw reward.
-- grpo_clip takes an optional separate upper clip bound (DAPO's clip-higher).
+- grpo_clip takes an optional separate upper clip bound (DAPO's clip-higher) and an optional
+  dual-clip bound for negative advantages (Ye et al. 2020).
+- gspo (Zheng et al. 2025) clips one ratio per sequence (the GSPO-token form: every token's gradient
+  goes through its own log-prob); cispo (MiniMax-M1, 2025) clips a stop-gradient weight instead of the
+  objective, so no token loses its gradient.
 - the KL to the reference is added to the per-token loss (DeepSeekMath eq. 3), not
   folded into the reward, and is off by default (kl_coef=0) as in DAPO / Dr.GRPO.
 - aggregation offers the paper's per-sequence mean plus DAPO's token mean and
@@ -17,12 +21,12 @@ Shapes: B responses, T response tokens (right-padded), V vocab, G groups of K.
 Variants are picked by name from small registries; unknown names raise ValueError.
 """
 
-from typing import Callable
+from typing import Callable, get_args
 
 import torch
 from torch import Tensor
 
-from grpo.variants import AdvantageMode, AggMode, ImportanceCorrection, KLEstimator, LossType
+from grpo.variants import AdvantageMode, AggMode, DualClipLossType, ImportanceCorrection, KLEstimator, LossType
 
 
 def _lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
@@ -167,40 +171,78 @@ def _chunk_logprobs(x: Tensor, project: Callable[[Tensor], Tensor], labels: Tens
 
 
 # ---------------------------------------------------------------- policy-gradient losses
+# every loss: (logprobs, mask, raw_rewards, advantages, old_logprobs, eps_low, eps_high, dual_clip_c)
+# -> per-token loss (B, T), detached metadata {ratio, clipped} (B, T)
 def _on_policy_meta(logprobs: Tensor) -> dict[str, Tensor]:
     """Ratio 1 and nothing clipped (B, T): no importance weighting, same metric keys."""
     return {"ratio": torch.ones_like(logprobs).detach(), "clipped": torch.zeros_like(logprobs, dtype=torch.bool)}
 
 
-def _naive_pg(logprobs, raw_rewards, advantages, old_logprobs, eps_low, eps_high):
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float, dual_clip_c: float | None):
+    """PPO's -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), and with dual_clip_c at most
+    -c * A where A < 0 (dual-clip); ratio (B, T), advantages (B, 1) -> (B, T) and metadata."""
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    # -min(ratio*A, clip(ratio)*A) == max of the negated terms
+    loss = torch.maximum(pg_loss1, pg_loss2)
+    clipped = pg_loss2 > pg_loss1
+    if dual_clip_c is not None:  # A < 0 and a huge ratio: the loss stops growing at -c * A (no gradient)
+        bound = (-dual_clip_c * advantages).expand_as(loss)
+        dual = (advantages < 0) & (loss > bound)
+        loss, clipped = torch.where(dual, bound, loss), clipped | dual
+    return loss, {"ratio": ratio.detach(), "clipped": clipped}
+
+
+def _naive_pg(logprobs, mask, raw_rewards, advantages, old_logprobs, eps_low, eps_high, dual_clip_c):
     """-r * logp; raw_rewards (B, 1), logprobs (B, T) -> (B, T)."""
     raw_rewards = _require(raw_rewards, "raw_rewards", "loss_type 'naive'")
     return -raw_rewards * logprobs, _on_policy_meta(logprobs)
 
 
-def _reinforce_baseline_pg(logprobs, raw_rewards, advantages, old_logprobs, eps_low, eps_high):
+def _reinforce_baseline_pg(logprobs, mask, raw_rewards, advantages, old_logprobs, eps_low, eps_high, dual_clip_c):
     """-A * logp; advantages (B, 1), logprobs (B, T) -> (B, T)."""
     advantages = _require(advantages, "advantages", "loss_type 'reinforce_baseline'")
     return -advantages * logprobs, _on_policy_meta(logprobs)
 
 
-def _grpo_clip_pg(logprobs, raw_rewards, advantages, old_logprobs, eps_low, eps_high):
-    """PPO-style clipped surrogate; advantages (B, 1), (old_)logprobs (B, T) -> (B, T)."""
+def _grpo_clip_pg(logprobs, mask, raw_rewards, advantages, old_logprobs, eps_low, eps_high, dual_clip_c):
+    """PPO-style clipped surrogate per token; advantages (B, 1), (old_)logprobs (B, T) -> (B, T)."""
     advantages = _require(advantages, "advantages", "loss_type 'grpo_clip'")
     old_logprobs = _require(old_logprobs, "old_logprobs", "loss_type 'grpo_clip'")
     # the sampling policy is a constant: never send gradient into it
     ratio = torch.exp(logprobs - old_logprobs.detach())  # (B, T)
-    pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    # -min(ratio*A, clip(ratio)*A) == max of the negated terms
-    loss = torch.maximum(pg_loss1, pg_loss2)
-    return loss, {"ratio": ratio.detach(), "clipped": pg_loss2 > pg_loss1}
+    return _clipped_surrogate(ratio, advantages, eps_low, eps_high, dual_clip_c)
+
+
+def _gspo_pg(logprobs, mask, raw_rewards, advantages, old_logprobs, eps_low, eps_high, dual_clip_c):
+    """GSPO-token (Zheng et al. 2025): one ratio per sequence, s = exp(mean over its response tokens of
+    logp - old_logp), clipped per sequence; mask, (old_)logprobs (B, T), advantages (B, 1) -> (B, T)."""
+    advantages = _require(advantages, "advantages", "loss_type 'gspo'")
+    old_logprobs = _require(old_logprobs, "old_logprobs", "loss_type 'gspo'")
+    mask = _require(mask, "response_mask", "loss_type 'gspo'")
+    seq_log_ratio = masked_mean(logprobs - old_logprobs.detach(), mask, dim=-1).unsqueeze(-1)  # (B, 1)
+    # the paper's sg[s] * pi / sg[pi]: the value is s on every token, token t's gradient is s * d logp_t,
+    # so with seq_mean_token_mean this is the sequence-level GSPO gradient
+    ratio = torch.exp(seq_log_ratio.detach() + logprobs - logprobs.detach())  # (B, T)
+    return _clipped_surrogate(ratio, advantages, eps_low, eps_high, dual_clip_c)
+
+
+def _cispo_pg(logprobs, mask, raw_rewards, advantages, old_logprobs, eps_low, eps_high, dual_clip_c):
+    """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp; the clip bounds each
+    token's weight, never its gradient. advantages (B, 1), (old_)logprobs (B, T) -> (B, T)."""
+    advantages = _require(advantages, "advantages", "loss_type 'cispo'")
+    old_logprobs = _require(old_logprobs, "old_logprobs", "loss_type 'cispo'")
+    ratio = torch.exp(logprobs - old_logprobs.detach()).detach()  # (B, T)
+    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return -weight * advantages * logprobs, {"ratio": ratio, "clipped": weight != ratio}
 
 
 _PG_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     "naive": _naive_pg,
     "reinforce_baseline": _reinforce_baseline_pg,
     "grpo_clip": _grpo_clip_pg,
+    "gspo": _gspo_pg,
+    "cispo": _cispo_pg,
 }
 
 
@@ -208,23 +250,30 @@ def policy_gradient_loss(
     loss_type: LossType,
     logprobs: Tensor,
     *,
+    response_mask: Tensor | None = None,
     raw_rewards: Tensor | None = None,
     advantages: Tensor | None = None,
     old_logprobs: Tensor | None = None,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token policy-gradient loss (to minimize).
 
-    logprobs, old_logprobs: (B, T); raw_rewards, advantages: (B, 1).
+    logprobs, old_logprobs, response_mask: (B, T); raw_rewards, advantages: (B, 1).
     naive: -r * logp; reinforce_baseline: -A * logp;
     grpo_clip: -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A),
-    clip_eps_high defaulting to clip_eps.
+    clip_eps_high defaulting to clip_eps;
+    gspo: the same with one ratio per sequence, exp(masked mean of logp - old_logp) (needs response_mask);
+    cispo: -sg(clip(ratio, 1 - clip_eps, 1 + clip_eps_high)) * A * logp;
+    dual_clip_c (grpo_clip, gspo): where A < 0 the loss is at most -dual_clip_c * A.
     Returns loss (B, T) and detached per-token metadata {ratio, clipped}, each (B, T).
     """
     loss_fn = _lookup(_PG_LOSSES, loss_type, "loss_type")
+    if dual_clip_c is not None and loss_type not in get_args(DualClipLossType):
+        raise ValueError(f"dual_clip_c applies to loss_type {list(get_args(DualClipLossType))}, not {loss_type!r}")
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    return loss_fn(logprobs, raw_rewards, advantages, old_logprobs, clip_eps, eps_high)
+    return loss_fn(logprobs, response_mask, raw_rewards, advantages, old_logprobs, clip_eps, eps_high, dual_clip_c)
 
 
 # ---------------------------------------------------------------- KL to the reference
@@ -335,6 +384,7 @@ def grpo_microbatch_step(
     kl_estimator: KLEstimator = "k3",
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
     max_tokens: float | None = None,
     sampler_logprobs: Tensor | None = None,
     importance_correction: ImportanceCorrection = "none",
@@ -344,9 +394,9 @@ def grpo_microbatch_step(
 
     logprobs, response_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards,
     advantages: (B, 1); sampler_logprobs (B, T), needed by importance_correction "tis", which
-    weighs each token's policy-gradient loss by min(pi_old / pi_sampler, tis_cap).
-    The KL term is added only when kl_coef > 0; with kl_coef == 0
-    a given ref_logprobs is still reported as loss/kl. Equal-size microbatches
+    weighs each token's policy-gradient loss by min(pi_old / pi_sampler, tis_cap). The loss and its
+    clip_eps, clip_eps_high and dual_clip_c are policy_gradient_loss's. The KL term is added only when
+    kl_coef > 0; with kl_coef == 0 a given ref_logprobs is still reported as loss/kl. Equal-size microbatches
     reproduce the full-batch gradient for the seq_* modes; token_mean becomes a
     mean of per-microbatch token means.
     Returns the scaled loss (scalar, detached) and detached metrics; loss/pg and
@@ -359,11 +409,13 @@ def grpo_microbatch_step(
     pg_loss, meta = policy_gradient_loss(
         loss_type,
         logprobs,
+        response_mask=response_mask,
         raw_rewards=raw_rewards,
         advantages=advantages,
         old_logprobs=old_logprobs,
         clip_eps=clip_eps,
         clip_eps_high=clip_eps_high,
+        dual_clip_c=dual_clip_c,
     )
     if importance_correction != "none":
         weights = importance_weights(

@@ -211,6 +211,7 @@ def minibatch_step(
             kl_estimator=lcfg.kl_estimator,
             clip_eps=lcfg.clip_eps,
             clip_eps_high=lcfg.clip_eps_high,
+            dual_clip_c=lcfg.dual_clip_c,
             max_tokens=max_tokens,
             sampler_logprobs=batch.sampler_logprobs[mb],
             importance_correction=lcfg.importance_correction,

@@ -4,7 +4,8 @@ grpo.config accepts exactly these (an unknown name fails there, listing the vali
 from typing import Literal
 
 AdvantageMode = Literal["naive", "centered", "normalized"]
-LossType = Literal["naive", "reinforce_baseline", "grpo_clip"]
+LossType = Literal["naive", "reinforce_baseline", "grpo_clip", "gspo", "cispo"]
+DualClipLossType = Literal["grpo_clip", "gspo"]  # the losses learn.dual_clip_c bounds (clipped surrogates)
 KLEstimator = Literal["k1", "k2", "k3"]
 AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 ImportanceCorrection = Literal["none", "tis"]

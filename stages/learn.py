@@ -33,7 +33,7 @@ from grpo.checkpoint import (
     tokenizer_and_config,
     upload_folder,
 )
-from grpo.config import LEARN_PLACEMENT, RunConfig
+from grpo.config import LEARN_PLACEMENT, RunConfig, identity_section
 from grpo.generation import release_accelerator
 from grpo.layout import STATE_PREFIXES, Salt, iteration_seed
 from grpo.learner import Batch, Learner, Scores, train
@@ -241,8 +241,9 @@ def learn_inputs(storage: Storage, run_id: str, iteration: int) -> dict[str, Com
 
 def stage_config(cfg: RunConfig) -> dict:
     """What the stage's identity covers: the seed and the learn section, less where its processes run
-    (LEARN_PLACEMENT: one node or several train the same update)."""
-    return {"seed": cfg.seed, "learn": {k: v for k, v in cfg.to_dict()["learn"].items() if k not in LEARN_PLACEMENT}}
+    (LEARN_PLACEMENT: one node or several train the same update) and settings added later at their defaults."""
+    learn = identity_section(cfg, "learn")
+    return {"seed": cfg.seed, "learn": {k: v for k, v in learn.items() if k not in LEARN_PLACEMENT}}
 
 
 def read_batch(storage: Storage, cfg: RunConfig, inputs: dict[str, Committed]) -> Batch:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo.config import ConfigError, RunConfig, _hints, load_config, optional_dataclass
+from grpo.config import ConfigError, RunConfig, _hints, _merge, load_config, optional_dataclass
 
 # config fields whose values name files, modules or models: a wrong one fails at `grpo init` (which
 # loads them) with a ConfigError too, but that needs a run; here only their types are checked
@@ -34,7 +34,9 @@ VALUES = st.one_of(
     st.integers(min_value=-(2**40), max_value=2**40),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
-    st.sampled_from(["auto", "hf", "vllm", "k3", "bf16", "bfloat16", "sort", "position", "tensorboard", "none"]),
+    st.sampled_from(
+        ["auto", "hf", "vllm", "k3", "bf16", "bfloat16", "sort", "position", "tensorboard", "none", "gspo", "cispo"]
+    ),
     st.lists(st.one_of(st.integers(-5, 5), st.floats(), st.text(max_size=4)), max_size=4),
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
 )
@@ -50,6 +52,13 @@ def nested(path: str, value) -> dict:
 
 def test_every_field_is_covered():
     assert len(FIELDS) >= 74 and "rollout.vllm.gpu_memory_utilization" in FIELDS and "learn.betas" in FIELDS
+    assert set(ADDED) <= set(FIELDS)
+
+
+# settings added with the loss variants, overlong shaping and reference refresh, thrown at harder (alone and
+# beside the settings they depend on)
+ADDED = ["learn.dual_clip_c"]
+BESIDE = [{}, {"learn": {"loss_type": "gspo"}}, {"learn": {"loss_type": "cispo"}}]
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -69,6 +78,38 @@ def test_any_value_in_any_field_is_a_valid_config_or_a_config_error_naming_a_fie
         got = got[key]
     if path not in NAMES_THINGS and value is not None and not isinstance(value, (dict, list)):
         assert got == value or float(got) == float(value), (path, value, got)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=st.sampled_from(ADDED), value=VALUES, beside=st.sampled_from(BESIDE))
+def test_added_settings_give_a_valid_config_or_a_config_error_naming_them(path, value, beside):
+    try:
+        cfg = load_config(_merge(beside, nested(path, value)))
+    except ConfigError as e:
+        assert "\n" not in str(e) and path in str(e), (path, value, str(e))
+        return
+    got = cfg.to_dict()
+    for key in path.split("."):
+        got = got[key]
+    assert got == value or float(got) == float(value), (path, value, got)
+
+
+@pytest.mark.parametrize(
+    "overrides,error",
+    [
+        (["learn.loss_type=gspo", "learn.clip_eps=3e-4", "learn.clip_eps_high=4e-4"], None),  # GSPO's ranges
+        (["learn.dual_clip_c=3"], None),
+        (["learn.loss_type=gspo", "learn.dual_clip_c=3"], None),
+        (["learn.dual_clip_c=1"], "learn.dual_clip_c must be > 1"),
+        (["learn.loss_type=cispo", "learn.dual_clip_c=3"], "learn.dual_clip_c"),
+    ],
+)
+def test_added_settings_hand_picked(overrides, error):
+    if error is None:
+        load_config(None, overrides)
+        return
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, overrides)
 
 
 @pytest.mark.parametrize("raw", [None, [], "x", 3, {"learn": None}, {"learn": []}, {"nope": {}}])

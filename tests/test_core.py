@@ -301,6 +301,138 @@ def test_grpo_clip_never_sends_gradient_to_old_logprobs():
     assert old.grad is None and lp.grad is not None
 
 
+# 2 sequences x 3 tokens: per-token ratios exp(logp - old) of 1.5, 0.5, 1 and 1.1, 0.9, 2 (the last padding
+# where a mask is given), advantages 1 and -2
+RATIOS = torch.tensor([[1.5, 0.5, 1.0], [1.1, 0.9, 2.0]])
+OLD = torch.full((2, 3), math.log(0.5))
+ADV = torch.tensor([[1.0], [-2.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def _loss_and_grad(loss_type, old=OLD, ratios=RATIOS, adv=ADV, mask=MASK, **kw):
+    """Per-token loss, metadata and d(sum of the masked loss)/d logp of one loss on the 2x3 example."""
+    lp = (old + torch.log(ratios)).requires_grad_(True)
+    loss, meta = policy_gradient_loss(loss_type, lp, response_mask=mask, advantages=adv, old_logprobs=old, **kw)
+    (loss * mask).sum().backward()
+    return loss.detach(), meta, lp.grad
+
+
+def test_dual_clip_hand_values_2x3():
+    loss, meta, grad = _loss_and_grad("grpo_clip", mask=torch.ones(2, 3), clip_eps=0.2)
+    torch.testing.assert_close(loss, torch.tensor([[-1.2, -0.5, -1.0], [2.2, 1.8, 4.0]]))
+    # c = 1.5: where A = -2 the loss stops at -c * A = 3 (the ratio 2 token), without gradient
+    loss, meta, grad = _loss_and_grad("grpo_clip", mask=torch.ones(2, 3), clip_eps=0.2, dual_clip_c=1.5)
+    torch.testing.assert_close(loss, torch.tensor([[-1.2, -0.5, -1.0], [2.2, 1.8, 3.0]]))
+    assert meta["clipped"].tolist() == [[True, False, False], [False, False, True]]
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -0.5, -1.0], [2.2, 1.8, 0.0]]))  # -A * ratio, or 0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo_clip", "gspo"])
+def test_dual_clip_bounds_negative_advantages_and_leaves_the_rest(loss_type):
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(64, 6, generator=g) * 3
+    ratios = torch.exp(torch.randn(64, 6, generator=g) * 1.5)  # up to ~100x
+    adv = torch.randn(64, 1, generator=g)
+    mask = (torch.arange(6) < torch.randint(1, 7, (64, 1), generator=g)).float()
+    plain, _, _ = _loss_and_grad(loss_type, old, ratios, adv, mask, clip_eps=0.2)
+    dual, _, _ = _loss_and_grad(loss_type, old, ratios, adv, mask, clip_eps=0.2, dual_clip_c=3.0)
+    torch.testing.assert_close(dual, torch.where(adv < 0, torch.minimum(plain, -3.0 * adv), plain))
+    assert (dual[(adv < 0).expand_as(dual)] <= (-3.0 * adv).expand_as(dual)[(adv < 0).expand_as(dual)] + 1e-6).all()
+    assert (dual < plain).any()  # the bound bit somewhere
+
+
+@pytest.mark.parametrize("loss_type", ["naive", "reinforce_baseline", "cispo"])
+def test_dual_clip_is_refused_by_losses_without_a_clipped_objective(loss_type):
+    with pytest.raises(ValueError, match="dual_clip_c"):
+        policy_gradient_loss(
+            loss_type, OLD, raw_rewards=ADV, advantages=ADV, old_logprobs=OLD, response_mask=MASK, dual_clip_c=3.0
+        )
+
+
+def test_gspo_hand_values_2x3_with_the_papers_clip_range():
+    # sequence ratios over response tokens only: (1.5 * 0.5 * 1)^(1/3) = 0.75^(1/3) and (1.1 * 0.9)^(1/2)
+    loss, meta, grad = _loss_and_grad("gspo", clip_eps=3e-4, clip_eps_high=4e-4)
+    s0, s1 = 0.75 ** (1 / 3), 0.99**0.5
+    # A = 1, s0 below 1 - 3e-4: min(s0 * A, clip(s0) * A) is the unclipped s0; every token has its gradient
+    torch.testing.assert_close(loss[0], torch.full((3,), -s0))
+    torch.testing.assert_close(grad[0], torch.full((3,), -s0))  # d(-A * s)/d logp_t = -A * s, token by token
+    # A = -2, s1 below 1 - 3e-4: the clipped term -A * (1 - 3e-4) is the larger loss; no gradient
+    torch.testing.assert_close(loss[1, :2], torch.full((2,), 2 * (1 - 3e-4)))
+    assert meta["clipped"].tolist() == [[False] * 3, [True] * 3] and not grad[1].any()
+    torch.testing.assert_close(meta["ratio"], torch.tensor([[s0] * 3, [s1] * 3]))
+    # the padding token's ratio 2 entering the mean would have made s1 = 1.98^(1/3) > 1 + 4e-4: unclipped, larger
+    unmasked, _, _ = _loss_and_grad("gspo", mask=torch.ones(2, 3), clip_eps=3e-4, clip_eps_high=4e-4)
+    torch.testing.assert_close(unmasked[1], torch.full((3,), 2 * 1.98 ** (1 / 3)))
+
+
+def test_gspo_padding_never_enters_the_sequence_ratio():
+    old = OLD.clone()
+    old[1, 2] = -80.0  # a padding token with a huge log-ratio
+    masked, _, grad = _loss_and_grad("gspo", old=old, clip_eps=0.2)
+    plain, _, grad_plain = _loss_and_grad("gspo", clip_eps=0.2)
+    torch.testing.assert_close(masked * MASK, plain * MASK)
+    torch.testing.assert_close(grad * MASK, grad_plain * MASK)
+    with pytest.raises(ValueError, match="response_mask"):
+        policy_gradient_loss("gspo", OLD, advantages=ADV, old_logprobs=OLD)
+
+
+@pytest.mark.parametrize("log_ratio", [-0.5, -0.1, 0.0, 0.05, 0.4])  # inside and outside [1 - 0.2, 1 + 0.28]
+def test_gspo_equals_grpo_clip_when_every_token_has_the_same_log_ratio(log_ratio):
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(4, 5, generator=g) * 3
+    ratios = torch.full((4, 5), math.exp(log_ratio))
+    adv = torch.tensor([[1.0], [-1.0], [0.5], [-2.0]])
+    mask = (torch.arange(5) < torch.tensor([[5], [3], [1], [4]])).float()
+    kw = dict(clip_eps=0.2, clip_eps_high=0.28, dual_clip_c=1.1)
+    gspo, gspo_meta, gspo_grad = _loss_and_grad("gspo", old, ratios, adv, mask, **kw)
+    clip, clip_meta, clip_grad = _loss_and_grad("grpo_clip", old, ratios, adv, mask, **kw)
+    torch.testing.assert_close(gspo * mask, clip * mask)
+    torch.testing.assert_close(gspo_grad, clip_grad)
+    assert torch.equal(gspo_meta["clipped"] & mask.bool(), clip_meta["clipped"] & mask.bool())
+
+
+def test_gspo_token_form_gives_the_sequence_level_gradient():
+    """Aggregated per sequence, the GSPO-token loss has the gradient of the paper's sequence objective
+    -mean_i min(s_i * A_i, clip(s_i) * A_i) with s_i = exp(mean_t logp - old)."""
+    g = torch.Generator().manual_seed(2)
+    old = -torch.rand(6, 5, generator=g) * 3
+    lp0 = old + torch.randn(6, 1, generator=g) * 0.4 + torch.randn(6, 5, generator=g) * 0.2  # some clip
+    adv = torch.randn(6, 1, generator=g)
+    mask = (torch.arange(5) < torch.tensor([[5], [2], [4], [1], [3], [5]])).float()
+    lp = lp0.clone().requires_grad_(True)
+    loss, meta = policy_gradient_loss("gspo", lp, response_mask=mask, advantages=adv, old_logprobs=old)
+    aggregate_loss(loss, mask, "seq_mean_token_mean").backward()
+    lp_seq = lp0.clone().requires_grad_(True)
+    s = torch.exp(((lp_seq - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True))  # (B, 1)
+    torch.maximum(-adv * s, -adv * s.clamp(0.8, 1.2)).mean().backward()
+    assert meta["clipped"].any() and not meta["clipped"].all()  # both kinds of sequence
+    torch.testing.assert_close(lp.grad, lp_seq.grad)
+
+
+def test_cispo_hand_values_2x3_and_gradient_through_clipped_tokens():
+    loss, meta, grad = _loss_and_grad("cispo", mask=torch.ones(2, 3), clip_eps=0.2)
+    # weights clip(ratio, 0.8, 1.2): 1.2, 0.8, 1 and 1.1, 0.9, 1.2; logp = log(0.5 * ratio)
+    w = torch.tensor([[1.2, 0.8, 1.0], [1.1, 0.9, 1.2]])
+    logp = torch.log(torch.tensor([[0.75, 0.25, 0.5], [0.55, 0.45, 1.0]]))
+    torch.testing.assert_close(loss, -w * ADV * logp)
+    assert meta["clipped"].tolist() == [[True, True, False], [False, False, True]]
+    # d/dlogp of -sg(w) * A * logp = -w * A on every token, the three clipped ones too
+    torch.testing.assert_close(grad, torch.tensor([[-1.2, -0.8, -1.0], [2.2, 1.8, 2.4]]))
+    _, _, clip_grad = _loss_and_grad("grpo_clip", mask=torch.ones(2, 3), clip_eps=0.2)
+    assert clip_grad[0, 0] == 0 and grad[0, 0] != 0  # where grpo_clip cuts the gradient, cispo keeps it
+
+
+def test_cispo_at_ratio_one_matches_reinforce_baseline():
+    lp = OLD.clone().requires_grad_(True)
+    loss, _ = policy_gradient_loss("cispo", lp, advantages=ADV, old_logprobs=OLD)
+    loss.sum().backward()
+    lp_rb = OLD.clone().requires_grad_(True)
+    rb, _ = policy_gradient_loss("reinforce_baseline", lp_rb, advantages=ADV)
+    rb.sum().backward()
+    torch.testing.assert_close(loss.detach(), rb.detach())
+    torch.testing.assert_close(lp.grad, lp_rb.grad)
+
+
 # ---------------------------------------------------------------- KL
 
 
@@ -408,10 +540,11 @@ def _batch(seed=6, b=4, t=5):
 STEP_KW = dict(loss_type="grpo_clip", agg_mode="seq_mean_token_mean", kl_coef=0.1, clip_eps=0.2)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo_clip", "gspo", "cispo"])
 @pytest.mark.parametrize("agg_mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
-def test_two_microbatches_match_full_batch_gradient(agg_mode):
+def test_two_microbatches_match_full_batch_gradient(agg_mode, loss_type):
     d = _batch()
-    kw = {**STEP_KW, "agg_mode": agg_mode, "max_tokens": 5.0}
+    kw = {**STEP_KW, "agg_mode": agg_mode, "max_tokens": 5.0, "loss_type": loss_type}
 
     def run(slices, steps):
         theta = d["logprobs"].clone().requires_grad_(True)
@@ -540,7 +673,7 @@ def _call(entry, name):
     calls = {
         "advantage": lambda: group_advantages(torch.arange(4.0), 2, name),
         "loss": lambda: policy_gradient_loss(
-            name, lp, raw_rewards=torch.ones(2, 1), advantages=torch.ones(2, 1), old_logprobs=lp
+            name, lp, response_mask=mask, raw_rewards=torch.ones(2, 1), advantages=torch.ones(2, 1), old_logprobs=lp
         ),
         "kl": lambda: kl_penalty(lp, lp, name),
         "agg": lambda: aggregate_loss(lp, mask, name, max_tokens=4.0),

@@ -154,3 +154,38 @@ def test_reference_is_scored_only_with_a_kl_penalty(storage):
     # iteration 0 samples from the base model, so reference and old log-probs are the same forward
     for old, ref in zip(lp.old_logprobs, lp.ref_logprobs):
         assert old.tolist() == pytest.approx(ref.tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["learn.loss_type=gspo", "learn.clip_eps=3e-4", "learn.clip_eps_high=4e-4"],  # the paper's ranges
+        ["learn.loss_type=cispo", "learn.agg_mode=token_mean"],
+        ["learn.dual_clip_c=3.0"],
+    ],
+    ids=["gspo", "cispo", "dual_clip"],
+)
+def test_each_loss_variant_trains(storage, extra):
+    """A learn stage with the variant commits a policy that moved, every step's loss finite."""
+    from safetensors.torch import load_file
+
+    make_run(storage, "v", extra=extra)
+    out = stage_function("learn")(storage, "v", 0)
+    metrics = pd.read_parquet(storage.uri(out.path("metrics.parquet")))
+    assert len(metrics) == 4 and torch.isfinite(torch.tensor(metrics[["loss", "pg_loss", "grad_norm"]].values)).all()
+    base = latest_committed(storage, stage_dir(storage, "v", None, "base"))
+    before, after = (load_file(c.path("policy/model.safetensors")) for c in (base, out))
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+    if "learn.loss_type=gspo" in extra:  # ranges of 3e-4 / 4e-4 clip whole sequences once the policy moved
+        assert metrics.clip_frac.iloc[1:].max() > 0 and metrics.clip_frac.iloc[0] == 0
+
+
+def test_settings_added_later_leave_existing_stage_identities_alone():
+    """At their defaults the settings added after runs were made (config.ADDED_SETTINGS) are not part of any
+    stage's identity: a run made before them keeps its committed stages (hash of the defaults before them)."""
+    from grpo.storage import config_hash
+    from stages.learn import stage_config
+
+    cfg = load_config(None)
+    assert config_hash(stage_config(cfg)) == "f387f6c1d765cafad97d7a71ef14608b08bcd0bcc539a0b6f5c9b56bf8095f80"
+    assert stage_config(load_config(None, ["learn.dual_clip_c=3"]))["learn"]["dual_clip_c"] == 3.0
