@@ -162,6 +162,12 @@ class RewardConfig:
     """The stage fails when more than this fraction of samples errors."""
     truncated_reward: float | None = None
     """Reward of a response cut off at rollout.max_tokens; None scores it like any other (as TRL and verl do)."""
+    overlong_buffer: int | None = None
+    """DAPO's soft overlong punishment, in tokens: a response longer than rollout.max_tokens - overlong_buffer
+    loses overlong_penalty * (length - (max_tokens - overlong_buffer)) / overlong_buffer of its reward (after
+    truncated_reward), recorded as the reward component `overlong`; None: off."""
+    overlong_penalty: float = 1.0
+    """With overlong_buffer: what a response of rollout.max_tokens tokens loses (DAPO: 1)."""
     max_memory_mb: int | None = None
     """Memory a reward worker process may take beyond what it inherits when forked, in MiB (RLIMIT_AS set to
     its size at start plus this); a function that exceeds it fails that sample with a MemoryError instead
@@ -288,16 +294,19 @@ LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s")
 compute (rank r does the same work on any node): left out of the learn stage's identity, and free to
 change for an existing run."""
 
-ADDED_SETTINGS = {"learn": ("dual_clip_c",)}
-"""Settings added after runs were made without them, per section: a stage's identity leaves each out while it
-holds its default (what runs did before it existed), so the stages those runs committed stay theirs."""
+ADDED_SETTINGS = {"learn": (("dual_clip_c",),), "reward": (("overlong_buffer", "overlong_penalty"),)}
+"""Settings added after runs were made without them, per section, in groups that act together: a stage's identity
+leaves a group out while all of it holds its defaults (what runs did before it existed), so the stages those
+runs committed stay theirs."""
 
 
 def identity_section(cfg: RunConfig, section: str) -> dict:
-    """Section `section` of cfg as stage identities cover it: its ADDED_SETTINGS left out at their defaults."""
+    """Section `section` of cfg as stage identities cover it: ADDED_SETTINGS groups at their defaults left out."""
     values = cfg.to_dict()[section]
     defaults = {f.name: f.default for f in dataclasses.fields(getattr(cfg, section))}
-    return {k: v for k, v in values.items() if k not in ADDED_SETTINGS.get(section, ()) or v != defaults[k]}
+    groups = ADDED_SETTINGS.get(section, ())
+    idle = {k for group in groups if all(values[k] == defaults[k] for k in group) for k in group}
+    return {k: v for k, v in values.items() if k not in idle}
 
 
 @dataclass(frozen=True)
@@ -611,6 +620,13 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"rollout.temperature must be > 0 and rollout.top_p in (0, 1], got {r.temperature}, {r.top_p}"
         )
+    if cfg.reward.overlong_buffer is not None and not 1 <= cfg.reward.overlong_buffer <= r.max_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer must be in [1, rollout.max_tokens={r.max_tokens}] or null (off), "
+            f"got {cfg.reward.overlong_buffer}"
+        )
+    if cfg.reward.overlong_penalty < 0:
+        raise ConfigError(f"reward.overlong_penalty must be >= 0, got {cfg.reward.overlong_penalty}")
     if not 0 <= cfg.reward.max_error_fraction <= 1:
         raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {cfg.reward.max_error_fraction}")
     if cfg.model.initializer_range <= 0:

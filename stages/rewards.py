@@ -7,7 +7,9 @@ dataset row as keyword arguments (grpo.tasks.functions).
 Rewards run in worker processes the stage watches (RewardPool); each sample has a time limit. A
 response cut off at max_tokens scores `reward.truncated_reward` when that is set (an unfinished
 answer is not an answer; without it a policy that never emits eos is never shown that stopping
-after the answer pays). An exception, a timeout, a MemoryError past `reward.max_memory_mb`, a
+after the answer pays); with `reward.overlong_buffer` a response within that many tokens of max_tokens
+loses a share of `reward.overlong_penalty` growing linearly with its length (DAPO), recorded as the
+component `overlong`. An exception, a timeout, a MemoryError past `reward.max_memory_mb`, a
 function that ignores its alarm or a worker that dies (os._exit, a signal, the OOM killer) is
 recorded in the `error` column with reward 0, naming the function; a hung or dead worker is
 replaced at once; and the stage fails (committing nothing) as soon as more than
@@ -35,10 +37,11 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from grpo.checkpoint import local_checkpoint
-from grpo.config import RewardConfig, RunConfig
+from grpo.config import RewardConfig, RunConfig, identity_section
 from grpo.storage import Committed, Storage
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, table_file
@@ -502,6 +505,27 @@ def allowed_errors(fraction: float, n: int) -> int:
     return e
 
 
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment, added to the reward of a response of `length` tokens: 0 up to
+    max_tokens - buffer tokens, then falling linearly to -penalty at max_tokens (and no further).
+
+    >>> [overlong_penalty(n, max_tokens=10, buffer=4, penalty=1.0) for n in (3, 6, 7, 9, 10)]
+    [0.0, 0.0, -0.25, -0.75, -1.0]
+    """
+    over = min(length - (max_tokens - buffer), buffer)
+    return -penalty * over / buffer if over > 0 else 0.0
+
+
+def overlong(scored: tuple, length: int, max_tokens: int, buffer: int, penalty: float) -> tuple:
+    """A scored sample with overlong_penalty added to its reward and recorded as the component `overlong`
+    (0 for a response short enough); a sample that erred keeps its reward 0."""
+    reward, components, error = scored
+    if error is not None:
+        return scored
+    term = overlong_penalty(length, max_tokens, buffer, penalty)
+    return reward + term, {**components, "overlong": term}, error
+
+
 def truncated(scored: tuple, finish_reason: str, value: float) -> tuple:
     """A response cut off at max_tokens is no answer: its reward becomes `value`.
 
@@ -583,6 +607,10 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
                         truncated(item, fr, cfg.reward.truncated_reward)
                         for item, fr in zip(scored, batch.column("finish_reason").to_pylist())
                     ]
+                if cfg.reward.overlong_buffer is not None:  # after truncated_reward: a cut-off response loses it too
+                    lengths = pc.list_value_length(batch.column("response_ids")).to_pylist()
+                    shaping = (cfg.rollout.max_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+                    scored = [overlong(item, n, *shaping) for item, n in zip(scored, lengths)]
                 cols = {k: batch.column(k).to_pylist() for k in keys}
                 cols["reward"] = [r for r, _, _ in scored]
                 cols["components"] = [list(c.items()) for _, c, _ in scored]
@@ -619,8 +647,6 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
             if at >= rows.stop:
                 return
 
-    reward = {k: v for k, v in cfg.to_dict()["reward"].items() if k != "shards"}  # same rows for any
-    config = {"task": cfg.to_dict()["task"], "reward": reward}
     return run_sharded(
         storage,
         run_id,
@@ -628,13 +654,20 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
         "rewards",
         shards=cfg.reward.shards,
         setting="reward.shards",
-        config=config,
+        config=stage_config(cfg),
         inputs=inputs,
         shard_body=lambda k, writer: score(writer, k),
         merge_summary=merged_summary,
         force=force,
         shard=shard,
     )
+
+
+def stage_config(cfg: RunConfig) -> dict:
+    """What the stage's identity covers: the task and the reward section, less reward.shards (1 and N shards
+    score the same rows) and settings added later at their defaults (config.ADDED_SETTINGS)."""
+    reward = {k: v for k, v in identity_section(cfg, "reward").items() if k != "shards"}
+    return {"task": cfg.to_dict()["task"], "reward": reward}
 
 
 def merged_summary(parts: list[dict]) -> dict:

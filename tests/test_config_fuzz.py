@@ -57,8 +57,8 @@ def test_every_field_is_covered():
 
 # settings added with the loss variants, overlong shaping and reference refresh, thrown at harder (alone and
 # beside the settings they depend on)
-ADDED = ["learn.dual_clip_c"]
-BESIDE = [{}, {"learn": {"loss_type": "gspo"}}, {"learn": {"loss_type": "cispo"}}]
+ADDED = ["learn.dual_clip_c", "reward.overlong_buffer", "reward.overlong_penalty"]
+BESIDE = [{}, {"learn": {"loss_type": "gspo"}}, {"learn": {"loss_type": "cispo"}}, {"rollout": {"max_tokens": 64}}]
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -102,6 +102,11 @@ def test_added_settings_give_a_valid_config_or_a_config_error_naming_them(path, 
         (["learn.loss_type=gspo", "learn.dual_clip_c=3"], None),
         (["learn.dual_clip_c=1"], "learn.dual_clip_c must be > 1"),
         (["learn.loss_type=cispo", "learn.dual_clip_c=3"], "learn.dual_clip_c"),
+        (["rollout.max_tokens=64", "reward.overlong_buffer=16", "reward.overlong_penalty=0.5"], None),
+        (["reward.overlong_buffer=5"], None),  # the whole response budget (rollout.max_tokens=5)
+        (["reward.overlong_buffer=6"], "reward.overlong_buffer must be in .1, rollout.max_tokens=5."),
+        (["reward.overlong_buffer=0"], "reward.overlong_buffer"),
+        (["reward.overlong_buffer=4", "reward.overlong_penalty=-1"], "reward.overlong_penalty must be >= 0"),
     ],
 )
 def test_added_settings_hand_picked(overrides, error):

@@ -184,8 +184,11 @@ def test_settings_added_later_leave_existing_stage_identities_alone():
     """At their defaults the settings added after runs were made (config.ADDED_SETTINGS) are not part of any
     stage's identity: a run made before them keeps its committed stages (hash of the defaults before them)."""
     from grpo.storage import config_hash
-    from stages.learn import stage_config
+    from stages import learn, rewards
 
     cfg = load_config(None)
-    assert config_hash(stage_config(cfg)) == "f387f6c1d765cafad97d7a71ef14608b08bcd0bcc539a0b6f5c9b56bf8095f80"
-    assert stage_config(load_config(None, ["learn.dual_clip_c=3"]))["learn"]["dual_clip_c"] == 3.0
+    assert config_hash(learn.stage_config(cfg)) == "f387f6c1d765cafad97d7a71ef14608b08bcd0bcc539a0b6f5c9b56bf8095f80"
+    assert config_hash(rewards.stage_config(cfg)) == "19054604eb9f926235bbaf5c460cfbcbe9c5206c90c0c8d71b4546a20525cc23"
+    assert learn.stage_config(load_config(None, ["learn.dual_clip_c=3"]))["learn"]["dual_clip_c"] == 3.0
+    shaped = rewards.stage_config(load_config(None, ["reward.overlong_buffer=2"]))["reward"]
+    assert shaped["overlong_buffer"] == 2 and shaped["overlong_penalty"] == 1.0  # set: both in the identity

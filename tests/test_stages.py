@@ -184,6 +184,40 @@ def test_reward_errors_recorded_then_stage_fails_over_threshold(storage, monkeyp
         latest_committed(storage, stage_dir(storage, "strict", 0, "rewards"))
 
 
+def test_overlong_shaping_is_a_reward_component_a_query_shows(storage):
+    """reward.overlong_buffer: each response's reward loses penalty * (length - (max_tokens - buffer)) / buffer
+    past max_tokens - buffer tokens, after truncated_reward; the term is the component `overlong`."""
+    from grpo.query import query
+    from stages.rewards import overlong_penalty
+
+    make_run(storage, "o", extra=["reward.overlong_buffer=6", "reward.overlong_penalty=0.5"])  # max_tokens 16
+    for s in ["snapshot", "rollouts", "rewards"]:
+        out = stage_function(s)(storage, "o", 0)
+    rw = pd.read_parquet(storage.uri(out.path("rewards.parquet"))).merge(
+        pd.read_parquet(storage.uri(stage_function("rollouts")(storage, "o", 0).path("rollouts.parquet"))),
+        on=["prompt_id", "sample_index"],
+    )
+    lengths, comps = rw.response_ids.map(len), rw.components.map(dict)
+    terms = [overlong_penalty(n, 16, 6, 0.5) for n in lengths]
+    assert [c["overlong"] for c in comps] == pytest.approx(terms)
+    assert {round(t, 4) for t in terms} >= {0.0, -0.5}  # short responses and cut-off ones (length 16)
+    base = [0.0 if fr == "length" else c["total"] for fr, c in zip(rw.finish_reason, comps)]  # truncated_reward=0
+    assert rw.reward.tolist() == pytest.approx([b + t for b, t in zip(base, terms)])
+    shown = query(
+        storage, "o", "SELECT sum(components['overlong']) AS s, min(components['overlong']) AS m FROM rewards"
+    )
+    assert (shown.s[0], shown.m[0]) == pytest.approx((sum(terms), -0.5))
+
+
+def test_rewards_doctests():
+    import doctest
+
+    import stages.rewards
+
+    result = doctest.testmod(stages.rewards)
+    assert result.attempted >= 3 and result.failed == 0
+
+
 def test_reward_timeout_is_recorded(storage, monkeypatch):
     import time
 
