@@ -3,14 +3,18 @@
     .venv/bin/python benchmarks/gpu_check.py           # a GPU machine: a ~0.5B Qwen2 in bf16
     .venv/bin/python benchmarks/gpu_check.py --tiny    # anywhere (CI runs it on CPU): the same steps, toy size
     .venv/bin/python benchmarks/gpu_check.py --cases full lora   # some of the cases (default: all)
+    python3 benchmarks/gpu_check.py --backend hf --no-flow  # no vLLM, no Prefect: transformers sampling,
+                                                            # the iterations run as `grpo run` runs them
 
 1. A Qwen2-architecture model built from a config (Qwen2.5-0.5B's shape: 24 layers, width 896,
    grouped-query attention, a 151,936-row embedding), random weights saved in bf16, with a byte-level
    BPE tokenizer trained here by `tokenizers` and Qwen's chat template; word-problem prompts as JSONL
    and a reward function in a file (the response's length: random weights need a reward with spread).
-2. Per case, three warm iterations of the Prefect flow `grpo` (no server: Prefect's ephemeral API):
-   vLLM with its GPU settings (CUDA graphs, prefix caching, sleep mode: asleep while the learner runs),
-   the learner under bf16 autocast with a KL penalty. Cases (CASES): `full` fine-tuning on one process
+2. Per case, three warm iterations of the Prefect flow `grpo` (no server: Prefect's ephemeral API; with
+   --no-flow, stages.iteration.run_warm as `grpo run` calls it, so Prefect need not be installed):
+   vLLM with its GPU settings (CUDA graphs, prefix caching, sleep mode: asleep while the learner runs;
+   with --backend hf, transformers' KV-cache sampler, off the GPU while the learner runs), the learner
+   under bf16 autocast with a KL penalty. Cases (CASES): `full` fine-tuning on one process
    (the reference model loaded too); `lora`, r=16 adapters on every projection (vLLM serves them with
    its LoRA kernels on a GPU, merged into its weights on a CPU; the reference is the base, adapters
    off); `fsdp2`, full fine-tuning sharded over 2 processes, one GPU each (NCCL): needs 2 GPUs, skipped
@@ -20,8 +24,8 @@
    learner GPU); each stage's peak GPU memory (this process's), and every GPU's peak in use over the
    case (NVML: torchrun's workers included); the bytes the last learn committed; the mean |sampler -
    learner| log-prob of the sampled tokens. After the `full` case, vLLM's own tokens/s on the same
-   prompts outside the pipeline (the ratio is the pipeline's cost). Fails when a gap exceeds --max-gap
-   (0.05).
+   prompts outside the pipeline (the ratio is the pipeline's cost; not with --backend hf). Fails when
+   a gap exceeds --max-gap (0.05).
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ CASES = {
 }
 
 
-def make_world(root: Path, size: str) -> list[str]:
+def make_world(root: Path, size: str, backend: str) -> list[str]:
     """Model, prompts and reward file under root; returns the run's config overrides."""
     from grpo.tiny_model import build_chat_model
 
@@ -103,7 +107,7 @@ def make_world(root: Path, size: str) -> list[str]:
         "task.name=math",
         f"task.dataset={root / 'prompts.jsonl'}",
         "task.prompt_format=chat",
-        "rollout.backend=vllm",
+        f"rollout.backend={backend}",
         "rollout.max_prompt_tokens=64",
         f"reward.functions=[{root / 'reward.py'}:length]",
         "reward.truncated_reward=null",
@@ -227,13 +231,48 @@ def vllm_alone(storage, run_id: str, iteration: int, cfg) -> float:
     return sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed
 
 
-def main() -> int:
+def run_case(storage, run_id: str, iterations: int, overrides: list[str], flow: bool) -> None:
+    """A case's warm iterations: the Prefect flow `grpo`, or (flow=False) `grpo init` then `grpo run`'s
+    loop (stages.iteration.run_warm), which needs no Prefect."""
+    if flow:
+        from flows.grpo import grpo
+
+        grpo(run_id=run_id, iterations=iterations, overrides=overrides, storage_url=storage.url)
+        return
+    from stages.init import init_run, run_config
+    from stages.iteration import run_warm
+
+    t0 = time.perf_counter()
+    init_run(storage, run_id, run_config(storage, run_id, None, overrides))
+    for k, _ in run_warm(storage, run_id, 0, iterations):  # a line each, so a run cut short shows how far it got
+        print(f"{run_id}: iteration {k} committed at {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def compare_vllm(storage, iteration: int, overrides: list[str], last: dict) -> None:
+    """Print vLLM's own tokens/s on the `full` case's last prompts against the pipeline's."""
+    from grpo.config import load_config
+
+    alone = vllm_alone(storage, "check-full", iteration, load_config(None, overrides))
+    print(
+        f"vLLM alone on iteration {iteration}'s prompts: {alone:.0f} tok/s; the pipeline's rollouts "
+        f"stage ran at {last['stage_tps'] / alone:.2f}x that (generate calls alone: "
+        f"{last['rollout_tps'] / alone:.2f}x)"
+    )
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy size, runs on a CPU")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--max-gap", type=float, default=0.05)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    args = parser.parse_args()
+    parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"], help="rollout.backend (hf: transformers)")
+    parser.add_argument("--no-flow", dest="flow", action="store_false", help="run_warm as `grpo run`, not Prefect")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     size = "tiny" if args.tiny else "full"
     root = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     os.environ.setdefault("PREFECT_HOME", str(root / "prefect"))
@@ -241,17 +280,21 @@ def main() -> int:
     # Prefect's ephemeral API server gets 20 s to start by default: too few on a busy 2-core CI machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     import torch
+    from transformers.utils.logging import disable_progress_bar
 
-    from flows.grpo import grpo
     from grpo.checkpoint import parameter_count
-    from grpo.config import load_config
     from grpo.generation import close_generators
     from grpo.storage import open_storage
 
+    disable_progress_bar()  # a "Loading weights" and "Writing model shards" bar per checkpoint between the lines
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    print(f"device: {gpu or 'cpu'} x {torch.cuda.device_count()}; size: {size}; folder: {root}", flush=True)
+    print(
+        f"device: {gpu or 'cpu'} x {torch.cuda.device_count()}; size: {size}; backend: {args.backend}; "
+        f"{'flow' if args.flow else 'no flow'}; folder: {root}",
+        flush=True,
+    )
     t0 = time.perf_counter()
-    common = make_world(root, size)
+    common = make_world(root, size, args.backend)
     storage = open_storage((root / "store").as_uri())
     n_params = parameter_count(root / "model")
     peak = next((v for k, v in PEAK_BF16.items() if gpu and k in gpu), None)
@@ -265,7 +308,7 @@ def main() -> int:
         t = time.perf_counter()
         devices = DevicePeak()
         devices.start()
-        grpo(run_id=f"check-{name}", iterations=args.iterations, overrides=common + settings, storage_url=storage.url)
+        run_case(storage, f"check-{name}", args.iterations, common + settings, args.flow)
         devices.stop.set()
         devices.join()
         print(
@@ -276,20 +319,25 @@ def main() -> int:
         if devices.peaks:
             print("peak GPU memory in use over the case, GiB: " + " ".join(f"{g:.1f}" for g in devices.peaks))
         print(f"sampler settings: {last['sampler']}")
-        if name == "full":
-            alone = vllm_alone(storage, "check-full", args.iterations - 1, load_config(None, common + settings))
-            print(
-                f"vLLM alone on iteration {args.iterations - 1}'s prompts: {alone:.0f} tok/s; the pipeline's rollouts "
-                f"stage ran at {last['stage_tps'] / alone:.2f}x that (generate calls alone: "
-                f"{last['rollout_tps'] / alone:.2f}x)"
-            )
+        if name == "full" and args.backend == "vllm":
+            compare_vllm(storage, args.iterations - 1, common + settings, last)
+        elif name == "full":
+            print("vLLM alone: not measured (--backend hf)")
     close_generators()
     print(f"\n{time.perf_counter() - t0:.0f} s in all")
-    failed = {name: max(g) for name, g in gaps.items() if max(g) > args.max_gap}
-    if failed:
-        print(f"FAIL: sampler-vs-learner log-prob gap above {args.max_gap}: {failed}")
+    return verdict(gaps, args.max_gap)
+
+
+def verdict(gaps: dict[str, list[float]], max_gap: float) -> int:
+    """Print OK or FAIL on the cases' sampler-vs-learner log-prob gaps; the exit status."""
+    if not gaps:
+        print("FAIL: no case ran")
         return 1
-    print(f"OK: gap {max(max(g) for g in gaps.values()):.4f} <= {args.max_gap} ({', '.join(gaps)})")
+    failed = {name: max(g) for name, g in gaps.items() if max(g) > max_gap}
+    if failed:
+        print(f"FAIL: sampler-vs-learner log-prob gap above {max_gap}: {failed}")
+        return 1
+    print(f"OK: gap {max(max(g) for g in gaps.values()):.4f} <= {max_gap} ({', '.join(gaps)})")
     return 0
 
 
