@@ -28,6 +28,7 @@ from pathlib import Path
 from grpo.config import ConfigError, load_config_file
 from grpo.errors import describe
 from grpo.layout import SHARDED, STAGES, run_dir, stage_dir
+from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
 from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
 from schemas import SchemaError
@@ -84,11 +85,11 @@ def train(storage, run_id: str, start: int, iterations: int, target: float | Non
     """Run iterations start.. warm, one line each; stop early once eval's exact match reaches `target`.
     Returns the iteration that reached it (None: not reached, or no target)."""
     t0 = time.perf_counter()
-    print(f"{'iteration':>9}  {'reward':>6}  {'eval exact':>10}  {'seconds':>7}", flush=True)
+    print(f"{'iteration':>9}  {'reward':>6}  {'eval exact':>10}  {'elapsed s':>9}", flush=True)
     for k, out in run_warm(storage, run_id, start, iterations):
         exact = out["eval"].manifest.summary["exact_match"]
         reward = out["advantages"].manifest.summary["reward_mean"]
-        print(f"{k:>9}  {reward:>6.3f}  {exact:>10.3f}  {time.perf_counter() - t0:>7.1f}", flush=True)
+        print(f"{k:>9}  {reward:>6.3f}  {exact:>10.3f}  {time.perf_counter() - t0:>9.1f}", flush=True)
         if target is not None and exact >= target:
             return k
     return None
@@ -110,20 +111,52 @@ def next_steps(storage, run_id: str, storage_arg: str | None) -> str:
         f"next: {grpo} status --run {run_id}                 # iterations x stages\n"
         f'      {grpo} query --run {run_id} "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"\n'
         f"      {grpo} report --run {run_id}                 # report.png and report.md in the run folder\n"
-        f"      {grpo} run --run {run_id} --iterations 10    # 10 more"
+        f"      {grpo} run --run {run_id} --iterations 10    # 10 more\n"
+        f"      {grpo} export --run {run_id} --out {run_id}-policy   # the newest policy as a Hugging Face folder"
     )
 
 
+def newest_policy(storage, run_id: str, storage_arg: str | None) -> str:
+    """Where the newest committed policy is and the command that exports it ('' before the first learn)."""
+    k = newest_learn(storage, run_id)
+    if k < 0:
+        return ""
+    attempt = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))[-1]
+    return (
+        f"newest policy: iteration {k}, {storage.uri(attempt)}\n"
+        f"export it: {grpo_command(storage_arg)} export --run {run_id} --out DIR"
+    )
+
+
+def newest_learn(storage, run_id: str) -> int:
+    """The last iteration of the unbroken chain of committed learns from 0 (-1: none yet)."""
+    k = -1
+    while committed_attempts(storage, stage_dir(storage, run_id, k + 1, "learn")):
+        k += 1
+    return k
+
+
 def cmd_run(args, storage):
+    from stages.common import load_run
+
+    load_run(storage, args.run)  # no such run: its one line, before the table's header
     start = next_iteration(storage, args.run) if args.start == "next" else args.start
     train(storage, args.run, start, args.iterations)
+    print(newest_policy(storage, args.run, args.storage))
 
 
 def cmd_demo(args, storage):
     from stages.init import init_run
 
-    init_run(storage, args.run, load_config_file(args.config, args.set))
+    cfg = load_config_file(args.config, args.set)
+    init_run(storage, args.run, cfg)
     start = next_iteration(storage, args.run)
+    print(
+        f"training run {args.run} ({cfg.task.name} task, {cfg.model.base_model or 'a tiny model built here'}) "
+        f"until held-out exact match "
+        f"reaches {args.target}, at most {args.iterations} iterations; the first one also starts the sampler",
+        flush=True,
+    )
     reached = train(storage, args.run, start, args.iterations, target=args.target)
     done = (
         f"held-out exact match reached {args.target} at iteration {reached}"
@@ -135,13 +168,14 @@ def cmd_demo(args, storage):
 
 def cmd_status(args, storage):
     from stages.common import load_run, stale_attempt
-    from stages.gc import collected_summary
+    from stages.gc import collected_summary, running_attempts
     from stages.init import check_datasets
 
     load_run(storage, args.run)
     last = next_iteration(storage, args.run)
     while list_attempts(storage, stage_dir(storage, args.run, last + 1, "snapshot")):  # tried after a stale one
         last += 1
+    running = running_attempts(storage, args.run)
     print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in STAGES))
     corrupt = []
     for k in range(last + 1):
@@ -149,7 +183,11 @@ def cmd_status(args, storage):
         for s in STAGES:
             d = stage_dir(storage, args.run, k, s)
             tried, done = list_attempts(storage, d), committed_attempts(storage, d)
-            failed = f" +{len(tried) - len(done)}f" if len(tried) > len(done) else ""
+            live = sum(f"{d}/{a}" in running for a in tried)
+            if live and not done:
+                cells.append("running" + (f" +{len(tried) - live}f" if len(tried) > live else ""))
+                continue
+            failed = "".join(f" +{n}{x}" for n, x in ((live, "r"), (len(tried) - len(done) - live, "f")) if n)
             state = (
                 "corrupt"
                 if done and args.verify and _corrupt(storage, done[-1])
@@ -164,16 +202,14 @@ def cmd_status(args, storage):
                 corrupt.append(f"grpo stage {s} --run {args.run} --iteration {k} --force")
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
     print(
-        "(xN: committed attempts; +Nf: attempts not committed, failed or still running; stale: made from inputs a "
-        "newer attempt replaced; corrupt, with --verify: files changed after the commit)"
+        "(xN: committed attempts; +Nr: attempts running now (a recent heartbeat); +Nf: attempts that failed or "
+        "stopped beating; stale: made from inputs a newer attempt replaced; corrupt, with --verify: files "
+        "changed after the commit)"
     )
     if collected := collected_summary(storage, args.run):  # removed on purpose: not corrupt
         print(collected)
-    learns = [k for k in range(last + 1) if committed_attempts(storage, stage_dir(storage, args.run, k, "learn"))]
-    if learns:
-        newest = storage.uri(committed_attempts(storage, stage_dir(storage, args.run, learns[-1], "learn"))[-1])
-        print(f"newest policy: iteration {learns[-1]}, {newest}")
-        print(f"export it: {grpo_command(args.storage)} export --run {args.run} --out DIR")
+    if newest := newest_policy(storage, args.run, args.storage):
+        print(newest)
     check_datasets(storage, args.run)  # a dataset changed since init: the next stage would refuse it
     if corrupt:
         raise ArtifactError(
@@ -219,11 +255,7 @@ def cmd_export(args, storage):
     from grpo.checkpoint import export_policy
     from stages.common import committed_input
 
-    k = args.iteration
-    if k is None:  # the newest committed learn
-        k = -1
-        while committed_attempts(storage, stage_dir(storage, args.run, k + 1, "learn")):
-            k += 1
+    k = newest_learn(storage, args.run) if args.iteration is None else args.iteration
     policy = (
         committed_input(storage, args.run, None, "base") if k < 0 else committed_input(storage, args.run, k, "learn")
     )
@@ -354,9 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         handler.setLevel(level)
     quiet_libraries(args.verbose)
     logging.getLogger("grpo").setLevel(logging.INFO)
-    from transformers.utils.logging import disable_progress_bar
-
-    disable_progress_bar()  # a "Writing model shards" bar per learner checkpoint between our lines
+    if not args.verbose:  # -v prints the progress records as log lines
+        show_in_terminal()
     try:
         args.fn(args, open_storage(args.storage))
     except (ConfigError, StageError, ArtifactError, SchemaError) as e:

@@ -8,7 +8,7 @@ running the flow again after a failure (or `prefect flow-run retry <id>`) picks
 up at the first missing stage; `force_stage` reruns one stage, and the stages
 after it rerun because their inputs changed. The stages' `grpo` logger (rollout
 progress, the learner's torchrun lines) and vLLM's logger go to the run's log, and
-a table artifact `<run>-progress` holds each iteration's reward, loss and eval.
+a table artifact `<run>-<storage hash>-progress` holds each iteration's reward, loss and eval.
 
     python -m flows.grpo                          # one iteration, no server needed
     prefect deployment run grpo/iteration         # one iteration per flow run (prefect.yaml)
@@ -17,7 +17,9 @@ a table artifact `<run>-progress` holds each iteration's reward, loss and eval.
 
 from __future__ import annotations
 
+import base64
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -35,8 +37,8 @@ from prefect.states import Failed, State
 from grpo.config import ConfigError
 from grpo.errors import StageError, describe, storage_error
 from grpo.layout import STAGES, StageName, stage_dir
-from grpo.quiet import HarmlessFilter
-from grpo.report import iteration_rows, markdown_table, write_report
+from grpo.quiet import HarmlessFilter, quiet_libraries
+from grpo.report import figure_png, iteration_rows, markdown_table, write_report
 from grpo.storage import ArtifactError, latest_committed, open_storage
 from grpo.tracking import track
 from schemas import SchemaError
@@ -109,6 +111,10 @@ def grpo(
         except USER_ERRORS as e:  # one raised between the tasks (a damaged tracking.json): its one line too
             progress.publish()
             return Failed(message=" ".join(str(e).split()))
+        except Exception as e:  # storage read between the tasks (which iteration is next): no credentials...
+            if not final_storage_error(e):
+                raise
+            return Failed(message=describe(e, url))
     progress.publish()
     return uris
 
@@ -147,6 +153,10 @@ def create_run(storage_url: str, run_id: str, config_path: str | None, overrides
         base = init_run(storage, run_id, run_config(storage, run_id, config_path, overrides))
     except USER_ERRORS as e:
         return Failed(message=f"init {run_id}: {' '.join(str(e).split())}")
+    except Exception as e:
+        if not final_storage_error(e):
+            raise
+        return Failed(message=f"init {run_id}: {describe(e, storage_url)}")
     get_run_logger().info("run %s: base model %s", run_id, base.uri)
     return base.uri
 
@@ -414,12 +424,18 @@ def run_stage(
     except USER_ERRORS as e:
         return Failed(message=failure_line(name, iteration, str(e)))
     except Exception as e:
-        if not storage_error(e) or (isinstance(e, OSError) and retried(e)):
+        if not final_storage_error(e):
             raise  # a bug keeps its traceback; a transient storage error is retried (the task's retries)
         return Failed(message=failure_line(name, iteration, describe(e, storage_url)))
     if upstream and upstream not in {ref.uri for ref in out.manifest.inputs.values()}:
         raise RuntimeError(f"{name} read other inputs than {upstream}: another writer committed meanwhile")
     return out.uri
+
+
+def final_storage_error(e: BaseException) -> bool:
+    """A storage error no retry mends (no credentials, a refused key, a full disk): its one line is the
+    flow run's message, with no traceback; a transient one is retried, a bug keeps its traceback."""
+    return storage_error(e) and not (isinstance(e, OSError) and retried(e))
 
 
 def failure_line(name: str, iteration: int, error: str) -> str:
@@ -437,12 +453,27 @@ def failure_line(name: str, iteration: int, error: str) -> str:
     return f"{name} iteration {iteration}: {text}"
 
 
+PLOT_DPI = 50  # the report artifact's embedded plot: ~600 x 325 pixels, tens of kB in the server's database
+
+
+def artifact_key(storage_url: str, run_id: str) -> str:
+    """`<run>-<6 hex of the storage URL>`: runs of one name in two storages keep artifacts of their own
+    (a Prefect artifact key allows lowercase letters, digits and dashes).
+
+    >>> artifact_key("s3://bucket/prefix", "My_Run")
+    'my-run-9737a7'
+    """
+    digest = hashlib.sha256(storage_url.encode()).hexdigest()[:6]
+    return re.sub(r"[^a-z0-9-]+", "-", run_id.lower()) + f"-{digest}"
+
+
 class ProgressTable:
-    """The run's progress as artifacts: a table (key `<run>-progress`) with a row of headline figures per
-    committed iteration of the run, this flow's and earlier ones' (grpo.report.iteration_rows), reward
-    and eval first; and a markdown report (key `<run>-report`) that links report.png in the run folder
-    (`grpo report`). Republished at most every `every_s` seconds and once at the end when something
-    changed: each artifact costs the server ~15 ms of CPU, which a warm run of sub-second iterations
+    """The run's progress as artifacts (keys `artifact_key(...)-progress` and `-report`): a table with a row
+    of headline figures per committed iteration of the run, this flow's and earlier ones'
+    (grpo.report.iteration_rows), reward and eval first; and a markdown report showing the plots of
+    report.png in the run folder (`grpo report`), embedded, and naming that file. Republished at most
+    every `every_s` seconds and once at the end when something changed: each artifact costs the server
+    ~15 ms of CPU, which a warm run of sub-second iterations
     would pay every iteration on the cores it trains on.
     """
 
@@ -464,20 +495,21 @@ class ProgressTable:
         if not committed:  # no iteration of the run committed yet
             return
         rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()} for row in committed]
-        key = re.sub(r"[^a-z0-9-]+", "-", self.run_id.lower())
+        key, where = artifact_key(self.storage.url, self.run_id), f"run {self.run_id} in {self.storage.url}"
         span = f"iterations {rows[0]['iteration']}..{rows[-1]['iteration']}"
-        create_table_artifact(rows, key=f"{key}-progress", description=f"run {self.run_id}, {span}")
+        create_table_artifact(rows, key=f"{key}-progress", description=f"{where}, {span}")
         png, _ = write_report(self.storage, self.run_id, committed)
+        plot = base64.b64encode(figure_png(committed, f"run {self.run_id}: {span}", dpi=PLOT_DPI)).decode()
         last = rows[-1]
         create_markdown_artifact(
             f"# Run {self.run_id}, {span}\n\nAt iteration {last['iteration']}: mean reward {last['reward_mean']}, "
-            f"held-out exact match {last['eval_exact_match']}.\n\nPlots (mean reward, held-out eval, KL, clip "
-            f"fraction, entropy, response length): [{png}]({png})\n\n"
+            f"held-out exact match {last['eval_exact_match']}.\n\n![mean reward, held-out eval, KL, clip fraction, "
+            f"entropy, response length](data:image/png;base64,{plot})\n\n(full size: {png})\n\n"
             + markdown_table(
                 rows[-20:], ["iteration", "reward_mean", "eval_exact_match", "kl", "clip_frac", "entropy"]
             ),
             key=f"{key}-report",
-            description=f"run {self.run_id}: plots and the last 20 iterations",
+            description=f"{where}: plots and the last 20 iterations",
         )
         self.changed, self.published_at = False, time.monotonic()
 
@@ -491,8 +523,9 @@ def resolve_iteration(storage_url: str, run_id: str, iteration: int | str) -> in
 
 @contextmanager
 def stage_logs_to_prefect():
-    """Send the stages' and vLLM's log records to the Prefect run log while the flow runs."""
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # else importing vLLM drops our handler
+    """Send the stages' and vLLM's log records to the Prefect run log while the flow runs; libraries quiet
+    as in the CLI (no progress bars between the worker's lines)."""
+    quiet_libraries()  # VLLM_CONFIGURE_LOGGING=0 among them: else importing vLLM drops our handler
     added = []
     for name in FORWARDED_LOGGERS:
         logger = logging.getLogger(name)

@@ -45,6 +45,23 @@ def run_json(storage: Storage, run_id: str) -> str:
     return f"{run_dir(storage, run_id)}/run.json"
 
 
+def run_ids(storage: Storage) -> list[str]:
+    """The runs in storage: the folders under runs/ that hold a run.json."""
+    try:
+        folders = storage.fs.ls(storage.path("runs"), detail=False)
+    except FileNotFoundError:
+        return []
+    names = sorted(f.rstrip("/").rsplit("/", 1)[-1] for f in folders)
+    return [n for n in names if storage.exists(run_json(storage, n))]
+
+
+def no_such_run(storage: Storage, run_id: str) -> str:
+    """The one line for a run id that storage does not hold: which runs it does hold."""
+    runs = run_ids(storage)
+    here = f"the runs here are {', '.join(runs)}" if runs else "there are no runs here yet"
+    return f"{storage.uri(run_dir(storage, run_id))}: no such run ({here}); create it with `grpo init --run {run_id}`"
+
+
 def stage_dir(storage: Storage, run_id: str, iteration: int | None, stage: str) -> str:
     """Folder of a stage's attempts: per iteration, or run-wide (iteration None: `base`)."""
     if iteration is None:

@@ -39,6 +39,7 @@ from grpo import core, sharding
 from grpo.checkpoint import checkpoint_dtype
 from grpo.config import LearnConfig, RunConfig
 from grpo.errors import StageError
+from grpo.progress import progress
 
 log = logging.getLogger("grpo.learner")
 MASTER_WEIGHTS = "master.safetensors"  # float32 weights, written when the checkpoint's dtype is narrower
@@ -491,6 +492,8 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
             n_tok = int(mask[batch.rows(groups)].sum())
             rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tok, gap))
             step += 1
+            if acc.is_main_process:
+                progress(f"learn {iteration}", step, lcfg.epochs * (n_groups // per_step), "steps")
         if acc.is_main_process:  # one line an epoch; every step's metrics go to metrics.parquet
             epoch_rows = [r for r in rows if r["epoch"] == epoch]
             log.info(

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
-import duckdb
 import pandas as pd
 
 from grpo.errors import LayoutError
-from grpo.layout import run_dir, run_json, stage_dir
+from grpo.layout import no_such_run, run_dir, run_json, stage_dir
 from grpo.storage import (
     Committed,
     CorruptArtifactError,
@@ -33,6 +33,9 @@ from grpo.storage import (
 )
 from schemas.tables import SCHEMAS, TABLE_FILES
 
+if TYPE_CHECKING:  # imported where used: training imports this module (grpo.report) and needs no DuckDB
+    import duckdb
+
 VIEWS = {table: TABLE_FILES[table] for table in SCHEMAS if table in TABLE_FILES}  # view = table name
 _ITER = re.compile(r"iter-(\d+)$")
 
@@ -41,7 +44,7 @@ def iterations(storage: Storage, run_id: str) -> list[int]:
     """Iterations with a folder in the run, ascending (committed or not)."""
     rdir = run_dir(storage, run_id)
     if not storage.exists(run_json(storage, run_id)):
-        raise LayoutError(f"{storage.uri(rdir)}: no such run; create it with `grpo init --run {run_id}`")
+        raise LayoutError(no_such_run(storage, run_id))
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(rdir, detail=False)]
     return sorted(int(m.group(1)) for n in names if (m := _ITER.match(n)))
 
@@ -93,6 +96,8 @@ def _sql_str(s: str) -> str:
 
 def connect(storage: Storage, run_id: str, verify: bool = True) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with one view per table over the committed files."""
+    import duckdb
+
     files = committed_files(storage, run_id, verify=verify)
     con = duckdb.connect()
     if not is_local(storage.fs):

@@ -52,7 +52,11 @@ def quiet_libraries(verbose: bool = False) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if verbose else "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's records reach our handlers, not its own
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "DEBUG" if verbose else "WARNING")  # its own handler, INFO
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # also in torchrun's workers, which inherit it
     filter_vllm_handlers()
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # "Loading weights" and "Writing model shards" bars per checkpoint between our lines
     if not verbose:
         for name in ("transformers", "torch", "accelerate", "datasets", "filelock", "urllib3"):
             logging.getLogger(name).setLevel(logging.WARNING)

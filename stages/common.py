@@ -18,7 +18,7 @@ import fsspec
 
 from grpo.config import ConfigError, RunConfig, load_config
 from grpo.errors import StageError
-from grpo.layout import run_json, stage_dir
+from grpo.layout import no_such_run, run_json, stage_dir
 from grpo.storage import (
     Committed,
     CorruptArtifactError,
@@ -39,7 +39,7 @@ log = logging.getLogger("grpo.stages")
 def load_run(storage: Storage, run_id: str) -> RunConfig:
     path = run_json(storage, run_id)
     if not storage.exists(path):
-        raise StageError(f"{storage.uri(path)}: no such run; create it with `grpo init --run {run_id}`")
+        raise StageError(no_such_run(storage, run_id))
     try:
         raw = json.loads(storage.read_bytes(path))
     except ValueError as e:

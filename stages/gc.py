@@ -174,6 +174,19 @@ def _heartbeat(storage: Storage, attempt: str, listing: dict, clock: Clock) -> t
     return (min(ages) if ages else float("inf")), beat
 
 
+def running_attempts(storage: Storage, run_id: str, beats: int = 3) -> set[str]:
+    """The run's uncommitted attempts whose writer beat within its last `beats` intervals: running now,
+    as far as anyone can tell (a writer killed without closing stops beating and drops out)."""
+    rdir = run_dir(storage, run_id)
+    listing = storage.fs.find(rdir, detail=True)
+    paths = {p.rsplit("/", 1)[0] for p in listing if p.endswith("/" + HEARTBEAT_NAME)}
+    if not paths:
+        return set()
+    clock = storage_clock(storage, rdir)
+    live = {p: _heartbeat(storage, p, listing, clock) for p in paths}
+    return {p for p, b in live.items() if b is not None and b[0] < beats * _interval(b[1])}
+
+
 def _interval(beat: dict) -> float:
     """Seconds between its writer's beats (30 where the heartbeat does not say)."""
     return float(beat["interval_s"]) if isinstance(beat.get("interval_s"), (int, float)) else 30.0

@@ -24,6 +24,7 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.procs import free_port, stop_group
+from grpo.progress import TO_STDOUT, relay
 from stages.common import StageError, log
 
 WORKER_ENV_DEFAULTS = {
@@ -91,7 +92,7 @@ def run_distributed(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**WORKER_ENV_DEFAULTS, **os.environ},
+        env={**WORKER_ENV_DEFAULTS, **os.environ, TO_STDOUT: "1"},
         start_new_session=True,  # stop_group ends torchrun and its workers together
     )
     tail: collections.deque[str] = collections.deque(maxlen=20)
@@ -124,6 +125,8 @@ EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[\w.]+\.)?\w*(?:Error|Exce
 
 def _forward(proc: subprocess.Popen, tail: collections.deque, cause: list[str]) -> None:
     for line in proc.stdout:
+        if relay(line):  # rank 0's progress
+            continue
         log.info("learn[torchrun] %s", line.rstrip())
         tail.append(line)
         if EXCEPTION_LINE.match(line.strip()) and "ChildFailedError" not in line:

@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 
 from grpo.checkpoint import local_checkpoint
 from grpo.config import RewardConfig, RunConfig, identity_section
+from grpo.progress import progress
 from grpo.storage import Committed, Storage
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, table_file
@@ -617,6 +618,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
                 cols["error"] = [e for _, _, e in scored]
                 out.write(cols)
                 n += len(scored)
+                progress(f"rewards {iteration}" + (f" shard {shard_k}" if cfg.reward.shards > 1 else ""), n, len(rows))
                 n_err += sum(e is not None for _, _, e in scored)
                 total += sum(cols["reward"])
                 biggest = max([biggest] + [(r, c) for r, c, _ in scored], key=lambda rc: abs(rc[0]))

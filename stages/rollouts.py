@@ -14,9 +14,10 @@ from grpo import data
 from grpo.checkpoint import content_hash, non_finite_weights
 from grpo.generation import Sample, SamplingSpec, decode_responses
 from grpo.layout import Salt, iteration_seed
+from grpo.progress import progress
 from grpo.storage import Committed, Storage
 from schemas import ParquetWriter, table_file
-from stages.common import StageError, check_chain, committed_input, load_run, log
+from stages.common import StageError, check_chain, committed_input, load_run
 from stages.prompts import Prompts, held_out_config, iteration_prompts, policy_and_prompts, sampler
 from stages.shards import ranges, run_sharded
 
@@ -96,12 +97,11 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
                 out.write(columns)
                 n_tokens += sum(map(len, columns["response_ids"]))
                 n_stop += columns["finish_reason"].count("stop")
-                log.info(
-                    "rollouts iteration %d%s: %d/%d prompts",
-                    iteration,
-                    f" shard {shard_k}" if r.shards > 1 else "",
+                progress(
+                    f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""),
                     min(start + r.chunk_prompts, part.stop) - part.start,
                     len(part),
+                    "prompts",
                 )
         return {
             "prompts": len(part),

@@ -7,7 +7,9 @@ import pandas as pd
 import pytest
 
 import flows.cli
+import flows.grpo
 import grpo.data
+import grpo.progress
 import grpo.tasks.functions
 import grpo.tasks.math
 import stages.shards
@@ -20,7 +22,9 @@ ROWS = [
 ]
 
 
-@pytest.mark.parametrize("module", [grpo.data, grpo.tasks.math, grpo.tasks.functions, flows.cli, stages.shards])
+@pytest.mark.parametrize(
+    "module", [grpo.data, grpo.tasks.math, grpo.tasks.functions, grpo.progress, flows.cli, flows.grpo, stages.shards]
+)
 def test_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

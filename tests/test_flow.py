@@ -22,7 +22,7 @@ from test_stages import TINY
 
 import stages.rewards
 from flows.cli import main
-from flows.grpo import grpo, resolve_iteration, transient
+from flows.grpo import artifact_key, grpo, resolve_iteration, transient
 from grpo.config import load_config
 from grpo.layout import stage_dir
 from grpo.storage import is_committed, list_attempts, open_storage
@@ -215,7 +215,7 @@ def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
     # the reloaded engine samples from exactly the committed weights (the learner recomputes them)
     assert warm[1]["logprob_gap"] < 1e-4
     assert warm == cold
-    progress = json.loads(Artifact.get("warm-progress").data)  # the flow's table: a row per iteration
+    progress = json.loads(Artifact.get(f"{artifact_key(url, 'warm')}-progress").data)  # a row per iteration
     assert [(r["iteration"], r["eval_exact_match"]) for r in progress] == [
         (k, round(warm[k]["eval"], 4)) for k in (0, 1)
     ]
@@ -287,3 +287,27 @@ def test_sharded_stages_run_as_task_runs_per_shard_and_commit_the_rows_of_one(pr
     with get_client(sync_client=True) as client:
         names = {t.name for t in client.read_task_runs()}
     assert {"rollouts 0 shard 0", "rollouts 0 shard 1", "rewards 0 shard 1", "rollouts 0"} <= names
+
+
+def test_s3_without_credentials_fails_the_flow_run_with_the_cli_line_and_no_traceback(
+    prefect_api, s3, monkeypatch, tmp_path
+):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", s3.region)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookups either
+    url = f"s3://{s3.bucket}/nocreds-{tmp_path.name}"
+    state = grpo(run_id="nocreds", overrides=TINY, storage_url=url, return_state=True)
+    assert state.is_failed()
+    assert state.message == "init nocreds: S3: no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    assert not [log.message for log in logs if "Traceback" in log.message]

@@ -2,6 +2,7 @@
 process worker, the deployment from prefect.yaml, `prefect deployment run grpo/iteration` twice
 (tiny sort model, vLLM), and a flow run SIGKILLed in the middle of its rollouts, then retried."""
 
+import base64
 import importlib.util
 import json
 import re
@@ -16,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from test_stages import TINY
 
+from flows.grpo import artifact_key
 from grpo.layout import stage_dir
 from grpo.storage import NotCommittedError, is_committed, latest_committed, list_attempts, open_storage
 from stages import STAGES, StageError, stage_function
@@ -132,15 +134,22 @@ def test_two_deployment_runs_make_two_iterations_one_after_the_other(server, wor
 
     logs = server.logs(first)
     messages = [r["message"] for r in logs]
-    assert any(re.fullmatch(r"rollouts iteration 0: 16/16 prompts", m) for m in messages)
+    assert any(re.fullmatch(r"rollouts 0: 16/16 prompts", m) for m in messages)
     assert {m.split()[0] for m in messages if re.match(r"\w+ iteration 0: committed ", m)} == set(STAGES)
     # the stages' lines, not vLLM's INFO (only its warnings that matter would show)
     assert not any(r["name"].startswith("vllm") and r["level"] < 30 for r in logs)
+    # the worker's terminal: no progress bars (transformers' "Loading weights" per checkpoint) between lines
+    printed = worker.log.read_text()
+    assert "Loading weights" not in printed and "it/s]" not in printed, printed[-3000:]
     published = server.artifacts(first)
     artifacts = {a["key"]: a for a in published}
-    assert sorted(artifacts) == ["e2e-progress", "e2e-report"] and len(published) == 2  # once each
-    assert "report.png" in artifacts["e2e-report"]["data"]
-    (row,) = json.loads(artifacts["e2e-progress"]["data"])  # the run's progress: a row per iteration
+    key = artifact_key(storage.url, "e2e")  # e2e-<storage hash>: another storage's run e2e has its own
+    assert sorted(artifacts) == [f"{key}-progress", f"{key}-report"] and len(published) == 2  # once each
+    report = artifacts[f"{key}-report"]["data"]
+    assert "report.png" in report  # named, and shown: the plot itself, embedded
+    plot = base64.b64decode(re.search(r"\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", report).group(1))
+    assert plot.startswith(b"\x89PNG") and len(plot) < 100_000
+    (row,) = json.loads(artifacts[f"{key}-progress"]["data"])  # the run's progress: a row per iteration
     assert row["iteration"] == 0 and row["samples"] == 64 and 0 <= row["eval_exact_match"] <= 1
 
 

@@ -56,7 +56,9 @@ def test_demo_learns_to_sort_printing_one_line_an_iteration_and_nothing_else(tmp
     code, out, err = grpo(tmp_path, "demo")
     assert code == 0 and err == "", err
     lines = out.splitlines()
-    assert lines[0].split() == ["iteration", "reward", "eval", "exact", "seconds"]
+    assert lines[0].startswith("training run demo (sort task, a tiny model built here) until held-out exact match")
+    lines = lines[1:]
+    assert lines[0].split() == ["iteration", "reward", "eval", "exact", "elapsed", "s"]
     table = [line.split() for line in lines[1:] if re.fullmatch(r"\s*\d+(\s+[\d.]+){3}", line)]
     assert [int(row[0]) for row in table] == list(range(len(table))) and len(table) <= 40
     assert float(table[-1][2]) >= 0.9 > max(float(row[2]) for row in table[:-1])  # stopped when it got there
@@ -70,6 +72,7 @@ def test_demo_learns_to_sort_printing_one_line_an_iteration_and_nothing_else(tmp
         "query",
         "report",
         "run",
+        "export",
     ]
 
 
@@ -80,7 +83,7 @@ def test_a_vllm_run_prints_nothing_but_its_lines(tmp_path):
         small += ["--set", kv]
     code, out, err = grpo(tmp_path, "demo", "--iterations", "1", *small)
     assert code == 0 and err == "", err  # no vLLM start-up lines, warnings or exit noise
-    assert len(out.splitlines()) == 2 + 1 + 5  # header, one iteration, the verdict, where and next
+    assert len(out.splitlines()) == 1 + 2 + 1 + 6  # what it does, header, one iteration, the verdict, where, next
 
 
 def test_a_tracked_run_prints_nothing_but_its_lines(tmp_path):

@@ -1,0 +1,68 @@
+"""Progress inside a stage, for people watching: `rollouts 3: 128/256 prompts`, `learn 3: step 5/16`.
+
+A stage calls `progress(...)` after each piece of long work; that is a log record on `grpo.progress`
+(INFO), so `-v` and Prefect's run log show it as lines like any other. `grpo` in a terminal shows it
+as one line on stderr, rewritten in place and erased when the work is done (`TerminalLine`); piped
+or redirected output gets none of it. A learner process under torchrun prints it to its stdout with
+PREFIX instead (no logging there); stages.launch turns such lines back into `progress` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TextIO
+
+log = logging.getLogger("grpo.progress")
+PREFIX = "grpo-progress: "
+TO_STDOUT = "GRPO_PROGRESS_STDOUT"  # set in torchrun's workers by stages.launch
+
+
+def progress(what: str, done: int, total: int, unit: str = "") -> None:
+    """`what: done/total unit`, e.g. progress("rollouts 3", 128, 256, "prompts")."""
+    text = f"{what}: {done}/{total}" + (f" {unit}" if unit else "")
+    if os.environ.get(TO_STDOUT):
+        print(PREFIX + text, flush=True)
+    else:
+        log.info(text, extra={"progress_done": done >= total})
+
+
+def relay(line: str) -> bool:
+    """A worker's stdout line: re-emit it as progress and return True when it is one.
+
+    >>> relay("grpo-progress: learn 3: step 5/16"), relay("loss 0.3")
+    (True, False)
+    """
+    if not line.startswith(PREFIX):
+        return False
+    log.info(line[len(PREFIX) :].rstrip(), extra={"progress_done": _done(line)})
+    return True
+
+
+def _done(line: str) -> bool:
+    counts = line.rsplit(": ", 1)[-1].split()[0]
+    done, _, total = counts.partition("/")
+    return done == total
+
+
+class TerminalLine(logging.Handler):
+    """Shows each progress record as the one line at the bottom of a terminal, erased when done."""
+
+    def __init__(self, stream: TextIO = sys.stderr):
+        super().__init__(logging.INFO)
+        self.stream = stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = "" if getattr(record, "progress_done", False) else record.getMessage()
+        self.stream.write(f"\r{text}\033[K")  # \033[K: erase the rest of the line
+        self.stream.flush()
+
+
+def show_in_terminal(stream: TextIO = sys.stderr) -> bool:
+    """Show progress on `stream` when it is a terminal; returns whether it does."""
+    if not stream.isatty() or any(isinstance(h, TerminalLine) for h in log.handlers):
+        return False
+    log.addHandler(TerminalLine(stream))
+    log.setLevel(logging.INFO)
+    return True
