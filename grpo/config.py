@@ -242,9 +242,15 @@ class LearnConfig:
     """Dual-clip (Ye et al. 2020; loss_type grpo_clip or gspo): where the advantage A < 0 a token's loss is at
     most -dual_clip_c * A, however large its ratio (e.g. 3.0; must be > 1); None: no such bound."""
     kl_coef: float = 0.0
-    """beta: weight of the KL penalty to the frozen reference (base) model; 0 skips it and the reference's forward."""
+    """beta: weight of the KL penalty to the frozen reference (the base model, or see ref_update_every); 0 skips
+    it and the reference's forward."""
     kl_estimator: KLEstimator = "k3"
     """KL estimator; k3 = r - log r - 1 with r = pi_ref / pi."""
+    ref_update_every: int | None = None
+    """Reference refresh: with N, the KL reference of iteration k >= N is the policy iteration N * (k // N)
+    sampled from (its committed snapshot: iterations N..2N-1 use snapshot N, 2N..3N-1 snapshot 2N, ...);
+    iterations before N and None use the base model. Needs kl_coef > 0; not with lora (its reference is
+    the base with the adapters off)."""
     num_processes: int = 1
     """Learner processes in all, every node's together (the world size, as Accelerate's num_processes);
     >1 runs the learner under torchrun (gloo on CPU, NCCL on GPUs)."""
@@ -294,7 +300,10 @@ LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s")
 compute (rank r does the same work on any node): left out of the learn stage's identity, and free to
 change for an existing run."""
 
-ADDED_SETTINGS = {"learn": (("dual_clip_c",),), "reward": (("overlong_buffer", "overlong_penalty"),)}
+ADDED_SETTINGS = {
+    "learn": (("dual_clip_c",), ("ref_update_every",)),
+    "reward": (("overlong_buffer", "overlong_penalty"),),
+}
 """Settings added after runs were made without them, per section, in groups that act together: a stage's identity
 leaves a group out while all of it holds its defaults (what runs did before it existed), so the stages those
 runs committed stay theirs."""
@@ -663,6 +672,11 @@ def validate(cfg: RunConfig) -> None:
                 f"learn.lora: r must be in [1, 512], alpha > 0, dropout in [0, 1) and target_modules not empty, "
                 f"got r={lo.r} alpha={lo.alpha} dropout={lo.dropout} target_modules={lo.target_modules}"
             )
+    if lc.ref_update_every is not None and (lc.ref_update_every < 1 or lc.kl_coef == 0 or lc.lora is not None):
+        raise ConfigError(
+            f"learn.ref_update_every must be >= 1 (or null) and needs learn.kl_coef > 0 and no learn.lora (LoRA's "
+            f"reference is the base), got {lc.ref_update_every} with kl_coef {lc.kl_coef}, lora {lc.lora is not None}"
+        )
     for name, value in {
         "retention.keep_last": cfg.retention.keep_last,
         "retention.keep_every": cfg.retention.keep_every,

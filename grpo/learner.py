@@ -260,7 +260,8 @@ def optimizer_steps(opt) -> int:
 class Learner:
     """The policy being trained (float32 master weights, or frozen base + float32 LoRA adapters), its
     AdamW state, the shuffling RNG and the frozen reference (loaded only when learn.kl_coef > 0: nothing
-    else reads it; with LoRA it is the base with the adapters switched off, no second copy).
+    else reads it; with LoRA it is the base with the adapters switched off, no second copy; the base, or
+    with learn.ref_update_every a snapshot, swapped by use_reference).
 
     Built from checkpoint folders (and the previous iteration's optimizer.pt or dcp/, rng.pt and master
     weights); a warm run keeps it in memory for the next iteration instead, which then trains exactly as
@@ -301,12 +302,8 @@ class Learner:
         model = PolicyLM(lm, lcfg.logprob_chunk, full_sequences_in_training=lcfg.gradient_checkpointing)
         world, device = self.acc.num_processes, self.acc.device
         shard = self.sharded and world > 1
-        self.ref = None
-        if lcfg.kl_coef > 0 and not self.lora:
-            ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).requires_grad_(False)
-            self.ref = PolicyLM(ref, lcfg.logprob_chunk).eval().to(device)
-            if shard:
-                sharding.fully_shard_policy(self.ref, world, device)
+        self.ref, self.ref_dir = None, None
+        self.use_reference(ref_dir)
         if shard:
             sharding.fully_shard_policy(model.to(device), world, device)
         # fused: one kernel for all parameters (4x faster steps on CPU for small models)
@@ -323,6 +320,22 @@ class Learner:
             self.model, self.opt = model.to(device), opt
         else:
             self.model, self.opt = self.acc.prepare(model, opt)
+
+    def use_reference(self, ref_dir: str) -> None:
+        """Make the checkpoint in ref_dir the frozen reference, loading it unless it is the one held (a warm
+        learner's moves with learn.ref_update_every). Only with kl_coef > 0 and no LoRA is there a model to
+        load: LoRA's reference is the base with the adapters off."""
+        lcfg, world, device = self.cfg.learn, self.acc.num_processes, self.acc.device
+        if lcfg.kl_coef == 0 or self.lora or ref_dir == self.ref_dir:
+            return
+        from transformers import AutoModelForCausalLM
+
+        self.ref = None  # the old reference goes before the new one loads
+        ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).requires_grad_(False)
+        self.ref = PolicyLM(ref, lcfg.logprob_chunk).eval().to(device)
+        if self.sharded and world > 1:
+            sharding.fully_shard_policy(self.ref, world, device)
+        self.ref_dir = ref_dir
 
     def autocast(self):
         """The forwards' precision: bf16 autocast with learn.mixed_precision=bf16, else as the weights."""

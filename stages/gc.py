@@ -7,10 +7,10 @@ references their files (a snapshot points at its policy's files), and leftover `
 With retention (`grpo gc --retention`, the run's RetentionConfig): also the weights and optimizer
 state of older learns, and nothing else: tables, manifests, run.json and summaries stay, so every
 iteration still answers `grpo query`. A learn's policy stays when it is among the last
-`keep_last` learns, its iteration a multiple of `keep_every`, or the best by eval; its optimizer
-state only in the newest learn. Before removing them gc lists them in the attempt's
-collected.json (grpo.storage.mark_collected): verification skips them, a stage that needs one
-fails naming it.
+`keep_last` learns, its iteration a multiple of `keep_every`, the best by eval, or the next learn's
+KL reference (learn.ref_update_every); its optimizer state only in the newest learn. Before removing
+them gc lists them in the attempt's collected.json (grpo.storage.mark_collected): verification skips
+them, a stage that needs one fails naming it.
 
 Left alone, and said so: an uncommitted attempt whose heartbeat is recent (its writer is alive,
 however long its stage writes nothing else: beat within `min_age_s`, and never fewer than
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from grpo.config import RetentionConfig
-from grpo.layout import POLICY_PREFIXES, SHARD_FOLDER, STAGES, STATE_PREFIXES, run_dir, stage_dir
+from grpo.layout import POLICY_PREFIXES, SHARD_FOLDER, STAGES, STATE_PREFIXES, run_dir, run_json, stage_dir
 from grpo.storage import (
     HEARTBEAT_NAME,
     ArtifactError,
@@ -50,6 +50,7 @@ from grpo.storage import (
 )
 from schemas.manifest import MANIFEST_NAME
 from stages.iteration import next_iteration
+from stages.learn import reference_iteration
 
 BEST_METRIC = "exact_match"  # the eval summary's accuracy (stages/eval.py) that picks the best iteration
 LEASE_BEATS = 10  # a heartbeat is live for this many of its writer's beats at least, whatever min_age_s
@@ -256,9 +257,14 @@ def _retention(storage: Storage, run_id: str, rules: RetentionConfig, listing: d
         return
     newest = max(learned)
     # whole: what `grpo run` continues from (and the newest eval reruns on); a stale learn resumes earlier
-    whole = {next_iteration(storage, run_id) - 1: "where `grpo run` continues", newest: "the newest learn"}
+    n = next_iteration(storage, run_id)
+    whole = {n - 1: "where `grpo run` continues", newest: "the newest learn"}
     best = best_iteration(storage, run_id, sorted(learned))
     kept = kept_policies(sorted(learned), rules.keep_last, rules.keep_every, best)
+    every = json.loads(storage.read_bytes(run_json(storage, run_id)))["config"]["learn"].get("ref_update_every")
+    ref = reference_iteration(n, every)
+    if ref is not None:  # learn.ref_update_every: the next learn's KL reference is the policy learn ref - 1 committed
+        kept.setdefault(ref - 1, f"the KL reference of iteration {n}")
     dropped = [f"not among the last {rules.keep_last}"] if rules.keep_last else []
     dropped += [f"not a multiple of {rules.keep_every}"] if rules.keep_every else []
     dropped += [f"not the best eval (iteration {best})" if best is not None else "no eval committed"]

@@ -5,7 +5,9 @@ GPU of the sampler (vLLM sleeps, or closes: rollout.keep_engine), runs the updat
 policy/, optimizer.pt, rng.pt (and master.safetensors for a narrower-than-float32 base), the
 metrics of every step and the old (and reference) log-probs, so an audit can recompute every
 loss. When the next iteration runs in the same process (flow `grpo` with `iterations` > 1) it
-takes the model, optimizer and reference from memory (`WARM`) instead, with the same result.
+takes the model, optimizer and reference from memory (`WARM`) instead, with the same result. The KL
+reference is the base model or, with learn.ref_update_every, an earlier iteration's committed snapshot
+(reference_source): a warm learner loads it when it moves, a cold one reads the same files.
 
 One process runs in-process; `learn.num_processes > 1` runs the same code under torchrun (gloo on
 CPU, NCCL on GPUs; stages/launch.py), rank r taking every r-th group of each minibatch, on one machine
@@ -124,8 +126,10 @@ class WarmLearners:
     """At most one Learner kept after a committed `learn`, keyed by that commit's URI.
 
     The next iteration's learn takes it when its `previous` input is that commit, with the same
-    reference model and learn config; anything else (a forced rerun, another run, a failed
-    step that left the model half-updated) builds a fresh Learner from the committed files.
+    learn config; anything else (a forced rerun, another run, a failed step that left the model
+    half-updated) builds a fresh Learner from the committed files. The reference is not part of the
+    key: a learner taken loads the iteration's reference when it holds another (Learner.use_reference;
+    learn.ref_update_every moves it).
     On a GPU the kept learner waits in CPU memory, leaving the GPU to the sampler.
     Change the key only with tests test_warm_iterations_commit_what_cold_ones_do and
     test_optimizer_state_carries_to_next_iteration in view.
@@ -136,8 +140,8 @@ class WarmLearners:
         self._learner: Learner | None = None
 
     @staticmethod
-    def key(cfg: RunConfig, learn_uri: str, reference_uri: str) -> tuple:
-        return learn_uri, reference_uri, json.dumps(cfg.to_dict()["learn"], sort_keys=True)
+    def key(cfg: RunConfig, learn_uri: str) -> tuple:
+        return learn_uri, json.dumps(cfg.to_dict()["learn"], sort_keys=True)
 
     def keep(self, key: tuple, learner: Learner) -> None:
         learner.to("cpu")
@@ -225,11 +229,33 @@ def carry_checkpoint_files(policy_dir: str, out_dir: str) -> list[str]:
     return carried
 
 
-def learn_inputs(storage: Storage, run_id: str, iteration: int) -> dict[str, Committed]:
+def reference_iteration(iteration: int, every: int | None) -> int | None:
+    """The iteration whose snapshot is the KL reference of `iteration` with learn.ref_update_every = `every`:
+    the last multiple of it (every, 2 * every, ...) at or before `iteration`; None (the base model) before
+    the first, or without refresh.
+
+    >>> [reference_iteration(k, 2) for k in range(6)], reference_iteration(3, 1), reference_iteration(9, None)
+    ([None, None, 2, 2, 4, 4], 3, None)
+    """
+    return None if every is None or iteration < every else iteration // every * every
+
+
+def reference_source(storage: Storage, run_id: str, iteration: int, every: int | None) -> Committed:
+    """The committed checkpoint the KL of `iteration` is measured against: the base model, or the snapshot of
+    reference_iteration (the policy that iteration sampled from, as committed: a cold resume reads the same)."""
+    at = reference_iteration(iteration, every)
+    return (
+        committed_input(storage, run_id, None, "base")
+        if at is None
+        else committed_input(storage, run_id, at, "snapshot")
+    )
+
+
+def learn_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int) -> dict[str, Committed]:
     """The stage's inputs (snapshot, reference, rollouts, advantages, the previous learn), checked current."""
     inputs = {
         "snapshot": committed_input(storage, run_id, iteration, "snapshot"),
-        "reference": committed_input(storage, run_id, None, "base"),
+        "reference": reference_source(storage, run_id, iteration, cfg.learn.ref_update_every),
         "rollouts": committed_input(storage, run_id, iteration, "rollouts"),
         "advantages": committed_input(storage, run_id, iteration, "advantages"),
     }
@@ -281,7 +307,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     cfg = load_run(storage, run_id)
     if node_rank:
         return join_learn(storage, cfg, run_id, iteration, node_rank, force)
-    inputs = learn_inputs(storage, run_id, iteration)
+    inputs = learn_inputs(storage, cfg, run_id, iteration)
     in_process = cfg.learn.num_processes == 1
     learner: Learner | None = None
 
@@ -290,7 +316,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         batch = read_batch(storage, cfg, inputs)
         release_accelerator(cfg.rollout.keep_engine)  # the sampler sleeps (or closes) while the learner runs
         if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
-            learner = WARM.take(WARM.key(cfg, inputs["previous"].uri, inputs["reference"].uri))
+            learner = WARM.take(WARM.key(cfg, inputs["previous"].uri))
         warm = learner is not None
         with tempfile.TemporaryDirectory() as tmp:
             folders = checkpoint_folders(storage, inputs, tmp, state=not warm)
@@ -299,6 +325,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
             os.makedirs(out_dir, exist_ok=True)
             if in_process:
                 learner = learner or new_learner(cfg, iteration, **folders)
+                learner.use_reference(folders["ref_dir"])  # a warm learner's may be another (ref_update_every)
                 summary = train_and_save(learner, run_id, iteration, batch, out_dir)
             else:
                 args = launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp)
@@ -317,7 +344,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     config = stage_config(cfg)
     out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
     if learner is not None:  # ran in this process and committed: keep it for iteration k + 1
-        WARM.keep(WARM.key(cfg, out.uri, inputs["reference"].uri), learner)
+        WARM.keep(WARM.key(cfg, out.uri), learner)
     return out
 
 
@@ -327,7 +354,7 @@ def join_learn(storage: Storage, cfg: RunConfig, run_id: str, iteration: int, no
     deadline = time.monotonic() + cfg.learn.node_timeout_s
     while True:  # a node started before the iteration's earlier stages committed waits for them
         try:
-            inputs = learn_inputs(storage, run_id, iteration)
+            inputs = learn_inputs(storage, cfg, run_id, iteration)
             break
         except StageError as e:
             if not str(e).startswith("input missing") or time.monotonic() > deadline:

@@ -57,8 +57,15 @@ def test_every_field_is_covered():
 
 # settings added with the loss variants, overlong shaping and reference refresh, thrown at harder (alone and
 # beside the settings they depend on)
-ADDED = ["learn.dual_clip_c", "reward.overlong_buffer", "reward.overlong_penalty"]
-BESIDE = [{}, {"learn": {"loss_type": "gspo"}}, {"learn": {"loss_type": "cispo"}}, {"rollout": {"max_tokens": 64}}]
+ADDED = ["learn.dual_clip_c", "reward.overlong_buffer", "reward.overlong_penalty", "learn.ref_update_every"]
+BESIDE = [
+    {},
+    {"learn": {"loss_type": "gspo"}},
+    {"learn": {"loss_type": "cispo"}},
+    {"rollout": {"max_tokens": 64}},
+    {"learn": {"kl_coef": 0.1}},
+    {"learn": {"kl_coef": 0.1, "lora": {}}},
+]
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -107,6 +114,13 @@ def test_added_settings_give_a_valid_config_or_a_config_error_naming_them(path, 
         (["reward.overlong_buffer=6"], "reward.overlong_buffer must be in .1, rollout.max_tokens=5."),
         (["reward.overlong_buffer=0"], "reward.overlong_buffer"),
         (["reward.overlong_buffer=4", "reward.overlong_penalty=-1"], "reward.overlong_penalty must be >= 0"),
+        (["learn.kl_coef=0.05", "learn.ref_update_every=1"], None),
+        (["learn.kl_coef=0.05", "learn.ref_update_every=0"], "learn.ref_update_every must be >= 1"),
+        (["learn.ref_update_every=2"], "learn.ref_update_every .* needs learn.kl_coef > 0"),  # nothing to refresh
+        (
+            ["learn.kl_coef=0.05", "learn.lora={}", "learn.ref_update_every=2"],
+            "learn.ref_update_every .* no learn.lora",
+        ),
     ],
 )
 def test_added_settings_hand_picked(overrides, error):

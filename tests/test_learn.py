@@ -180,6 +180,15 @@ def test_each_loss_variant_trains(storage, extra):
         assert metrics.clip_frac.iloc[1:].max() > 0 and metrics.clip_frac.iloc[0] == 0
 
 
+def test_learn_doctests():
+    import doctest
+
+    import stages.learn
+
+    result = doctest.testmod(stages.learn)
+    assert result.attempted >= 1 and result.failed == 0
+
+
 def test_settings_added_later_leave_existing_stage_identities_alone():
     """At their defaults the settings added after runs were made (config.ADDED_SETTINGS) are not part of any
     stage's identity: a run made before them keeps its committed stages (hash of the defaults before them)."""
@@ -190,5 +199,39 @@ def test_settings_added_later_leave_existing_stage_identities_alone():
     assert config_hash(learn.stage_config(cfg)) == "f387f6c1d765cafad97d7a71ef14608b08bcd0bcc539a0b6f5c9b56bf8095f80"
     assert config_hash(rewards.stage_config(cfg)) == "19054604eb9f926235bbaf5c460cfbcbe9c5206c90c0c8d71b4546a20525cc23"
     assert learn.stage_config(load_config(None, ["learn.dual_clip_c=3"]))["learn"]["dual_clip_c"] == 3.0
+    refresh = learn.stage_config(load_config(None, ["learn.kl_coef=0.1", "learn.ref_update_every=2"]))["learn"]
+    assert refresh["ref_update_every"] == 2
     shaped = rewards.stage_config(load_config(None, ["reward.overlong_buffer=2"]))["reward"]
     assert shaped["overlong_buffer"] == 2 and shaped["overlong_penalty"] == 1.0  # set: both in the identity
+
+
+def test_reference_refresh_a_cold_resume_equals_the_warm_run_and_gc_keeps_the_reference(storage, monkeypatch):
+    """learn.ref_update_every=2: iterations 0, 1 measure the KL to the base, iteration 2 to its own snapshot (the
+    warm learner reloads its reference); learn 2 built cold from the committed files (a resume) commits the same
+    bytes; gc's retention keeps the policy iteration 3's reference reads."""
+    import numpy as np
+
+    from grpo.config import RetentionConfig
+    from stages import gc
+    from stages import learn as learn_stage
+    from stages.iteration import run_iteration
+
+    init_run(storage, "ref", load_config(None, TINY + ["learn.kl_coef=0.05", "learn.ref_update_every=2"]))
+    learn_stage.WARM.take(None)
+    outs = [run_iteration(storage, "ref", k)["learn"] for k in range(3)]
+    assert [o.manifest.summary["warm_learner"] for o in outs] == [False, True, True]
+    assert [o.manifest.inputs["reference"].uri.rsplit("/", 3)[-3] for o in outs] == ["ref", "ref", "iter-0002"]
+    lp = [pd.read_parquet(storage.uri(o.path("logprobs.parquet"))) for o in outs]
+    same = [all(map(np.allclose, t.old_logprobs, t.ref_logprobs)) for t in lp]
+    assert same == [True, False, True]  # 0: the base sampled; 1: moved off it; 2: refreshed
+
+    monkeypatch.setattr(gc, "best_iteration", lambda *a: 0)  # the best eval: not the policy the rule keeps
+    found = gc.plan(storage, "ref", min_age_s=0, retention=RetentionConfig(keep_last=1))
+    assert not [g for g in found.garbage if g.why == "policy"]
+    assert "iteration 1: policy (the KL reference of iteration 3)" in found.kept
+
+    learn_stage.WARM.take(None)  # what a new process has
+    cold = stage_function("learn")(storage, "ref", 2, force=True)
+    assert cold.attempt_dir != outs[2].attempt_dir and not cold.manifest.summary["warm_learner"]
+    files = lambda c: sorted((f.path, f.sha256) for f in c.manifest.files)  # noqa: E731
+    assert files(cold) == files(outs[2])
