@@ -41,6 +41,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 from chat_math import SYSTEM, problem
+from timing import machine
 
 from grpo.checkpoint import parameter_count
 from grpo.config import load_config
@@ -224,22 +225,12 @@ def run_case(storage, run_id: str, overrides: list[str], iterations: int) -> dic
     return {"peaks": peaks, "launcher": launcher, "seconds": seconds, "bytes": committed_bytes(learn)}
 
 
-def machine() -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.processor() or platform.machine(),
-    )
+def machine_line() -> str:
+    """timing.machine() with the memory and the torch and python versions."""
     import torch
 
     mem = psutil.virtual_memory().total / 2**30
-    return (
-        f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB; "
-        f"torch {torch.__version__}, python {platform.python_version()}"
-    )
+    return f"{machine()}, {mem:.0f} GiB; torch {torch.__version__}, python {platform.python_version()}"
 
 
 def print_measured(results: dict, n_params: int, floor: float, dtype: str) -> None:
@@ -375,7 +366,7 @@ def main() -> None:
     t0 = time.perf_counter()
     root = Path(args.dir or tempfile.mkdtemp(prefix="grpo-learner-memory-"))
     root.mkdir(parents=True, exist_ok=True)
-    print(f"machine: {machine()}\nfolder: {root}", flush=True)
+    print(f"machine: {machine_line()}\nfolder: {root}", flush=True)
     overrides = make_world(root, args.dtype, args.microbatch)
     n_params = parameter_count(root / "model")
     if parameters(HERE) != n_params:  # the arithmetic below counts this model as the file does

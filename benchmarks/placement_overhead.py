@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from timing import committed_at, manifests
+from timing import committed_at, machine, manifests
 
 from grpo.procs import stop_group, tail
 from stages import STAGES
@@ -228,18 +227,6 @@ def cold_hops(server, url: str, run_id: str, iterations: range) -> dict[str, lis
 
 
 # ---------------------------------------------------------------- output
-
-
-def machine() -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.processor() or platform.machine(),
-    )
-    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores"
 
 
 def load() -> str:

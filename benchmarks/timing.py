@@ -4,7 +4,10 @@ Each manifest holds when its attempt started and committed and the stage's own c
 (`generate_s`, `score_s`, `update_s`), so any run's storage can be analysed after the fact.
 """
 
+import os
+import platform
 from datetime import datetime
+from pathlib import Path
 
 from grpo.layout import stage_dir
 from grpo.storage import latest_committed, open_storage
@@ -50,3 +53,16 @@ def print_stage_overheads(overheads: dict[str, tuple[float, float]]) -> None:
         f"{'total':>10} {1000 * sum(b for b, _ in overheads.values()):>9.1f} "
         f"{1000 * sum(i for _, i in overheads.values()):>9.1f}"
     )
+
+
+def machine() -> str:
+    """The OS, architecture, CPU model and core count: the line a benchmark's figures belong to."""
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        ),
+        platform.processor() or platform.machine(),
+    )
+    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores"
