@@ -1,0 +1,233 @@
+"""One GRPO iteration of a 26M-parameter chat model, TRL's GRPOTrainer and grpo-flow side by side, in one
+invocation on this machine; no downloads.
+
+    pip install -e ".[bench]"                       # TRL, outside the core install
+    .venv/bin/python benchmarks/vs_trl.py [--iterations 3] [--only trl|grpo-flow] [--set learn.mixed_precision=bf16]
+
+1. A Qwen2-architecture model built here, random weights: 8 layers, width 512, grouped-query attention
+   (8 query heads, 2 KV heads), a byte-level BPE with Qwen's chat template, the embedding padded to
+   8,192 rows (26.4M parameters); GSM8K-style word problems as chat prompts with a system prompt
+   (~48 prompt tokens; benchmarks/chat_math.py's problems).
+2. The same recipe on both sides, float32: 64 prompts x 8 samples, up to 64 new tokens at temperature
+   1, the math task's reward (math-verify), no KL, one pass of 8 AdamW steps of 64 samples over each
+   iteration's 512 samples, lr 1e-5. TRL samples with transformers' generate (its default), grpo-flow
+   with its `auto` backend (vLLM at this size) unless `--set rollout.backend=hf`.
+3. Prints each iteration's seconds for both, the steady-state ratio (the median of iterations 1..,
+   iteration 0 pays engine starts and first-call costs on both sides), and grpo-flow's split by stage.
+   grpo-flow's iteration is snapshot start to learn commit: its eval (held-out greedy decoding, which TRL
+   does not do in this recipe) is left out. Run it on a quiet machine: a second process slows torch's
+   threads several-fold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from chat_math import SYSTEM, problem  # noqa: E402
+from timing import machine, manifests  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Recipe:
+    prompts: int = 64
+    group: int = 8
+    max_tokens: int = 64
+    steps: int = 8  # optimizer steps an iteration, each over prompts * group / steps samples
+    lr: float = 1e-5
+    shape: dict = field(
+        default_factory=lambda: dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1376)
+    )
+    vocab: int = 8192  # the embedding's rows (the tokenizer's vocabulary is smaller, padded as Qwen's is)
+
+
+RECIPES = {
+    "chat": Recipe(),
+    "tiny": Recipe(  # a check that both sides run, in a minute
+        prompts=8,
+        group=4,
+        max_tokens=16,
+        steps=2,
+        shape=dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128),
+        vocab=2048,
+    ),
+}
+
+
+def make_world(root: Path, r: Recipe, seed: int) -> tuple[str, Path, list[dict]]:
+    """The model folder, the problems' Parquet file and the problems."""
+    import pandas as pd
+
+    from grpo.tiny_model import build_chat_model
+
+    rng = random.Random(seed)
+    rows = list({r["question"]: r for r in (problem(rng, 99) for _ in range(4000))}.values())
+    pd.DataFrame(rows)[["question", "answer"]].to_parquet(root / "problems.parquet")
+    texts = [f"{SYSTEM} {r['question']} {r['answer']}" for r in rows]
+    model = build_chat_model(
+        str(root / "model"), texts, vocab_size=2000, model_vocab_size=r.vocab, max_position_embeddings=512, **r.shape
+    )
+    return model, root / "problems.parquet", rows
+
+
+def grpo_flow(root: Path, r: Recipe, model: str, data: Path, iterations: int, extra: list[str]) -> tuple[list, dict]:
+    """Seconds of each iteration (snapshot start to learn commit) and the steady iterations' mean
+    seconds per stage."""
+    from grpo.config import load_config
+    from grpo.storage import open_storage
+    from stages.init import init_run
+    from stages.iteration import run_warm
+
+    cfg = load_config(
+        None,
+        [
+            f"model.base_model={model}",
+            "task.name=math",
+            f"task.dataset={data}",
+            "task.prompt_column=question",
+            "task.answer_column=answer",
+            "task.prompt_format=chat",
+            f"task.system_prompt={SYSTEM}",
+            f"rollout.prompts_per_iteration={r.prompts}",
+            f"rollout.group_size={r.group}",
+            f"rollout.max_tokens={r.max_tokens}",
+            f"learn.minibatch_size={r.prompts * r.group // r.steps}",
+            f"learn.microbatch_size={r.prompts * r.group // r.steps}",
+            "learn.epochs=1",
+            "learn.kl_coef=0",
+            f"learn.lr={r.lr}",
+            "eval.n_prompts=8",
+            *extra,
+        ],
+    )
+    storage = open_storage((root / "storage").as_uri())
+    init_run(storage, "bench", cfg)
+    for _ in run_warm(storage, "bench", 0, iterations):
+        pass
+    seconds, split = [], {}
+    for k in range(iterations):
+        m = manifests(storage.url, "bench", k)
+        at = {s: (stamp(m[s].started_at), stamp(m[s].committed_at)) for s in m}
+        seconds.append(at["learn"][1] - at["snapshot"][0])
+        for s, (start, end) in at.items():
+            if k > 0 or iterations == 1:
+                split.setdefault(s, []).append(end - start)
+    return seconds, {s: statistics.mean(v) for s, v in split.items()}
+
+
+def stamp(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def trl(root: Path, r: Recipe, model: str, rows: list[dict], iterations: int, seed: int) -> list[float]:
+    """Seconds of each iteration of TRL's GRPOTrainer: one generation of prompts x group samples and the
+    `steps` optimizer steps over them (steps_per_generation), timed between optimizer steps."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo.tasks.math import math_reward
+
+    def correct(completions, answer, **_) -> list[float]:
+        return [math_reward(c[-1]["content"], a)["total"] for c, a in zip(completions, answer)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.at = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.at.append(time.perf_counter())
+
+    prompts = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}] for r in rows]
+    dataset = Dataset.from_dict({"prompt": prompts, "answer": [r["answer"] for r in rows]})
+    args = GRPOConfig(
+        output_dir=str(root / "trl"),
+        per_device_train_batch_size=r.prompts * r.group // r.steps,
+        gradient_accumulation_steps=1,
+        steps_per_generation=r.steps,
+        num_generations=r.group,
+        max_completion_length=r.max_tokens,
+        temperature=1.0,
+        beta=0.0,
+        num_iterations=1,
+        learning_rate=r.lr,
+        lr_scheduler_type="constant",
+        max_steps=r.steps * iterations,
+        use_cpu=True,
+        bf16=False,
+        logging_steps=r.steps,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        disable_tqdm=True,
+    )
+    clock = Clock()
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model, dtype="float32"),
+        reward_funcs=correct,
+        args=args,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model),
+        callbacks=[clock],
+    )
+    clock.at = [time.perf_counter()]
+    trainer.train()
+    return [clock.at[r.steps * (k + 1)] - clock.at[r.steps * k] for k in range(iterations)]
+
+
+def steady(seconds: list[float]) -> float:
+    """The median iteration after the first (the first pays engine starts and first calls)."""
+    return statistics.median(seconds[1:] or seconds)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--recipe", choices=list(RECIPES), default="chat")
+    p.add_argument("--only", choices=["trl", "grpo-flow"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], help="grpo-flow settings on top of the recipe")
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="vs-trl-"))
+    import torch
+
+    from grpo.quiet import quiet_libraries
+
+    quiet_libraries()  # no progress bars between the lines, on either side
+
+    from grpo.checkpoint import parameter_count
+
+    print(f"machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; folder {root}")
+    r = RECIPES[args.recipe]
+    model, data, rows = make_world(root, r, args.seed)
+    print(f"model: {parameter_count(model) / 1e6:.1f}M parameters; {len(rows)} problems", flush=True)
+    results = {}
+    if args.only != "trl":
+        results["grpo-flow"], split = grpo_flow(root, r, model, data, args.iterations, args.set)
+        print("grpo-flow s/iteration: " + " ".join(f"{s:.1f}" for s in results["grpo-flow"]), flush=True)
+        print("  steady split (s): " + ", ".join(f"{s} {v:.1f}" for s, v in split.items()))
+    if args.only != "grpo-flow":
+        import trl as trl_package
+
+        results[f"TRL {trl_package.__version__}"] = trl(root, r, model, rows, args.iterations, args.seed)
+        print("TRL s/iteration: " + " ".join(f"{s:.1f}" for s in list(results.values())[-1]), flush=True)
+    print(f"\n{'':>12} {'s/iteration (steady)':>20}")
+    for name, seconds in results.items():
+        print(f"{name:>12} {steady(seconds):>20.1f}")
+    if len(results) == 2:
+        ours, theirs = (steady(s) for s in results.values())
+        print(f"grpo-flow / TRL: {ours / theirs:.2f}x (target <= 0.5x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
