@@ -390,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         show_in_terminal()
     try:
         args.fn(args, open_storage(args.storage))
+    except BrokenPipeError:  # `grpo query ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
     except (ConfigError, StageError, ArtifactError, SchemaError) as e:
         print(f"grpo: error: {e}", file=sys.stderr)
         return 2
