@@ -24,7 +24,15 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from grpo.variants import AdvantageMode, AggMode, DualClipLossType, ImportanceCorrection, KLEstimator, LossType
+from grpo.variants import (
+    AdvantageMode,
+    AggMode,
+    DualClipLossType,
+    ImportanceCorrection,
+    KLEstimator,
+    LossType,
+    OldLogprobs,
+)
 
 Backend = Literal["auto", "vllm", "hf"]
 
@@ -281,6 +289,11 @@ class LearnConfig:
     max_logprob_gap: float | None = None
     """Fail the stage when the mean |sampler - learner| log-prob of the sampled tokens exceeds this (a
     sampler serving stale weights shows as a jump); None: only recorded (`logprob_gap`)."""
+    old_logprobs: OldLogprobs = "recompute"
+    """pi_old of the clipped ratio: `recompute` scores the snapshot's policy over the batch before the first
+    step (a forward pass over every sample); `sampler` takes the sampler's log-probs as they are (no pass,
+    as verl's rollout log-probs mode): exact where the sampler runs the learner's numerics (the `hf` backend,
+    float32 vLLM), an off-policy error where not, and then unguarded (no learn.max_logprob_gap, no TIS)."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight (`learn.lora={}` for the defaults, `learn.lora.r=8`);
     each learn commits the adapter and its optimizer state, not the base; None: full fine-tuning."""
@@ -301,7 +314,7 @@ compute (rank r does the same work on any node): left out of the learn stage's i
 change for an existing run."""
 
 ADDED_SETTINGS = {
-    "learn": (("dual_clip_c",), ("ref_update_every",)),
+    "learn": (("dual_clip_c",), ("ref_update_every",), ("old_logprobs",)),
     "reward": (("overlong_buffer", "overlong_penalty"),),
 }
 """Settings added after runs were made without them, per section, in groups that act together: a stage's identity
@@ -651,6 +664,11 @@ def validate(cfg: RunConfig) -> None:
         )
     if not all(0 <= b < 1 for b in lc.betas):
         raise ConfigError(f"learn.betas must each be in [0, 1), got {list(lc.betas)}")
+    if lc.old_logprobs == "sampler" and (lc.importance_correction != "none" or lc.max_logprob_gap is not None):
+        raise ConfigError(
+            "learn.old_logprobs=sampler takes pi_old from the sampler, so learn.importance_correction and "
+            "learn.max_logprob_gap (which compare the two) must be unset"
+        )
     if lc.tis_cap <= 0 or (lc.max_logprob_gap is not None and lc.max_logprob_gap <= 0):
         raise ConfigError(
             f"learn.tis_cap and learn.max_logprob_gap must be > 0, got {lc.tis_cap}, {lc.max_logprob_gap}"

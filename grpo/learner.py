@@ -31,6 +31,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -454,6 +455,20 @@ class Update:
     scores: Scores  # on the CPU
 
 
+def _recomputed(learner: Learner, batch: Batch, chunk_groups: int) -> Tensor:
+    """pi_old as the snapshot's policy scores the batch now, before the first step: (N, T)."""
+    return score(learner.acc.unwrap_model(learner.model), batch, chunk_groups)
+
+
+def _from_sampler(learner: Learner, batch: Batch, chunk_groups: int) -> Tensor:
+    """pi_old as the sampler reported it, no forward pass: (N, T)."""
+    return batch.sampler_logprobs
+
+
+OLD_LOGPROBS: dict[str, Callable[[Learner, Batch, int], Tensor]] = {"recompute": _recomputed, "sampler": _from_sampler}
+"""learn.old_logprobs -> where pi_old comes from (grpo.variants.OldLogprobs)."""
+
+
 def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_seed: int) -> Update:
     """Run the update in place on `learner` (every process runs this). Raises LearnError, having
     left the learner half-updated, when the result must not be committed."""
@@ -463,7 +478,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     g, chunk = batch.group_size, max(1, lcfg.microbatch_size // batch.group_size)
     t0 = time.perf_counter()
     with learner.autocast():
-        old = score(acc.unwrap_model(model), batch, chunk)
+        old = OLD_LOGPROBS[lcfg.old_logprobs](learner, batch, chunk)
         scores = Scores(old, learner.reference_scores(batch, chunk))
     score_s, update_s = time.perf_counter() - t0, 0.0
     mask = batch.response_mask

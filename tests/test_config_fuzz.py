@@ -36,6 +36,7 @@ VALUES = st.one_of(
     st.text(max_size=12),
     st.sampled_from(
         ["auto", "hf", "vllm", "k3", "bf16", "bfloat16", "sort", "position", "tensorboard", "none", "gspo", "cispo"]
+        + ["sampler", "recompute"]
     ),
     st.lists(st.one_of(st.integers(-5, 5), st.floats(), st.text(max_size=4)), max_size=4),
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
@@ -66,6 +67,8 @@ BESIDE = [
     {"learn": {"kl_coef": 0.1}},
     {"learn": {"kl_coef": 0.1, "lora": {}}},
 ]
+ADDED += ["learn.old_logprobs"]  # pi_old from the sampler
+BESIDE += [{"learn": {"importance_correction": "tis"}}, {"learn": {"max_logprob_gap": 0.1}}]
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
