@@ -9,6 +9,7 @@ grpo status --run demo
 grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
 grpo report --run demo                       # report.png and report.md in the run folder
 grpo export --run demo --out ./demo-policy   # the newest policy as an HF folder (LoRA merged)
+grpo export --run demo --best ./demo-best    # the best by eval.metric (or --iteration k, --latest)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from grpo.errors import describe
 from grpo.layout import SHARDED, STAGES, run_dir, stage_dir
 from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
+from grpo.report import best_iteration
 from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
 from schemas import SchemaError
 from stages import StageError, stage_function
@@ -82,15 +84,16 @@ def summary_lines(summary: dict, indent: str = "  ") -> str:
 
 
 def train(storage, run_id: str, start: int, iterations: int, target: float | None = None) -> int | None:
-    """Run iterations start.. warm, one line each; stop early once eval's exact match reaches `target`.
-    Returns the iteration that reached it (None: not reached, or no target)."""
+    """Run iterations start.. warm, one line each (eval exact `-` where eval.every skipped it); stop early once
+    eval's exact match reaches `target`. Returns the iteration that reached it (None: not reached, or no target)."""
     t0 = time.perf_counter()
     print(f"{'iteration':>9}  {'reward':>6}  {'eval exact':>10}  {'elapsed s':>9}", flush=True)
     for k, out in run_warm(storage, run_id, start, iterations):
-        exact = out["eval"].manifest.summary["exact_match"]
+        exact = out["eval"].manifest.summary.get("exact_match")
         reward = out["advantages"].manifest.summary["reward_mean"]
-        print(f"{k:>9}  {reward:>6.3f}  {exact:>10.3f}  {time.perf_counter() - t0:>9.1f}", flush=True)
-        if target is not None and exact >= target:
+        shown = "-" if exact is None else f"{exact:.3f}"
+        print(f"{k:>9}  {reward:>6.3f}  {shown:>10}  {time.perf_counter() - t0:>9.1f}", flush=True)
+        if target is not None and exact is not None and exact >= target:
             return k
     return None
 
@@ -193,6 +196,8 @@ def cmd_status(args, storage):
                 if done and args.verify and _corrupt(storage, done[-1])
                 else "stale"
                 if done and stale_attempt(storage, done[-1])
+                else "skipped"
+                if done and s == "eval" and load_manifest(storage, done[-1], verify=False)[0].summary.get("skipped")
                 else "ok"
             )
             cells.append(
@@ -204,8 +209,10 @@ def cmd_status(args, storage):
     print(
         "(xN: committed attempts; +Nr: attempts running now (a recent heartbeat); +Nf: attempts that failed or "
         "stopped beating; stale: made from inputs a newer attempt replaced; corrupt, with --verify: files "
-        "changed after the commit)"
+        "changed after the commit; skipped: an eval eval.every did not run)"
     )
+    if best := best_iteration(storage, args.run):
+        print(f"best so far: {best}; export it: {grpo_command(args.storage)} export --run {args.run} --best --out DIR")
     if collected := collected_summary(storage, args.run):  # removed on purpose: not corrupt
         print(collected)
     if newest := newest_policy(storage, args.run, args.storage):
@@ -253,17 +260,40 @@ def cmd_gc(args, storage):
 
 def cmd_export(args, storage):
     from grpo.checkpoint import export_policy
-    from stages.common import committed_input
+    from stages.common import committed_input, load_run
 
+    load_run(storage, args.run)
+    if (args.dir is None) == (args.out is None):
+        raise StageError("export: name the folder to write once: `grpo export --run R DIR` or `--out DIR`")
+    out, which = args.dir or args.out, ""
     k = newest_learn(storage, args.run) if args.iteration is None else args.iteration
-    policy = (
-        committed_input(storage, args.run, None, "base") if k < 0 else committed_input(storage, args.run, k, "learn")
-    )
+    if args.best:
+        best = best_iteration(storage, args.run)
+        if best is None:
+            raise StageError(f"run {args.run}: no eval has run yet, so none is best; export --latest or --iteration K")
+        k, which = best.iteration, f" (the best: {best.metric} {best.value:.4g})"
+    policy = committed_input(storage, args.run, None, "base") if k < 0 else export_source(storage, args.run, k)
     try:
-        export_policy(policy, committed_input(storage, args.run, None, "base"), args.out)
+        export_policy(policy, committed_input(storage, args.run, None, "base"), out)
     except FileExistsError as e:
         raise StageError(str(e)) from e
-    print(f"{'the base model' if k < 0 else f'the policy of iteration {k}'} of run {args.run}: {args.out}")
+    print(f"{'the base model' if k < 0 else f'the policy of iteration {k}'} of run {args.run}{which}: {out}")
+
+
+def export_source(storage, run_id: str, k: int):
+    """Iteration k's committed learn, verified; one line when it has none, its files changed after the commit
+    (committed_input says so) or `grpo gc --retention` collected its policy."""
+    from grpo.checkpoint import ADAPTER_PREFIX, CHECKPOINT_PREFIX
+    from stages.common import committed_input
+
+    if not committed_attempts(storage, stage_dir(storage, run_id, k, "learn")):
+        n = newest_learn(storage, run_id)
+        newest = f"the newest committed is iteration {n}" if n >= 0 else "none is committed yet"
+        raise StageError(f"run {run_id}: iteration {k} has no committed learn (its policy is not committed; {newest})")
+    policy = committed_input(storage, run_id, k, "learn")
+    if any(p.startswith((CHECKPOINT_PREFIX, ADAPTER_PREFIX)) for p in policy.collected):
+        raise StageError(f"run {run_id}: the policy of iteration {k} was collected by `grpo gc --retention`")
+    return policy
 
 
 def cmd_report(args, storage):
@@ -359,8 +389,12 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_gc)
     sp = sub.add_parser("export", help="write a policy as a self-contained HF folder (LoRA adapters merged)")
     sp.add_argument("--run", required=True)
-    sp.add_argument("--out", required=True, help="a new local folder or fsspec URL")
-    sp.add_argument("--iteration", type=int, help="the learn of this iteration (default: the newest committed)")
+    sp.add_argument("dir", nargs="?", help="a new local folder or fsspec URL (or --out DIR)")
+    sp.add_argument("--out", help="the same as DIR")
+    which = sp.add_mutually_exclusive_group()
+    which.add_argument("--iteration", type=int, help="the policy the learn of this iteration committed")
+    which.add_argument("--best", action="store_true", help="the best iteration's policy by eval.metric")
+    which.add_argument("--latest", action="store_true", help="the newest committed policy (the default)")
     sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("report", help="plot a run's progress: report.png and report.md in its folder")
     sp.add_argument("--run", required=True)

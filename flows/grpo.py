@@ -38,7 +38,7 @@ from grpo.config import ConfigError
 from grpo.errors import StageError, describe, storage_error
 from grpo.layout import STAGES, StageName, stage_dir
 from grpo.quiet import HarmlessFilter, quiet_libraries
-from grpo.report import figure_png, iteration_rows, markdown_table, write_report
+from grpo.report import best_iteration, figure_png, headline, iteration_rows, markdown_table, write_report
 from grpo.storage import ArtifactError, latest_committed, open_storage
 from grpo.tracking import track
 from schemas import SchemaError
@@ -87,13 +87,14 @@ def grpo(
             shards = {"rollouts": cfg.rollout.shards, "rewards": cfg.reward.shards}
             for k in range(first, first + iterations):
                 force = {name: name == force_stage and k == first for name in STAGES}
-                at = Placement(placement or {}, url, run_id, k, force, shards)
+                last = k == first + iterations - 1  # evaluated whatever eval.every says (stages.eval.due)
+                at = Placement(placement or {}, url, run_id, k, force, shards, last)
                 policy = ok(at("snapshot", None) or snapshot(url, run_id, k, force=force["snapshot"]))
                 samples = ok(at("rollouts", policy) or rollouts(url, run_id, k, policy, force=force["rollouts"]))
                 scores = ok(at("rewards", samples) or rewards(url, run_id, k, samples, force=force["rewards"]))
                 advs = ok(at("advantages", scores) or advantages(url, run_id, k, scores, force=force["advantages"]))
                 new_policy = ok(at("learn", advs) or learn(url, run_id, k, advs, force=force["learn"]))
-                report = ok(at("eval", new_policy) or evaluate(url, run_id, k, new_policy, force=force["eval"]))
+                report = ok(at("eval", new_policy) or evaluate(url, run_id, k, new_policy, force["eval"], last))
                 uris = {
                     "snapshot": policy,
                     "rollouts": samples,
@@ -220,9 +221,10 @@ def learn(storage_url: str, run_id: str, iteration: int, advs: str, force: bool 
 
 
 @task(name="eval", task_run_name="eval {iteration}")
-def evaluate(storage_url: str, run_id: str, iteration: int, policy: str, force: bool = False) -> str:
-    """Greedy decoding of the held-out prompts with the new policy."""
-    return run_stage("eval", storage_url, run_id, iteration, policy, force)
+def evaluate(storage_url: str, run_id: str, iteration: int, policy: str, force: bool = False, last: bool = True) -> str:
+    """Greedy decoding of the held-out prompts with the new policy (a skipped eval where eval.every says so and
+    the iteration is not the flow call's `last`)."""
+    return run_stage("eval", storage_url, run_id, iteration, policy, force, last=last)
 
 
 # ---------------------------------------------------------------- stages on other work pools
@@ -251,6 +253,7 @@ def stage_flow(
     force: bool = False,
     shard: int | None = None,
     node_rank: int = 0,
+    last: bool = True,
 ) -> str:
     """One stage of one iteration (or one shard of it, or one node of learn), run by a worker of the pool it is
     placed on (deployment `grpo-stage/<pool>`); the same task, retries included, as in the flow `grpo`. Its
@@ -258,6 +261,7 @@ def stage_flow(
     with stage_logs_to_prefect():
         args = (storage_url, run_id, iteration) + ((upstream,) if stage != "snapshot" else ())
         node = {"node_rank": node_rank} if node_rank else {}
+        node |= {"last": last} if stage == "eval" else {}
         return TASKS[stage](*args, force=force, **({} if shard is None else {"shard": shard}), **node)
 
 
@@ -267,10 +271,17 @@ class Placement:
     URI, or a Failed state with its one line); None for an unsharded stage run here."""
 
     def __init__(
-        self, placement: dict[str, str], url: str, run_id: str, iteration: int, force: dict, shards: dict[str, int]
+        self,
+        placement: dict[str, str],
+        url: str,
+        run_id: str,
+        iteration: int,
+        force: dict,
+        shards: dict[str, int],
+        last: bool = True,
     ):
         self.placement, self.url, self.run_id, self.k, self.force = placement, url, run_id, iteration, force
-        self.shards = shards
+        self.shards, self.last = shards, last
 
     def __call__(self, stage: str, upstream: str | None) -> str | State | None:
         pool, n = self.placement.get(stage), self.shards.get(stage, 1)
@@ -338,6 +349,8 @@ class Placement:
             parameters["shard"] = shard
         if node_rank:
             parameters["node_rank"] = node_rank
+        if stage == "eval":
+            parameters["last"] = self.last
         return run_deployment(f"grpo-stage/{pool}", parameters=parameters, idempotency_key=key, timeout=0)
 
     def wait_flow_runs(self, stage: str, runs: list, upstream: str | None, shards: bool = False) -> str | State:
@@ -360,6 +373,7 @@ class Placement:
         serve it (flows/stage_worker.py)."""
         args = (self.url, self.run_id, self.k) + ((upstream,) if stage != "snapshot" else ())
         extra = ({} if shard is None else {"shard": shard}) | ({"node_rank": node_rank} if node_rank else {})
+        extra |= {"last": self.last} if stage == "eval" else {}
         return TASKS[stage].delay(*args, force=self.force[stage], **extra)
 
     def wait_tasks(self, stage: str, futures: list, upstream: str | None, shards: bool = False) -> str | State:
@@ -412,14 +426,17 @@ def run_stage(
     force: bool,
     shard: int | None = None,
     node_rank: int = 0,
+    last: bool | None = None,
 ) -> str | State:
-    """Run or reuse stage `name` (it logs which), or one shard of it (or join learn as node `node_rank`);
+    """Run or reuse stage `name` (it logs which), or one shard of it (or join learn as node `node_rank`; eval:
+    `last`, whether the iteration ends the flow call);
     return the committed attempt's URI (or, for one of USER_ERRORS, a Failed state with its line).
 
     `upstream` is the URI the previous task returned: the stage must have read exactly that.
     """
     try:
         kwargs = ({} if shard is None else {"shard": shard}) | ({"node_rank": node_rank} if node_rank else {})
+        kwargs |= {} if last is None else {"last": last}
         out = stage_function(name)(open_storage(storage_url), run_id, iteration, force=force, **kwargs)
     except USER_ERRORS as e:
         return Failed(message=failure_line(name, iteration, str(e)))
@@ -499,12 +516,11 @@ class ProgressTable:
         span = f"iterations {rows[0]['iteration']}..{rows[-1]['iteration']}"
         create_table_artifact(rows, key=f"{key}-progress", description=f"{where}, {span}")
         png, _ = write_report(self.storage, self.run_id, committed)
-        plot = base64.b64encode(figure_png(committed, f"run {self.run_id}: {span}", dpi=PLOT_DPI)).decode()
-        last = rows[-1]
+        best = best_iteration(self.storage, self.run_id, [r["iteration"] for r in committed])
+        plot = base64.b64encode(figure_png(committed, f"run {self.run_id}: {span}", PLOT_DPI, best)).decode()
         create_markdown_artifact(
-            f"# Run {self.run_id}, {span}\n\nAt iteration {last['iteration']}: mean reward {last['reward_mean']}, "
-            f"held-out exact match {last['eval_exact_match']}.\n\n![mean reward, held-out eval, KL, clip fraction, "
-            f"entropy, response length](data:image/png;base64,{plot})\n\n(full size: {png})\n\n"
+            f"# Run {self.run_id}, {span}\n\n{headline(committed, best)}\n\n![mean reward, held-out eval, KL, clip "
+            f"fraction, entropy, response length](data:image/png;base64,{plot})\n\n(full size: {png})\n\n"
             + markdown_table(
                 rows[-20:], ["iteration", "reward_mean", "eval_exact_match", "kl", "clip_frac", "entropy"]
             ),

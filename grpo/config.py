@@ -331,6 +331,9 @@ def identity_section(cfg: RunConfig, section: str) -> dict:
     return {k: v for k, v in values.items() if k not in idle}
 
 
+EvalMetric = Literal["exact_match", "reward_mean", "avg_at_k", "pass_at_k"]
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     n_prompts: int = 128
@@ -344,6 +347,22 @@ class EvalConfig:
     """With task.dataset and no eval.dataset: the seeded share of its rows held out, never trained on."""
     samples_per_prompt: int = 1
     """k > 1 also samples k responses per prompt at rollout.temperature: avg@k and pass@k."""
+    every: int = 1
+    """Evaluate iterations N-1, 2N-1, ... (after every N-th learn, as verl's test_freq) and the last iteration of
+    each `grpo run` or flow call; the others commit a `skipped` eval (summary {"skipped": true}, no metrics)."""
+    metric: EvalMetric = "exact_match"
+    """The eval summary's figure that picks the best iteration (`grpo status`, the report, `grpo export --best`,
+    gc's retention): `exact_match`, `reward_mean`, or with samples_per_prompt k > 1 `avg_at_k` / `pass_at_k`."""
+
+    @property
+    def metric_key(self) -> str:
+        """`metric` as the eval summary names it: `avg_at_k` with samples_per_prompt=4 is `avg@4`."""
+        return self.metric.replace("_at_k", f"@{self.samples_per_prompt}")
+
+
+EVAL_READING = ("every", "metric")
+"""The eval fields that say when an eval runs and how its figures are read, not what it computes: left out of
+the eval stage's identity."""
 
 
 @dataclass(frozen=True)
@@ -582,6 +601,10 @@ def validate(cfg: RunConfig) -> None:
         )
     if e.samples_per_prompt < 1:
         raise ConfigError(f"eval.samples_per_prompt must be >= 1, got {e.samples_per_prompt}")
+    if e.every < 1:
+        raise ConfigError(f"eval.every must be >= 1 (1: every iteration), got {e.every}")
+    if e.metric.endswith("_at_k") and e.samples_per_prompt < 2:
+        raise ConfigError(f"eval.metric {e.metric} needs eval.samples_per_prompt > 1, got {e.samples_per_prompt}")
     fns, weights = cfg.reward.functions, cfg.reward.weights
     if weights is not None and len(weights) != len(fns):
         raise ConfigError(f"reward.weights has {len(weights)} weight(s) for {len(fns)} reward.functions")

@@ -67,10 +67,12 @@ def committed_files(storage: Storage, run_id: str, verify: bool = True) -> dict[
 
 
 def _newest(storage: Storage, sdir: str) -> Committed | None:
+    """The newest committed attempt; None where there is none, or it is an eval eval.every skipped (no table)."""
     try:
-        return latest_committed(storage, sdir, verify=False)  # files are checked one by one below
+        found = latest_committed(storage, sdir, verify=False)  # files are checked one by one below
     except NotCommittedError:
         return None
+    return None if found.manifest.summary.get("skipped") else found
 
 
 def _committed_file(committed: Committed, name: str, verify: bool) -> str:

@@ -10,11 +10,14 @@ rerun iteration has one row with the values that were committed, whoever ran it.
 from __future__ import annotations
 
 import io
+import json
+from dataclasses import dataclass
 
+from grpo.config import load_config
 from grpo.errors import StageError
-from grpo.layout import run_dir, stage_dir
+from grpo.layout import run_dir, run_json, stage_dir
 from grpo.query import iterations
-from grpo.storage import NotCommittedError, Storage, latest_committed
+from grpo.storage import NotCommittedError, Storage, committed_attempts, latest_committed, load_manifest
 
 # (row key, stage, summary key): reward and eval first
 COLUMNS = [
@@ -54,6 +57,39 @@ def iteration_rows(storage: Storage, run_id: str, skip: set[int] | frozenset = f
     return rows
 
 
+@dataclass(frozen=True)
+class Best:
+    """The best iteration so far: the highest eval.metric among committed evals (skipped ones have none)."""
+
+    iteration: int
+    metric: str
+    """eval.metric as the eval summary names it (config.EvalConfig.metric_key): exact_match, avg@4, ..."""
+    value: float
+
+    def __str__(self) -> str:
+        return f"iteration {self.iteration} ({self.metric} {self.value:.4g})"
+
+
+def eval_metric(storage: Storage, run_id: str) -> str:
+    """The run's eval.metric as the eval summary names it (read from run.json alone)."""
+    return load_config(json.loads(storage.read_bytes(run_json(storage, run_id)))["config"]).eval.metric_key
+
+
+def best_iteration(storage: Storage, run_id: str, among: list[int] | None = None) -> Best | None:
+    """The iteration (of `among`, default every one) whose newest committed eval has the highest eval.metric;
+    ties: the higher eval mean reward, then the later iteration. None before the first eval that ran."""
+    metric, scores = eval_metric(storage, run_id), {}
+    for k in iterations(storage, run_id) if among is None else among:
+        attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
+        summary = load_manifest(storage, attempts[-1], verify=False)[0].summary if attempts else {}
+        if isinstance(summary.get(metric), (int, float)):
+            scores[k] = (summary[metric], summary.get("reward_mean") or 0.0, k)
+    if not scores:
+        return None
+    k = max(scores, key=scores.__getitem__)
+    return Best(k, metric, float(scores[k][0]))
+
+
 PLOTS = [  # (title, row keys)
     ("mean reward", ["reward_mean"]),
     ("held-out eval", ["eval_exact_match", "eval_reward"]),
@@ -64,8 +100,10 @@ PLOTS = [  # (title, row keys)
 ]
 
 
-def figure_png(rows: list[dict], title: str, dpi: int = 90) -> bytes:
-    """The PLOTS against iteration, as PNG bytes (matplotlib, no display); 12 x 6.5 inches at `dpi`."""
+def figure_png(rows: list[dict], title: str, dpi: int = 90, best: Best | None = None) -> bytes:
+    """The PLOTS against iteration, as PNG bytes (matplotlib, no display); 12 x 6.5 inches at `dpi`; the best
+    iteration a dashed line on the held-out eval's plot. Iterations without a figure (a skipped eval) are
+    left out of that figure's line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,11 +116,11 @@ def figure_png(rows: list[dict], title: str, dpi: int = 90) -> bytes:
         if all(r.get(key) is None for r in rows for key in keys):  # the KL without a reference model
             ax.text(0.5, 0.5, "not measured\n(learn.kl_coef = 0)", ha="center", va="center", transform=ax.transAxes)
         for key in keys:
-            ys = [r.get(key) for r in rows]
-            if any(y is not None for y in ys):
-                ax.plot(
-                    x, [float("nan") if y is None else y for y in ys], marker="." if len(x) < 30 else None, label=key
-                )
+            xy = [(k, r[key]) for k, r in zip(x, rows) if r.get(key) is not None]
+            if xy:
+                ax.plot(*zip(*xy), marker="." if len(xy) < 30 else None, label=key)
+        if best is not None and "eval_exact_match" in keys:
+            ax.axvline(best.iteration, color="gray", linestyle="--", linewidth=1, label=f"best: {best}")
         ax.set_title(name)
         ax.set_xlabel("iteration")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
@@ -94,6 +132,19 @@ def figure_png(rows: list[dict], title: str, dpi: int = 90) -> bytes:
     fig.savefig(out, format="png", dpi=dpi)
     plt.close(fig)
     return out.getvalue()
+
+
+def headline(rows: list[dict], best: Best | None) -> str:
+    """`N iterations; at iteration k: mean reward r, held-out exact match e (of iteration j, the last evaluated).
+    Best so far: iteration b (exact_match 0.81).`"""
+    last = rows[-1]
+    text = f"{len(rows)} iterations; at iteration {last['iteration']}: mean reward {last['reward_mean']:.4g}"
+    evaluated = [r for r in rows if r.get("eval_exact_match") is not None]
+    if evaluated:
+        e = evaluated[-1]
+        of = "" if e is last else f" (of iteration {e['iteration']}, the last evaluated)"
+        text += f", held-out exact match {e['eval_exact_match']:.4g}{of}"
+    return text + (f". Best so far: {best}." if best is not None else ". No eval has run yet (eval.every).")
 
 
 def markdown_table(rows: list[dict], keys: list[str] | None = None) -> str:
@@ -112,15 +163,10 @@ def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) 
         raise StageError(f"run {run_id}: no iteration has a committed eval yet; run one (`grpo run --run {run_id}`)")
     rdir = run_dir(storage, run_id)
     png, md = f"{rdir}/report.png", f"{rdir}/report.md"
+    best = best_iteration(storage, run_id, [r["iteration"] for r in rows])
     storage.write_bytes_atomic(  # replaced whole: a reader or a crash never sees half a file
-        png, figure_png(rows, f"run {run_id}: iterations {rows[0]['iteration']}..{rows[-1]['iteration']}")
+        png, figure_png(rows, f"run {run_id}: iterations {rows[0]['iteration']}..{rows[-1]['iteration']}", best=best)
     )
-    last = rows[-1]
-    text = (
-        f"# Run {run_id}\n\n"
-        f"{len(rows)} iterations; at iteration {last['iteration']}: mean reward {last['reward_mean']:.4g}, "
-        f"held-out exact match {last['eval_exact_match']:.4g}.\n\n![progress](report.png)\n\n"
-        f"{markdown_table(rows)}\n"
-    )
+    text = f"# Run {run_id}\n\n{headline(rows, best)}\n\n![progress](report.png)\n\n{markdown_table(rows)}\n"
     storage.write_bytes_atomic(md, text.encode())
     return storage.uri(png), storage.uri(md)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import time
 
+from grpo.config import EVAL_READING, RunConfig
 from grpo.generation import SamplingSpec, decode_responses
-from grpo.storage import Committed, Storage
+from grpo.layout import stage_dir
+from grpo.storage import Committed, Storage, committed_attempts, latest_committed
 from schemas import table_file, write_parquet
 from stages.common import check_chain, committed_input, load_run, run_stage
 from stages.prompts import eval_prompts, held_out_config, policy_and_prompts, sampler
@@ -25,12 +27,26 @@ def exact_match(components: dict[str, float]) -> float:
     return float(components.get("exact", components.get("correct", components.get("total", 0.0) >= 1.0)))
 
 
-def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
+def due(iteration: int, every: int, last: bool) -> bool:
+    """Whether iteration k is evaluated: after every `every`-th learn (k = every-1, 2*every-1, ...), and the
+    last iteration of a call whatever its number.
+
+    >>> [k for k in range(5) if due(k, 2, last=k == 4)]
+    [1, 3, 4]
+    """
+    return last or (iteration + 1) % every == 0
+
+
+def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False, last: bool = True) -> Committed:
+    """The held-out eval of iteration k's policy; where it is not due (eval.every, `last`: whether k is the last
+    iteration its caller runs; a forced eval is always due), a skipped eval instead (see `skip`)."""
     cfg = load_run(storage, run_id)
     inputs = {"policy": committed_input(storage, run_id, iteration, "learn")}
     if cfg.reward.functions or cfg.learn.lora is not None:  # reward files; LoRA: the weights under the adapters
         inputs["base"] = committed_input(storage, run_id, None, "base")
     check_chain(storage, run_id, iteration, "eval", inputs)
+    if not force and not due(iteration, cfg.eval.every, last):
+        return skip(storage, run_id, iteration, inputs)
     k = cfg.eval.samples_per_prompt
 
     def body(writer):
@@ -89,21 +105,48 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False)
             "generate_s": generate_s,
             "sampler": settings,
         }
-        if k > 1:
+        if k > 1:  # config.EvalConfig.metric_key names these
             summary.update({f"avg@{k}": sum(rows["avg_at_k"]) / n, f"pass@{k}": sum(rows["pass_at_k"]) / n})
         return summary
 
+    return run_stage(
+        storage, run_id, iteration, "eval", config=stage_config(cfg), inputs=inputs, body=body, force=force
+    )
+
+
+def skip(storage: Storage, run_id: str, iteration: int, inputs: dict[str, Committed]) -> Committed:
+    """An eval that is not due commits an attempt of its own, summary {"skipped": true} and no files, rather than
+    nothing: "iteration k is finished" stays "its eval committed and is current" (stages.iteration), so resume,
+    status, gc and the report need no copy of the cadence rule, and a rerun learn makes the skip stale like any
+    eval. A newest eval that already read this policy is kept as it is: an eval that ran because k was the last
+    iteration of an earlier call is never replaced by a skip (and a skip is replaced by an eval when a later call
+    ends at k: the real eval's identity differs)."""
+    attempts = committed_attempts(storage, stage_dir(storage, run_id, iteration, "eval"))
+    if attempts:
+        newest = latest_committed(storage, stage_dir(storage, run_id, iteration, "eval"), verify=False)
+        if {n: r.manifest_sha256 for n, r in newest.manifest.inputs.items()} == {
+            n: c.manifest_sha256 for n, c in inputs.items()
+        }:
+            return newest
+    return run_stage(
+        storage, run_id, iteration, "eval", config={"skipped": True}, inputs=inputs, body=lambda w: {"skipped": True}
+    )
+
+
+def stage_config(cfg: RunConfig) -> dict:
+    """What the eval stage's identity covers: the held-out prompts, the sampler and the reward (not
+    config.EVAL_READING: when evals run and which figure is read as the best)."""
     config = {
         "task": cfg.to_dict()["task"],
-        "eval": cfg.to_dict()["eval"],
+        "eval": {k: v for k, v in cfg.to_dict()["eval"].items() if k not in EVAL_READING},
         "backend": cfg.rollout.backend,
         "max_tokens": cfg.rollout.max_tokens,
         "max_prompt_tokens": cfg.rollout.max_prompt_tokens,
         "stop": cfg.rollout.stop,
         "reward": {"functions": cfg.reward.functions, "weights": cfg.reward.weights},
     }
-    if k > 1:
+    if cfg.eval.samples_per_prompt > 1:
         config["sampling"] = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
     if cfg.task.dataset:
         config["held_out"] = held_out_config(cfg)
-    return run_stage(storage, run_id, iteration, "eval", config=config, inputs=inputs, body=body, force=force)
+    return config

@@ -7,7 +7,7 @@ references their files (a snapshot points at its policy's files), and leftover `
 With retention (`grpo gc --retention`, the run's RetentionConfig): also the weights and optimizer
 state of older learns, and nothing else: tables, manifests, run.json and summaries stay, so every
 iteration still answers `grpo query`. A learn's policy stays when it is among the last
-`keep_last` learns, its iteration a multiple of `keep_every`, the best by eval, or the next learn's
+`keep_last` learns, its iteration a multiple of `keep_every`, the best by eval (eval.metric), or the next learn's
 KL reference (learn.ref_update_every); its optimizer state only in the newest learn. Before removing
 them gc lists them in the attempt's collected.json (grpo.storage.mark_collected): verification skips
 them, a stage that needs one fails naming it.
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import fsspec
 
+from grpo import report
 from grpo.config import RetentionConfig
 from grpo.layout import POLICY_PREFIXES, SHARD_FOLDER, STAGES, STATE_PREFIXES, run_dir, run_json, stage_dir
 from grpo.storage import (
@@ -52,7 +53,6 @@ from schemas.manifest import MANIFEST_NAME
 from stages.iteration import next_iteration
 from stages.learn import reference_iteration
 
-BEST_METRIC = "exact_match"  # the eval summary's accuracy (stages/eval.py) that picks the best iteration
 LEASE_BEATS = 10  # a heartbeat is live for this many of its writer's beats at least, whatever min_age_s
 
 
@@ -235,15 +235,10 @@ def kept_policies(
 
 
 def best_iteration(storage: Storage, run_id: str, iterations: list[int]) -> int | None:
-    """The iteration whose newest committed eval has the highest BEST_METRIC (ties: the higher mean
-    reward, then the later iteration); None when none has an eval."""
-    scores = {}
-    for k in iterations:
-        attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
-        summary = load_manifest(storage, attempts[-1], verify=False)[0].summary if attempts else {}
-        if isinstance(summary.get(BEST_METRIC), (int, float)):
-            scores[k] = (summary[BEST_METRIC], summary.get("reward_mean") or 0.0, k)
-    return max(scores, key=scores.__getitem__) if scores else None
+    """The iteration of `iterations` with the best eval by the run's eval.metric (grpo.report.best_iteration, as
+    `grpo status`, the report and `grpo export --best` pick it); None when none has an eval that ran."""
+    best = report.best_iteration(storage, run_id, iterations)
+    return None if best is None else best.iteration
 
 
 def _retention(storage: Storage, run_id: str, rules: RetentionConfig, listing: dict, live: set[str], out: Plan):

@@ -21,7 +21,8 @@ def _committed(storage: Storage, run_id: str, k: int, stage: str) -> bool:
 
 
 def _finished(storage: Storage, run_id: str, k: int) -> bool:
-    """Iteration k has a committed eval whose chain (learn, advantages, ..., snapshot) is current."""
+    """Iteration k has a committed eval whose chain (learn, advantages, ..., snapshot) is current; an eval that
+    eval.every skipped commits too (stages.eval.skip), so this holds for it alike."""
     attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
     return bool(attempts) and not stale_attempt(storage, attempts[-1])
 
@@ -35,9 +36,15 @@ def next_iteration(storage: Storage, run_id: str) -> int:
     return next((k for k in range(last) if not _finished(storage, run_id, k)), last)
 
 
-def run_iteration(storage: Storage, run_id: str, iteration: int, force: bool = False) -> dict[str, Committed]:
-    """All stages of one iteration in order; committed ones with the same identity are reused."""
-    return {name: stage_function(name)(storage, run_id, iteration, force=force) for name in STAGES}
+def run_iteration(
+    storage: Storage, run_id: str, iteration: int, force: bool = False, last: bool = True
+) -> dict[str, Committed]:
+    """All stages of one iteration in order; committed ones with the same identity are reused. `last`: the
+    iteration ends its caller's run, so its eval runs whatever eval.every says (stages.eval.due)."""
+    extra = {"eval": {"last": last}}
+    return {
+        name: stage_function(name)(storage, run_id, iteration, force=force, **extra.get(name, {})) for name in STAGES
+    }
 
 
 class WarmState:
@@ -80,11 +87,13 @@ def warm_state() -> Iterator[WarmState]:
 
 def run_warm(storage: Storage, run_id: str, first: int, iterations: int) -> Iterator[tuple[int, dict]]:
     """Iterations first.. in this process, warm: yields (k, run_iteration's committed outputs); each
-    committed iteration goes to the experiment tracker (tracking.backend)."""
+    committed iteration goes to the experiment tracker (tracking.backend). The last one is evaluated whatever
+    eval.every says: a resumed call (first = next_iteration) ending where the stopped one would have evaluates
+    and commits what one uninterrupted call does."""
     cfg = load_run(storage, run_id)
     with warm_state() as warm:
         for k in range(first, first + iterations):
-            out = run_iteration(storage, run_id, k)
+            out = run_iteration(storage, run_id, k, last=k == first + iterations - 1)
             warm.loaded()
             track(storage, run_id, cfg)
             yield k, out

@@ -36,7 +36,7 @@ VALUES = st.one_of(
     st.text(max_size=12),
     st.sampled_from(
         ["auto", "hf", "vllm", "k3", "bf16", "bfloat16", "sort", "position", "tensorboard", "none", "gspo", "cispo"]
-        + ["sampler", "recompute"]
+        + ["exact_match", "avg_at_k", "pass_at_k", "reward_mean", "sampler", "recompute"]
     ),
     st.lists(st.one_of(st.integers(-5, 5), st.floats(), st.text(max_size=4)), max_size=4),
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
@@ -59,6 +59,7 @@ def test_every_field_is_covered():
 # settings added with the loss variants, overlong shaping and reference refresh, thrown at harder (alone and
 # beside the settings they depend on)
 ADDED = ["learn.dual_clip_c", "reward.overlong_buffer", "reward.overlong_penalty", "learn.ref_update_every"]
+ADDED += ["eval.every", "eval.metric"]
 BESIDE = [
     {},
     {"learn": {"loss_type": "gspo"}},
@@ -66,6 +67,7 @@ BESIDE = [
     {"rollout": {"max_tokens": 64}},
     {"learn": {"kl_coef": 0.1}},
     {"learn": {"kl_coef": 0.1, "lora": {}}},
+    {"eval": {"samples_per_prompt": 4}},
 ]
 ADDED += ["learn.old_logprobs"]  # pi_old from the sampler
 BESIDE += [{"learn": {"importance_correction": "tis"}}, {"learn": {"max_logprob_gap": 0.1}}]
@@ -124,6 +126,11 @@ def test_added_settings_give_a_valid_config_or_a_config_error_naming_them(path, 
             ["learn.kl_coef=0.05", "learn.lora={}", "learn.ref_update_every=2"],
             "learn.ref_update_every .* no learn.lora",
         ),
+        (["eval.every=5", "eval.metric=reward_mean"], None),
+        (["eval.samples_per_prompt=4", "eval.metric=avg_at_k"], None),
+        (["eval.every=0"], "eval.every must be >= 1"),
+        (["eval.metric=pass_at_k"], "eval.metric pass_at_k needs eval.samples_per_prompt > 1"),
+        (["eval.metric=accuracy"], "eval.metric: 'accuracy' is not one of"),
     ],
 )
 def test_added_settings_hand_picked(overrides, error):
