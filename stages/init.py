@@ -32,7 +32,7 @@ from grpo.checkpoint import (
     one_line,
     upload_folder,
 )
-from grpo.config import LEARN_PLACEMENT, ConfigError, RunConfig, load_config, load_config_file
+from grpo.config import EVAL_READING, LEARN_PLACEMENT, ConfigError, RunConfig, load_config, load_config_file
 from grpo.layout import run_dir, run_json, stage_dir
 from grpo.storage import Committed, Storage, committed_attempts, is_local, load_manifest
 from grpo.tasks import Example, functions, generates, get_task
@@ -44,8 +44,9 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     """Write run.json once; a different config for an existing run is refused, except where no committed
     result depends on it: the `tracking` and `retention` sections (what is sent where, what gc keeps) and
     learn.num_processes (with learn.sharding=fsdp2 the optimizer state reshards to any number of
-    processes; the next learns run with the new number), and where the learner's processes run
-    (config.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s)."""
+    processes; the next learns run with the new number), where the learner's processes run
+    (config.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s), and when evals run
+    and which figure is the best (config.EVAL_READING: eval.every, eval.metric; committed evals and skips stay)."""
     path = run_json(storage, run_id)
     data_ = json.dumps({"run_id": run_id, "config": cfg.to_dict()}, indent=1, sort_keys=True).encode()
     if storage.exists(path):
@@ -56,13 +57,15 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
             c.pop("tracking"), c.pop("retention")
             for name in LEARN_PLACEMENT:
                 c["learn"].pop(name)
+            for name in EVAL_READING:
+                c["eval"].pop(name)
             if c["learn"]["sharding"] == "fsdp2":
                 c["learn"].pop("num_processes")
         if old != new:
             raise StageError(
                 f"{storage.uri(path)}: run {run_id!r} exists with a different config; use a new run id (only "
-                "tracking, retention, learn.nodes, learn.processes_per_node, learn.node_timeout_s and, with "
-                "learn.sharding=fsdp2, learn.num_processes may change)"
+                "tracking, retention, eval.every, eval.metric, learn.nodes, learn.processes_per_node, "
+                "learn.node_timeout_s and, with learn.sharding=fsdp2, learn.num_processes may change)"
             )
         storage.write_bytes_atomic(path, data_)
         return

@@ -202,3 +202,16 @@ def test_eval_every_and_metric_leave_the_eval_stage_identity_alone():
     assert config_hash(stage_config(load_config(None, sampled))) == (
         "0a611a35e3684a04f6867c25334a05ab6908936e2d9234d58d7ae3ca466b235e"
     )
+
+
+def test_eval_every_and_metric_may_change_for_an_existing_run(tmp_path):
+    from grpo.errors import StageError
+    from stages.common import load_run
+
+    storage = open_storage((tmp_path / "store").as_uri())
+    init_run(storage, "c", load_config(None, EVERY_2))
+    init_run(storage, "c", load_config(None, TINY + ["eval.every=5", "eval.metric=reward_mean"]))
+    cfg = load_run(storage, "c")
+    assert (cfg.eval.every, cfg.eval.metric) == (5, "reward_mean")
+    with pytest.raises(StageError, match="only tracking, retention, eval.every, eval.metric, "):
+        init_run(storage, "c", load_config(None, TINY + ["eval.n_prompts=8"]))

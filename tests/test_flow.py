@@ -311,3 +311,15 @@ def test_s3_without_credentials_fails_the_flow_run_with_the_cli_line_and_no_trac
     with get_client(sync_client=True) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     assert not [log.message for log in logs if "Traceback" in log.message]
+
+
+def test_eval_every_skips_between_due_evals_and_the_flow_calls_last_iteration_is_evaluated(prefect_api, tmp_path):
+    from grpo.storage import latest_committed
+
+    url = (tmp_path / "store").as_uri()
+    grpo(run_id="e", iterations=3, overrides=TINY + ["eval.every=2"], storage_url=url)
+    storage = open_storage(url)
+    skipped = lambda k: latest_committed(storage, stage_dir(storage, "e", k, "eval")).manifest.summary.get("skipped")  # noqa: E731
+    assert [skipped(k) for k in range(3)] == [True, None, None]  # 1: after 2 learns; 2: the call's last
+    grpo(run_id="e", iteration=0, storage_url=url)  # a call that ends at iteration 0 evaluates it
+    assert skipped(0) is None
