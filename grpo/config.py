@@ -152,6 +152,13 @@ class RolloutConfig:
     own task run (on its own worker where the stage is placed) and committed on its own, so a failed shard
     reruns alone; the stage commits their rows merged, the same rows as one shard (seeds go by chunk). At
     most the iteration's number of chunks. Not part of the stage's identity."""
+    min_signal_groups: int | None = None
+    """Dynamic sampling (DAPO): while fewer than this many of the iteration's groups have unequal rewards, the
+    rollouts stage draws the next prompts_per_iteration prompts and samples them, up to max_sampling_rounds
+    rounds; the learner trains on groups with signal only, at most prompts_per_iteration of them in draw
+    order, a whole number of minibatches (stages.rollouts.sample_rounds). None: off."""
+    max_sampling_rounds: int = 3
+    """With min_signal_groups: the most rounds of prompts_per_iteration prompts one iteration samples."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +323,7 @@ change for an existing run."""
 ADDED_SETTINGS = {
     "learn": (("dual_clip_c",), ("ref_update_every",), ("old_logprobs",)),
     "reward": (("overlong_buffer", "overlong_penalty"),),
+    "rollout": (("min_signal_groups", "max_sampling_rounds"),),
 }
 """Settings added after runs were made without them, per section, in groups that act together: a stage's identity
 leaves a group out while all of it holds its defaults (what runs did before it existed), so the stages those
@@ -661,6 +669,7 @@ def validate(cfg: RunConfig) -> None:
             f"learn.microbatch_size x learn.num_processes ({lc.microbatch_size} x {lc.num_processes})"
         )
     validate_nodes(lc)
+    validate_dynamic_sampling(r, lc)
     if r.temperature <= 0 or not 0 < r.top_p <= 1:
         raise ConfigError(
             f"rollout.temperature must be > 0 and rollout.top_p in (0, 1], got {r.temperature}, {r.top_p}"
@@ -728,6 +737,23 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"reward.max_memory_mb must be >= 64 or null (no cap), got {cfg.reward.max_memory_mb}")
     if lc.lr_decay_steps < 0:
         raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {lc.lr_decay_steps}")
+
+
+def validate_dynamic_sampling(r: RolloutConfig, lc: LearnConfig) -> None:
+    """rollout.min_signal_groups: at most the groups the learner keeps, at least one minibatch of them, one shard."""
+    if r.max_sampling_rounds < 1:
+        raise ConfigError(f"rollout.max_sampling_rounds must be >= 1, got {r.max_sampling_rounds}")
+    n = r.min_signal_groups
+    if n is None:
+        return
+    if not 1 <= n <= r.prompts_per_iteration or n * r.group_size < lc.minibatch_size:
+        raise ConfigError(
+            f"rollout.min_signal_groups must be in [learn.minibatch_size / rollout.group_size = "
+            f"{lc.minibatch_size // r.group_size}, rollout.prompts_per_iteration = {r.prompts_per_iteration}] "
+            f"(the learner keeps at most prompts_per_iteration groups, at least a minibatch), or null (off), got {n}"
+        )
+    if r.shards > 1:
+        raise ConfigError(f"rollout.shards={r.shards}: rollout.min_signal_groups samples in rounds, in one shard only")
 
 
 def validate_nodes(lc: LearnConfig) -> None:

@@ -247,9 +247,18 @@ def draw(n_rows: int, n: int, iteration: int, seed: int) -> list[int]:
     >>> sorted(draw(5, 5, 3, seed=1))
     [0, 1, 2, 3, 4]
     """
+    return draw_at(n_rows, iteration * n, n, seed)
+
+
+def draw_at(n_rows: int, start: int, n: int, seed: int) -> list[int]:
+    """Row indices of draws start..start+n-1 of the run's epoch order (see `draw`).
+
+    >>> draw_at(4, 3, 3, seed=0) == draw(4, 4, 0, 0)[3:] + draw(4, 4, 1, 0)[:2]
+    True
+    """
     perms: dict[int, list[int]] = {}
     out = []
-    for i in range(iteration * n, (iteration + 1) * n):
+    for i in range(start, start + n):
         epoch = i // n_rows
         if epoch not in perms:
             perms[epoch] = list(range(n_rows))

@@ -107,3 +107,10 @@ class Salt(enum.IntEnum):
 def iteration_seed(run_seed: int, iteration: int, salt: Salt) -> int:
     """Distinct, reproducible seed per (run seed, iteration, purpose)."""
     return (run_seed * 1_000_003 + iteration * 7919 + int(salt)) % (2**31 - 1)
+
+
+def round_seed(run_seed: int, iteration: int, round: int, salt: Salt) -> int:
+    """Seed of sampling round `round` of an iteration (rollout.min_signal_groups: dynamic sampling); round 0's
+    is the iteration's own, so an iteration that needs no extra round samples what it always did."""
+    seed = iteration_seed(run_seed, iteration, salt)
+    return seed if round == 0 else (seed * 1_000_033 + round * 104_729) % (2**31 - 1)

@@ -31,7 +31,7 @@ from grpo.storage import (
     latest_committed,
     verify_files,
 )
-from schemas.tables import SCHEMAS, TABLE_FILES
+from schemas.tables import OPTIONAL_TABLES, SCHEMAS, TABLE_FILES
 
 if TYPE_CHECKING:  # imported where used: training imports this module (grpo.report) and needs no DuckDB
     import duckdb
@@ -61,6 +61,9 @@ def committed_files(storage: Storage, run_id: str, verify: bool = True) -> dict[
     for k in iterations(storage, run_id):
         newest = {stage: _newest(storage, stage_dir(storage, run_id, k, stage)) for stage in stages}
         for view, (stage, name) in VIEWS.items():
+            optional = view in OPTIONAL_TABLES and newest[stage] is not None
+            if optional and name not in [f.path for f in newest[stage].manifest.files]:
+                continue
             if newest[stage] is not None:
                 out[view].append(storage.uri(_committed_file(newest[stage], name, verify)))
     return out

@@ -46,6 +46,14 @@ ROLLOUTS = pa.schema(
     ]
 )
 
+DRAWS = pa.schema(  # rollout.min_signal_groups (dynamic sampling): a row per prompt the rollouts stage sampled
+    _KEYS
+    + [
+        pa.field("round", pa.int32(), nullable=False),  # the sampling round that drew it, 0 first
+        pa.field("signal", pa.bool_(), nullable=False),  # its group's rewards were unequal when sampled
+    ]
+)
+
 REWARDS = pa.schema(
     _SAMPLE_KEYS
     + [
@@ -111,6 +119,7 @@ EVAL = pa.schema(
 SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS,
     "rollouts": ROLLOUTS,
+    "draws": DRAWS,
     "rewards": REWARDS,
     "advantages": ADVANTAGES,
     "logprobs": LOGPROBS,
@@ -121,12 +130,17 @@ SCHEMAS: dict[str, pa.Schema] = {
 # where each table is committed: (stage, file in the stage's attempt); `grpo query` makes a view of each
 TABLE_FILES: dict[str, tuple[str, str]] = {
     "rollouts": ("rollouts", "rollouts.parquet"),
+    "draws": ("rollouts", "draws.parquet"),
     "rewards": ("rewards", "rewards.parquet"),
     "advantages": ("advantages", "advantages.parquet"),
     "logprobs": ("learn", "logprobs.parquet"),
     "learn_metrics": ("learn", "metrics.parquet"),
     "eval": ("eval", "eval.parquet"),
 }
+
+OPTIONAL_TABLES = ("draws",)
+"""Tables a stage commits only with a setting on (draws: rollout.min_signal_groups); `grpo query` skips an
+attempt without one."""
 
 
 def table_file(table: str) -> str:

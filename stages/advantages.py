@@ -2,8 +2,10 @@
 
 Each prompt's G samples form a group; the stage checks every group is complete,
 stores per-sample advantages with their group's mean and std, and optionally
-drops groups with zero reward variance (they give no gradient signal). Finite rewards whose group
-statistics overflow float64 (a mean or std of inf or nan) are refused, naming the group and the function.
+drops groups with zero reward variance (they give no gradient signal); under dynamic sampling
+(rollout.min_signal_groups) keeps only groups with signal, as many as a batch (signal_groups_kept).
+Finite rewards whose group statistics overflow float64 (a mean or std of inf or nan) are refused,
+naming the group and the function.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import pyarrow.compute as pc
 import torch
 
+from grpo.config import RunConfig
 from grpo.core import group_advantages
 from grpo.storage import Committed, Storage
 from grpo.tasks.functions import reward_source
@@ -25,6 +28,7 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
     rewards_in = committed_input(storage, run_id, iteration, "rewards")
     check_chain(storage, run_id, iteration, "advantages", {"rewards": rewards_in})
     group_size, acfg = cfg.rollout.group_size, cfg.advantage
+    dynamic = stage_config(cfg).get("dynamic_sampling")
 
     def body(writer):
         table = read_parquet(
@@ -49,11 +53,15 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
         if bad is not None:
             refuse(table.slice(*bad), (reward_mean, reward_std))
         spread = stats["max"] > stats["min"]  # (n_groups,)
-        kept = (
-            spread.repeat_interleave(group_size)
-            if acfg.filter_zero_variance
-            else torch.ones_like(rewards, dtype=torch.bool)
-        )
+        if dynamic:
+            keep = signal_groups_kept(spread, **dynamic)
+            kept = keep.repeat_interleave(group_size)
+        else:
+            kept = (
+                spread.repeat_interleave(group_size)
+                if acfg.filter_zero_variance
+                else torch.ones_like(rewards, dtype=torch.bool)
+            )
         cols = {k: table.column(k) for k in ["run_id", "iteration", "prompt_id", "sample_index", "reward"]}
         cols.update(
             advantage=adv.tolist(),
@@ -67,7 +75,7 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
             "advantages",
             {k: v if isinstance(v, list) else v.to_pylist() for k, v in cols.items()},
         )
-        return {
+        summary = {
             "samples": len(prompt_ids),
             "groups": len(counts),
             "reward_mean": reward_mean,
@@ -75,6 +83,9 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
             "zero_variance_groups": int((~spread).sum()),
             "kept": int(kept.sum()),
         }
+        if dynamic:
+            summary.update(signal_groups=int(spread.sum()), kept_groups=int(kept.sum()) // group_size)
+        return summary
 
     def refuse(rows, totals: tuple[float, float]) -> None:
         """Fail naming the rows' group (or the batch) and the function of their largest reward."""
@@ -95,10 +106,37 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
             f"{rows.column('reward')[top].as_py():.3g}; scale its rewards down (nothing was committed)"
         )
 
-    config = {"advantage": cfg.to_dict()["advantage"], "group_size": group_size}
+    config = stage_config(cfg)
     return run_stage(
         storage, run_id, iteration, "advantages", config=config, inputs={"rewards": rewards_in}, body=body, force=force
     )
+
+
+def stage_config(cfg: RunConfig) -> dict:
+    """What the stage's identity covers: the advantage section and G; with dynamic sampling
+    (rollout.min_signal_groups) also how many groups with signal the learner keeps (signal_groups_kept)."""
+    config = {"advantage": cfg.to_dict()["advantage"], "group_size": cfg.rollout.group_size}
+    if cfg.rollout.min_signal_groups is not None:
+        per_step = cfg.learn.minibatch_size // cfg.rollout.group_size
+        config["dynamic_sampling"] = {"at_most": cfg.rollout.prompts_per_iteration, "multiple_of": per_step}
+    return config
+
+
+def signal_groups_kept(spread, at_most: int, multiple_of: int):
+    """Dynamic sampling (rollout.min_signal_groups; stages.rollouts.sample_rounds): the groups the learner
+    trains on. Only groups with signal (unequal rewards, by the committed rewards), the first of them in draw
+    order (prompt_id: round by round), at most `at_most` (prompts_per_iteration: the batch a round
+    makes, as verl keeps train_batch_size groups) and a multiple of `multiple_of` (the groups of a minibatch),
+    so every kept group trains in every epoch; none when there are fewer than a minibatch's (the learn stage
+    then refuses the batch).
+
+    spread: (n_groups,) bool in prompt_id order -> (n_groups,) bool.
+
+    >>> signal_groups_kept(torch.tensor([True, False, True, True, True, True]), at_most=4, multiple_of=3).tolist()
+    [True, False, True, True, False, False]
+    """
+    n = min(int(spread.sum()), at_most) // multiple_of * multiple_of
+    return spread & (spread.cumsum(0) <= n)
 
 
 def overflowed(adv, stats: dict, group_size: int, totals: list[float]) -> tuple[int, int] | None:

@@ -278,7 +278,8 @@ def read_batch(storage: Storage, cfg: RunConfig, inputs: dict[str, Committed]) -
     if len(batch.response_ids) < cfg.learn.minibatch_size:
         raise StageError(
             f"learn: {len(batch.response_ids)} kept samples, fewer than learn.minibatch_size "
-            f"({cfg.learn.minibatch_size}); lower it or turn off advantage.filter_zero_variance"
+            f"({cfg.learn.minibatch_size}); lower it, turn off advantage.filter_zero_variance or "
+            "raise rollout.max_sampling_rounds (dynamic sampling found fewer groups with signal)"
         )
     return batch
 

@@ -44,6 +44,20 @@ def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Example]:
     return get_task(cfg.task.name, **cfg.task.params).generate(n, seed)
 
 
+def round_prompts(cfg: RunConfig, iteration: int, round: int, start: int) -> list[Example]:
+    """Round `round`'s prompts of `iteration` under dynamic sampling (rollout.min_signal_groups): the next
+    `prompts_per_iteration` of the epoch order of a dataset, from draw `start + round * n` (`start`: the
+    iteration's first draw, stages.rollouts.draw_start), or of the task generator's stream seeded by the
+    iteration. Round 0 of an iteration starting at draw iteration * n is iteration_prompts' list."""
+    n = cfg.rollout.prompts_per_iteration
+    if cfg.task.dataset:
+        train, _ = held_out_split(cfg)
+        epochs_seed = iteration_seed(cfg.seed, 0, Salt.EPOCH_DRAWS)
+        return [train[i] for i in data.draw_at(len(train), start + round * n, n, epochs_seed)]
+    seed = iteration_seed(cfg.seed, iteration, Salt.PROMPTS)  # a generator's first k * n are its first n and more
+    return get_task(cfg.task.name, **cfg.task.params).generate((round + 1) * n, seed)[round * n :]
+
+
 def held_out_split(cfg: RunConfig) -> tuple[list[Example], list[Example]]:
     """(training rows, held-out rows) of task.dataset; all of it trains when eval.dataset is set."""
     rows = _dataset(cfg.task.dataset, cfg)

@@ -492,6 +492,27 @@ def _wait_s(pool: RewardPool, timeout_s: float) -> float:
     return min([1.0] + [max(0.01, t - time.monotonic() + 0.01) for t in due])
 
 
+def score_samples(
+    pool: RewardPool,
+    key: tuple,
+    cfg: RunConfig,
+    items: list,
+    finish_reasons: list[str],
+    lengths: list[int],
+    max_errors=None,
+) -> list:
+    """(reward, components, error) of each sample as the rewards stage commits it: score_batch, then
+    reward.truncated_reward and reward.overlong_buffer's shaping. The rollouts stage's dynamic sampling
+    decides with this same code (stages.rollouts.sample_rounds)."""
+    scored = score_batch(pool, key, cfg.reward, items, max_errors=max_errors)
+    if cfg.reward.truncated_reward is not None:
+        scored = [truncated(item, fr, cfg.reward.truncated_reward) for item, fr in zip(scored, finish_reasons)]
+    if cfg.reward.overlong_buffer is not None:  # after truncated_reward: a cut-off response loses it too
+        shaping = (cfg.rollout.max_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+        scored = [overlong(item, n, *shaping) for item, n in zip(scored, lengths)]
+    return scored
+
+
 def allowed_errors(fraction: float, n: int) -> int:
     """The most errors among `n` samples with errors / n <= fraction (the stage's own test).
 
@@ -602,16 +623,9 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
         ):
             key = scorer_key(cfg, inputs.get("base"))
             for batch in batches_in(path, rows):
-                scored = score_batch(pool, key, cfg.reward, batch_items(batch), max_errors=allowed - n_err)
-                if cfg.reward.truncated_reward is not None:
-                    scored = [
-                        truncated(item, fr, cfg.reward.truncated_reward)
-                        for item, fr in zip(scored, batch.column("finish_reason").to_pylist())
-                    ]
-                if cfg.reward.overlong_buffer is not None:  # after truncated_reward: a cut-off response loses it too
-                    lengths = pc.list_value_length(batch.column("response_ids")).to_pylist()
-                    shaping = (cfg.rollout.max_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
-                    scored = [overlong(item, n, *shaping) for item, n in zip(scored, lengths)]
+                finish = batch.column("finish_reason").to_pylist()
+                lengths = pc.list_value_length(batch.column("response_ids")).to_pylist()
+                scored = score_samples(pool, key, cfg, batch_items(batch), finish, lengths, allowed - n_err)
                 cols = {k: batch.column(k).to_pylist() for k in keys}
                 cols["reward"] = [r for r, _, _ in scored]
                 cols["components"] = [list(c.items()) for _, c, _ in scored]

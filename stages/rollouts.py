@@ -3,22 +3,28 @@
 The iteration's prompts (stages.prompts: the task's or the dataset's, rendered and tokenized) go
 to the sampler; the rollouts table keeps the rendered text, what the model saw. Generation goes
 chunk by chunk and each chunk is one Parquet row group, so memory stays bounded however many
-samples an iteration has.
+samples an iteration has. With rollout.min_signal_groups the stage samples in rounds until enough
+groups have signal (dynamic sampling: `sample_rounds` says how and why).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 
 from grpo import data
 from grpo.checkpoint import content_hash, non_finite_weights
+from grpo.config import RunConfig, identity_section
 from grpo.generation import Sample, SamplingSpec, decode_responses
-from grpo.layout import Salt, iteration_seed
+from grpo.layout import Salt, iteration_seed, round_seed
 from grpo.progress import progress
-from grpo.storage import Committed, Storage
+from grpo.storage import Committed, StageWriter, Storage
 from schemas import ParquetWriter, table_file
+from stages import rewards
 from stages.common import StageError, check_chain, committed_input, load_run
-from stages.prompts import Prompts, held_out_config, iteration_prompts, policy_and_prompts, sampler
+from stages.prompts import Prompts, held_out_config, iteration_prompts, policy_and_prompts, round_prompts, sampler
+from stages.rewards import WARM_POOLS, score_samples, scorer_key
 from stages.shards import ranges, run_sharded
 
 
@@ -56,17 +62,16 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
     shards sample the same rows."""
     cfg = load_run(storage, run_id)
     snap = committed_input(storage, run_id, iteration, "snapshot")
-    check_chain(storage, run_id, iteration, "rollouts", {"snapshot": snap})
+    inputs = {"snapshot": snap}
+    if cfg.rollout.min_signal_groups is not None:
+        inputs.update(dynamic_inputs(storage, cfg, run_id, iteration))
+    check_chain(storage, run_id, iteration, "rollouts", inputs)
     r = cfg.rollout
 
     def sample(writer, shard_k: int = 0) -> dict:
-        p = policy_and_prompts(snap, iteration_prompts(cfg, iteration), cfg)
-        bad = non_finite_weights(p.model_dir) + (non_finite_weights(p.adapter_dir) if p.adapter_dir else [])
-        if bad:  # sampling would die in torch ("probability tensor contains inf/nan") or sample garbage
-            raise StageError(
-                f"{snap.uri}: the policy has non-finite weights ({', '.join(bad[:3])}); "
-                f"nothing sampled. Rerun the learn that made it with a lower learn.lr"
-            )
+        if r.min_signal_groups is not None:  # one shard (config.validate_dynamic_sampling)
+            return sample_rounds(storage, cfg, run_id, iteration, inputs, writer)
+        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg)
         chunks = -(-len(p.ids) // r.chunk_prompts)
         if r.shards > chunks:  # fewer prompts than asked for were left (skipped ones)
             raise StageError(
@@ -115,11 +120,6 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
             "sampler": settings,
         }
 
-    rollout = {k: v for k, v in cfg.to_dict()["rollout"].items() if k != "shards"}  # same rows for any
-    config = {"seed": cfg.seed, "task": cfg.to_dict()["task"], "rollout": rollout}
-    if cfg.task.dataset:  # the held-out rows are never drawn
-        config["held_out"] = held_out_config(cfg)
-    inputs = {"snapshot": snap}
     return run_sharded(
         storage,
         run_id,
@@ -127,13 +127,159 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         "rollouts",
         shards=r.shards,
         setting="rollout.shards",
-        config=config,
+        config=stage_config(cfg),
         inputs=inputs,
         shard_body=lambda k, writer: sample(writer, k),
         merge_summary=merged_summary,
         force=force,
         shard=shard,
     )
+
+
+def stage_config(cfg: RunConfig) -> dict:
+    """What the stage's identity covers: the seed, the task and the rollout section, less rollout.shards (1 and N
+    shards sample the same rows) and settings added later at their defaults (config.ADDED_SETTINGS)."""
+    rollout = {k: v for k, v in identity_section(cfg, "rollout").items() if k != "shards"}
+    config = {"seed": cfg.seed, "task": cfg.to_dict()["task"], "rollout": rollout}
+    if cfg.task.dataset:  # the held-out rows are never drawn
+        config["held_out"] = held_out_config(cfg)
+    if cfg.rollout.min_signal_groups is not None:  # dynamic sampling scores as the rewards stage does
+        config["reward"] = rewards.stage_config(cfg)["reward"]
+    return config
+
+
+def checked_prompts(snap: Committed, examples: list, cfg: RunConfig) -> Prompts:
+    """policy_and_prompts, refused when the policy has non-finite weights."""
+    p = policy_and_prompts(snap, examples, cfg)
+    bad = non_finite_weights(p.model_dir) + (non_finite_weights(p.adapter_dir) if p.adapter_dir else [])
+    if bad:  # sampling would die in torch ("probability tensor contains inf/nan") or sample garbage
+        raise StageError(
+            f"{snap.uri}: the policy has non-finite weights ({', '.join(bad[:3])}); "
+            f"nothing sampled. Rerun the learn that made it with a lower learn.lr"
+        )
+    return p
+
+
+def dynamic_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int) -> dict[str, Committed]:
+    """Dynamic sampling's inputs beyond the snapshot: the base with reward files (the scorer), and for a
+    dataset the previous iteration's rollouts, whose committed summary says where this iteration's draws
+    start (draw_start)."""
+    inputs = {}
+    if cfg.reward.functions:
+        inputs["base"] = committed_input(storage, run_id, None, "base")
+    if cfg.task.dataset and iteration > 0:
+        inputs["previous"] = committed_input(storage, run_id, iteration - 1, "rollouts")
+    return inputs
+
+
+def draw_start(cfg: RunConfig, iteration: int, inputs: dict[str, Committed]) -> int:
+    """The epoch-order position of the iteration's first draw: iteration * prompts_per_iteration, or under
+    dynamic sampling with a dataset where the previous iteration's draws ended (its committed draw_end)."""
+    if "previous" not in inputs:
+        return iteration * cfg.rollout.prompts_per_iteration
+    return inputs["previous"].manifest.summary["draw_end"]
+
+
+def sample_rounds(
+    storage: Storage, cfg: RunConfig, run_id: str, iteration: int, inputs: dict[str, Committed], writer: StageWriter
+) -> dict:
+    """Dynamic sampling (DAPO: Yu et al. 2025; verl's algorithm.filter_groups), rollout.min_signal_groups.
+
+    Round 0 samples the iteration's prompts as the stage always does (same prompts, same seed). While fewer
+    than min_signal_groups of the groups sampled so far have unequal rewards, and fewer than
+    max_sampling_rounds rounds ran, round r samples the next prompts_per_iteration prompts of the epoch order
+    (stages.prompts.round_prompts) with its own seed (layout.round_seed), prompt_ids continuing r * n + i.
+    Rounds are whole, so what is drawn depends on the committed inputs alone: a rerun or a resumed run draws
+    the same prompts. The draws table records each prompt's round and signal; the summary the rounds.
+
+    Where scoring happens. The decision to draw more needs rewards, so this stage scores each chunk with the
+    rewards stage's code (rewards.score_samples, in its warm worker pool) and keeps only the per-group signal
+    (the draws table), not the rewards. The rewards stage scores the committed rollouts again as always: it
+    stays the one stage whose side effect is rewards (its error column, max_error_fraction, shards, a forced
+    rescoring all unchanged), and the advantages stage decides what the learner trains on from those
+    committed rewards, so a nondeterministic reward function can never make it train on a group the
+    committed rewards show as equal. The cost is scoring twice; a slow reward function pays it.
+
+    Where the next iteration draws. With a dataset the extra prompts are borrowed from the epoch order, so
+    the next iteration starts where this one's draws ended: its draw_start is this stage's committed
+    draw_end (the next rollouts takes this one as its `previous` input), never in-memory state. The task
+    generators' prompts are seeded by the iteration alone; round r takes the next n of that stream.
+    """
+    r, n = cfg.rollout, cfg.rollout.prompts_per_iteration
+    snap, start = inputs["snapshot"], draw_start(cfg, iteration, inputs)
+    version = content_hash(snap)[:16]
+    key = scorer_key(cfg, inputs.get("base"))
+    gen = settings = None
+    rounds = signal = kept = skipped = n_tokens = n_stop = 0
+    engine_s = generate_s = score_s = 0.0
+    with (
+        WARM_POOLS.pool(cfg.reward.workers) as pool,  # forked before the sampler starts
+        ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out,
+        ParquetWriter(storage.fs, writer.path(table_file("draws")), "draws") as draws,
+    ):
+        while rounds < r.max_sampling_rounds and (rounds == 0 or signal < r.min_signal_groups):
+            p = checked_prompts(snap, round_prompts(cfg, iteration, rounds, start), cfg)
+            p = dataclasses.replace(p, index=[rounds * n + i for i in p.index])  # prompt_id: place in the draw order
+            if gen is None:
+                t0 = time.perf_counter()
+                gen, settings = sampler(p, cfg)
+                engine_s = time.perf_counter() - t0
+            spec = SamplingSpec(
+                n=r.group_size,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                max_tokens=r.max_tokens,
+                stop=tuple(r.stop),
+                seed=round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING),
+            )
+            for at in range(0, len(p.ids), r.chunk_prompts):
+                chunk = slice(at, at + r.chunk_prompts)
+                t0 = time.perf_counter()
+                groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk])
+                generate_s += time.perf_counter() - t0
+                columns = chunk_columns(run_id, iteration, p, chunk, groups, version)
+                out.write(columns)
+                t0 = time.perf_counter()
+                has = group_signal(cfg, pool, key, columns, [len(g) for g in groups])
+                score_s += time.perf_counter() - t0
+                ids = p.index[chunk]
+                draws.write(
+                    {"run_id": [run_id] * len(ids), "iteration": [iteration] * len(ids), "prompt_id": ids}
+                    | {"round": [rounds] * len(ids), "signal": has}
+                )
+                signal += sum(has)
+                n_tokens += sum(map(len, columns["response_ids"]))
+                n_stop += columns["finish_reason"].count("stop")
+                progress(
+                    f"rollouts {iteration} round {rounds}", min(at + r.chunk_prompts, len(p.ids)), len(p.ids), "prompts"
+                )
+            kept, skipped, rounds = kept + len(p.ids), skipped + p.skipped, rounds + 1
+    return {
+        "prompts": kept,
+        "skipped_prompts": skipped,
+        "samples": out.num_rows,
+        "response_tokens": n_tokens,
+        "stop_fraction": n_stop / max(out.num_rows, 1),
+        "policy_version": version,
+        "engine_s": engine_s,
+        "generate_s": generate_s,
+        "sampler": settings,
+        "rounds": rounds,
+        "prompts_drawn": rounds * n,
+        "signal_groups": signal,
+        "draw_start": start,
+        "draw_end": start + rounds * n,
+        "score_s": score_s,
+    }
+
+
+def group_signal(cfg: RunConfig, pool, key: tuple, columns: dict[str, list], sizes: list[int]) -> list[bool]:
+    """Whether each group of a chunk's rows has unequal rewards, scored as the rewards stage scores."""
+    items = list(zip(columns["response"], columns["ground_truth"], columns["prompt"], map(json.loads, columns["row"])))
+    lengths = [len(ids) for ids in columns["response_ids"]]
+    rewards = [reward for reward, _, _ in score_samples(pool, key, cfg, items, columns["finish_reason"], lengths)]
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [max(rewards[a:b]) > min(rewards[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def merged_summary(parts: list[dict]) -> dict:

@@ -69,6 +69,8 @@ BESIDE = [
     {"learn": {"kl_coef": 0.1, "lora": {}}},
     {"eval": {"samples_per_prompt": 4}},
 ]
+ADDED += ["rollout.min_signal_groups", "rollout.max_sampling_rounds"]  # dynamic sampling
+BESIDE += [{"rollout": {"min_signal_groups": 32}}, {"rollout": {"shards": 2, "chunk_prompts": 128}}]
 ADDED += ["learn.old_logprobs"]  # pi_old from the sampler
 BESIDE += [{"learn": {"importance_correction": "tis"}}, {"learn": {"max_logprob_gap": 0.1}}]
 
@@ -119,6 +121,11 @@ def test_added_settings_give_a_valid_config_or_a_config_error_naming_them(path, 
         (["reward.overlong_buffer=6"], "reward.overlong_buffer must be in .1, rollout.max_tokens=5."),
         (["reward.overlong_buffer=0"], "reward.overlong_buffer"),
         (["reward.overlong_buffer=4", "reward.overlong_penalty=-1"], "reward.overlong_penalty must be >= 0"),
+        (["rollout.min_signal_groups=32", "rollout.max_sampling_rounds=5"], None),  # a minibatch's groups
+        (["rollout.min_signal_groups=31"], r"rollout.min_signal_groups must be in \[learn.minibatch_size"),
+        (["rollout.min_signal_groups=257"], "rollout.min_signal_groups must be in"),
+        (["rollout.max_sampling_rounds=0"], "rollout.max_sampling_rounds must be >= 1"),
+        (["rollout.min_signal_groups=64", "rollout.shards=2", "rollout.chunk_prompts=128"], "rollout.shards=2"),
         (["learn.kl_coef=0.05", "learn.ref_update_every=1"], None),
         (["learn.kl_coef=0.05", "learn.ref_update_every=0"], "learn.ref_update_every must be >= 1"),
         (["learn.ref_update_every=2"], "learn.ref_update_every .* needs learn.kl_coef > 0"),  # nothing to refresh

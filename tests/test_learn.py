@@ -193,9 +193,16 @@ def test_settings_added_later_leave_existing_stage_identities_alone():
     """At their defaults the settings added after runs were made (config.ADDED_SETTINGS) are not part of any
     stage's identity: a run made before them keeps its committed stages (hash of the defaults before them)."""
     from grpo.storage import config_hash
-    from stages import learn, rewards
+    from stages import advantages, learn, rewards, rollouts
 
     cfg = load_config(None)
+    assert config_hash(rollouts.stage_config(cfg)) == "1c942db783b64e86017e7f7ad4df2eba2f91b2c161fc0d35bfde691f92c05127"
+    assert (
+        config_hash(advantages.stage_config(cfg)) == "587a9ea457c5ca65d93d8669b08125e4d4c575c286c99bc25c641926f158c6dd"
+    )
+    dynamic = load_config(None, ["rollout.min_signal_groups=32"])
+    assert rollouts.stage_config(dynamic)["rollout"]["max_sampling_rounds"] == 3  # set: both in the identity
+    assert advantages.stage_config(dynamic)["dynamic_sampling"] == {"at_most": 256, "multiple_of": 32}
     assert config_hash(learn.stage_config(cfg)) == "f387f6c1d765cafad97d7a71ef14608b08bcd0bcc539a0b6f5c9b56bf8095f80"
     assert config_hash(rewards.stage_config(cfg)) == "19054604eb9f926235bbaf5c460cfbcbe9c5206c90c0c8d71b4546a20525cc23"
     assert learn.stage_config(load_config(None, ["learn.dual_clip_c=3"]))["learn"]["dual_clip_c"] == 3.0
