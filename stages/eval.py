@@ -118,16 +118,16 @@ def skip(storage: Storage, run_id: str, iteration: int, inputs: dict[str, Commit
     """An eval that is not due commits an attempt of its own, summary {"skipped": true} and no files, rather than
     nothing: "iteration k is finished" stays "its eval committed and is current" (stages.iteration), so resume,
     status, gc and the report need no copy of the cadence rule, and a rerun learn makes the skip stale like any
-    eval. A newest eval that already read this policy is kept as it is: an eval that ran because k was the last
-    iteration of an earlier call is never replaced by a skip (and a skip is replaced by an eval when a later call
-    ends at k: the real eval's identity differs)."""
-    attempts = committed_attempts(storage, stage_dir(storage, run_id, iteration, "eval"))
-    if attempts:
-        newest = latest_committed(storage, stage_dir(storage, run_id, iteration, "eval"), verify=False)
-        if {n: r.manifest_sha256 for n, r in newest.manifest.inputs.items()} == {
-            n: c.manifest_sha256 for n, c in inputs.items()
-        }:
-            return newest
+    eval. (Counting a committed learn as finished when its eval is not due would not do: whether it is due
+    depends on which iteration ends the caller's call, which storage does not record, so a resume could not tell
+    a skip from an eval that crashed.) A newest eval that already read this policy is kept as it is: an eval that
+    ran because k was the last iteration of an earlier call is never replaced by a skip (and a skip is replaced
+    by an eval when a later call ends at k: the real eval's identity differs)."""
+    sdir = stage_dir(storage, run_id, iteration, "eval")
+    newest = latest_committed(storage, sdir, verify=False) if committed_attempts(storage, sdir) else None
+    read = {name: c.manifest_sha256 for name, c in inputs.items()}
+    if newest is not None and {name: r.manifest_sha256 for name, r in newest.manifest.inputs.items()} == read:
+        return newest
     return run_stage(
         storage, run_id, iteration, "eval", config={"skipped": True}, inputs=inputs, body=lambda w: {"skipped": True}
     )

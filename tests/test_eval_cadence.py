@@ -232,3 +232,12 @@ def test_vllm_loads_the_export_as_it_is(run, tmp_path, monkeypatch, capsys):
     out = llm.generate(["sort 3 1 2 :"], vllm.SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) >= 1
     del llm
+
+
+def test_doctests():
+    import doctest
+
+    import stages.eval
+
+    result = doctest.testmod(stages.eval)
+    assert result.attempted >= 1 and result.failed == 0
