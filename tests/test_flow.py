@@ -290,7 +290,7 @@ def test_sharded_stages_run_as_task_runs_per_shard_and_commit_the_rows_of_one(pr
 
 
 def test_s3_without_credentials_fails_the_flow_run_with_the_cli_line_and_no_traceback(
-    prefect_api, s3, monkeypatch, tmp_path
+    prefect_api, s3, monkeypatch, tmp_path, request
 ):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -303,6 +303,10 @@ def test_s3_without_credentials_fails_the_flow_run_with_the_cli_line_and_no_trac
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookups either
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # an earlier test's filesystem holds its credentials
+    request.addfinalizer(s3fs.S3FileSystem.clear_instance_cache)  # and this one none, for later tests
     url = f"s3://{s3.bucket}/nocreds-{tmp_path.name}"
     state = grpo(run_id="nocreds", overrides=TINY, storage_url=url, return_state=True)
     assert state.is_failed()
