@@ -5,6 +5,7 @@ that say where their model is."""
 import os
 import pty
 import re
+import select
 import subprocess
 import sys
 import textwrap
@@ -47,8 +48,10 @@ def grpo_in_terminal(tmp_path, *args) -> tuple[int, str]:
         stderr=child,
     )
     os.close(child)
-    out = b""
-    while True:
+    out, deadline = b"", time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if not select.select([main], [], [], deadline - time.monotonic())[0]:
+            break  # no output until the deadline: a hang
         try:
             chunk = os.read(main, 4096)
         except OSError:  # EIO: the process closed the terminal
@@ -57,6 +60,8 @@ def grpo_in_terminal(tmp_path, *args) -> tuple[int, str]:
             break
         out += chunk
     os.close(main)
+    if proc.poll() is None and time.monotonic() >= deadline:
+        proc.kill()
     return proc.wait(timeout=60), out.decode()
 
 
