@@ -145,7 +145,8 @@ def cmd_run(args, storage):
     load_run(storage, args.run)  # no such run: its one line, before the table's header
     start = next_iteration(storage, args.run) if args.start == "next" else args.start
     train(storage, args.run, start, args.iterations)
-    print(newest_policy(storage, args.run, args.storage))
+    if newest := newest_policy(storage, args.run, args.storage):  # none after --iterations 0 on a new run
+        print(newest)
 
 
 def cmd_demo(args, storage):
