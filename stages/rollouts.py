@@ -15,7 +15,7 @@ import time
 
 from grpo import data
 from grpo.checkpoint import content_hash, non_finite_weights
-from grpo.config import RunConfig, identity_section
+from grpo.config import RolloutConfig, RunConfig, identity_section
 from grpo.generation import Sample, SamplingSpec, decode_responses
 from grpo.layout import Salt, iteration_seed, round_seed
 from grpo.progress import progress
@@ -55,6 +55,48 @@ def chunk_columns(
     }
 
 
+def sampling_spec(r: RolloutConfig, seed: int) -> SamplingSpec:
+    """The rollout settings as the sampler takes them, seeded."""
+    return SamplingSpec(
+        n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, stop=tuple(r.stop), seed=seed
+    )
+
+
+@dataclasses.dataclass
+class Tally:
+    """What a rollouts stage has sampled and written so far: response tokens, stopped samples, seconds in the
+    sampler's generate calls."""
+
+    tokens: int = 0
+    stops: int = 0
+    generate_s: float = 0.0
+
+    def sample(
+        self,
+        gen,
+        p: Prompts,
+        chunk: slice,
+        spec: SamplingSpec,
+        out: ParquetWriter,
+        run_id: str,
+        iteration: int,
+        version: str,
+    ) -> tuple[dict[str, list], list[list[Sample]]]:
+        """Sample one chunk of prompts and write its rows to `out`: (its columns, its groups)."""
+        t0 = time.perf_counter()
+        groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk])
+        self.generate_s += time.perf_counter() - t0
+        columns = chunk_columns(run_id, iteration, p, chunk, groups, version)
+        out.write(columns)
+        self.tokens += sum(map(len, columns["response_ids"]))
+        self.stops += columns["finish_reason"].count("stop")
+        return columns, groups
+
+    def rows(self, samples: int) -> dict:
+        """The summary's figures of the rows written."""
+        return {"samples": samples, "response_tokens": self.tokens, "stop_fraction": self.stops / max(samples, 1)}
+
+
 def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False, shard: int | None = None) -> Committed:
     """Sample the iteration's prompts; with rollout.shards > 1, shard `shard` alone or every shard then
     their rows merged (stages.shards). A shard is whole chunks and every chunk draws its seeds as it would
@@ -81,27 +123,13 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         part = ranges(len(p.ids), r.shards, unit=r.chunk_prompts)[shard_k]
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)  # starts the engine, or wakes a warm one and reloads its weights
-        engine_s, generate_s = time.perf_counter() - t0, 0.0
-        spec = SamplingSpec(
-            n=r.group_size,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_tokens=r.max_tokens,
-            stop=tuple(r.stop),
-            seed=iteration_seed(cfg.seed, iteration, Salt.SAMPLING),
-        )
-        version = content_hash(snap)[:16]
-        n_tokens = n_stop = 0
+        engine_s = time.perf_counter() - t0
+        spec = sampling_spec(r, iteration_seed(cfg.seed, iteration, Salt.SAMPLING))
+        version, tally = content_hash(snap)[:16], Tally()
         with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out:
             for start in range(part.start, part.stop, r.chunk_prompts):
                 chunk = slice(start, start + r.chunk_prompts)
-                t0 = time.perf_counter()
-                groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk])
-                generate_s += time.perf_counter() - t0
-                columns = chunk_columns(run_id, iteration, p, chunk, groups, version)
-                out.write(columns)
-                n_tokens += sum(map(len, columns["response_ids"]))
-                n_stop += columns["finish_reason"].count("stop")
+                tally.sample(gen, p, chunk, spec, out, run_id, iteration, version)
                 progress(
                     f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""),
                     min(start + r.chunk_prompts, part.stop) - part.start,
@@ -111,12 +139,10 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         return {
             "prompts": len(part),
             "skipped_prompts": p.skipped,
-            "samples": out.num_rows,
-            "response_tokens": n_tokens,
-            "stop_fraction": n_stop / max(out.num_rows, 1),
+            **tally.rows(out.num_rows),
             "policy_version": version,
             "engine_s": engine_s,
-            "generate_s": generate_s,
+            "generate_s": tally.generate_s,
             "sampler": settings,
         }
 
@@ -207,11 +233,11 @@ def sample_rounds(
     """
     r, n = cfg.rollout, cfg.rollout.prompts_per_iteration
     snap, start = inputs["snapshot"], draw_start(cfg, iteration, inputs)
-    version = content_hash(snap)[:16]
+    version, tally = content_hash(snap)[:16], Tally()
     key = scorer_key(cfg, inputs.get("base"))
     gen = settings = None
-    rounds = signal = kept = skipped = n_tokens = n_stop = 0
-    engine_s = generate_s = score_s = 0.0
+    rounds = signal = kept = skipped = 0
+    engine_s = score_s = 0.0
     with (
         WARM_POOLS.pool(cfg.reward.workers) as pool,  # forked before the sampler starts
         ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out,
@@ -224,21 +250,10 @@ def sample_rounds(
                 t0 = time.perf_counter()
                 gen, settings = sampler(p, cfg)
                 engine_s = time.perf_counter() - t0
-            spec = SamplingSpec(
-                n=r.group_size,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                max_tokens=r.max_tokens,
-                stop=tuple(r.stop),
-                seed=round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING),
-            )
+            spec = sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
             for at in range(0, len(p.ids), r.chunk_prompts):
                 chunk = slice(at, at + r.chunk_prompts)
-                t0 = time.perf_counter()
-                groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk])
-                generate_s += time.perf_counter() - t0
-                columns = chunk_columns(run_id, iteration, p, chunk, groups, version)
-                out.write(columns)
+                columns, groups = tally.sample(gen, p, chunk, spec, out, run_id, iteration, version)
                 t0 = time.perf_counter()
                 has = group_signal(cfg, pool, key, columns, [len(g) for g in groups])
                 score_s += time.perf_counter() - t0
@@ -248,8 +263,6 @@ def sample_rounds(
                     | {"round": [rounds] * len(ids), "signal": has}
                 )
                 signal += sum(has)
-                n_tokens += sum(map(len, columns["response_ids"]))
-                n_stop += columns["finish_reason"].count("stop")
                 progress(
                     f"rollouts {iteration} round {rounds}", min(at + r.chunk_prompts, len(p.ids)), len(p.ids), "prompts"
                 )
@@ -257,12 +270,10 @@ def sample_rounds(
     return {
         "prompts": kept,
         "skipped_prompts": skipped,
-        "samples": out.num_rows,
-        "response_tokens": n_tokens,
-        "stop_fraction": n_stop / max(out.num_rows, 1),
+        **tally.rows(out.num_rows),
         "policy_version": version,
         "engine_s": engine_s,
-        "generate_s": generate_s,
+        "generate_s": tally.generate_s,
         "sampler": settings,
         "rounds": rounds,
         "prompts_drawn": rounds * n,
