@@ -29,6 +29,7 @@ import torch
 
 from grpo.config import load_config
 from grpo.generation import HFGenerator, SamplingSpec, decode_responses, stop_token_ids
+from grpo.quiet import quiet_libraries
 from grpo.storage import open_storage
 from grpo.tasks.math import math_reward
 from grpo.tiny_model import build_chat_model
@@ -125,6 +126,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     args = p.parse_args()
+    quiet_libraries()  # no progress bars between the table's lines
     work = Path(args.dir or tempfile.mkdtemp(prefix="grpo-chat-math-"))
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
@@ -183,12 +185,16 @@ def main() -> None:
     )
     storage = open_storage(str(work / "storage"))
     init_run(storage, "chat-math", cfg)
-    print(f"{'iter':>4} {'reward':>7} {'accuracy':>8} {'seconds':>8}")
+    print(f"{'iter':>4} {'reward':>7} {'accuracy':>8} {'seconds':>8} {'tokens':>8} {'steps':>6} {'rounds':>6}")
     start = t = time.time()
+    tokens = steps = 0  # sampled response tokens and AdamW steps so far: compare variants at equal cost
     for k, out in run_warm(storage, "chat-math", 0, args.iterations):
+        rollouts = out["rollouts"].manifest.summary
+        tokens, steps = tokens + rollouts["response_tokens"], steps + out["learn"].manifest.summary["steps"]
         print(
             f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} "
-            f"{out['eval'].manifest.summary['exact_match']:>8.3f} {time.time() - t:>8.1f}",
+            f"{out['eval'].manifest.summary['exact_match']:>8.3f} {time.time() - t:>8.1f} "
+            f"{tokens:>8} {steps:>6} {rollouts.get('rounds', 1):>6}",
             flush=True,
         )
         t = time.time()

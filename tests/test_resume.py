@@ -1,5 +1,6 @@
 """A run killed with SIGKILL in the middle of a stage resumes to exactly what an uninterrupted run
-commits: every committed file of every stage byte-identical (sha256 in the manifests)."""
+commits: every committed file of every stage byte-identical (sha256 in the manifests). Also with the
+optional algorithms switched on (issue 20): a run using each of them resumes to the same bytes."""
 
 import os
 import signal
@@ -8,8 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from grpo.config import load_config
 from grpo.layout import STAGES, stage_dir
+from grpo.query import query
 from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
 from stages.init import init_run
 
@@ -57,10 +61,40 @@ def committed_files(storage, iterations: int) -> dict:
     }
 
 
-def test_a_run_killed_mid_learn_resumes_to_byte_identical_outputs(tmp_path):
+# constant for 3 prompts in 4, else the response's length: most groups have no signal (dynamic sampling)
+FLAT = """
+def mostly_flat(response, ground_truth, prompt, **row):
+    return 0.5 if int(prompt.split()[1]) % 4 else float(len(response))
+"""
+VARIANTS = {
+    "default": [],
+    # the optional algorithms that can run together: GSPO with dual-clip, DAPO's dynamic sampling (8 groups
+    # with signal wanted, few have it, so iteration 0 draws a second round and iteration 1 starts after it),
+    # a reference refreshed each iteration (iteration 1's KL is to iteration 1's snapshot, read back cold on
+    # resume) and an eval every 2 iterations (iteration 0's is a committed skip; the run's last is evaluated)
+    "gspo-dynamic-refresh": [
+        "learn.loss_type=gspo",
+        "learn.clip_eps=3e-4",
+        "learn.clip_eps_high=4e-4",
+        "learn.dual_clip_c=3",
+        "reward.functions=[{dir}/flat.py:mostly_flat]",
+        "reward.truncated_reward=null",
+        "rollout.min_signal_groups=8",
+        "rollout.max_sampling_rounds=2",
+        "learn.kl_coef=0.05",
+        "learn.ref_update_every=1",
+        "eval.every=2",
+    ],
+    "cispo-overlong": ["learn.loss_type=cispo", "learn.clip_eps_high=0.28", "reward.overlong_buffer=2"],
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_run_killed_mid_learn_resumes_to_byte_identical_outputs(tmp_path, variant):
     stores = {name: open_storage((tmp_path / name).as_uri()) for name in ("whole", "killed")}
     for storage in stores.values():
-        init_run(storage, "r", load_config(None, CONFIG))
+        (tmp_path / "flat.py").write_text(FLAT)
+        init_run(storage, "r", load_config(None, CONFIG + [v.format(dir=tmp_path) for v in VARIANTS[variant]]))
 
     whole = grpo_run(tmp_path / "whole", 2)
     assert whole.wait(timeout=600) == 0, whole.stderr.read()
@@ -81,3 +115,9 @@ def test_a_run_killed_mid_learn_resumes_to_byte_identical_outputs(tmp_path):
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
     assert len(list_attempts(storage, learn1)) == 2 and len(committed_attempts(storage, learn1)) == 1
     assert committed_files(storage, 2) == committed_files(stores["whole"], 2)
+    summary = {s: latest_committed(storage, stage_dir(storage, "r", 0, s)).manifest.summary for s in STAGES}
+    if variant == "gspo-dynamic-refresh":  # the settings took effect
+        assert summary["rollouts"]["rounds"] == 2 and summary["eval"].get("skipped") is True
+    if variant == "cispo-overlong":  # responses past 3 of the 5 tokens lost reward
+        shaped = query(storage, "r", "SELECT min(components['overlong']) AS m FROM rewards")
+        assert shaped.m[0] < 0
