@@ -2,7 +2,7 @@
 invocation on this machine; no downloads.
 
     pip install -e ".[bench]"                       # TRL, outside the core install
-    .venv/bin/python benchmarks/vs_trl.py [--iterations 3] [--only trl|grpo-flow] [--set learn.mixed_precision=bf16]
+    .venv/bin/python benchmarks/vs_trl.py [--iterations 3] [--only trl|grpo-flow] [--device cuda] [--bf16]
 
 1. A Qwen2-architecture model built here, random weights: 8 layers, width 512, grouped-query attention
    (8 query heads, 2 KV heads), a byte-level BPE with Qwen's chat template, the embedding padded to
@@ -11,12 +11,16 @@ invocation on this machine; no downloads.
 2. The same recipe on both sides, float32: 64 prompts x 8 samples, up to 64 new tokens at temperature
    1, the math task's reward (math-verify), no KL, one pass of 8 AdamW steps of 64 samples over each
    iteration's 512 samples, lr 1e-5. TRL samples with transformers' generate (its default), grpo-flow
-   with its `auto` backend (vLLM at this size) unless `--set rollout.backend=hf`.
+   with its `auto` backend (vLLM at this size) unless `--set rollout.backend=hf`. `--bf16`: bf16
+   autocast in both learners (TRL's bf16=True, grpo-flow's learn.mixed_precision=bf16), weights float32.
+   `--device` places TRL (cpu by default); grpo-flow takes the GPU whenever there is one (Accelerate's
+   learner and the hf sampler), so on a GPU machine run with `--device cuda`.
 3. Prints each iteration's seconds for both, the steady-state ratio (the median of iterations 1..,
    iteration 0 pays engine starts and first-call costs on both sides), and grpo-flow's split by stage.
    grpo-flow's iteration is snapshot start to learn commit: its eval (held-out greedy decoding, which TRL
    does not do in this recipe) is left out. Run it on a quiet machine: a second process slows torch's
-   threads several-fold.
+   threads several-fold. With a GPU, also the peak GPU memory of TRL and of grpo-flow's GPU stages (torch's
+   allocator, from the stages' manifests): a stage that did not use the GPU shows ~0.
 """
 
 from __future__ import annotations
@@ -79,9 +83,12 @@ def make_world(root: Path, r: Recipe, seed: int) -> tuple[str, Path, list[dict]]
     return model, root / "problems.parquet", rows
 
 
-def grpo_flow(root: Path, r: Recipe, model: str, data: Path, iterations: int, extra: list[str]) -> tuple[list, dict]:
-    """Seconds of each iteration (snapshot start to learn commit) and the steady iterations' mean
-    seconds per stage."""
+def grpo_flow(
+    root: Path, r: Recipe, model: str, data: Path, iterations: int, extra: list[str]
+) -> tuple[list, dict, dict]:
+    """Seconds of each iteration (snapshot start to learn commit); the steady iterations' mean seconds per
+    stage and of the compute inside rollouts and learn (sampling; old-log-prob scoring, update); per GPU
+    stage, its peak GPU GiB over the iterations (empty without a GPU)."""
     from grpo.config import load_config
     from grpo.storage import open_storage
     from stages.init import init_run
@@ -113,7 +120,7 @@ def grpo_flow(root: Path, r: Recipe, model: str, data: Path, iterations: int, ex
     init_run(storage, "bench", cfg)
     for _ in run_warm(storage, "bench", 0, iterations):
         pass
-    seconds, split = [], {}
+    seconds, split, peaks = [], {}, {}
     for k in range(iterations):
         m = manifests(storage.url, "bench", k)
         at = {s: (stamp(m[s].started_at), stamp(m[s].committed_at)) for s in m}
@@ -121,14 +128,22 @@ def grpo_flow(root: Path, r: Recipe, model: str, data: Path, iterations: int, ex
         for s, (start, end) in at.items():
             if k > 0 or iterations == 1:
                 split.setdefault(s, []).append(end - start)
-    return seconds, {s: statistics.mean(v) for s, v in split.items()}
+        for s, key in (("rollouts", "generate_s"), ("learn", "score_s"), ("learn", "update_s")):
+            if k > 0 or iterations == 1:
+                split.setdefault(f"{s} {key}", []).append(m[s].summary[key])
+        for s in ("rollouts", "learn", "eval"):
+            if "gpu_peak_gib" in m[s].summary:
+                peaks[s] = max(peaks.get(s, 0.0), m[s].summary["gpu_peak_gib"])
+    return seconds, {s: statistics.mean(v) for s, v in split.items()}, peaks
 
 
 def stamp(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
 
 
-def trl(root: Path, r: Recipe, model: str, rows: list[dict], iterations: int, seed: int) -> list[float]:
+def trl(
+    root: Path, r: Recipe, model: str, rows: list[dict], iterations: int, seed: int, device: str, bf16: bool
+) -> list[float]:
     """Seconds of each iteration of TRL's GRPOTrainer: one generation of prompts x group samples and the
     `steps` optimizer steps over them (steps_per_generation), timed between optimizer steps."""
     from datasets import Dataset
@@ -162,8 +177,8 @@ def trl(root: Path, r: Recipe, model: str, rows: list[dict], iterations: int, se
         learning_rate=r.lr,
         lr_scheduler_type="constant",
         max_steps=r.steps * iterations,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=device == "cpu",
+        bf16=bf16,
         logging_steps=r.steps,
         save_strategy="no",
         report_to="none",
@@ -196,6 +211,8 @@ def main() -> int:
     p.add_argument("--only", choices=["trl", "grpo-flow"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], help="grpo-flow settings on top of the recipe")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where TRL runs (grpo-flow: GPU if any)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast in both learners (default float32)")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="vs-trl-"))
     import torch
@@ -206,20 +223,29 @@ def main() -> int:
 
     from grpo.checkpoint import parameter_count
 
-    print(f"machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; folder {root}")
+    gpu = f"; {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    print(f"machine: {machine()}{gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads; folder {root}")
     r = RECIPES[args.recipe]
     model, data, rows = make_world(root, r, args.seed)
     print(f"model: {parameter_count(model) / 1e6:.1f}M parameters; {len(rows)} problems", flush=True)
     results = {}
     if args.only != "trl":
-        results["grpo-flow"], split = grpo_flow(root, r, model, data, args.iterations, args.set)
+        extra = (["learn.mixed_precision=bf16"] if args.bf16 else []) + args.set
+        results["grpo-flow"], split, peaks = grpo_flow(root, r, model, data, args.iterations, extra)
         print("grpo-flow s/iteration: " + " ".join(f"{s:.1f}" for s in results["grpo-flow"]), flush=True)
         print("  steady split (s): " + ", ".join(f"{s} {v:.1f}" for s, v in split.items()))
+        if peaks:
+            print("  peak GPU GiB by stage: " + ", ".join(f"{s} {v:.2f}" for s, v in peaks.items()), flush=True)
     if args.only != "grpo-flow":
         import trl as trl_package
 
-        results[f"TRL {trl_package.__version__}"] = trl(root, r, model, rows, args.iterations, args.seed)
-        print("TRL s/iteration: " + " ".join(f"{s:.1f}" for s in list(results.values())[-1]), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        seconds = trl(root, r, model, rows, args.iterations, args.seed, args.device, args.bf16)
+        results[f"TRL {trl_package.__version__}"] = seconds
+        print("TRL s/iteration: " + " ".join(f"{s:.1f}" for s in seconds), flush=True)
+        if torch.cuda.is_available():
+            print(f"  TRL peak GPU GiB: {torch.cuda.max_memory_allocated() / 2**30:.2f}", flush=True)
     print(f"\n{'':>12} {'s/iteration (steady)':>20}")
     for name, seconds in results.items():
         print(f"{name:>12} {steady(seconds):>20.1f}")
