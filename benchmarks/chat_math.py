@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from timing import machine
 
 from grpo.config import load_config
 from grpo.generation import HFGenerator, SamplingSpec, decode_responses, stop_token_ids
@@ -67,7 +68,8 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # as the learner and the sampler take the GPU
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     examples = []
@@ -90,6 +92,7 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: in
         for i, (p, a) in enumerate(batch):
             ids[i, : len(p) + len(a)] = torch.tensor(p + a)
             labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+        ids, labels = ids.to(device), labels.to(device)
         loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tok.pad_token_id), labels=labels).loss
         loss.backward()
         opt.step()
@@ -127,6 +130,8 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     args = p.parse_args()
     quiet_libraries()  # no progress bars between the table's lines
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    print(f"machine: {machine()}; {gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     work = Path(args.dir or tempfile.mkdtemp(prefix="grpo-chat-math-"))
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)

@@ -298,7 +298,8 @@ class LearnConfig:
     sampler serving stale weights shows as a jump); None: only recorded (`logprob_gap`)."""
     old_logprobs: OldLogprobs = "recompute"
     """pi_old of the clipped ratio: `recompute` scores the snapshot's policy over the batch before the first
-    step (a forward pass over every sample); `sampler` takes the sampler's log-probs as they are (no pass,
+    step (a forward pass over every sample but the first minibatch's, whose training forward, before any step,
+    gives theirs; every sample with dropout on); `sampler` takes the sampler's log-probs as they are (no pass,
     as verl's rollout log-probs mode): exact where the sampler runs the learner's numerics (the `hf` backend,
     float32 vLLM), an off-policy error where not, and then unguarded (no learn.max_logprob_gap, no TIS)."""
     lora: LoraConfig | None = None

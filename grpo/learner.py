@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from grpo import core, sharding
@@ -159,15 +160,25 @@ class PolicyLM(torch.nn.Module):
 
 def forward_logprobs(model, batch: Batch, groups: Tensor, with_entropy: bool = False):
     """Per-token log-probs (P'*G, T) of the responses of `groups` (P',) under `model` (a PolicyLM),
-    rows in Batch.rows order, and their entropy (or None)."""
+    rows in Batch.rows order, and their entropy (or None); 0 past each response's end.
+
+    No compute on the batch's padding beyond these groups' own: the forward sees only the columns from
+    their longest prompt's first token to their longest response's last (the batch is padded to its
+    longest of each). Positions come from the masks, so the log-probs are the same."""
     rows = batch.rows(groups)
-    return model(
-        batch.prompt_ids[groups],
-        batch.prompt_mask[groups],
-        batch.response_ids[rows],
-        batch.response_mask[rows],
+    prompt_mask, response_mask = batch.prompt_mask[groups], batch.response_mask[rows]
+    lp, width = prompt_mask.shape[1], batch.response_ids.shape[1]
+    start = lp - max(1, int(prompt_mask.sum(1).max()))  # left padding every prompt of these groups has
+    end = max(1, int(response_mask.sum(1).max()))  # right padding every response has
+    logp, entropy = model(
+        batch.prompt_ids[groups, start:],
+        prompt_mask[:, start:],
+        batch.response_ids[rows, :end],
+        response_mask[:, :end],
         with_entropy=with_entropy,
     )
+    pad, kept = (0, width - end), response_mask[:, :end]  # (P'*G, end) -> (P'*G, T)
+    return F.pad(logp * kept, pad), None if entropy is None else F.pad(entropy * kept, pad)
 
 
 @torch.no_grad()
@@ -185,6 +196,9 @@ class Scores:
 
     old_logprobs: Tensor  # (N, T) the snapshot policy's, without gradient
     ref_logprobs: Tensor | None  # (N, T) the frozen reference's; None without a KL penalty
+    # (N,) rows whose old log-probs the first minibatch's own forward gives (the policy is still the
+    # snapshot's then: no scoring pass for them); their old_logprobs rows are filled by that step
+    pending: Tensor | None = None
 
 
 def minibatch_step(
@@ -193,11 +207,16 @@ def minibatch_step(
     """Forward/backward over this rank's `groups` in microbatches. Returns metrics: the extremes
     (`*_max`, `*_min`) over microbatches, the rest summed / accum."""
     totals: dict[str, float] = {}
+    # longest responses together: each microbatch's forward pads only to its own longest (forward_logprobs)
+    longest = batch.response_mask[batch.rows(groups)].sum(1).view(len(groups), -1).amax(1)
+    groups = groups[longest.argsort(descending=True, stable=True)]
     for mb_groups in groups.split(max(1, lcfg.microbatch_size // batch.group_size)):
         mb = batch.rows(mb_groups)
         mask = batch.response_mask[mb]
         with autocast():
             logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
+        if scores.pending is not None and bool(scores.pending[mb].all()):  # pi_old = pi_theta, before any step
+            scores.old_logprobs[mb] = logp.detach().to(scores.old_logprobs.dtype)
         ref = scores.ref_logprobs
         loss, metrics = core.grpo_microbatch_step(
             logp,
@@ -455,18 +474,55 @@ class Update:
     scores: Scores  # on the CPU
 
 
-def _recomputed(learner: Learner, batch: Batch, chunk_groups: int) -> Tensor:
-    """pi_old as the snapshot's policy scores the batch now, before the first step: (N, T)."""
-    return score(learner.acc.unwrap_model(learner.model), batch, chunk_groups)
+def _recomputed(learner: Learner, batch: Batch, chunk_groups: int, first: Tensor) -> tuple[Tensor, Tensor | None]:
+    """pi_old as the snapshot's policy scores the batch now, before the first step: (N, T), and the rows
+    (N,) left for the first minibatch's forward to give. That forward runs the snapshot's weights too, so
+    the groups `first` (P',) of the first minibatch are not scored here (TRL skips the whole pass when an
+    iteration takes one step) unless the training forward is not the scoring one (dropout on)."""
+    model = learner.acc.unwrap_model(learner.model)
+    pending = torch.zeros(len(batch.response_ids), dtype=torch.bool, device=batch.response_ids.device)
+    if not active_dropout(model):
+        pending[batch.rows(first)] = True
+    old = torch.zeros_like(batch.sampler_logprobs)
+    rest = (~pending.view(len(batch.prompt_ids), -1)[:, 0]).nonzero()[:, 0]  # groups to score: (P - P',)
+    if len(rest):
+        old[batch.rows(rest)] = score(model, batch, chunk_groups, groups=rest)
+    return old, pending if pending.any() else None
 
 
-def _from_sampler(learner: Learner, batch: Batch, chunk_groups: int) -> Tensor:
+def _from_sampler(learner: Learner, batch: Batch, chunk_groups: int, first: Tensor) -> tuple[Tensor, None]:
     """pi_old as the sampler reported it, no forward pass: (N, T)."""
-    return batch.sampler_logprobs
+    return batch.sampler_logprobs, None
 
 
-OLD_LOGPROBS: dict[str, Callable[[Learner, Batch, int], Tensor]] = {"recompute": _recomputed, "sampler": _from_sampler}
-"""learn.old_logprobs -> where pi_old comes from (grpo.variants.OldLogprobs)."""
+OLD_LOGPROBS: dict[str, Callable[[Learner, Batch, int, Tensor], tuple[Tensor, Tensor | None]]] = {
+    "recompute": _recomputed,
+    "sampler": _from_sampler,
+}
+"""learn.old_logprobs -> where pi_old comes from (grpo.variants.OldLogprobs): (old log-probs (N, T), rows the
+first minibatch's forward fills or None)."""
+
+
+def active_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training forward differs from a scoring one: a dropout module or a config's dropout rate
+    (attention dropout is a float handed to the attention kernel) above 0."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "to_dict")]
+    return any(
+        isinstance(v, float) and v > 0 and k.endswith(("dropout", "pdrop"))
+        for c in configs
+        for k, v in c.to_dict().items()
+    )
+
+
+def _fill_pending(acc, scores: Scores) -> Scores:
+    """After the first minibatch: every process's share of its pending rows, on every process."""
+    if scores.pending is None:
+        return scores
+    if acc.num_processes > 1:  # each process filled its own groups' rows; the others are still 0 there
+        scores.old_logprobs[scores.pending] = acc.reduce(scores.old_logprobs[scores.pending], "sum")
+    return dataclasses.replace(scores, pending=None)
 
 
 def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_seed: int) -> Update:
@@ -476,29 +532,27 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     torch.manual_seed(torch_seed)
     batch = batch.to(acc.device)
     g, chunk = batch.group_size, max(1, lcfg.microbatch_size // batch.group_size)
-    t0 = time.perf_counter()
-    with learner.autocast():
-        old = OLD_LOGPROBS[lcfg.old_logprobs](learner, batch, chunk)
-        scores = Scores(old, learner.reference_scores(batch, chunk))
-    score_s, update_s = time.perf_counter() - t0, 0.0
-    mask = batch.response_mask
-    gap = float(core.masked_mean((batch.sampler_logprobs - scores.old_logprobs).abs(), mask))
-    if lcfg.max_logprob_gap is not None and gap > lcfg.max_logprob_gap:
-        raise LearnError(
-            f"learn iteration {iteration}: the sampler's log-probs differ from the snapshot's by "
-            f"{gap:.4g} a token on average (> learn.max_logprob_gap={lcfg.max_logprob_gap}): the sampler "
-            "may have served other weights; nothing committed. Rerun rollouts (--force)"
-        )
-    model.train()
-
     # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
     n_groups, world, rank = len(batch.prompt_ids), acc.num_processes, acc.process_index
     per_step = lcfg.minibatch_size // g
+    order = torch.randperm(n_groups, generator=learner.shuffle).to(acc.device)  # epoch 0's
+    t0 = time.perf_counter()
+    with learner.autocast():
+        old, pending = OLD_LOGPROBS[lcfg.old_logprobs](
+            learner, batch, chunk, order[:per_step] if per_step <= n_groups else order[:0]
+        )
+        scores = Scores(old, learner.reference_scores(batch, chunk), pending)
+    score_s, update_s = time.perf_counter() - t0, 0.0
+    mask = batch.response_mask
+    gap = None if scores.pending is not None else sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap)
+    model.train()
+
     accum = max(1, lcfg.minibatch_size // world // lcfg.microbatch_size)
     max_tokens = cfg.rollout.max_tokens  # Dr.GRPO's constant divisor: the response budget
     rows, step = [], 0
     for epoch in range(lcfg.epochs):
-        order = torch.randperm(n_groups, generator=learner.shuffle).to(acc.device)
+        if epoch:
+            order = torch.randperm(n_groups, generator=learner.shuffle).to(acc.device)
         for start in range(0, n_groups - per_step + 1, per_step):
             groups = order[start : start + per_step]
             t0 = time.perf_counter()
@@ -506,6 +560,9 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
                 acc,
                 minibatch_step(model, batch, scores, groups[rank::world], lcfg, accum, max_tokens, learner.autocast),
             )
+            if scores.pending is not None:  # every old log-prob known now: check the sampler's before a step
+                scores = _fill_pending(acc, scores)
+                gap = sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap)
             if not all(math.isfinite(v) for v in m.values()):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
             grad_norm = learner.clip_grad_norm(lcfg.max_grad_norm)
@@ -552,6 +609,18 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         scores.old_logprobs.float().cpu(), None if scores.ref_logprobs is None else scores.ref_logprobs.float().cpu()
     )
     return Update(summary, rows, cpu)
+
+
+def sampler_gap(batch: Batch, scores: Scores, iteration: int, max_gap: float | None) -> float:
+    """Mean |sampler log-prob - old log-prob| a token; raises LearnError above learn.max_logprob_gap."""
+    gap = float(core.masked_mean((batch.sampler_logprobs - scores.old_logprobs).abs(), batch.response_mask))
+    if max_gap is not None and gap > max_gap:
+        raise LearnError(
+            f"learn iteration {iteration}: the sampler's log-probs differ from the snapshot's by "
+            f"{gap:.4g} a token on average (> learn.max_logprob_gap={max_gap}): the sampler "
+            "may have served other weights; nothing committed. Rerun rollouts (--force)"
+        )
+    return gap
 
 
 def _check_weights(learner: Learner, batch: Batch, iteration: int, steps: int) -> None:

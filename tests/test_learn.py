@@ -3,11 +3,12 @@
 import pandas as pd
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from grpo import core
 from grpo.config import load_config
 from grpo.layout import stage_dir
-from grpo.learner import PolicyLM
+from grpo.learner import Batch, PolicyLM, forward_logprobs
 from grpo.storage import StageWriter, latest_committed, open_storage
 from schemas import read_parquet, write_parquet
 from stages import StageError, stage_function
@@ -91,6 +92,33 @@ def test_shared_prompt_forward_equals_full_sequences(lm):
         assert (grad - grads[-1]).norm() / grads[-1].norm() < 1e-5
 
 
+def test_a_groups_forward_skips_the_batchs_padding_and_gives_the_same_log_probs(lm):
+    """forward_logprobs cuts the columns every prompt and response of its groups leaves padded (the batch is
+    padded to its longest of each): the same log-probs as the padded forward, 0 past each response's end,
+    and the model sees only the groups' own widths."""
+    g, gen = 2, torch.Generator().manual_seed(1)
+    prompt_len, response_len = (9, 3), (7, 0, 2, 3)  # group 1: a short prompt and short (one empty) responses
+    lp, t = max(prompt_len), max(response_len)
+    prompt_ids, prompt_mask = torch.zeros(2, lp, dtype=torch.long), torch.zeros(2, lp, dtype=torch.long)
+    for i, n in enumerate(prompt_len):
+        prompt_ids[i, lp - n :], prompt_mask[i, lp - n :] = torch.randint(4, 16, (n,), generator=gen), 1
+    response_ids, response_mask = torch.zeros(4, t, dtype=torch.long), torch.zeros(4, t)
+    for i, n in enumerate(response_len):
+        response_ids[i, :n], response_mask[i, :n] = torch.randint(4, 16, (n,), generator=gen), 1
+    batch = Batch(
+        prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(4, t), *torch.zeros(2, 4), g, [0] * 4, [0] * 4
+    )
+    seen = []
+    model = PolicyLM(lm)
+    model.register_forward_pre_hook(lambda _, args: seen.append((args[0].shape[1], args[2].shape[1])))
+    padded = model(prompt_ids, prompt_mask, response_ids, response_mask)[0] * response_mask
+    for group, widths in ((0, (9, 7)), (1, (3, 3))):
+        rows = batch.rows(torch.tensor([group]))
+        logp, entropy = forward_logprobs(model, batch, torch.tensor([group]), with_entropy=True)
+        assert seen[-1] == widths and logp.shape == entropy.shape == (g, t)
+        assert (logp - padded[rows]).abs().max() < 1e-5 and (logp * (1 - response_mask[rows])).abs().max() == 0
+
+
 def test_padded_rows_right_and_left():
     import numpy as np
     import pyarrow as pa
@@ -135,6 +163,25 @@ def test_batch_holds_whole_groups_and_rejects_a_broken_one(storage):
     write_parquet(storage.fs, writer.path("advantages.parquet"), "advantages", table.to_dict("list"))
     with pytest.raises(StageError, match="prompt_id 0 does not have rollout.group_size=4"):
         load_batch(storage, ro, writer.commit(), pad_id=0, group_size=4)
+
+
+def test_microbatches_of_the_longest_responses_together_give_the_one_microbatch_update(storage):
+    """A minibatch in microbatches (grouped by response length, each padded to its own longest) accumulates
+    the gradient of the whole minibatch in one forward."""
+    out = {}
+    for n in (8, 32):  # two groups a microbatch, or the whole minibatch of 8 groups
+        make_run(storage, f"mb{n}", extra=[f"learn.microbatch_size={n}", "learn.epochs=2"])
+        out[n] = stage_function("learn")(storage, f"mb{n}", 0)
+    lengths = read_parquet(storage.fs, out[8].path("logprobs.parquet"), "logprobs").column("old_logprobs")
+    assert len({len(x) for x in lengths.to_pylist()}) > 1  # responses of several lengths to group
+    base = load_file(
+        latest_committed(storage, stage_dir(storage, "mb8", None, "base")).path("policy/model.safetensors")
+    )
+    d8, d32 = (
+        torch.cat([(w[k] - base[k]).flatten() for k in sorted(base)])
+        for w in (load_file(out[n].path("policy/model.safetensors")) for n in (8, 32))
+    )
+    assert d32.norm() > 1e-3 and (d8 - d32).norm() / d32.norm() < 1e-5, ((d8 - d32).norm() / d32.norm()).item()
 
 
 def test_reference_is_scored_only_with_a_kl_penalty(storage):

@@ -1,5 +1,7 @@
-"""learn.old_logprobs=sampler: pi_old from the sampler, no scoring pass; where the sampler runs the learner's
-numerics (the transformers backend in float32) the update is the one a recomputed pi_old gives."""
+"""Where pi_old comes from. learn.old_logprobs=sampler: from the sampler, no scoring pass; where the sampler runs
+the learner's numerics (the transformers backend in float32) the update is the one a recomputed pi_old gives.
+recompute: a scoring pass over every group but the first minibatch's, whose own forward (before any step)
+gives theirs: the update of scoring them all."""
 
 import pandas as pd
 import pytest
@@ -19,18 +21,29 @@ def storage(tmp_path):
     return open_storage((tmp_path / "store").as_uri())
 
 
+def scored_groups(monkeypatch) -> list[int]:
+    """Groups each scoring pass of the learner covers (pi_old's and the reference's; not the weights' probe)."""
+    calls, score = [], grpo.learner.score
+
+    def counted(model, batch, chunk_groups, groups=None):
+        if not (chunk_groups == 1 and groups is not None and len(groups) == 1):  # _check_weights' probe
+            calls.append(len(batch.prompt_ids) if groups is None else len(groups))
+        return score(model, batch, chunk_groups, groups=groups)
+
+    monkeypatch.setattr(grpo.learner, "score", counted)
+    return calls
+
+
 def test_sampler_log_probs_give_the_recomputed_update_without_the_scoring_pass(storage, monkeypatch):
-    passes = []
-    score = grpo.learner.score
-    whole = lambda *a, groups=None, **k: passes.append(groups is None) or score(*a, groups=groups, **k)  # noqa: E731
-    monkeypatch.setattr(grpo.learner, "score", whole)  # a pass over the whole batch; not the weights' probe
+    passes = scored_groups(monkeypatch)
     out = {}
     for mode in ("recompute", "sampler"):
         make_run(storage, mode, extra=[f"learn.old_logprobs={mode}"])
         before = sum(passes)
         out[mode] = stage_function("learn")(storage, mode, 0)
         out[mode + " passes"] = sum(passes) - before
-    assert out["recompute passes"] == 1 and out["sampler passes"] == 0  # no KL: no reference pass either
+    # 16 groups, minibatches of 8: recompute scores the 8 the first minibatch does not train on; no KL, no reference
+    assert out["recompute passes"] == 8 and out["sampler passes"] == 0
 
     base = load_file(
         latest_committed(storage, stage_dir(storage, "sampler", None, "base")).path("policy/model.safetensors")
@@ -48,3 +61,42 @@ def test_sampler_log_probs_give_the_recomputed_update_without_the_scoring_pass(s
 def test_sampler_log_probs_refuse_the_guards_that_compare_them_with_the_learners(guard):
     with pytest.raises(ConfigError, match="learn.old_logprobs=sampler takes pi_old from the sampler"):
         load_config(None, ["learn.old_logprobs=sampler", guard])
+
+
+def score_every_group(learner, batch, chunk_groups, first):
+    """pi_old from a scoring pass over the whole batch, none from the first minibatch (the learner before)."""
+    return grpo.learner.score(learner.acc.unwrap_model(learner.model), batch, chunk_groups), None
+
+
+def test_the_first_minibatchs_forward_gives_its_old_log_probs_and_the_update_of_scoring_them_all(storage, monkeypatch):
+    passes = scored_groups(monkeypatch)
+    out = {}
+    for mode in ("first minibatch", "every group scored"):
+        if mode == "every group scored":
+            monkeypatch.setitem(grpo.learner.OLD_LOGPROBS, "recompute", score_every_group)
+        make_run(storage, mode.replace(" ", "-"), extra=["learn.epochs=2", "learn.max_logprob_gap=0.5"])
+        before = sum(passes)
+        out[mode] = stage_function("learn")(storage, mode.replace(" ", "-"), 0)
+        out[mode + " passes"] = sum(passes) - before
+    assert (out["first minibatch passes"], out["every group scored passes"]) == (8, 16)
+    a, b = (out[m] for m in ("first minibatch", "every group scored"))
+    wa, wb = (load_file(c.path("policy/model.safetensors")) for c in (a, b))
+    base = load_file(
+        latest_committed(storage, stage_dir(storage, "first-minibatch", None, "base")).path("policy/model.safetensors")
+    )
+    da, db = (torch.cat([(w[k] - base[k]).flatten() for k in sorted(base)]) for w in (wa, wb))
+    assert da.norm() > 1e-3 and (da - db).norm() / db.norm() < 1e-5, ((da - db).norm() / db.norm()).item()
+    la, lb = (pd.read_parquet(c.path("logprobs.parquet")) for c in (a, b))
+    old_a, old_b = (torch.tensor([x for row in t.old_logprobs for x in row]) for t in (la, lb))
+    assert len(old_a) == len(old_b) > 0 and (old_a - old_b).abs().max() < 1e-5  # the committed pi_old: every row
+    assert a.manifest.summary["logprob_gap"] == pytest.approx(b.manifest.summary["logprob_gap"], rel=1e-5)
+    ma, mb = (pd.read_parquet(c.path("metrics.parquet")) for c in (a, b))
+    assert ma.loss.tolist() == pytest.approx(mb.loss.tolist(), rel=1e-4, abs=1e-6) and len(ma) == 4
+
+
+def test_a_model_with_dropout_scores_every_group_its_training_forward_is_not_the_snapshots():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    assert not grpo.learner.active_dropout(Qwen2ForCausalLM(Qwen2Config(**shape)))
+    assert grpo.learner.active_dropout(Qwen2ForCausalLM(Qwen2Config(**shape, attention_dropout=0.1)))
