@@ -3,6 +3,7 @@ invocation on this machine; no downloads.
 
     pip install -e ".[bench]"                       # TRL, outside the core install
     .venv/bin/python benchmarks/vs_trl.py [--iterations 3] [--only trl|grpo-flow] [--device cuda] [--bf16]
+    .venv/bin/python benchmarks/vs_trl.py --recipe sort [--seed 0] [--iterations 30]   # time to 0.95, through the flow
 
 1. A Qwen2-architecture model built here, random weights: 8 layers, width 512, grouped-query attention
    (8 query heads, 2 KV heads), a byte-level BPE with Qwen's chat template, the embedding padded to
@@ -21,6 +22,13 @@ invocation on this machine; no downloads.
    does not do in this recipe) is left out. Run it on a quiet machine: a second process slows torch's
    threads several-fold. With a GPU, also the peak GPU memory of TRL and of grpo-flow's GPU stages (torch's
    allocator, from the stages' manifests): a stage that did not use the GPU shows ~0.
+
+`--recipe sort` compares time to target on the sort task instead (benchmarks/sort.yaml: the demo's tiny model
+from scratch, 256 prompts x 8, 2 epochs of minibatches of 256, lr 1.5e-3 decayed to 0 over 500 steps, float32,
+transformers sampling on both sides): grpo-flow through the Prefect flow `grpo` on a local server
+(benchmarks/warm_training.py's measure: from the flow call to the held-out greedy exact match first >= 0.95),
+TRL's GRPOTrainer with the same model, recipe and reward from its construction, its held-out greedy exact
+match taken after each iteration's steps by a callback (counted, as grpo-flow's eval stage is).
 """
 
 from __future__ import annotations
@@ -199,6 +207,143 @@ def trl(
     return [clock.at[r.steps * (k + 1)] - clock.at[r.steps * k] for k in range(iterations)]
 
 
+SORT_YAML = Path(__file__).resolve().parent / "sort.yaml"
+
+
+def sort_flow(root: Path, seed: int, iterations: int, target: float) -> tuple[float, int] | None:
+    """Seconds from the flow call to held-out greedy exact match >= target, and the iteration; None if not
+    reached. Flow `grpo` on a Prefect server, as benchmarks/warm_training.py measures it."""
+    import os
+
+    from warm_training import iteration_times, train_warm
+
+    from tools.prefect_server import prefect_server
+
+    url = (root / "sort-store").as_uri()
+    with prefect_server(root / "prefect") as server:
+        os.environ.update({k: v for k, v in server.env.items() if k.startswith("PREFECT_")})
+        start = train_warm(url, "sort", iterations, str(SORT_YAML), [f"seed={seed}"])
+        rows = iteration_times(url, "sort", range(iterations), start)
+    print("grpo-flow held-out exact match by iteration: " + " ".join(f"{r['exact']:.2f}" for r in rows), flush=True)
+    hit = next((r for r in rows if r["exact"] >= target), None)
+    return (hit["eval_at"] - start, hit["iteration"]) if hit else None
+
+
+def sort_trl(root: Path, seed: int, iterations: int, target: float) -> tuple[float, int] | None:
+    """TRL's GRPOTrainer on sort.yaml's recipe (the flow's base model, the task's prompts and reward, the eval
+    prompts): seconds from the trainer's construction to held-out greedy exact match >= target, and the
+    iteration; None if not reached in `iterations`."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo.config import load_config_file
+    from grpo.generation import decode_responses
+    from grpo.tasks import get_task
+    from stages.eval import exact_match
+    from stages.init import build_tiny_base
+    from stages.prompts import eval_prompts
+
+    cfg = load_config_file(str(SORT_YAML), [f"seed={seed}"])
+    r, lc = cfg.rollout, cfg.learn
+    task = get_task(cfg.task.name, **cfg.task.params)
+    model_dir = build_tiny_base(str(root / "sort-model"), cfg)  # the flow's base: same shape, seed and init
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    held = eval_prompts(cfg)
+    train = task.generate(r.prompts_per_iteration * iterations, seed + 1000)
+    per_iteration = lc.epochs * r.prompts_per_iteration * r.group_size // lc.minibatch_size  # AdamW steps
+
+    def reward(prompts, completion_ids, ground_truth, **_) -> list[float]:
+        texts = decode_responses(tok, completion_ids)
+        return [task.reward(t, g, p)["total"] for t, g, p in zip(texts, ground_truth, prompts)]
+
+    class Eval(TrainerCallback):
+        """After each iteration's steps: greedy decoding of the held-out prompts, as grpo-flow's eval stage."""
+
+        def __init__(self):
+            self.start, self.hit, self.exact = time.perf_counter(), None, []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % per_iteration:
+                return
+            enc = tok([e.prompt for e in held], return_tensors="pt", padding=True, padding_side="left")
+            model.eval()
+            with torch.no_grad():
+                out = model.generate(**enc, max_new_tokens=r.max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+            model.train()
+            ids = [[t for t in row if t != tok.pad_token_id] for row in out[:, enc["input_ids"].shape[1] :].tolist()]
+            texts = decode_responses(tok, ids)
+            self.exact.append(
+                sum(exact_match(task.reward(t, e.ground_truth, e.prompt)) for t, e in zip(texts, held)) / len(held)
+            )
+            if self.exact[-1] >= target and self.hit is None:
+                self.hit = (time.perf_counter() - self.start, len(self.exact) - 1)
+            if self.hit or len(self.exact) == iterations:
+                control.should_training_stop = True
+
+    args = GRPOConfig(
+        output_dir=str(root / "trl-sort"),
+        per_device_train_batch_size=lc.minibatch_size,
+        gradient_accumulation_steps=1,
+        steps_per_generation=r.prompts_per_iteration * r.group_size // lc.minibatch_size,
+        num_generations=r.group_size,
+        num_iterations=lc.epochs,
+        max_completion_length=r.max_tokens,
+        temperature=1.0,
+        beta=0.0,
+        loss_type="grpo",  # grpo-flow's default aggregation (seq_mean_token_mean) and normalized advantages
+        epsilon=lc.clip_eps,
+        learning_rate=lc.lr,
+        lr_scheduler_type="linear",
+        max_steps=lc.lr_decay_steps,  # decayed linearly to 0 over lr_decay_steps, as grpo-flow; the callback stops
+        adam_beta1=lc.betas[0],
+        adam_beta2=lc.betas[1],
+        weight_decay=lc.weight_decay,
+        max_grad_norm=lc.max_grad_norm,
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        disable_tqdm=True,
+        logging_steps=per_iteration,
+    )
+    dataset = Dataset.from_dict({"prompt": [e.prompt for e in train], "ground_truth": [e.ground_truth for e in train]})
+    clock = Eval()
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=[clock],
+    )
+    trainer.train()
+    print("TRL held-out exact match by iteration: " + " ".join(f"{e:.2f}" for e in clock.exact), flush=True)
+    return clock.hit
+
+
+def sort_main(args) -> int:
+    """--recipe sort: seconds to --target for grpo-flow's flow and for TRL, side by side."""
+    root = Path(tempfile.mkdtemp(prefix="vs-trl-sort-"))
+    print(f"machine: {machine()}; folder {root}", flush=True)
+    hits = {}
+    if args.only != "trl":
+        hits["grpo-flow (flow)"] = sort_flow(root, args.seed, args.iterations, args.target)
+    if args.only != "grpo-flow":
+        import trl as trl_package
+
+        hits[f"TRL {trl_package.__version__}"] = sort_trl(root, args.seed, args.iterations, args.target)
+    print(f"\n{'':>16} {'s to ' + str(args.target):>10} {'iteration':>10}")
+    for name, hit in hits.items():
+        print(f"{name:>16} " + (f"{hit[0]:>10.1f} {hit[1]:>10}" if hit else f"{'not reached':>21}"))
+    if len(hits) == 2 and all(hits.values()):
+        ours, theirs = (h[0] for h in hits.values())
+        print(f"grpo-flow / TRL: {ours / theirs:.2f}x (target <= 0.4x)")
+    return 0
+
+
 def steady(seconds: list[float]) -> float:
     """The median iteration after the first (the first pays engine starts and first calls)."""
     return statistics.median(seconds[1:] or seconds)
@@ -206,20 +351,24 @@ def steady(seconds: list[float]) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--recipe", choices=list(RECIPES), default="chat")
+    p.add_argument("--iterations", type=int, default=None, help="default 3; with --recipe sort 30, the most tried")
+    p.add_argument("--recipe", choices=[*RECIPES, "sort"], default="chat")
+    p.add_argument("--target", type=float, default=0.95, help="--recipe sort: held-out greedy exact match")
     p.add_argument("--only", choices=["trl", "grpo-flow"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], help="grpo-flow settings on top of the recipe")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where TRL runs (grpo-flow: GPU if any)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast in both learners (default float32)")
     args = p.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="vs-trl-"))
-    import torch
-
     from grpo.quiet import quiet_libraries
 
     quiet_libraries()  # no progress bars between the lines, on either side
+    if args.recipe == "sort":
+        args.iterations = args.iterations or 30
+        return sort_main(args)
+    args.iterations = args.iterations or 3
+    root = Path(tempfile.mkdtemp(prefix="vs-trl-"))
+    import torch
 
     from grpo.checkpoint import parameter_count
 
