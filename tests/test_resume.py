@@ -67,7 +67,6 @@ def mostly_flat(response, ground_truth, prompt, **row):
     return 0.5 if int(prompt.split()[1]) % 4 else float(len(response))
 """
 VARIANTS = {
-    "default": [],
     # the optional algorithms that can run together: GSPO with dual-clip, DAPO's dynamic sampling (8 groups
     # with signal wanted, few have it, so iteration 0 draws a second round and iteration 1 starts after it),
     # a reference refreshed each iteration (iteration 1's KL is to iteration 1's snapshot, read back cold on
@@ -85,6 +84,8 @@ VARIANTS = {
         "learn.ref_update_every=1",
         "eval.every=2",
     ],
+    # the defaults but for the loss and DAPO's overlong shaping: it stands for a default run too (nothing that
+    # resumes depends on the loss; a default run killed mid-rollouts and retried: test_flow_e2e)
     "cispo-overlong": ["learn.loss_type=cispo", "learn.clip_eps_high=0.28", "reward.overlong_buffer=2"],
 }
 
