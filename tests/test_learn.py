@@ -131,6 +131,15 @@ def test_padded_rows_right_and_left():
     assert left.tolist() == [[-1, 5, 6], [1, 2, 3], [-1, -1, -1], [-1, -1, 4]]
 
 
+def update(storage, run_id, learn) -> torch.Tensor:
+    """What a committed learn did to the base policy of run_id: its weights minus the base's, flat."""
+    base = load_file(
+        latest_committed(storage, stage_dir(storage, run_id, None, "base")).path("policy/model.safetensors")
+    )
+    after = load_file(learn.path("policy/model.safetensors"))
+    return torch.cat([(after[k] - base[k]).flatten() for k in sorted(base)])
+
+
 def make_run(storage, run_id, extra=()):
     init_run(storage, run_id, load_config(None, TINY + list(extra)))
     for s in ["snapshot", "rollouts", "rewards", "advantages"]:
@@ -174,13 +183,7 @@ def test_microbatches_of_the_longest_responses_together_give_the_one_microbatch_
         out[n] = stage_function("learn")(storage, f"mb{n}", 0)
     lengths = read_parquet(storage.fs, out[8].path("logprobs.parquet"), "logprobs").column("old_logprobs")
     assert len({len(x) for x in lengths.to_pylist()}) > 1  # responses of several lengths to group
-    base = load_file(
-        latest_committed(storage, stage_dir(storage, "mb8", None, "base")).path("policy/model.safetensors")
-    )
-    d8, d32 = (
-        torch.cat([(w[k] - base[k]).flatten() for k in sorted(base)])
-        for w in (load_file(out[n].path("policy/model.safetensors")) for n in (8, 32))
-    )
+    d8, d32 = (update(storage, f"mb{n}", out[n]) for n in (8, 32))
     assert d32.norm() > 1e-3 and (d8 - d32).norm() / d32.norm() < 1e-5, ((d8 - d32).norm() / d32.norm()).item()
 
 

@@ -6,13 +6,11 @@ gives theirs: the update of scoring them all."""
 import pandas as pd
 import pytest
 import torch
-from safetensors.torch import load_file
-from test_learn import make_run
+from test_learn import make_run, update
 
 import grpo.learner
 from grpo.config import ConfigError, load_config
-from grpo.layout import stage_dir
-from grpo.storage import latest_committed, open_storage
+from grpo.storage import open_storage
 from stages import stage_function
 
 
@@ -45,11 +43,7 @@ def test_sampler_log_probs_give_the_recomputed_update_without_the_scoring_pass(s
     # 16 groups, minibatches of 8: recompute scores the 8 the first minibatch does not train on; no KL, no reference
     assert out["recompute passes"] == 8 and out["sampler passes"] == 0
 
-    base = load_file(
-        latest_committed(storage, stage_dir(storage, "sampler", None, "base")).path("policy/model.safetensors")
-    )
-    w = {mode: load_file(out[mode].path("policy/model.safetensors")) for mode in ("recompute", "sampler")}
-    d1, d2 = (torch.cat([(w[m][k] - base[k]).flatten() for k in sorted(base)]) for m in ("recompute", "sampler"))
+    d1, d2 = (update(storage, m, out[m]) for m in ("recompute", "sampler"))
     assert d1.norm() > 1e-3
     assert (d1 - d2).norm() / d1.norm() < 1e-3, ((d1 - d2).norm() / d1.norm()).item()
     m1, m2 = (pd.read_parquet(out[m].path("metrics.parquet")) for m in ("recompute", "sampler"))
@@ -80,11 +74,7 @@ def test_the_first_minibatchs_forward_gives_its_old_log_probs_and_the_update_of_
         out[mode + " passes"] = sum(passes) - before
     assert (out["first minibatch passes"], out["every group scored passes"]) == (8, 16)
     a, b = (out[m] for m in ("first minibatch", "every group scored"))
-    wa, wb = (load_file(c.path("policy/model.safetensors")) for c in (a, b))
-    base = load_file(
-        latest_committed(storage, stage_dir(storage, "first-minibatch", None, "base")).path("policy/model.safetensors")
-    )
-    da, db = (torch.cat([(w[k] - base[k]).flatten() for k in sorted(base)]) for w in (wa, wb))
+    da, db = update(storage, "first-minibatch", a), update(storage, "every-group-scored", b)
     assert da.norm() > 1e-3 and (da - db).norm() / db.norm() < 1e-5, ((da - db).norm() / db.norm()).item()
     la, lb = (pd.read_parquet(c.path("logprobs.parquet")) for c in (a, b))
     old_a, old_b = (torch.tensor([x for row in t.old_logprobs for x in row]) for t in (la, lb))
