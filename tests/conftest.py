@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
 
 from tools.s3server import S3Endpoint, S3ServerError, find_weed, s3_server
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the README's test command runs two pytest workers (pytest-xdist) on CI's 2 cores: one torch thread each,
+    # for them and every process they start, or each worker's threads spin against the other's (5x slower)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -17,6 +23,13 @@ def pytest_configure(config: pytest.Config) -> None:
         "e2e: end-to-end pipeline run",
     ):
         config.addinivalue_line("markers", line)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with a slow test first, in their order; the rest after, in theirs: two workers that take whole
+    modules (--dist loadfile) then end together rather than one running a long module alone at the end."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)
 
 
 @pytest.fixture(scope="session")

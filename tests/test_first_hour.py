@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from test_stages import TINY
 
@@ -70,6 +71,7 @@ def init(tmp_path, *extra) -> None:
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_progress_shows_in_a_terminal_and_never_in_a_pipe(tmp_path):
     init(tmp_path)
     code, screen = grpo_in_terminal(tmp_path, "run", "--run", "t")
@@ -108,6 +110,7 @@ def test_the_readme_config_files_are_valid_configs():
         load_config(yaml.safe_load(textwrap.dedent(block)))  # a ConfigError names the field
 
 
+@pytest.mark.slow
 def test_a_running_attempt_shows_as_running_until_it_fails_or_stops_beating(tmp_path, monkeypatch):
     init(tmp_path)
     monkeypatch.setenv("GRPO_HEARTBEAT_S", "0.5")
@@ -151,6 +154,7 @@ def test_a_run_that_does_not_exist_is_one_line_naming_the_runs_that_do(tmp_path)
         assert code == 2 and out == "" and "no such run (the runs here are t)" in err, (command, err)
 
 
+@pytest.mark.slow
 def test_learner_processes_relay_their_progress(tmp_path):
     """A 2-process learner's rank 0 prints its progress; the learn stage logs it as progress (a terminal
     line without -v; see above) instead of passing it on as torchrun's output."""

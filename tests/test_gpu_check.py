@@ -49,6 +49,7 @@ def assert_iterations(table: list[list[str]], n: int) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.slow
 def test_gpu_check_runs_warm_flow_iterations_and_reports(tmp_path):
     out = run_check(tmp_path, "--iterations", "2")  # a GPU runs 3; 2 show the warm reload (CI time)
     assert_iterations(tables(out)[0], 2)
@@ -57,6 +58,7 @@ def test_gpu_check_runs_warm_flow_iterations_and_reports(tmp_path):
     assert "fsdp2: skipped, needs 2 GPUs" in out
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_with_transformers_sampling_and_no_prefect(tmp_path):
     """--backend hf --no-flow: what a GPU machine without vLLM or Prefect runs."""
     out = run_check(tmp_path, "--backend", "hf", "--no-flow", "--cases", "full", "lora", hidden=ABSENT_ON_GPU)

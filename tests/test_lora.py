@@ -94,6 +94,7 @@ def test_export_merges_the_adapters_into_a_self_contained_hf_folder(storage, tmp
     assert "exists" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_lora_under_fsdp2_with_two_processes_trains_the_adapters_of_one_process(storage):
     make_run(storage, "one", extra=LORA)
     make_run(storage, "two", extra=LORA + ["learn.sharding=fsdp2", "learn.num_processes=2"])

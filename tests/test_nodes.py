@@ -78,6 +78,7 @@ def weights(committed):
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+@pytest.mark.slow
 def test_two_nodes_of_one_process_train_the_update_of_one_node_of_two(storage, sharding):
     two_processes = ["learn.num_processes=2", f"learn.sharding={sharding}"]
     ready(storage, "one", two_processes)
@@ -102,6 +103,7 @@ def test_two_nodes_of_one_process_train_the_update_of_one_node_of_two(storage, s
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_two_nodes_on_s3_upload_their_shards_and_read_them_back(s3, monkeypatch, tmp_path):
     """On S3 (nothing on a shared disk): node 1 uploads its rank's dcp/ shard into node 0's attempt, and in
     the next iteration downloads the sharded state the first learn committed, as node 0 does."""

@@ -50,6 +50,7 @@ def grpo(tmp_path, *args, timeout=600):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_demo_learns_to_sort_printing_one_line_an_iteration_and_nothing_else(tmp_path):
     """The defaults are a recipe that learns: held-out exact match reaches 0.9, one line an iteration,
     then where the run lives and what to try next; nothing on stderr, nothing at exit."""

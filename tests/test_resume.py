@@ -91,6 +91,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.slow
 def test_a_run_killed_mid_learn_resumes_to_byte_identical_outputs(tmp_path, variant):
     stores = {name: open_storage((tmp_path / name).as_uri()) for name in ("whole", "killed")}
     for storage in stores.values():

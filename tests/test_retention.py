@@ -58,6 +58,7 @@ def cli(storage, capsys, *args) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
+@pytest.mark.slow
 def test_retention_collects_weights_and_state_and_the_run_goes_on(storage, capsys):
     for run_id in ("a", "b"):  # b: the same run, never collected
         make_run(storage, run_id, extra=RETENTION)

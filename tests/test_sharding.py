@@ -45,6 +45,7 @@ def relative_gap(update_a: dict, update_b: dict) -> float:
     return float((a - b).norm() / a.norm())
 
 
+@pytest.mark.slow
 def test_fsdp2_gives_the_update_of_one_process_and_of_ddp_and_commits_sharded_state(storage):
     for run_id, extra in [
         ("one", []),
@@ -68,6 +69,7 @@ def test_fsdp2_gives_the_update_of_one_process_and_of_ddp_and_commits_sharded_st
         assert m1[col].tolist() == pytest.approx(m2[col].tolist(), rel=1e-4, abs=1e-6), col
 
 
+@pytest.mark.slow
 def test_a_sharded_run_resumes_at_another_number_of_processes(storage):
     """fsdp2 at 2 processes, then 1, then 2 (the optimizer state resharded by DCP each time) trains what
     one process does all along: same rollouts, same weights within TOL after three iterations."""
@@ -121,6 +123,7 @@ def test_a_killed_rank_leaves_no_committed_attempt_and_a_rerun_commits(storage, 
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_sharded_lora_state_round_trips_through_s3(s3, monkeypatch, tmp_path):
     """fsdp2 + LoRA on S3: every rank's shards are uploaded with the adapters, and the next iteration's
     learn (a fresh torchrun) reads them back from there."""

@@ -139,6 +139,7 @@ def test_build_leaves_global_rng_alone(tmp_path):
         ),
     ],
 )
+@pytest.mark.slow
 def test_weight_reload_samples_like_a_fresh_generator(tmp_path, backend):
     """A warm generator that reloads checkpoint B in place samples exactly what one started on B does."""
     from grpo.generation import SamplingSpec, close_generators, get_generator
