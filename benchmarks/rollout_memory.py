@@ -36,10 +36,10 @@ def run_rollouts(storage_url: str, run_id: str) -> dict:
 
     class ChunkRSS(logging.Handler):
         def emit(self, record):
-            if str(record.msg).endswith("%d/%d prompts"):  # the stage's line after each chunk
+            if record.getMessage().endswith(" prompts"):  # the stage's progress line after each chunk
                 rss_mib.append(psutil.Process().memory_info().rss / 2**20)
 
-    log = logging.getLogger("grpo.stages")
+    log = logging.getLogger("grpo.progress")
     log.setLevel(logging.INFO)
     log.addHandler(ChunkRSS())
     t = time.perf_counter()

@@ -216,7 +216,6 @@ class VLLMGenerator:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default asks for far more
         # in-process engine: starts in seconds instead of ~30 s; fine for one stage's batch
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        _fixed_mmap_threshold()
         from vllm import LLM
 
         from grpo.quiet import filter_vllm_handlers
@@ -266,6 +265,7 @@ class VLLMGenerator:
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=lora
         )
+        _return_freed_heap()
         return [[self._sample(c) for c in o.outputs] for o in outs]
 
     @staticmethod
@@ -386,16 +386,19 @@ def sample_token(logits: torch.Tensor, top_p: float, rng: torch.Generator) -> to
     return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
 
 
-def _fixed_mmap_threshold(nbytes: int = 128 * 1024) -> None:
-    """Have glibc mmap every allocation of `nbytes` or more, so freeing it returns it to the OS.
+def _return_freed_heap() -> None:
+    """Hand the pages glibc's heap holds free back to the OS (malloc_trim), after each engine call.
 
-    By default glibc raises its mmap threshold (up to 32 MiB) each time such a block is freed;
-    the engine's per-step buffers then come from the heap, which fragments, and the RSS of an
-    in-process engine ratchets up chunk after chunk. A fixed threshold turns that off.
+    An in-process engine's per-step buffers (up to megabytes) come from the heap, whose mmap threshold glibc
+    raises to the largest block freed; left alone, what a chunk's steps freed stays resident and the RSS
+    grows chunk after chunk. Fixing the threshold instead (every block of 128 KiB or more its own mmap, as
+    before) stops that too, but process-wide: every later large tensor, the warm learner's in the same
+    process included, page-faults in afresh (a third of vLLM's CPU time in the kernel, the learner ~1.4x
+    slower; benchmarks/RESULTS.md, "glibc's threshold left alone").
     """
     try:
-        ctypes.CDLL(None).mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to tune
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
         pass
 
 
