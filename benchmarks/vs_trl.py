@@ -379,7 +379,8 @@ def main() -> int:
     print(f"model: {parameter_count(model) / 1e6:.1f}M parameters; {len(rows)} problems", flush=True)
     results = {}
     if args.only != "trl":
-        extra = (["learn.mixed_precision=bf16"] if args.bf16 else []) + args.set
+        precision = "bf16" if args.bf16 else "no"  # no: float32 even where bf16 is native (learn's `auto`)
+        extra = [f"learn.mixed_precision={precision}", *args.set]
         results["grpo-flow"], split, peaks = grpo_flow(root, r, model, data, args.iterations, extra)
         print("grpo-flow s/iteration: " + " ".join(f"{s:.1f}" for s in results["grpo-flow"]), flush=True)
         print("  steady split (s): " + ", ".join(f"{s} {v:.1f}" for s, v in split.items()))

@@ -284,9 +284,11 @@ class LearnConfig:
     for samplers whose numerics differ from the learner's (bf16 vLLM); = grpo.core.ImportanceCorrection."""
     tis_cap: float = 2.0
     """Upper bound of the TIS weight."""
-    mixed_precision: Literal["no", "bf16"] = "no"
-    """`bf16`: forwards and backwards under bf16 autocast (Accelerate); the weights and AdamW state stay
-    float32 either way."""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """`bf16`: forwards and backwards under bf16 autocast; the weights and AdamW state stay float32 either
+    way. `auto`: bf16 where the learner's device computes it natively (a GPU with bf16; a CPU with AMX or
+    AVX512-BF16), float32 elsewhere (CPUs without them emulate bf16, slower than float32); the learn manifest
+    records which (`precision`). bf16 keeps the demo's and chat_math's curves (benchmarks/RESULTS.md)."""
     gradient_checkpointing: bool = False
     """Recompute the transformer blocks' activations in backward (less memory, ~30% more compute); the
     training forward then runs over each full sequence instead of sharing the group's prompt."""
@@ -329,6 +331,12 @@ ADDED_SETTINGS = {
 """Settings added after runs were made without them, per section, in groups that act together: a stage's identity
 leaves a group out while all of it holds its defaults (what runs did before it existed), so the stages those
 runs committed stay theirs."""
+
+
+CHANGED_DEFAULTS = {("learn", "mixed_precision"): ("no", "auto")}
+"""Defaults changed after runs were made with the old one, (section, field): (old default, new default). A run
+that holds the old default keeps it when a config at the new default (one that does not set the field) comes
+to it again (stages.init.write_run_json): a scheduled deployment's run goes on as it started."""
 
 
 def identity_section(cfg: RunConfig, section: str) -> dict:
@@ -447,6 +455,8 @@ def _coerce(cls, name: str, value: Any, where: str) -> Any:
     if hint is str and not isinstance(value, str):
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     if getattr(hint, "__origin__", None) is Literal:
+        if value is False and "no" in get_args(hint):  # YAML 1.1 reads a bare `no` (also `off`) as false
+            value = "no"
         if value not in get_args(hint):
             raise ConfigError(f"{where}: {value!r} is not one of {list(get_args(hint))}")
         return value

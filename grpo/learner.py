@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -358,10 +359,10 @@ class Learner:
         self.ref_dir = ref_dir
 
     def autocast(self):
-        """The forwards' precision: bf16 autocast with learn.mixed_precision=bf16, else as the weights."""
-        return torch.autocast(
-            self.acc.device.type, dtype=torch.bfloat16, enabled=self.cfg.learn.mixed_precision == "bf16"
-        )
+        """The forwards' precision: bf16 autocast where learn.mixed_precision resolves to bf16, else as the
+        weights."""
+        bf16 = autocast_precision(self.cfg.learn.mixed_precision, self.acc.device)[0] == "bf16"
+        return torch.autocast(self.acc.device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def reference_scores(self, batch: Batch, chunk_groups: int) -> Tensor | None:
         """The frozen reference's log-probs (N, T); None without a KL penalty."""
@@ -601,6 +602,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "grad_norm": last.get("grad_norm"),
         "logprob_gap": gap,
         "world_size": world,
+        "precision": dict(zip(("autocast", "why"), autocast_precision(lcfg.mixed_precision, learner.acc.device))),
         "score_s": score_s,
         "update_s": update_s,
         "tokens": sum(r["n_tokens"] for r in rows),
@@ -609,6 +611,33 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         scores.old_logprobs.float().cpu(), None if scores.ref_logprobs is None else scores.ref_logprobs.float().cpu()
     )
     return Update(summary, rows, cpu)
+
+
+def autocast_precision(setting: str, device: torch.device) -> tuple[str, str]:
+    """(autocast, why) for learn.mixed_precision `setting` on `device`: `auto` is bf16 where the device computes
+    it natively, "no" elsewhere.
+
+    >>> autocast_precision("bf16", torch.device("cpu"))
+    ('bf16', 'learn.mixed_precision')
+    """
+    if setting != "auto":
+        return setting, "learn.mixed_precision"
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return ("bf16", "auto: GPU with bf16") if native else ("no", "auto: GPU without native bf16")
+    if device.type == "cpu" and cpu_has_native_bf16():
+        return "bf16", "auto: CPU with AMX or AVX512-BF16"
+    return "no", f"auto: {device.type} without native bf16"
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this machine's CPU computes bf16 natively (AMX or AVX512-BF16 in /proc/cpuinfo's flags)."""
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    except OSError:  # not Linux
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def sampler_gap(batch: Batch, scores: Scores, iteration: int, max_gap: float | None) -> float:

@@ -32,7 +32,15 @@ from grpo.checkpoint import (
     one_line,
     upload_folder,
 )
-from grpo.config import EVAL_READING, LEARN_PLACEMENT, ConfigError, RunConfig, load_config, load_config_file
+from grpo.config import (
+    CHANGED_DEFAULTS,
+    EVAL_READING,
+    LEARN_PLACEMENT,
+    ConfigError,
+    RunConfig,
+    load_config,
+    load_config_file,
+)
 from grpo.layout import run_dir, run_json, stage_dir
 from grpo.storage import Committed, Storage, committed_attempts, is_local, load_manifest
 from grpo.tasks import Example, functions, generates, get_task
@@ -48,11 +56,14 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     (config.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s), and when evals run
     and which figure is the best (config.EVAL_READING: eval.every, eval.metric; committed evals and skips stay)."""
     path = run_json(storage, run_id)
-    data_ = json.dumps({"run_id": run_id, "config": cfg.to_dict()}, indent=1, sort_keys=True).encode()
     if storage.exists(path):
         old, new = load_config(json.loads(storage.read_bytes(path)).get("config")).to_dict(), cfg.to_dict()
+        for (section, name), (was, now) in CHANGED_DEFAULTS.items():  # the run keeps the default it began with
+            if old[section][name] == was and new[section][name] == now:
+                new[section][name] = was
         if old == new:
             return
+        data_ = json.dumps({"run_id": run_id, "config": new}, indent=1, sort_keys=True).encode()
         for c in (old, new):  # defaults of newer fields filled in
             c.pop("tracking"), c.pop("retention")
             for name in LEARN_PLACEMENT:
@@ -69,6 +80,7 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
             )
         storage.write_bytes_atomic(path, data_)
         return
+    data_ = json.dumps({"run_id": run_id, "config": cfg.to_dict()}, indent=1, sort_keys=True).encode()
     if is_local(storage.fs):  # object stores need no folders
         storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)
     storage.write_bytes_atomic(path, data_)

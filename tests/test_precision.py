@@ -182,3 +182,59 @@ def test_fsdp2_keeps_float32_master_weights_in_its_sharded_state_and_a_cold_resu
     assert {v.dtype for v in state["model"].values()} == {torch.float32}
     w, c = (load_file(o[1]["learn"].path("policy/model.safetensors")) for o in (outs["warm"], outs["cold"]))
     assert all(torch.equal(w[n], c[n]) for n in w)
+
+
+def test_auto_precision_is_bf16_only_where_the_device_has_it_natively(monkeypatch):
+    from grpo import learner
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(learner, "cpu_has_native_bf16", lambda: False)
+    assert learner.autocast_precision("auto", cpu) == ("no", "auto: cpu without native bf16")
+    assert learner.autocast_precision("bf16", cpu) == ("bf16", "learn.mixed_precision")  # asked for: emulated
+    monkeypatch.setattr(learner, "cpu_has_native_bf16", lambda: True)
+    assert learner.autocast_precision("auto", cpu)[0] == "bf16"
+    assert learner.autocast_precision("no", cpu)[0] == "no"
+    for native, want in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        assert learner.autocast_precision("auto", gpu)[0] == want
+    # YAML 1.1 reads a bare `no` as false: the setting still means "no"
+    assert load_config(None, ["learn.mixed_precision=no"]).learn.mixed_precision == "no"
+    assert load_config(None).learn.mixed_precision == "auto"
+
+
+def test_auto_precision_trains_as_the_precision_it_resolves_to(storage, monkeypatch):
+    """learn.mixed_precision=auto commits the weights of the explicit setting it resolves to (this machine's
+    CPU has no native bf16: the flag is set both ways), and the learn manifest says which and why."""
+    from grpo import learner
+
+    def learn(run_id: str, setting: str, native: bool = False):
+        monkeypatch.setattr(learner, "cpu_has_native_bf16", lambda: native)
+        init_run(storage, run_id, load_config(None, TINY + [f"learn.mixed_precision={setting}"]))
+        WARM.take(None)
+        out = run_iteration(storage, run_id, 0)["learn"]
+        return load_file(out.path("policy/model.safetensors")), out.manifest.summary["precision"]
+
+    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    (f32, f32_why), (bf16, bf16_why) = learn("no", "no"), learn("bf16", "bf16")
+    assert not same(f32, bf16)  # the two precisions train differently
+    assert f32_why == {"autocast": "no", "why": "learn.mixed_precision"} and bf16_why["autocast"] == "bf16"
+    for native, want, why in (
+        (False, f32, "auto: cpu without native bf16"),
+        (True, bf16, "auto: CPU with AMX or AVX512-BF16"),
+    ):
+        weights, precision = learn(f"auto-{native}", "auto", native)
+        assert same(weights, want) and precision["why"] == why
+
+
+def test_a_run_made_before_auto_precision_goes_on_in_float32(storage):
+    """A run made when learn.mixed_precision defaulted to "no" stores "no"; the same config today (the setting
+    not given: `auto`) continues it as it began; another precision for it is refused."""
+    from stages.common import StageError, load_run
+
+    init_run(storage, "old", load_config(None, TINY + ["learn.mixed_precision=no"]))
+    init_run(storage, "old", load_config(None, TINY))  # what a scheduled deployment sends after the upgrade
+    assert load_run(storage, "old").learn.mixed_precision == "no"
+    with pytest.raises(StageError, match="different config"):
+        init_run(storage, "old", load_config(None, TINY + ["learn.mixed_precision=bf16"]))
+    init_run(storage, "new", load_config(None, TINY))
+    assert load_run(storage, "new").learn.mixed_precision == "auto"
