@@ -28,8 +28,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules with a slow test first, in their order; the rest after, in theirs: two workers that take whole
     modules (--dist loadfile) then end together rather than one running a long module alone at the end."""
-    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow)
+    module = lambda item: item.nodeid.split("::")[0]  # noqa: E731
+    slow = {module(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: module(item) not in slow)
 
 
 @pytest.fixture(scope="session")
