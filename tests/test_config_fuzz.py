@@ -90,6 +90,8 @@ def test_any_value_in_any_field_is_a_valid_config_or_a_config_error_naming_a_fie
     got = cfg.to_dict()
     for key in path.split("."):
         got = got[key]
+    if value is False and got == "no":  # a choice of "no": YAML reads a bare `no` as false (config._coerce)
+        return
     if path not in NAMES_THINGS and value is not None and not isinstance(value, (dict, list)):
         assert got == value or float(got) == float(value), (path, value, got)
 
