@@ -308,6 +308,7 @@ class Learner:
         # mixed precision by torch.autocast, not Accelerator(mixed_precision=...): Accelerate's state is one per
         # process and refuses a second setting, and a warm process may serve runs with either
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
+        self.precision = dict(zip(("autocast", "why"), autocast_precision(lcfg.mixed_precision, self.acc.device)))
         self.save_dtype = checkpoint_dtype(ref_dir)  # checkpoints keep the base model's dtype
         self.sharded = lcfg.sharding == "fsdp2"
         self.lora = lcfg.lora is not None
@@ -362,7 +363,7 @@ class Learner:
     def autocast(self):
         """The forwards' precision: bf16 autocast where learn.mixed_precision resolves to bf16, else as the
         weights."""
-        bf16 = autocast_precision(self.cfg.learn.mixed_precision, self.acc.device)[0] == "bf16"
+        bf16 = self.precision["autocast"] == "bf16"
         return torch.autocast(self.acc.device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def reference_scores(self, batch: Batch, chunk_groups: int) -> Tensor | None:
@@ -603,7 +604,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "grad_norm": last.get("grad_norm"),
         "logprob_gap": gap,
         "world_size": world,
-        "precision": dict(zip(("autocast", "why"), autocast_precision(lcfg.mixed_precision, learner.acc.device))),
+        "precision": learner.precision,
         "score_s": score_s,
         "update_s": update_s,
         "tokens": sum(r["n_tokens"] for r in rows),
