@@ -74,6 +74,7 @@ def test_shared_prompt_forward_equals_full_sequences(lm):
     # shared prompt; then chunked logits (4 tokens at a time); then the full-sequence training forward
     # of gradient checkpointing, with checkpointing on
     models = [PolicyLM(lm), PolicyLM(lm, logprob_chunk=4), PolicyLM(lm, full_sequences_in_training=True).train()]
+    models.append(PolicyLM(lm, padding_free=True))  # 8 rows for 9 responses (test_packed_rows_...)
     for model in models:
         logp = model(prompt_ids, prompt_mask, response_ids, response_mask)[0] * response_mask
         assert (logp - full).abs().max() < 1e-5
@@ -90,6 +91,51 @@ def test_shared_prompt_forward_equals_full_sequences(lm):
         lm.gradient_checkpointing_disable()
     for grad in grads[:-1]:
         assert (grad - grads[-1]).norm() / grads[-1].norm() < 1e-5
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_rows_give_the_same_log_probs_entropy_and_gradients(lm, attention):
+    """learn.padding_free: each group's responses share rows (a short one after another, each seeing only the
+    group's prompt and itself): the same log-probs, entropy and gradients as one row per response, on fewer
+    rows; a microbatch where packing saves too few rows keeps one row per response."""
+    gen = torch.Generator().manual_seed(2)  # 3 groups of 4
+    lengths = [[9, 2, 3, 4], [1, 1, 9, 8], [5, 4, 0, 6]]  # an empty response too
+    lp, t = 7, 9
+    prompt_ids = torch.randint(4, 16, (3, lp), generator=gen)
+    prompt_mask = torch.ones(3, lp, dtype=torch.long)
+    prompt_mask[1, :4] = prompt_mask[2, :1] = 0  # left padding
+    response_ids, response_mask = torch.randint(4, 16, (12, t), generator=gen), torch.zeros(12, t)
+    for i, n in enumerate(sum(lengths, [])):
+        response_mask[i, :n] = 1
+    response_ids = response_ids * response_mask.long()
+    rows = []
+    lm.config._attn_implementation = attention
+    try:
+        results = []
+        for padding_free in (False, True):
+            model = PolicyLM(lm, padding_free=padding_free)
+            hook = lm.model.register_forward_pre_hook(
+                lambda _, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+            )
+            lm.zero_grad()
+            logp, entropy = model(prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=True)
+            (logp * response_mask * torch.linspace(0.5, 2, 12)[:, None]).sum().backward()
+            hook.remove()
+            grad = torch.cat([p.grad.flatten() for p in lm.parameters()])
+            results.append((logp * response_mask, entropy * response_mask, grad))
+    finally:
+        lm.config._attn_implementation = "sdpa"
+    assert rows == [3, 12, 3, 7]  # prompts, then a row per response; prompts, then 7 packed rows
+    (padded, padded_entropy, padded_grad), (packed, packed_entropy, packed_grad) = results
+    assert (packed - padded).abs().max() < 1e-5 and (packed_entropy - padded_entropy).abs().max() < 1e-5
+    assert (packed_grad - padded_grad).norm() / padded_grad.norm() < 1e-5
+    assert padded.abs().min() == 0 and (packed * (1 - response_mask)).abs().max() == 0
+    rows.clear()
+    hook = lm.model.register_forward_pre_hook(lambda _, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    even = torch.ones(12, t)  # every response as long as the longest: nothing to save
+    PolicyLM(lm, padding_free=True)(prompt_ids, prompt_mask, response_ids, even)
+    hook.remove()
+    assert rows == [3, 12]
 
 
 def test_a_groups_forward_skips_the_batchs_padding_and_gives_the_same_log_probs(lm):
@@ -187,6 +233,31 @@ def test_microbatches_of_the_longest_responses_together_give_the_one_microbatch_
     assert d32.norm() > 1e-3 and (d8 - d32).norm() / d32.norm() < 1e-5, ((d8 - d32).norm() / d32.norm()).item()
 
 
+def test_packed_responses_give_the_update_of_one_row_per_response(storage, monkeypatch):
+    """learn.padding_free (the default) against false: the same committed update and old log-probs, to float
+    rounding, with some microbatches packed."""
+    packed, real = [], PolicyLM._packed
+    monkeypatch.setattr(PolicyLM, "_packed", lambda self, *a: packed.append(1) or real(self, *a))
+    out = {}
+    for padding_free in (True, False):
+        run = f"pf-{padding_free}"
+        make_run(storage, run, extra=["learn.microbatch_size=8", f"learn.padding_free={str(padding_free).lower()}"])
+        out[padding_free] = stage_function("learn")(storage, run, 0)
+        if padding_free:
+            assert len(packed) > 0
+            calls = len(packed)
+    assert len(packed) == calls  # false: never packed
+    on, off = (update(storage, f"pf-{k}", out[k]) for k in (True, False))
+    assert off.norm() > 1e-3 and (on - off).norm() / off.norm() < 1e-5, ((on - off).norm() / off.norm()).item()
+    old = [
+        torch.tensor(
+            sum(read_parquet(storage.fs, out[k].path("logprobs.parquet"), "logprobs")["old_logprobs"].to_pylist(), [])
+        )
+        for k in (True, False)
+    ]
+    assert (old[0] - old[1]).abs().max() < 1e-5
+
+
 def test_reference_is_scored_only_with_a_kl_penalty(storage):
     make_run(storage, "nokl")
     make_run(storage, "kl", extra=["learn.kl_coef=0.1"])
@@ -260,6 +331,7 @@ def test_settings_added_later_leave_existing_stage_identities_alone():
         == "f387f6c1d765cafad97d7a71ef14608b08bcd0bcc539a0b6f5c9b56bf8095f80"
     )
     assert config_hash(learn.stage_config(cfg)) == "5614fed86210b82cafd8b4e0bfcc190b74291f0cf146e64ae9adc5ca9bb73726"
+    assert learn.stage_config(load_config(None, ["learn.padding_free=false"]))["learn"]["padding_free"] is False
     assert config_hash(rewards.stage_config(cfg)) == "19054604eb9f926235bbaf5c460cfbcbe9c5206c90c0c8d71b4546a20525cc23"
     assert learn.stage_config(load_config(None, ["learn.dual_clip_c=3"]))["learn"]["dual_clip_c"] == 3.0
     refresh = learn.stage_config(load_config(None, ["learn.kl_coef=0.1", "learn.ref_update_every=2"]))["learn"]
