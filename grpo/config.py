@@ -305,12 +305,16 @@ class LearnConfig:
     max_logprob_gap: float | None = None
     """Fail the stage when the mean |sampler - learner| log-prob of the sampled tokens exceeds this (a
     sampler serving stale weights shows as a jump); None: only recorded (`logprob_gap`)."""
-    old_logprobs: OldLogprobs = "recompute"
+    old_logprobs: OldLogprobs = "auto"
     """pi_old of the clipped ratio: `recompute` scores the snapshot's policy over the batch before the first
     step (a forward pass over every sample but the first minibatch's, whose training forward, before any step,
     gives theirs; every sample with dropout on); `sampler` takes the sampler's log-probs as they are (no pass,
     as verl's rollout log-probs mode): exact where the sampler runs the learner's numerics (the `hf` backend,
-    float32 vLLM), an off-policy error where not, and then unguarded (no learn.max_logprob_gap, no TIS)."""
+    float32 vLLM), an off-policy error where not, and then unguarded (no learn.max_logprob_gap, no TIS);
+    `auto` checks first: the first minibatch's forward gives its own, and where none of its tokens differs
+    from the sampler's by more than grpo.learner.SAMPLER_MAX_DIFF the rest are the sampler's (no pass), else
+    the rest are scored before the first step, as `recompute`. The learn manifest records which
+    (`old_logprobs`)."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight (`learn.lora={}` for the defaults, `learn.lora.r=8`);
     each learn commits the adapter and its optimizer state, not the base; None: full fine-tuning."""
@@ -340,16 +344,31 @@ leaves a group out while all of it holds its defaults (what runs did before it e
 runs committed stay theirs."""
 
 
-CHANGED_DEFAULTS = {("learn", "mixed_precision"): ("no", "auto")}
+CHANGED_DEFAULTS = {("learn", "mixed_precision"): ("no", "auto"), ("learn", "old_logprobs"): ("recompute", "auto")}
 """Defaults changed after runs were made with the old one, (section, field): (old default, new default). A run
 that holds the old default keeps it when a config at the new default (one that does not set the field) comes
-to it again (stages.init.write_run_json): a scheduled deployment's run goes on as it started."""
+to it again (stages.init.write_run_json), a run.json written before the field existed reads as the old default
+(stored_config), and a setting added later (ADDED_SETTINGS) is left out of identities at its old default: a
+scheduled deployment's run goes on as it started."""
+
+
+def stored_config(raw: dict | None) -> RunConfig:
+    """A run.json's config: load_config, where a field whose default changed (CHANGED_DEFAULTS) and that the
+    stored config lacks (written before the field existed) holds the old default, which it ran with."""
+    if isinstance(raw, dict):
+        raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+        for (section, name), (was, _) in CHANGED_DEFAULTS.items():
+            if isinstance(raw.get(section), dict):
+                raw[section].setdefault(name, was)
+    return load_config(raw)
 
 
 def identity_section(cfg: RunConfig, section: str) -> dict:
     """Section `section` of cfg as stage identities cover it: ADDED_SETTINGS groups at their defaults left out."""
     values = cfg.to_dict()[section]
-    defaults = {f.name: f.default for f in dataclasses.fields(getattr(cfg, section))}
+    # a group's defaults as they were when it was added, before any later change of them (CHANGED_DEFAULTS)
+    fields = dataclasses.fields(getattr(cfg, section))
+    defaults = {f.name: CHANGED_DEFAULTS.get((section, f.name), (f.default,))[0] for f in fields}
     groups = ADDED_SETTINGS.get(section, ())
     idle = {k for group in groups if all(values[k] == defaults[k] for k in group) for k in group}
     return {k: v for k, v in values.items() if k not in idle}

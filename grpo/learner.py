@@ -304,6 +304,9 @@ class Scores:
     # (N,) rows whose old log-probs the first minibatch's own forward gives (the policy is still the
     # snapshot's then: no scoring pass for them); their old_logprobs rows are filled by that step
     pending: Tensor | None = None
+    # (N,) learn.old_logprobs=auto: rows settled after that forward, before the first step (settle_deferred):
+    # the sampler's log-probs where the pending rows show them equal to the learner's, else scored then
+    deferred: Tensor | None = None
 
 
 def minibatch_step(
@@ -606,12 +609,48 @@ def _from_sampler(learner: Learner, batch: Batch, chunk_groups: int, first: Tens
     return batch.sampler_logprobs, None
 
 
+def _auto(learner: Learner, batch: Batch, chunk_groups: int, first: Tensor) -> tuple[Tensor, Tensor | None]:
+    """No pass yet: the first minibatch's forward gives its rows, and the rest wait for settle_deferred (Scores.
+    deferred); recompute's pass where that forward is not the scoring one (dropout on)."""
+    if active_dropout(learner.acc.unwrap_model(learner.model)) or not len(first):
+        return _recomputed(learner, batch, chunk_groups, first)
+    pending = torch.zeros(len(batch.response_ids), dtype=torch.bool, device=batch.response_ids.device)
+    pending[batch.rows(first)] = True
+    return torch.zeros_like(batch.sampler_logprobs), pending
+
+
 OLD_LOGPROBS: dict[str, Callable[[Learner, Batch, int, Tensor], tuple[Tensor, Tensor | None]]] = {
     "recompute": _recomputed,
     "sampler": _from_sampler,
+    "auto": _auto,
 }
 """learn.old_logprobs -> where pi_old comes from (grpo.variants.OldLogprobs): (old log-probs (N, T), rows the
-first minibatch's forward fills or None)."""
+first minibatch's forward fills or None); `auto` leaves the other rows to settle_deferred."""
+
+SAMPLER_MAX_DIFF = 1e-3
+"""learn.old_logprobs=auto takes the sampler's log-probs as pi_old when none of the first minibatch's tokens differs
+from the learner's own by more than this (a ratio off by 0.1% at most, against clip ranges of 20%): the sampler
+then runs the learner's numerics (the transformers backend in the learner's precision); float32 vLLM and bf16
+samplers differ by more, and the rest is scored."""
+
+
+def settle_deferred(learner: Learner, batch: Batch, scores: Scores, checked: Tensor, chunk_groups: int) -> tuple:
+    """After the first minibatch's forward and backward, before its step (the weights are still the snapshot's):
+    the deferred rows' old log-probs, the sampler's when the `checked` rows (N,) (the first minibatch's, filled)
+    match them within SAMPLER_MAX_DIFF, else scored now. Returns (scores, {source, max_diff})."""
+    diff = float(((batch.sampler_logprobs - scores.old_logprobs).abs() * batch.response_mask)[checked].max())
+    old, rows = scores.old_logprobs, scores.deferred
+    if diff <= SAMPLER_MAX_DIFF:
+        old[rows] = batch.sampler_logprobs[rows].to(old.dtype)
+        source = "sampler"
+    else:
+        model = learner.acc.unwrap_model(learner.model)
+        groups = rows.view(len(batch.prompt_ids), -1)[:, 0].nonzero()[:, 0]
+        with learner.autocast():
+            old[batch.rows(groups)] = score(model, batch, chunk_groups, groups=groups).to(old.dtype)
+        model.train()
+        source = "recomputed"
+    return dataclasses.replace(scores, deferred=None), {"source": source, "max_diff": diff}
 
 
 def active_dropout(model: torch.nn.Module) -> bool:
@@ -652,9 +691,10 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         old, pending = OLD_LOGPROBS[lcfg.old_logprobs](
             learner, batch, chunk, order[:per_step] if per_step <= n_groups else order[:0]
         )
-        scores = Scores(old, learner.reference_scores(batch, chunk), pending)
+        deferred = ~pending if lcfg.old_logprobs == "auto" and pending is not None else None
+        scores = Scores(old, learner.reference_scores(batch, chunk), pending, deferred)
     score_s, update_s = time.perf_counter() - t0, 0.0
-    mask = batch.response_mask
+    mask, source = batch.response_mask, None
     gap = None if scores.pending is not None else sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap)
     model.train()
 
@@ -672,8 +712,14 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
                 minibatch_step(model, batch, scores, groups[rank::world], lcfg, accum, max_tokens, learner.autocast),
             )
             if scores.pending is not None:  # every old log-prob known now: check the sampler's before a step
-                scores = _fill_pending(acc, scores)
-                gap = sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap)
+                checked, scores = scores.pending, _fill_pending(acc, scores)
+                if scores.deferred is not None:
+                    t1 = time.perf_counter()
+                    scores, source = settle_deferred(learner, batch, scores, checked, chunk)
+                    settled_s = time.perf_counter() - t1
+                    score_s, t0 = score_s + settled_s, t0 + settled_s  # scoring time, not the update's
+                measured = checked if source and source["source"] == "sampler" else None
+                gap = sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap, measured)
             if not all(math.isfinite(v) for v in m.values()):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
             grad_norm = learner.clip_grad_norm(lcfg.max_grad_norm)
@@ -711,6 +757,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "entropy": sum(r["entropy"] for r in rows) / len(rows) if rows else None,  # mean over the steps
         "grad_norm": last.get("grad_norm"),
         "logprob_gap": gap,
+        "old_logprobs": source or {"source": lcfg.old_logprobs},
         "world_size": world,
         "precision": learner.precision,
         "score_s": score_s,
@@ -750,9 +797,13 @@ def cpu_has_native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def sampler_gap(batch: Batch, scores: Scores, iteration: int, max_gap: float | None) -> float:
-    """Mean |sampler log-prob - old log-prob| a token; raises LearnError above learn.max_logprob_gap."""
-    gap = float(core.masked_mean((batch.sampler_logprobs - scores.old_logprobs).abs(), batch.response_mask))
+def sampler_gap(
+    batch: Batch, scores: Scores, iteration: int, max_gap: float | None, rows: Tensor | None = None
+) -> float:
+    """Mean |sampler log-prob - old log-prob| a token (over `rows` (N,) bool, default all: where pi_old is the
+    learner's own); raises LearnError above learn.max_logprob_gap."""
+    mask = batch.response_mask if rows is None else batch.response_mask * rows[:, None]
+    gap = float(core.masked_mean((batch.sampler_logprobs - scores.old_logprobs).abs(), mask))
     if max_gap is not None and gap > max_gap:
         raise LearnError(
             f"learn iteration {iteration}: the sampler's log-probs differ from the snapshot's by "

@@ -9,4 +9,4 @@ DualClipLossType = Literal["grpo_clip", "gspo"]  # the losses learn.dual_clip_c 
 KLEstimator = Literal["k1", "k2", "k3"]
 AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 ImportanceCorrection = Literal["none", "tis"]
-OldLogprobs = Literal["recompute", "sampler"]  # where the learner takes pi_old from (grpo.learner.OLD_LOGPROBS)
+OldLogprobs = Literal["auto", "recompute", "sampler"]  # where the learner takes pi_old from (grpo.learner.OLD_LOGPROBS)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import fsspec
 
-from grpo.config import ConfigError, RunConfig, load_config
+from grpo.config import ConfigError, RunConfig, stored_config
 from grpo.errors import StageError
 from grpo.layout import no_such_run, run_json, stage_dir
 from grpo.storage import (
@@ -53,7 +53,7 @@ def load_run(storage: Storage, run_id: str) -> RunConfig:
             f"by `grpo init`, so this one was edited or damaged: restore it or make a new run"
         )
     try:
-        cfg = load_config(config)
+        cfg = stored_config(config)
     except ConfigError as e:
         raise StageError(f"{storage.uri(path)}: {e}") from e
     if cfg.task.dataset or cfg.eval.dataset:  # every read of them held to what grpo init fingerprinted

@@ -38,8 +38,8 @@ from grpo.config import (
     LEARN_PLACEMENT,
     ConfigError,
     RunConfig,
-    load_config,
     load_config_file,
+    stored_config,
 )
 from grpo.layout import run_dir, run_json, stage_dir
 from grpo.storage import Committed, Storage, committed_attempts, is_local, load_manifest
@@ -57,7 +57,7 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     and which figure is the best (config.EVAL_READING: eval.every, eval.metric; committed evals and skips stay)."""
     path = run_json(storage, run_id)
     if storage.exists(path):
-        old, new = load_config(json.loads(storage.read_bytes(path)).get("config")).to_dict(), cfg.to_dict()
+        old, new = stored_config(json.loads(storage.read_bytes(path)).get("config")).to_dict(), cfg.to_dict()
         for (section, name), (was, now) in CHANGED_DEFAULTS.items():  # the run keeps the default it began with
             if old[section][name] == was and new[section][name] == now:
                 new[section][name] = was

@@ -324,13 +324,19 @@ def test_settings_added_later_leave_existing_stage_identities_alone():
     dynamic = load_config(None, ["rollout.min_signal_groups=32"])
     assert rollouts.stage_config(dynamic)["rollout"]["max_sampling_rounds"] == 3  # set: both in the identity
     assert advantages.stage_config(dynamic)["dynamic_sampling"] == {"at_most": 256, "multiple_of": 32}
-    # learn.mixed_precision's default became `auto` after runs were made with "no", which they store
-    before_auto = load_config(None, ["learn.mixed_precision=no"])
+    # learn.mixed_precision's default became `auto` after runs were made with "no", which they store, and
+    # learn.old_logprobs's `auto` after runs stored "recompute" (or, made before it, read as that: stored_config)
+    before_auto = load_config(None, ["learn.mixed_precision=no", "learn.old_logprobs=recompute"])
     assert (
         config_hash(learn.stage_config(before_auto))
         == "f387f6c1d765cafad97d7a71ef14608b08bcd0bcc539a0b6f5c9b56bf8095f80"
     )
-    assert config_hash(learn.stage_config(cfg)) == "5614fed86210b82cafd8b4e0bfcc190b74291f0cf146e64ae9adc5ca9bb73726"
+    before_auto_old = load_config(None, ["learn.old_logprobs=recompute"])
+    assert (
+        config_hash(learn.stage_config(before_auto_old))
+        == "5614fed86210b82cafd8b4e0bfcc190b74291f0cf146e64ae9adc5ca9bb73726"
+    )
+    assert config_hash(learn.stage_config(cfg)) == "f86143ba0231ab0b20bc3ea3b64f90e4c78e8244a770942706547ea4e60b5e42"
     assert learn.stage_config(load_config(None, ["learn.padding_free=false"]))["learn"]["padding_free"] is False
     assert config_hash(rewards.stage_config(cfg)) == "19054604eb9f926235bbaf5c460cfbcbe9c5206c90c0c8d71b4546a20525cc23"
     assert learn.stage_config(load_config(None, ["learn.dual_clip_c=3"]))["learn"]["dual_clip_c"] == 3.0

@@ -3,6 +3,8 @@ the learner's numerics (the transformers backend in float32) the update is the o
 recompute: a scoring pass over every group but the first minibatch's, whose own forward (before any step)
 gives theirs: the update of scoring them all."""
 
+import dataclasses
+
 import pandas as pd
 import pytest
 import torch
@@ -51,6 +53,50 @@ def test_sampler_log_probs_give_the_recomputed_update_without_the_scoring_pass(s
     assert out["sampler"].manifest.summary["logprob_gap"] == 0.0  # pi_old is the sampler's, by construction
 
 
+@pytest.mark.parametrize("sampler_off_by", [0.0, 0.01])
+def test_auto_takes_the_samplers_log_probs_only_where_the_first_minibatch_shows_them_equal(
+    storage, monkeypatch, sampler_off_by
+):
+    """learn.old_logprobs=auto (the default): with the transformers sampler in float32 the first minibatch's
+    forward matches the sampler's log-probs, so the rest are the sampler's (no scoring pass) and the update is
+    recompute's; a sampler off by 0.01 a token fails that check and the rest are scored before the first step,
+    giving recompute's update and pi_old exactly."""
+    import stages.learn
+
+    real = stages.learn.load_batch
+
+    def shifted(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        return dataclasses.replace(
+            batch, sampler_logprobs=batch.sampler_logprobs - sampler_off_by * batch.response_mask
+        )
+
+    monkeypatch.setattr(stages.learn, "load_batch", shifted)
+    passes = scored_groups(monkeypatch)
+    out = {}
+    for mode in ("recompute", "auto"):
+        make_run(storage, mode, extra=[f"learn.old_logprobs={mode}"] * (mode == "recompute"))
+        before = sum(passes)
+        out[mode] = stage_function("learn")(storage, mode, 0)
+        out[mode + " passes"] = sum(passes) - before
+    summary = out["auto"].manifest.summary
+    d1, d2 = (update(storage, m, out[m]) for m in ("recompute", "auto"))
+    old1, old2 = (
+        torch.tensor([x for row in pd.read_parquet(out[m].path("logprobs.parquet")).old_logprobs for x in row])
+        for m in ("recompute", "auto")
+    )
+    assert d1.norm() > 1e-3 and out["recompute passes"] == 8
+    if sampler_off_by:
+        assert summary["old_logprobs"]["source"] == "recomputed" and out["auto passes"] == 8
+        assert summary["old_logprobs"]["max_diff"] == pytest.approx(sampler_off_by, abs=1e-3)
+        assert (d1 - d2).norm() / d1.norm() < 1e-5 and (old1 - old2).abs().max() < 1e-5
+    else:
+        assert summary["old_logprobs"]["source"] == "sampler" and out["auto passes"] == 0
+        assert summary["old_logprobs"]["max_diff"] < 1e-4
+        assert (d1 - d2).norm() / d1.norm() < 1e-3 and (old1 - old2).abs().max() < 1e-4
+    assert summary["logprob_gap"] == pytest.approx(out["recompute"].manifest.summary["logprob_gap"], abs=2e-3)
+
+
 @pytest.mark.parametrize("guard", ["learn.importance_correction=tis", "learn.max_logprob_gap=0.1"])
 def test_sampler_log_probs_refuse_the_guards_that_compare_them_with_the_learners(guard):
     with pytest.raises(ConfigError, match="learn.old_logprobs=sampler takes pi_old from the sampler"):
@@ -68,7 +114,8 @@ def test_the_first_minibatchs_forward_gives_its_old_log_probs_and_the_update_of_
     for mode in ("first minibatch", "every group scored"):
         if mode == "every group scored":
             monkeypatch.setitem(grpo.learner.OLD_LOGPROBS, "recompute", score_every_group)
-        make_run(storage, mode.replace(" ", "-"), extra=["learn.epochs=2", "learn.max_logprob_gap=0.5"])
+        extra = ["learn.epochs=2", "learn.max_logprob_gap=0.5", "learn.old_logprobs=recompute"]
+        make_run(storage, mode.replace(" ", "-"), extra=extra)
         before = sum(passes)
         out[mode] = stage_function("learn")(storage, mode.replace(" ", "-"), 0)
         out[mode + " passes"] = sum(passes) - before

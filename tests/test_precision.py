@@ -238,3 +238,30 @@ def test_a_run_made_before_auto_precision_goes_on_in_float32(storage):
         init_run(storage, "old", load_config(None, TINY + ["learn.mixed_precision=bf16"]))
     init_run(storage, "new", load_config(None, TINY))
     assert load_run(storage, "new").learn.mixed_precision == "auto"
+
+
+def test_a_run_made_before_auto_old_logprobs_goes_on_recomputing(storage):
+    """learn.old_logprobs defaulted to "recompute" before `auto`: a run that stored it keeps it when the same
+    config comes today, and a run.json written before the field existed reads as "recompute", its learn identity
+    the one its committed stages have."""
+    import json
+
+    from grpo.layout import run_json
+    from stages import learn
+    from stages.common import load_run
+
+    init_run(storage, "old", load_config(None, TINY + ["learn.old_logprobs=recompute"]))
+    init_run(storage, "old", load_config(None, TINY))
+    assert load_run(storage, "old").learn.old_logprobs == "recompute"
+    raw = json.loads(storage.read_bytes(run_json(storage, "old")))
+    del raw["config"]["learn"]["old_logprobs"], raw["config"]["learn"]["mixed_precision"]  # a run.json from before
+    init_run(storage, "older", load_config(None, TINY))
+    storage.write_bytes_atomic(run_json(storage, "older"), json.dumps(raw | {"run_id": "older"}).encode())
+    older = load_run(storage, "older")
+    assert (older.learn.old_logprobs, older.learn.mixed_precision) == ("recompute", "no")
+    before = load_config(None, TINY + ["learn.old_logprobs=recompute", "learn.mixed_precision=no"])
+    assert learn.stage_config(older) == learn.stage_config(before)
+    assert "old_logprobs" not in learn.stage_config(older)["learn"]  # as before the setting existed
+    init_run(storage, "older", load_config(None, TINY))  # the same config after the upgrade: no change
+    init_run(storage, "new", load_config(None, TINY))
+    assert load_run(storage, "new").learn.old_logprobs == "auto"
