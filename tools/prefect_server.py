@@ -159,6 +159,9 @@ def prefect_server(home: Path, timeout: float = 180):
             time.sleep(0.5)
         yield PrefectServer(api_url=api_url, home=home, env=env)
     finally:
+        if "prefect.logging.handlers" in sys.modules:  # this process's run-log lines still queued: sent now, or
+            # its log worker retries the stopped server for a minute at exit ("Error logging to API")
+            sys.modules["prefect.logging.handlers"].APILogHandler().flush()
         stop_group(proc)
 
 
