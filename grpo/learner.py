@@ -129,15 +129,20 @@ class PolicyLM(torch.nn.Module):
             hidden, self.causal.get_output_embeddings(), response_ids, self.logprob_chunk, with_entropy
         )
 
-    def _shared_prompt(self, prompt_ids, prompt_mask, response_ids, response_mask) -> Tensor:
-        """Hidden states (P*G, T, H), [:, t] predicting response_ids[:, t]."""
-        g = response_ids.shape[0] // prompt_ids.shape[0]
-        out = self.causal.base_model(
+    def _prompt(self, prompt_ids, prompt_mask):
+        """The base model over each group's left-padded prompt (P, Lp), once: its last hidden state and its keys and
+        values (the cache the group's responses attend to)."""
+        return self.causal.base_model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             position_ids=(prompt_mask.cumsum(1) - 1).clamp_min(0),
             use_cache=True,
         )
+
+    def _shared_prompt(self, prompt_ids, prompt_mask, response_ids, response_mask) -> Tensor:
+        """Hidden states (P*G, T, H), [:, t] predicting response_ids[:, t]."""
+        g = response_ids.shape[0] // prompt_ids.shape[0]
+        out = self._prompt(prompt_ids, prompt_mask)
         cache = out.past_key_values
         cache.batch_repeat_interleave(g)  # (P, ...) -> (P*G, ...), differentiable
         first = out.last_hidden_state[:, -1:].repeat_interleave(g, 0)  # (P*G, 1, H): predicts response token 0
@@ -167,12 +172,7 @@ class PolicyLM(torch.nn.Module):
         real tokens (M of them). Same log-probs (N, T) and entropy as one row per response, to float rounding."""
         n, t = mask.shape
         g, width, rows = n // len(prompt_ids), packing.width, len(packing.row_group)
-        out = self.causal.base_model(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            position_ids=(prompt_mask.cumsum(1) - 1).clamp_min(0),
-            use_cache=True,
-        )
+        out = self._prompt(prompt_ids, prompt_mask)
         cache = out.past_key_values
         cache.batch_select_indices(packing.row_group)  # (P, ...) -> (R, ...), differentiable
         offset = torch.arange(t, device=mask.device).expand(n, t)[mask]  # (M,) each real token's place in its response
