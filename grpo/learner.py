@@ -33,7 +33,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -588,44 +588,61 @@ class Update:
     scores: Scores  # on the CPU
 
 
-def _recomputed(learner: Learner, batch: Batch, chunk_groups: int, first: Tensor) -> tuple[Tensor, Tensor | None]:
-    """pi_old as the snapshot's policy scores the batch now, before the first step: (N, T), and the rows
-    (N,) left for the first minibatch's forward to give. That forward runs the snapshot's weights too, so
-    the groups `first` (P',) of the first minibatch are not scored here (TRL skips the whole pass when an
-    iteration takes one step) unless the training forward is not the scoring one (dropout on)."""
-    model = learner.acc.unwrap_model(learner.model)
-    pending = torch.zeros(len(batch.response_ids), dtype=torch.bool, device=batch.response_ids.device)
-    if not active_dropout(model):
-        pending[batch.rows(first)] = True
+class PiOld(NamedTuple):
+    """What an OLD_LOGPROBS function gives before the first step."""
+
+    old: Tensor  # (N, T) the old log-probs known so far
+    pending: Tensor | None  # (N,) rows the first minibatch's forward fills (Scores.pending)
+    deferred: Tensor | None  # (N,) rows settle_deferred settles after that forward (Scores.deferred)
+    source: dict | None  # the learn manifest's `old_logprobs`; None: settle_deferred says
+
+
+def _score_rows(learner: Learner, batch: Batch, chunk_groups: int, rows: Tensor, old: Tensor) -> None:
+    """old[rows] (N, T) scored now by the policy, `rows` (N,) bool covering whole groups."""
+    groups = rows.view(len(batch.prompt_ids), -1)[:, 0].nonzero()[:, 0]
+    if len(groups):
+        model = learner.acc.unwrap_model(learner.model)
+        old[batch.rows(groups)] = score(model, batch, chunk_groups, groups=groups).to(old.dtype)
+
+
+def _first_rows(batch: Batch, first: Tensor) -> Tensor:
+    """(N,) bool: the rows of the groups `first` (P',), the first minibatch's."""
+    rows = torch.zeros(len(batch.response_ids), dtype=torch.bool, device=batch.response_ids.device)
+    rows[batch.rows(first)] = True
+    return rows
+
+
+def _recomputed(learner: Learner, batch: Batch, chunk_groups: int, first: Tensor) -> PiOld:
+    """pi_old as the snapshot's policy scores the batch now, before the first step, but for the rows left for
+    the first minibatch's forward to give. That forward runs the snapshot's weights too, so the groups `first`
+    (P',) of the first minibatch are not scored here (TRL skips the whole pass when an iteration takes one
+    step) unless the training forward is not the scoring one (dropout on)."""
+    pending = _first_rows(batch, first[:0] if active_dropout(learner.acc.unwrap_model(learner.model)) else first)
     old = torch.zeros_like(batch.sampler_logprobs)
-    rest = (~pending.view(len(batch.prompt_ids), -1)[:, 0]).nonzero()[:, 0]  # groups to score: (P - P',)
-    if len(rest):
-        old[batch.rows(rest)] = score(model, batch, chunk_groups, groups=rest)
-    return old, pending if pending.any() else None
+    _score_rows(learner, batch, chunk_groups, ~pending, old)
+    return PiOld(old, pending if pending.any() else None, None, {"source": "recomputed"})
 
 
-def _from_sampler(learner: Learner, batch: Batch, chunk_groups: int, first: Tensor) -> tuple[Tensor, None]:
-    """pi_old as the sampler reported it, no forward pass: (N, T)."""
-    return batch.sampler_logprobs, None
+def _from_sampler(learner: Learner, batch: Batch, chunk_groups: int, first: Tensor) -> PiOld:
+    """pi_old as the sampler reported it, no forward pass."""
+    return PiOld(batch.sampler_logprobs, None, None, {"source": "sampler"})
 
 
-def _auto(learner: Learner, batch: Batch, chunk_groups: int, first: Tensor) -> tuple[Tensor, Tensor | None]:
+def _auto(learner: Learner, batch: Batch, chunk_groups: int, first: Tensor) -> PiOld:
     """No pass yet: the first minibatch's forward gives its rows, and the rest wait for settle_deferred (Scores.
     deferred); recompute's pass where that forward is not the scoring one (dropout on)."""
     if active_dropout(learner.acc.unwrap_model(learner.model)) or not len(first):
         return _recomputed(learner, batch, chunk_groups, first)
-    pending = torch.zeros(len(batch.response_ids), dtype=torch.bool, device=batch.response_ids.device)
-    pending[batch.rows(first)] = True
-    return torch.zeros_like(batch.sampler_logprobs), pending
+    pending = _first_rows(batch, first)
+    return PiOld(torch.zeros_like(batch.sampler_logprobs), pending, ~pending, None)
 
 
-OLD_LOGPROBS: dict[str, Callable[[Learner, Batch, int, Tensor], tuple[Tensor, Tensor | None]]] = {
+OLD_LOGPROBS: dict[str, Callable[[Learner, Batch, int, Tensor], PiOld]] = {
     "recompute": _recomputed,
     "sampler": _from_sampler,
     "auto": _auto,
 }
-"""learn.old_logprobs -> where pi_old comes from (grpo.variants.OldLogprobs): (old log-probs (N, T), rows the
-first minibatch's forward fills or None); `auto` leaves the other rows to settle_deferred."""
+"""learn.old_logprobs -> where pi_old comes from (grpo.variants.OldLogprobs)."""
 
 SAMPLER_MAX_DIFF = 1e-3
 """learn.old_logprobs=auto takes the sampler's log-probs as pi_old when none of the first minibatch's tokens differs
@@ -644,11 +661,9 @@ def settle_deferred(learner: Learner, batch: Batch, scores: Scores, checked: Ten
         old[rows] = batch.sampler_logprobs[rows].to(old.dtype)
         source = "sampler"
     else:
-        model = learner.acc.unwrap_model(learner.model)
-        groups = rows.view(len(batch.prompt_ids), -1)[:, 0].nonzero()[:, 0]
         with learner.autocast():
-            old[batch.rows(groups)] = score(model, batch, chunk_groups, groups=groups).to(old.dtype)
-        model.train()
+            _score_rows(learner, batch, chunk_groups, rows, old)
+        learner.model.train()  # score() left it in eval mode
         source = "recomputed"
     return dataclasses.replace(scores, deferred=None), {"source": source, "max_diff": diff}
 
@@ -688,13 +703,12 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     order = torch.randperm(n_groups, generator=learner.shuffle).to(acc.device)  # epoch 0's
     t0 = time.perf_counter()
     with learner.autocast():
-        old, pending = OLD_LOGPROBS[lcfg.old_logprobs](
+        old, pending, deferred, source = OLD_LOGPROBS[lcfg.old_logprobs](
             learner, batch, chunk, order[:per_step] if per_step <= n_groups else order[:0]
         )
-        deferred = ~pending if lcfg.old_logprobs == "auto" and pending is not None else None
         scores = Scores(old, learner.reference_scores(batch, chunk), pending, deferred)
     score_s, update_s = time.perf_counter() - t0, 0.0
-    mask, source = batch.response_mask, None
+    mask = batch.response_mask
     gap = None if scores.pending is not None else sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap)
     model.train()
 
@@ -718,7 +732,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
                     scores, source = settle_deferred(learner, batch, scores, checked, chunk)
                     settled_s = time.perf_counter() - t1
                     score_s, t0 = score_s + settled_s, t0 + settled_s  # scoring time, not the update's
-                measured = checked if source and source["source"] == "sampler" else None
+                measured = checked if source["source"] == "sampler" else None  # auto took the sampler's
                 gap = sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap, measured)
             if not all(math.isfinite(v) for v in m.values()):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
@@ -757,7 +771,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "entropy": sum(r["entropy"] for r in rows) / len(rows) if rows else None,  # mean over the steps
         "grad_norm": last.get("grad_norm"),
         "logprob_gap": gap,
-        "old_logprobs": source or {"source": "recomputed" if lcfg.old_logprobs == "auto" else lcfg.old_logprobs},
+        "old_logprobs": source,
         "world_size": world,
         "precision": learner.precision,
         "score_s": score_s,

@@ -105,7 +105,8 @@ def test_sampler_log_probs_refuse_the_guards_that_compare_them_with_the_learners
 
 def score_every_group(learner, batch, chunk_groups, first):
     """pi_old from a scoring pass over the whole batch, none from the first minibatch (the learner before)."""
-    return grpo.learner.score(learner.acc.unwrap_model(learner.model), batch, chunk_groups), None
+    old = grpo.learner.score(learner.acc.unwrap_model(learner.model), batch, chunk_groups)
+    return grpo.learner.PiOld(old, None, None, {"source": "recomputed"})
 
 
 def test_the_first_minibatchs_forward_gives_its_old_log_probs_and_the_update_of_scoring_them_all(storage, monkeypatch):
