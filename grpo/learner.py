@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from grpo import core, sharding
 from grpo.checkpoint import checkpoint_dtype
-from grpo.config import LearnConfig, RunConfig
+from grpo.config import ConfigError, LearnConfig, RunConfig
 from grpo.errors import StageError
 from grpo.progress import progress
 
@@ -784,20 +785,30 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     return Update(summary, rows, cpu)
 
 
+AUTO_PRECISION_ENV = "GRPO_AUTO_PRECISION"  # bf16 | no: what learn.mixed_precision=auto resolves to, forced
+
+
 def autocast_precision(setting: str, device: torch.device) -> tuple[str, str]:
-    """(autocast, why) for learn.mixed_precision `setting` on `device`: `auto` is bf16 where the device computes
-    it natively, "no" elsewhere.
+    """(autocast, why) for learn.mixed_precision `setting` on `device`: `auto` is bf16 on a GPU that computes it
+    natively and float32 elsewhere, CPUs with AMX or AVX512-BF16 included (measured there: bf16 autocast makes
+    old_logprobs=auto score every batch again, the float32 sampler being 0.01 a token off; benchmarks/RESULTS.md);
+    GRPO_AUTO_PRECISION=bf16|no forces what `auto` resolves to (CI's bf16 lane runs the tests so on a CPU).
 
     >>> autocast_precision("bf16", torch.device("cpu"))
     ('bf16', 'learn.mixed_precision')
     """
     if setting != "auto":
         return setting, "learn.mixed_precision"
+    forced = os.environ.get(AUTO_PRECISION_ENV)
+    if forced:
+        if forced not in ("bf16", "no"):
+            raise ConfigError(f"{AUTO_PRECISION_ENV}={forced!r}: use bf16 or no, or unset it")
+        return forced, f"auto: {AUTO_PRECISION_ENV}={forced}"
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported(including_emulation=False)
         return ("bf16", "auto: GPU with bf16") if native else ("no", "auto: GPU without native bf16")
     if device.type == "cpu" and cpu_has_native_bf16():
-        return "bf16", "auto: CPU with AMX or AVX512-BF16"
+        return "no", "auto: float32 on a CPU (bf16 here is native, but rescores pi_old)"
     return "no", f"auto: {device.type} without native bf16"
 
 

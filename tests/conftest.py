@@ -21,6 +21,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "vllm: needs vLLM installed and working",
         "slow: takes more than a few seconds",
         "e2e: end-to-end pipeline run",
+        "equivalence: compares updates or log-probs across settings; .ci/run runs them again with "
+        "GRPO_AUTO_PRECISION=bf16 (learn.mixed_precision=auto as bf16): each pins its precision or sets its "
+        "tolerance by it",
     ):
         config.addinivalue_line("markers", line)
 

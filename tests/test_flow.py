@@ -18,6 +18,7 @@ from prefect import flow, task
 from prefect.artifacts import Artifact
 from prefect.exceptions import ParameterTypeError
 from prefect.testing.utilities import prefect_test_harness
+from test_learn import F32
 from test_stages import TINY
 
 import stages.rewards
@@ -27,6 +28,8 @@ from grpo.config import load_config
 from grpo.layout import stage_dir
 from grpo.storage import is_committed, list_attempts, open_storage
 from stages import STAGES, StageError
+
+pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
 
 RUN = "t"
 
@@ -200,7 +203,7 @@ def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
     from grpo.generation import close_generators
 
     url = (tmp_path / "store").as_uri()
-    vllm = [o for o in TINY if not o.startswith("rollout.backend")] + ["rollout.backend=vllm"]
+    vllm = [o for o in TINY if not o.startswith("rollout.backend")] + ["rollout.backend=vllm", F32]
     cli = [sys.executable, "-m", "flows.cli", "--storage", url]
     subprocess.run(cli + ["init", "--run", "cold"] + [a for o in vllm for a in ("--set", o)], check=True)
     for _ in range(2):  # a new process per iteration, like grpo/iteration

@@ -15,6 +15,8 @@ from stages import StageError, stage_function
 from stages.init import build_tiny_base, init_run
 from stages.learn import _padded, load_batch
 
+pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
+
 TINY = [
     "rollout.backend=hf",
     "rollout.prompts_per_iteration=16",
@@ -27,6 +29,9 @@ TINY = [
     "model.intermediate_size=128",
     "reward.workers=1",
 ]
+# equivalences to 1e-5 (microbatches, packing, where pi_old comes from, processes) hold in float32: bf16 autocast
+# rounds every forward to 3 digits. `auto` is float32 on a CPU, bf16 where GRPO_AUTO_PRECISION=bf16 (CI's bf16 lane)
+F32 = "learn.mixed_precision=no"
 
 
 @pytest.fixture
@@ -225,7 +230,7 @@ def test_microbatches_of_the_longest_responses_together_give_the_one_microbatch_
     the gradient of the whole minibatch in one forward."""
     out = {}
     for n in (8, 32):  # two groups a microbatch, or the whole minibatch of 8 groups
-        make_run(storage, f"mb{n}", extra=[f"learn.microbatch_size={n}", "learn.epochs=2"])
+        make_run(storage, f"mb{n}", extra=[f"learn.microbatch_size={n}", "learn.epochs=2", F32])
         out[n] = stage_function("learn")(storage, f"mb{n}", 0)
     lengths = read_parquet(storage.fs, out[8].path("logprobs.parquet"), "logprobs").column("old_logprobs")
     assert len({len(x) for x in lengths.to_pylist()}) > 1  # responses of several lengths to group
@@ -241,7 +246,9 @@ def test_packed_responses_give_the_update_of_one_row_per_response(storage, monke
     out = {}
     for padding_free in (True, False):
         run = f"pf-{padding_free}"
-        make_run(storage, run, extra=["learn.microbatch_size=8", f"learn.padding_free={str(padding_free).lower()}"])
+        make_run(
+            storage, run, extra=["learn.microbatch_size=8", f"learn.padding_free={str(padding_free).lower()}"] + [F32]
+        )
         out[padding_free] = stage_function("learn")(storage, run, 0)
         if padding_free:
             assert len(packed) > 0

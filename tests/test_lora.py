@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_learn import F32
 from test_real_path import chat_config, needs_vllm, world  # noqa: F401 (world: a fixture)
 from test_sharding import TOL, learn_of
 from test_stages import make_run, rewards_of_a_short_run
@@ -19,7 +20,9 @@ from stages import learn as learn_stage
 from stages.init import init_run
 from stages.iteration import run_iteration
 
-LORA = ["learn.lora={r: 2, alpha: 4}", "learn.kl_coef=0.05"]
+pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
+
+LORA = ["learn.lora={r: 2, alpha: 4}", "learn.kl_coef=0.05", F32]  # adapters compared to 1e-5 and 1e-3
 
 
 @pytest.fixture
@@ -32,7 +35,7 @@ def learn_bytes(committed) -> int:
 
 
 def test_lora_commits_adapters_only_the_base_is_the_reference_and_samplers_serve_the_adapters(storage):
-    make_run(storage, "full", extra=["learn.kl_coef=0.05"])
+    make_run(storage, "full", extra=["learn.kl_coef=0.05", F32])
     make_run(storage, "lora", extra=LORA)
     for k in range(2):
         run_iteration(storage, "full", k)

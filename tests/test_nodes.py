@@ -27,6 +27,8 @@ from stages.init import init_run
 from stages.iteration import run_iteration
 from stages.nodes import beat_path
 
+pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
+
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE_LEARN = ["snapshot", "rollouts", "rewards", "advantages"]
 

@@ -8,12 +8,14 @@ import dataclasses
 import pandas as pd
 import pytest
 import torch
-from test_learn import make_run, update
+from test_learn import F32, make_run, update
 
 import grpo.learner
 from grpo.config import ConfigError, load_config
 from grpo.storage import open_storage
 from stages import stage_function
+
+pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
 
 
 @pytest.fixture
@@ -38,7 +40,7 @@ def test_sampler_log_probs_give_the_recomputed_update_without_the_scoring_pass(s
     passes = scored_groups(monkeypatch)
     out = {}
     for mode in ("recompute", "sampler"):
-        make_run(storage, mode, extra=[f"learn.old_logprobs={mode}"])
+        make_run(storage, mode, extra=[f"learn.old_logprobs={mode}", F32])
         before = sum(passes)
         out[mode] = stage_function("learn")(storage, mode, 0)
         out[mode + " passes"] = sum(passes) - before
@@ -75,7 +77,7 @@ def test_auto_takes_the_samplers_log_probs_only_where_the_first_minibatch_shows_
     passes = scored_groups(monkeypatch)
     out = {}
     for mode in ("recompute", "auto"):
-        make_run(storage, mode, extra=[f"learn.old_logprobs={mode}"] * (mode == "recompute"))
+        make_run(storage, mode, extra=[F32] + [f"learn.old_logprobs={mode}"] * (mode == "recompute"))
         before = sum(passes)
         out[mode] = stage_function("learn")(storage, mode, 0)
         out[mode + " passes"] = sum(passes) - before
@@ -115,7 +117,7 @@ def test_the_first_minibatchs_forward_gives_its_old_log_probs_and_the_update_of_
     for mode in ("first minibatch", "every group scored"):
         if mode == "every group scored":
             monkeypatch.setitem(grpo.learner.OLD_LOGPROBS, "recompute", score_every_group)
-        extra = ["learn.epochs=2", "learn.max_logprob_gap=0.5", "learn.old_logprobs=recompute"]
+        extra = ["learn.epochs=2", "learn.max_logprob_gap=0.5", "learn.old_logprobs=recompute", F32]
         make_run(storage, mode.replace(" ", "-"), extra=extra)
         before = sum(passes)
         out[mode] = stage_function("learn")(storage, mode.replace(" ", "-"), 0)

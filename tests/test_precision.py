@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_learn import TINY  # the same tiny run
+from test_learn import F32, TINY  # the same tiny run
 
 from grpo import generation
 from grpo.config import ConfigError, load_config
@@ -19,6 +19,8 @@ from stages import stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration
 from stages.learn import WARM
+
+pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
 
 
 @pytest.fixture
@@ -77,7 +79,7 @@ def test_bf16_base_trains_under_autocast_writes_bf16_and_a_cold_resume_equals_a_
 def test_gradient_checkpointing_and_small_logprob_chunks_give_the_same_update(storage):
     policies = []
     for run_id, extra in [("plain", []), ("saver", ["learn.gradient_checkpointing=true", "learn.logprob_chunk=7"])]:
-        init_run(storage, run_id, load_config(None, TINY + extra))
+        init_run(storage, run_id, load_config(None, TINY + extra + [F32]))
         for s in ["snapshot", "rollouts", "rewards", "advantages", "learn"]:
             out = stage_function(s)(storage, run_id, 0)
         WARM.take(None)
@@ -184,31 +186,41 @@ def test_fsdp2_keeps_float32_master_weights_in_its_sharded_state_and_a_cold_resu
     assert all(torch.equal(w[n], c[n]) for n in w)
 
 
-def test_auto_precision_is_bf16_only_where_the_device_has_it_natively(monkeypatch):
+def test_auto_precision_is_bf16_only_on_a_gpu_that_has_it_natively(monkeypatch):
+    """`auto` is float32 on every CPU, AVX512-BF16 or AMX included (measured: RESULTS.md), bf16 on a GPU with
+    native bf16; GRPO_AUTO_PRECISION forces what `auto` resolves to (CI's bf16 lane), an explicit setting wins."""
     from grpo import learner
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(learner, "cpu_has_native_bf16", lambda: False)
-    assert learner.autocast_precision("auto", cpu) == ("no", "auto: cpu without native bf16")
-    assert learner.autocast_precision("bf16", cpu) == ("bf16", "learn.mixed_precision")  # asked for: emulated
-    monkeypatch.setattr(learner, "cpu_has_native_bf16", lambda: True)
-    assert learner.autocast_precision("auto", cpu)[0] == "bf16"
-    assert learner.autocast_precision("no", cpu)[0] == "no"
+    monkeypatch.delenv(learner.AUTO_PRECISION_ENV, raising=False)
+    for native in (False, True):
+        monkeypatch.setattr(learner, "cpu_has_native_bf16", lambda n=native: n)
+        assert learner.autocast_precision("auto", cpu)[0] == "no"
+        assert learner.autocast_precision("bf16", cpu) == ("bf16", "learn.mixed_precision")  # asked for
+    assert "bf16 here is native" in learner.autocast_precision("auto", cpu)[1]
     for native, want in ((True, "bf16"), (False, "no")):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
         assert learner.autocast_precision("auto", gpu)[0] == want
+    monkeypatch.setenv(learner.AUTO_PRECISION_ENV, "bf16")
+    assert learner.autocast_precision("auto", cpu) == ("bf16", "auto: GRPO_AUTO_PRECISION=bf16")
+    assert learner.autocast_precision("no", cpu)[0] == "no"
+    monkeypatch.setenv(learner.AUTO_PRECISION_ENV, "fp16")
+    with pytest.raises(ConfigError, match="GRPO_AUTO_PRECISION='fp16': use bf16 or no"):
+        learner.autocast_precision("auto", cpu)
     # YAML 1.1 reads a bare `no` as false: the setting still means "no"
     assert load_config(None, ["learn.mixed_precision=no"]).learn.mixed_precision == "no"
     assert load_config(None).learn.mixed_precision == "auto"
 
 
 def test_auto_precision_trains_as_the_precision_it_resolves_to(storage, monkeypatch):
-    """learn.mixed_precision=auto commits the weights of the explicit setting it resolves to (this machine's
-    CPU has no native bf16: the flag is set both ways), and the learn manifest says which and why."""
+    """learn.mixed_precision=auto commits the weights of the explicit setting it resolves to (float32 on a CPU;
+    bf16 where GRPO_AUTO_PRECISION forces it, as on a GPU), and the learn manifest says which and why."""
     from grpo import learner
 
-    def learn(run_id: str, setting: str, native: bool = False):
-        monkeypatch.setattr(learner, "cpu_has_native_bf16", lambda: native)
+    def learn(run_id: str, setting: str, forced: str | None = None):
+        monkeypatch.delenv(learner.AUTO_PRECISION_ENV, raising=False)
+        if forced:
+            monkeypatch.setenv(learner.AUTO_PRECISION_ENV, forced)
         init_run(storage, run_id, load_config(None, TINY + [f"learn.mixed_precision={setting}"]))
         WARM.take(None)
         out = run_iteration(storage, run_id, 0)["learn"]
@@ -218,12 +230,9 @@ def test_auto_precision_trains_as_the_precision_it_resolves_to(storage, monkeypa
     (f32, f32_why), (bf16, bf16_why) = learn("no", "no"), learn("bf16", "bf16")
     assert not same(f32, bf16)  # the two precisions train differently
     assert f32_why == {"autocast": "no", "why": "learn.mixed_precision"} and bf16_why["autocast"] == "bf16"
-    for native, want, why in (
-        (False, f32, "auto: cpu without native bf16"),
-        (True, bf16, "auto: CPU with AMX or AVX512-BF16"),
-    ):
-        weights, precision = learn(f"auto-{native}", "auto", native)
-        assert same(weights, want) and precision["why"] == why
+    for forced, want, why in ((None, f32, "auto: "), ("bf16", bf16, "auto: GRPO_AUTO_PRECISION=bf16")):
+        weights, precision = learn(f"auto-{forced}", "auto", forced)
+        assert same(weights, want) and precision["why"].startswith(why)
 
 
 def test_a_run_made_before_auto_precision_goes_on_in_float32(storage):

@@ -17,6 +17,8 @@ from grpo.query import query
 from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
 from stages.init import init_run
 
+pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = [
     "rollout.prompts_per_iteration=16",

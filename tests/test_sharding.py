@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_learn import F32
 from test_stages import make_run
 
 from grpo.layout import stage_dir
@@ -20,6 +21,8 @@ from grpo.storage import committed_attempts, latest_committed, list_attempts, op
 from stages import StageError, stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration
+
+pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
 
 TOL = 1e-3
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +55,7 @@ def test_fsdp2_gives_the_update_of_one_process_and_of_ddp_and_commits_sharded_st
         ("ddp", ["learn.num_processes=2"]),
         ("fsdp", ["learn.num_processes=2", "learn.sharding=fsdp2"]),
     ]:
-        make_run(storage, run_id, extra=extra)
+        make_run(storage, run_id, extra=extra + [F32])
         for s in ["snapshot", "rollouts", "rewards", "advantages", "learn"]:
             stage_function(s)(storage, run_id, 0)
     base = weights(latest_committed(storage, stage_dir(storage, "one", None, "base")))
@@ -73,7 +76,7 @@ def test_fsdp2_gives_the_update_of_one_process_and_of_ddp_and_commits_sharded_st
 def test_a_sharded_run_resumes_at_another_number_of_processes(storage):
     """fsdp2 at 2 processes, then 1, then 2 (the optimizer state resharded by DCP each time) trains what
     one process does all along: same rollouts, same weights within TOL after three iterations."""
-    decay = ["learn.lr_decay_steps=40"]  # lr follows AdamW's step count, which must come through DCP
+    decay = ["learn.lr_decay_steps=40", F32]  # lr follows AdamW's step count, which must come through DCP
     make_run(storage, "ref", extra=decay)
     cfg = make_run(storage, "w", extra=decay + ["learn.sharding=fsdp2", "learn.num_processes=2"])
     for k in range(3):
