@@ -286,9 +286,10 @@ class LearnConfig:
     """Upper bound of the TIS weight."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """`bf16`: forwards and backwards under bf16 autocast; the weights and AdamW state stay float32 either
-    way. `auto`: bf16 where the learner's device computes it natively (a GPU with bf16; a CPU with AMX or
-    AVX512-BF16), float32 elsewhere (CPUs without them emulate bf16, slower than float32); the learn manifest
-    records which (`precision`). bf16 keeps the demo's and chat_math's curves (benchmarks/RESULTS.md)."""
+    way. `auto`: bf16 on a GPU that computes it natively, float32 elsewhere, CPUs with AMX or AVX512-BF16
+    included (there bf16 puts the learner 0.004-0.01 a token off the float32 sampler: old_logprobs=auto scores
+    again; benchmarks/RESULTS.md); GRPO_AUTO_PRECISION=bf16|no forces it. The learn manifest records which
+    (`precision`). bf16 keeps the demo's and chat_math's curves (benchmarks/RESULTS.md)."""
     gradient_checkpointing: bool = False
     """Recompute the transformer blocks' activations in backward (less memory, ~30% more compute); the
     training forward then runs over each full sequence instead of sharing the group's prompt."""

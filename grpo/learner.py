@@ -12,7 +12,7 @@ gradient average then equals the one-process gradient for the per-sequence aggre
 
 Precision and memory, as on a GPU: the weights and AdamW state stay float32 (master weights);
 learn.mixed_precision=bf16 runs the forwards under bf16 autocast (backward follows; the default `auto` does
-where the device computes bf16 natively, autocast_precision); checkpoints are
+on a GPU that computes bf16 natively, autocast_precision); checkpoints are
 written in the base model's dtype, with the float32 master weights beside them when that dtype
 is narrower, so the next iteration resumes exactly. Log-probs never materialize float32
 (B, T, V) logits (grpo.core.chunked_token_logprobs); learn.gradient_checkpointing recomputes
