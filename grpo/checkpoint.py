@@ -334,3 +334,16 @@ def _weights_mismatch(model, files: dict[str, tuple[tuple[int, ...], str]], mode
             where = names[0] if len(names) == 1 else f"any of its {len(names)} weight files"
             return f"tensor {key} is not in {where} (config.json's model_type is {model_type!r})"
     return None
+
+
+def carry_checkpoint_files(policy_dir: str, out_dir: str) -> list[str]:
+    """Copy what save_pretrained does not write (tokenizer files, chat_template.jinja, special tokens,
+    a hub model's extras) from the snapshot into the new checkpoint: every later stage and the user
+    load the trained policy exactly like the base. Weights are never carried: the new ones are."""
+    written = {f.name for f in Path(out_dir).iterdir()}
+    carried = []
+    for f in sorted(Path(policy_dir).iterdir()):
+        if f.is_file() and f.name not in written and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copyfile(f, f"{out_dir}/{f.name}")
+            carried.append(f.name)
+    return carried

@@ -41,3 +41,7 @@ def describe(e: BaseException, storage_url: str = "") -> str:
     if isinstance(e, OSError) and e.filename:
         return f"{e.filename}: {e.strerror or text}"
     return f"{name}: {text}"
+
+
+class LearnError(StageError):
+    """The update cannot be committed: non-finite loss, gradients or weights, or a sampler gap."""

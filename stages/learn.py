@@ -10,39 +10,34 @@ reference is the base model or, with learn.ref_update_every, an earlier iteratio
 (reference_source): a warm learner loads it when it moves, a cold one reads the same files.
 
 One process runs in-process; `learn.num_processes > 1` runs the same code under torchrun (gloo on
-CPU, NCCL on GPUs; stages/launch.py), rank r taking every r-th group of each minibatch, on one machine
-or on learn.nodes machines that meet through storage (stages/nodes.py; this stage is node 0).
+CPU, NCCL on GPUs; grpo/learner/launch.py), rank r taking every r-th group of each minibatch, on one machine
+or on learn.nodes machines that meet through storage (grpo/learner/nodes.py; this stage is node 0).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import time
-from pathlib import Path
 
-import fsspec
 import numpy as np
-import pyarrow as pa
 import torch
 
 from grpo.checkpoint import (
-    WEIGHT_SUFFIXES,
     adapter_checkpoint,
+    carry_checkpoint_files,
     local_checkpoint,
     tokenizer_and_config,
     upload_folder,
 )
 from grpo.config import LEARN_PLACEMENT, RunConfig, identity_section
 from grpo.generation import release_accelerator
-from grpo.layout import STATE_PREFIXES, Salt, iteration_seed
-from grpo.learner import Batch, Learner, Scores, train
+from grpo.layout import STATE_PREFIXES
+from grpo.learner import Batch, Learner, launch, nodes
+from grpo.learner.rank import new_learner, train_and_save
 from grpo.storage import Committed, StageWriter, Storage, config_hash, is_local, stage_identity
-from schemas import read_parquet, table_file, write_parquet
-from schemas.tables import FLOAT_LISTS
-from stages import launch, nodes
+from schemas import read_parquet, table_file
 from stages.common import StageError, check_chain, committed_input, load_run, run_stage
 
 KEYS = ["prompt_id", "sample_index"]
@@ -158,75 +153,12 @@ class WarmLearners:
 WARM = WarmLearners()
 
 
-def new_learner(
-    cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None, adapter_dir: str | None
-) -> Learner:
-    return Learner(
-        cfg,
-        policy_dir,
-        ref_dir,
-        state_dir,
-        shuffle_seed=iteration_seed(cfg.seed, iteration, Salt.LEARNER_SHUFFLE),
-        adapter_dir=adapter_dir,
-    )
-
-
 def is_state_file(path: str) -> bool:
     """Whether a learn attempt's file is resume state the next learn reads (not the policy or a table)."""
     return path.startswith(STATE_PREFIXES)
 
 
-def logprob_columns(run_id: str, iteration: int, batch: Batch, scores: Scores) -> dict:
-    """The logprobs table's columns: each sample's old (and reference) log-probs, cut to its response."""
-    mask = batch.response_mask.bool()  # (N, T), each row a prefix
-    n = len(mask)
-    offsets = pa.array(np.concatenate([[0], mask.sum(1).cumsum(0).numpy()]), pa.int32())
-
-    def per_sample(x):  # (N, T) -> N lists of response length; nulls when not computed
-        return pa.nulls(n, FLOAT_LISTS) if x is None else pa.ListArray.from_arrays(offsets, x[mask].numpy())
-
-    return {
-        "run_id": [run_id] * n,
-        "iteration": [iteration] * n,
-        "prompt_id": batch.prompt_id,
-        "sample_index": batch.sample_index,
-        "old_logprobs": per_sample(scores.old_logprobs),
-        "ref_logprobs": per_sample(scores.ref_logprobs),
-    }
-
-
-def train_and_save(learner: Learner, run_id: str, iteration: int, batch: Batch, out_dir: str) -> dict:
-    """`grpo.learner.train`, then (main process) policy/, optimizer.pt, rng.pt, metrics and log-probs
-    into the local folder out_dir. Returns the summary."""
-    update = train(learner, run_id, iteration, batch, iteration_seed(learner.cfg.seed, iteration, Salt.LEARNER_TORCH))
-    learner.save(out_dir)  # every process: under fsdp2 each writes its shards
-    if learner.acc.is_main_process:
-        disk = fsspec.filesystem("file")  # out_dir is a local folder whatever the storage
-        write_parquet(disk, f"{out_dir}/{table_file('learn_metrics')}", "learn_metrics", update.rows)
-        write_parquet(
-            disk,
-            f"{out_dir}/{table_file('logprobs')}",
-            "logprobs",
-            logprob_columns(run_id, iteration, batch, update.scores),
-        )
-    learner.acc.wait_for_everyone()
-    return update.summary
-
-
 # ---------------------------------------------------------------- stage
-
-
-def carry_checkpoint_files(policy_dir: str, out_dir: str) -> list[str]:
-    """Copy what save_pretrained does not write (tokenizer files, chat_template.jinja, special tokens,
-    a hub model's extras) from the snapshot into the new checkpoint: every later stage and the user
-    load the trained policy exactly like the base. Weights are never carried: the new ones are."""
-    written = {f.name for f in Path(out_dir).iterdir()}
-    carried = []
-    for f in sorted(Path(policy_dir).iterdir()):
-        if f.is_file() and f.name not in written and not f.name.endswith(WEIGHT_SUFFIXES):
-            shutil.copyfile(f, f"{out_dir}/{f.name}")
-            carried.append(f.name)
-    return carried
 
 
 def reference_iteration(iteration: int, every: int | None) -> int | None:
@@ -304,7 +236,8 @@ def checkpoint_folders(storage: Storage, inputs: dict[str, Committed], tmp: str,
 
 
 def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, node_rank: int = 0) -> Committed:
-    """The stage; with learn.nodes > 1 this is node 0, and `node_rank` r >= 1 joins it as node r (stages.nodes)."""
+    """The stage; with learn.nodes > 1 this is node 0, and `node_rank` r >= 1 joins it as node r
+    (grpo.learner.nodes)."""
     cfg = load_run(storage, run_id)
     if node_rank:
         return join_learn(storage, cfg, run_id, iteration, node_rank, force)

@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 from test_stages import make_run
 
 from grpo.layout import stage_dir
+from grpo.learner.nodes import beat_path
 from grpo.storage import HEARTBEAT_NAME, committed_attempts, list_attempts, open_storage
 from stages import StageError, stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration
-from stages.nodes import beat_path
 
 pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
 
@@ -169,10 +169,10 @@ def test_node_0_names_node_1_and_its_error_when_node_1_fails(storage, tmp_path, 
     (hook / "sitecustomize.py").write_text(  # loaded by every python node 1 starts: its rank fails
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import stages.learn\n"
+        "    import grpo.learner.loop\n"
         "    def fail(*a, **k):\n"
         "        raise RuntimeError('out of memory on rank 1')\n"
-        "    stages.learn.train_and_save = fail\n"
+        "    grpo.learner.loop.minibatch_step = fail\n"
     )
     ready(storage, "fails", ["learn.num_processes=2", "learn.nodes=2", "learn.node_timeout_s=60"])
     monkeypatch.setenv("PYTHONPATH", f"{hook}:{ROOT}")

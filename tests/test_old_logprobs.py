@@ -10,7 +10,9 @@ import pytest
 import torch
 from test_learn import F32, make_run, update
 
-import grpo.learner
+import grpo.learner.loop
+import grpo.learner.pi_old
+import grpo.learner.state
 from grpo.config import ConfigError, load_config
 from grpo.storage import open_storage
 from stages import stage_function
@@ -25,14 +27,15 @@ def storage(tmp_path):
 
 def scored_groups(monkeypatch) -> list[int]:
     """Groups each scoring pass of the learner covers (pi_old's and the reference's; not the weights' probe)."""
-    calls, score = [], grpo.learner.score
+    calls, score = [], grpo.learner.pi_old.score
 
     def counted(model, batch, chunk_groups, groups=None):
         if not (chunk_groups == 1 and groups is not None and len(groups) == 1):  # _check_weights' probe
             calls.append(len(batch.prompt_ids) if groups is None else len(groups))
         return score(model, batch, chunk_groups, groups=groups)
 
-    monkeypatch.setattr(grpo.learner, "score", counted)
+    for module in (grpo.learner.pi_old, grpo.learner.state, grpo.learner.loop):  # every caller of model.score
+        monkeypatch.setattr(module, "score", counted)
     return calls
 
 
@@ -107,8 +110,8 @@ def test_sampler_log_probs_refuse_the_guards_that_compare_them_with_the_learners
 
 def score_every_group(learner, batch, chunk_groups, first):
     """pi_old from a scoring pass over the whole batch, none from the first minibatch (the learner before)."""
-    old = grpo.learner.score(learner.acc.unwrap_model(learner.model), batch, chunk_groups)
-    return grpo.learner.PiOld(old, None, None, {"source": "recomputed"})
+    old = grpo.learner.pi_old.score(learner.acc.unwrap_model(learner.model), batch, chunk_groups)
+    return grpo.learner.pi_old.PiOld(old, None, None, {"source": "recomputed"})
 
 
 def test_the_first_minibatchs_forward_gives_its_old_log_probs_and_the_update_of_scoring_them_all(storage, monkeypatch):
@@ -116,7 +119,7 @@ def test_the_first_minibatchs_forward_gives_its_old_log_probs_and_the_update_of_
     out = {}
     for mode in ("first minibatch", "every group scored"):
         if mode == "every group scored":
-            monkeypatch.setitem(grpo.learner.OLD_LOGPROBS, "recompute", score_every_group)
+            monkeypatch.setitem(grpo.learner.pi_old.OLD_LOGPROBS, "recompute", score_every_group)
         extra = ["learn.epochs=2", "learn.max_logprob_gap=0.5", "learn.old_logprobs=recompute", F32]
         make_run(storage, mode.replace(" ", "-"), extra=extra)
         before = sum(passes)
@@ -138,5 +141,5 @@ def test_a_model_with_dropout_scores_every_group_its_training_forward_is_not_the
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     shape = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-    assert not grpo.learner.active_dropout(Qwen2ForCausalLM(Qwen2Config(**shape)))
-    assert grpo.learner.active_dropout(Qwen2ForCausalLM(Qwen2Config(**shape, attention_dropout=0.1)))
+    assert not grpo.learner.pi_old.active_dropout(Qwen2ForCausalLM(Qwen2Config(**shape)))
+    assert grpo.learner.pi_old.active_dropout(Qwen2ForCausalLM(Qwen2Config(**shape, attention_dropout=0.1)))

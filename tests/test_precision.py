@@ -189,7 +189,7 @@ def test_fsdp2_keeps_float32_master_weights_in_its_sharded_state_and_a_cold_resu
 def test_auto_precision_is_bf16_only_on_a_gpu_that_has_it_natively(monkeypatch):
     """`auto` is float32 on every CPU, AVX512-BF16 or AMX included (measured: RESULTS.md), bf16 on a GPU with
     native bf16; GRPO_AUTO_PRECISION forces what `auto` resolves to (CI's bf16 lane), an explicit setting wins."""
-    from grpo import learner
+    from grpo.learner import precision as learner
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv(learner.AUTO_PRECISION_ENV, raising=False)
@@ -215,7 +215,7 @@ def test_auto_precision_is_bf16_only_on_a_gpu_that_has_it_natively(monkeypatch):
 def test_auto_precision_trains_as_the_precision_it_resolves_to(storage, monkeypatch):
     """learn.mixed_precision=auto commits the weights of the explicit setting it resolves to (float32 on a CPU;
     bf16 where GRPO_AUTO_PRECISION forces it, as on a GPU), and the learn manifest says which and why."""
-    from grpo import learner
+    from grpo.learner import precision as learner
 
     def learn(run_id: str, setting: str, forced: str | None = None):
         monkeypatch.delenv(learner.AUTO_PRECISION_ENV, raising=False)

@@ -107,8 +107,8 @@ def test_a_killed_rank_leaves_no_committed_attempt_and_a_rerun_commits(storage, 
     (hook / "sitecustomize.py").write_text(  # loaded by every python the learn stage starts
         "import os, signal\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import grpo.sharding\n"
-        "    grpo.sharding.save_state = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    import grpo.learner.sharding\n"
+        "    grpo.learner.sharding.save_state = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     make_run(storage, "k", extra=["learn.num_processes=2", "learn.sharding=fsdp2"])
     for s in ["snapshot", "rollouts", "rewards", "advantages"]:

@@ -1,15 +1,16 @@
 """Starting learner processes: torchrun on this machine, one process per device (gloo on CPU, NCCL on
-GPUs), each running `worker_main`, the same update code as one process runs in-process.
+GPUs), each running `grpo.learner.rank`, the same update code as one process runs in-process.
 
 stages/learn.py writes the arguments (config, batch, checkpoint folders, output folder) to a file, calls
 `run_distributed`, and commits what rank 0 and the others wrote once every process has exited cleanly.
-With learn.nodes > 1 this machine is one node of several (`Rendezvous`); stages/nodes.py has them meet.
+With learn.nodes > 1 this machine is one node of several (`Rendezvous`); grpo/learner/nodes.py has them meet.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import re
 import subprocess
@@ -23,9 +24,11 @@ from typing import Callable
 import torch
 
 from grpo.config import RunConfig
+from grpo.errors import StageError
 from grpo.procs import free_port, stop_group
 from grpo.progress import TO_STDOUT, relay
-from stages.common import StageError, log
+
+log = logging.getLogger("grpo.learner")
 
 WORKER_ENV_DEFAULTS = {
     "OMP_NUM_THREADS": "1",
@@ -88,7 +91,7 @@ def run_distributed(
     where = rendezvous.torchrun_args() if rendezvous else ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *where]
     proc = subprocess.Popen(
-        [*cmd, "-m", "stages.launch", f.name],
+        [*cmd, "-m", "grpo.learner.rank", f.name],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -131,22 +134,3 @@ def _forward(proc: subprocess.Popen, tail: collections.deque, cause: list[str]) 
         tail.append(line)
         if EXCEPTION_LINE.match(line.strip()) and "ChildFailedError" not in line:
             cause.append(line.strip())
-
-
-def worker_main(args_path: str) -> None:
-    args = json.loads(Path(args_path).read_text())
-    from grpo.config import load_config
-    from stages.learn import new_learner, train_and_save  # the same code as in one process
-
-    cfg = load_config(args["config"])
-    batch = torch.load(args["batch"], weights_only=False)
-    learner = new_learner(
-        cfg, args["iteration"], args["policy_dir"], args["ref_dir"], args["state_dir"], args["adapter_dir"]
-    )
-    summary = train_and_save(learner, args["run_id"], args["iteration"], batch, args["out_dir"])
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(args["summary"]).write_text(json.dumps(summary))
-
-
-if __name__ == "__main__":
-    worker_main(sys.argv[1])

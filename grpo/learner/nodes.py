@@ -21,6 +21,7 @@ like reach torchrun through the environment (on Prefect: the work pool's job var
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -29,7 +30,9 @@ from pathlib import Path
 from typing import Callable
 
 from grpo.config import LearnConfig
+from grpo.errors import StageError
 from grpo.layout import stage_dir
+from grpo.learner import launch
 from grpo.procs import free_port
 from grpo.storage import (
     HEARTBEAT_NAME,
@@ -44,8 +47,8 @@ from grpo.storage import (
     list_attempts,
     load_manifest,
 )
-from stages import launch
-from stages.common import StageError, log
+
+log = logging.getLogger("grpo.learner")
 
 RENDEZVOUS = "nodes/rendezvous.json"
 POLL_S = 1.0

@@ -1,0 +1,58 @@
+"""The typed batch the learner trains on: one iteration's kept samples in whole groups, and the log-probs
+scored for them (pi_old, the reference)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One iteration's kept samples, whole groups in (prompt_id, sample_index) order.
+
+    Group g (one prompt, G = group_size samples) holds samples g*G .. g*G+G-1; P groups, N = P*G.
+    """
+
+    prompt_ids: Tensor  # (P, Lp) long, left-padded: one row per group
+    prompt_mask: Tensor  # (P, Lp) long
+    response_ids: Tensor  # (N, T) long, right-padded
+    response_mask: Tensor  # (N, T) float, each row a prefix of ones
+    sampler_logprobs: Tensor  # (N, T) the sampler's log-prob of each sampled token
+    advantages: Tensor  # (N,)
+    rewards: Tensor  # (N,)
+    group_size: int
+    prompt_id: list[int]  # (N,) the keys of each sample, for the log-probs table
+    sample_index: list[int]
+
+    def to(self, device) -> Batch:
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if torch.is_tensor(getattr(self, f.name))
+            },
+        )
+
+    def rows(self, groups: Tensor) -> Tensor:
+        """Sample rows of `groups`: (P',) -> (P' * G,), group by group."""
+        g = self.group_size
+        return (groups[:, None] * g + torch.arange(g, device=groups.device)).reshape(-1)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The log-probs every minibatch's loss compares against, computed before the first update."""
+
+    old_logprobs: Tensor  # (N, T) the snapshot policy's, without gradient
+    ref_logprobs: Tensor | None  # (N, T) the frozen reference's; None without a KL penalty
+    # (N,) rows whose old log-probs the first minibatch's own forward gives (the policy is still the
+    # snapshot's then: no scoring pass for them); their old_logprobs rows are filled by that step
+    pending: Tensor | None = None
+    # (N,) learn.old_logprobs=auto: rows settled after that forward, before the first step (settle_deferred):
+    # the sampler's log-probs where the pending rows show them equal to the learner's, else scored then
+    deferred: Tensor | None = None

@@ -1,0 +1,258 @@
+"""The update loop: `train` runs one iteration's GRPO update on a Learner, in minibatches of whole groups and
+microbatches of gradient accumulation, with its guards (non-finite loss, gradients, weights) and per-step
+metrics.
+
+1. pi_old (grpo/learner/pi_old.py) and, when kl_coef > 0, the reference score the rollouts under no_grad
+   (both returned, so an audit can recompute every loss);
+2. `epochs` passes over minibatches of whole groups in shuffled order, gradient accumulation
+   over microbatches, loss = clipped policy gradient + kl_coef * KL (grpo.core), grad-norm
+   clipping, AdamW with lr optionally decayed over the run's steps.
+Rank r of a multi-process run (torchrun) takes every r-th group of each minibatch; DDP's
+gradient average then equals the one-process gradient for the per-sequence aggregation modes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpo import core
+from grpo.config import LearnConfig
+from grpo.errors import LearnError
+from grpo.learner import sharding
+from grpo.learner.batch import Batch, Scores
+from grpo.learner.model import forward_logprobs, score
+from grpo.learner.pi_old import OLD_LOGPROBS, _fill_pending, sampler_gap, settle_deferred
+from grpo.learner.state import Learner, optimizer_steps
+from grpo.progress import progress
+
+log = logging.getLogger("grpo.learner")
+
+
+def minibatch_step(
+    model, batch: Batch, scores: Scores, groups: Tensor, lcfg: LearnConfig, accum: int, max_tokens: int, autocast
+) -> dict[str, float]:
+    """Forward/backward over this rank's `groups` in microbatches. Returns metrics: the extremes
+    (`*_max`, `*_min`) over microbatches, the rest summed / accum."""
+    totals: dict[str, float] = {}
+    # longest responses together: each microbatch's forward pads only to its own longest (forward_logprobs)
+    longest = batch.response_mask[batch.rows(groups)].sum(1).view(len(groups), -1).amax(1)
+    groups = groups[longest.argsort(descending=True, stable=True)]
+    for mb_groups in groups.split(max(1, lcfg.microbatch_size // batch.group_size)):
+        mb = batch.rows(mb_groups)
+        mask = batch.response_mask[mb]
+        with autocast():
+            logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
+        if scores.pending is not None and bool(scores.pending[mb].all()):  # pi_old = pi_theta, before any step
+            scores.old_logprobs[mb] = logp.detach().to(scores.old_logprobs.dtype)
+        ref = scores.ref_logprobs
+        loss, metrics = core.grpo_microbatch_step(
+            logp,
+            mask,
+            gradient_accumulation_steps=accum,
+            loss_type=lcfg.loss_type,
+            agg_mode=lcfg.agg_mode,
+            raw_rewards=batch.rewards[mb, None],
+            advantages=batch.advantages[mb, None],
+            old_logprobs=scores.old_logprobs[mb],
+            ref_logprobs=None if ref is None else ref[mb],
+            kl_coef=lcfg.kl_coef,
+            kl_estimator=lcfg.kl_estimator,
+            clip_eps=lcfg.clip_eps,
+            clip_eps_high=lcfg.clip_eps_high,
+            dual_clip_c=lcfg.dual_clip_c,
+            max_tokens=max_tokens,
+            sampler_logprobs=batch.sampler_logprobs[mb],
+            importance_correction=lcfg.importance_correction,
+            tis_cap=lcfg.tis_cap,
+        )
+        metrics["loss/total"] = loss.detach() * accum
+        metrics["actor/entropy"] = core.masked_mean(entropy, mask)
+        for k, v in metrics.items():
+            reduce = _EXTREMES.get(k.rsplit("_", 1)[-1])
+            totals[k] = reduce(totals.get(k, float(v)), float(v)) if reduce else totals.get(k, 0.0) + float(v) / accum
+    return totals
+
+
+_EXTREMES = {"max": max, "min": min}  # metric key suffix -> how microbatches (and ranks) combine
+
+
+def reduce_across_ranks(acc, metrics: dict[str, float]) -> dict[str, float]:
+    """One process's metrics -> every process's: `*_max` / `*_min` by max / min, the rest by mean."""
+    if acc.num_processes == 1:
+        return metrics
+    import torch.distributed as dist
+
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}  # the suffixes of _EXTREMES
+    groups: dict[str, list[str]] = {}
+    for k in metrics:
+        suffix = k.rsplit("_", 1)[-1]
+        groups.setdefault(suffix if suffix in ops else "mean", []).append(k)
+    out = {}
+    for op, keys in groups.items():
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=acc.device)
+        if op == "mean":
+            t = acc.reduce(t, "mean")
+        else:
+            dist.all_reduce(t, ops[op])
+        out.update(zip(keys, t.tolist()))
+    return {k: out[k] for k in metrics}
+
+
+@dataclass(frozen=True)
+class Update:
+    """What `train` returns: the summary, a metrics row per optimizer step, and the scores."""
+
+    summary: dict
+    rows: list[dict]
+    scores: Scores  # on the CPU
+
+
+def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_seed: int) -> Update:
+    """Run the update in place on `learner` (every process runs this). Raises LearnError, having
+    left the learner half-updated, when the result must not be committed."""
+    cfg, lcfg, acc, model, opt = learner.cfg, learner.cfg.learn, learner.acc, learner.model, learner.opt
+    torch.manual_seed(torch_seed)
+    batch = batch.to(acc.device)
+    g, chunk = batch.group_size, max(1, lcfg.microbatch_size // batch.group_size)
+    # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
+    n_groups, world, rank = len(batch.prompt_ids), acc.num_processes, acc.process_index
+    per_step = lcfg.minibatch_size // g
+    order = torch.randperm(n_groups, generator=learner.shuffle).to(acc.device)  # epoch 0's
+    t0 = time.perf_counter()
+    with learner.autocast():
+        old, pending, deferred, source = OLD_LOGPROBS[lcfg.old_logprobs](
+            learner, batch, chunk, order[:per_step] if per_step <= n_groups else order[:0]
+        )
+        scores = Scores(old, learner.reference_scores(batch, chunk), pending, deferred)
+    score_s, update_s = time.perf_counter() - t0, 0.0
+    mask = batch.response_mask
+    gap = None if scores.pending is not None else sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap)
+    model.train()
+
+    accum = max(1, lcfg.minibatch_size // world // lcfg.microbatch_size)
+    max_tokens = cfg.rollout.max_tokens  # Dr.GRPO's constant divisor: the response budget
+    rows, step = [], 0
+    for epoch in range(lcfg.epochs):
+        if epoch:
+            order = torch.randperm(n_groups, generator=learner.shuffle).to(acc.device)
+        for start in range(0, n_groups - per_step + 1, per_step):
+            groups = order[start : start + per_step]
+            t0 = time.perf_counter()
+            m = reduce_across_ranks(
+                acc,
+                minibatch_step(model, batch, scores, groups[rank::world], lcfg, accum, max_tokens, learner.autocast),
+            )
+            if scores.pending is not None:  # every old log-prob known now: check the sampler's before a step
+                checked, scores = scores.pending, _fill_pending(acc, scores)
+                if scores.deferred is not None:
+                    t1 = time.perf_counter()
+                    scores, source = settle_deferred(learner, batch, scores, checked, chunk)
+                    settled_s = time.perf_counter() - t1
+                    score_s, t0 = score_s + settled_s, t0 + settled_s  # scoring time, not the update's
+                measured = checked if source["source"] == "sampler" else None  # auto took the sampler's
+                gap = sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap, measured)
+            if not all(math.isfinite(v) for v in m.values()):
+                raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
+            grad_norm = learner.clip_grad_norm(lcfg.max_grad_norm)
+            if not math.isfinite(grad_norm):
+                raise LearnError(f"learn iteration {iteration} step {step}: non-finite grad norm; nothing committed")
+            lr = core.linear_decay_lr(lcfg.lr, optimizer_steps(opt), lcfg.lr_decay_steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            update_s += time.perf_counter() - t0
+            n_tok = int(mask[batch.rows(groups)].sum())
+            rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tok, gap))
+            step += 1
+            if acc.is_main_process:
+                progress(f"learn {iteration}", step, lcfg.epochs * (n_groups // per_step), "steps")
+        if acc.is_main_process:  # one line an epoch; every step's metrics go to metrics.parquet
+            epoch_rows = [r for r in rows if r["epoch"] == epoch]
+            log.info(
+                "learn iteration %d: epoch %d/%d, %d steps, %s",
+                iteration,
+                epoch + 1,
+                lcfg.epochs,
+                len(epoch_rows),
+                _epoch_means(epoch_rows),
+            )
+    _check_weights(learner, batch, iteration, step)
+    last = rows[-1] if rows else {}
+    summary = {
+        "steps": step,
+        "samples": len(batch.response_ids),
+        "loss": last.get("loss"),
+        "kl": last.get("kl"),
+        "clip_frac": last.get("clip_frac"),
+        "entropy": sum(r["entropy"] for r in rows) / len(rows) if rows else None,  # mean over the steps
+        "grad_norm": last.get("grad_norm"),
+        "logprob_gap": gap,
+        "old_logprobs": source,
+        "world_size": world,
+        "precision": learner.precision,
+        "score_s": score_s,
+        "update_s": update_s,
+        "tokens": sum(r["n_tokens"] for r in rows),
+    }
+    cpu = Scores(
+        scores.old_logprobs.float().cpu(), None if scores.ref_logprobs is None else scores.ref_logprobs.float().cpu()
+    )
+    return Update(summary, rows, cpu)
+
+
+def _check_weights(learner: Learner, batch: Batch, iteration: int, steps: int) -> None:
+    """Never commit weights the sampler cannot sample from: every parameter finite, and (finite weights
+    can still be huge: a huge lr) the first group's log-probs too."""
+    lm = learner.acc.unwrap_model(learner.model)
+    bad = [n for n, p in lm.named_parameters() if p.requires_grad and not bool(torch.isfinite(sharding.local(p)).all())]
+    if learner.acc.num_processes > 1:  # each process sees its own shards: all of them decide together
+        n_bad = learner.acc.reduce(torch.tensor(float(len(bad)), device=learner.acc.device), "sum")
+        bad = bad or (["weights of another process"] if float(n_bad) else [])
+    if not bad:
+        with learner.autocast():
+            probe = score(lm, batch, 1, groups=torch.arange(1, device=batch.prompt_ids.device))
+        bad = (
+            []
+            if bool(torch.isfinite(probe[batch.response_mask[: probe.shape[0]].bool()]).all())
+            else ["log-probs of the new weights"]
+        )
+    if bad:
+        raise LearnError(
+            f"learn iteration {iteration}: non-finite weights after {steps} steps "
+            f"({', '.join(bad[:3])}); nothing committed; lower learn.lr (now {learner.cfg.learn.lr})"
+        )
+
+
+def _metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tokens, gap) -> dict:
+    return {
+        "run_id": run_id,
+        "iteration": iteration,
+        "step": step,
+        "epoch": epoch,
+        "loss": m["loss/total"],
+        "pg_loss": m.get("loss/pg", 0.0),
+        "kl": m.get("loss/kl"),  # None: no reference
+        "clip_frac": m.get("actor/clip_frac", 0.0),
+        "entropy": m["actor/entropy"],
+        "grad_norm": grad_norm,
+        "ratio_mean": m.get("actor/ratio_mean", 1.0),
+        "ratio_min": m.get("actor/ratio_min", 1.0),
+        "ratio_max": m.get("actor/ratio_max", 1.0),
+        "logprob_gap": gap,
+        "lr": lr,
+        "n_tokens": n_tokens,
+    }
+
+
+def _epoch_means(rows: list[dict]) -> str:
+    """'loss -0.01 kl 0.002 clip_frac 0.12 ...': means over an epoch's metric rows (kl only if measured)."""
+    keys = ["loss", "kl", "clip_frac", "entropy", "grad_norm"]
+    means = {k: sum(r[k] for r in rows) / len(rows) for k in keys if rows and rows[0][k] is not None}
+    return " ".join(f"{k} {v:.4g}" for k, v in means.items())

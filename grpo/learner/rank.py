@@ -1,0 +1,90 @@
+"""What every learner process runs, in-process or as a torchrun rank (`python -m grpo.learner.rank ARGS`):
+build the Learner, train, save; the main process writes the metrics and log-probs tables beside the
+checkpoint in a local folder that the learn stage commits."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import torch
+
+from grpo.config import RunConfig, load_config
+from grpo.layout import Salt, iteration_seed
+from grpo.learner.batch import Batch, Scores
+from grpo.learner.loop import train
+from grpo.learner.state import Learner
+from schemas import table_file, write_parquet
+from schemas.tables import FLOAT_LISTS
+
+
+def new_learner(
+    cfg: RunConfig, iteration: int, policy_dir: str, ref_dir: str, state_dir: str | None, adapter_dir: str | None
+) -> Learner:
+    return Learner(
+        cfg,
+        policy_dir,
+        ref_dir,
+        state_dir,
+        shuffle_seed=iteration_seed(cfg.seed, iteration, Salt.LEARNER_SHUFFLE),
+        adapter_dir=adapter_dir,
+    )
+
+
+def logprob_columns(run_id: str, iteration: int, batch: Batch, scores: Scores) -> dict:
+    """The logprobs table's columns: each sample's old (and reference) log-probs, cut to its response."""
+    mask = batch.response_mask.bool()  # (N, T), each row a prefix
+    n = len(mask)
+    offsets = pa.array(np.concatenate([[0], mask.sum(1).cumsum(0).numpy()]), pa.int32())
+
+    def per_sample(x):  # (N, T) -> N lists of response length; nulls when not computed
+        return pa.nulls(n, FLOAT_LISTS) if x is None else pa.ListArray.from_arrays(offsets, x[mask].numpy())
+
+    return {
+        "run_id": [run_id] * n,
+        "iteration": [iteration] * n,
+        "prompt_id": batch.prompt_id,
+        "sample_index": batch.sample_index,
+        "old_logprobs": per_sample(scores.old_logprobs),
+        "ref_logprobs": per_sample(scores.ref_logprobs),
+    }
+
+
+def train_and_save(learner: Learner, run_id: str, iteration: int, batch: Batch, out_dir: str) -> dict:
+    """`grpo.learner.train`, then (main process) policy/, optimizer.pt, rng.pt, metrics and log-probs
+    into the local folder out_dir. Returns the summary."""
+    update = train(learner, run_id, iteration, batch, iteration_seed(learner.cfg.seed, iteration, Salt.LEARNER_TORCH))
+    learner.save(out_dir)  # every process: under fsdp2 each writes its shards
+    if learner.acc.is_main_process:
+        disk = fsspec.filesystem("file")  # out_dir is a local folder whatever the storage
+        write_parquet(disk, f"{out_dir}/{table_file('learn_metrics')}", "learn_metrics", update.rows)
+        write_parquet(
+            disk,
+            f"{out_dir}/{table_file('logprobs')}",
+            "logprobs",
+            logprob_columns(run_id, iteration, batch, update.scores),
+        )
+    learner.acc.wait_for_everyone()
+    return update.summary
+
+
+def worker_main(args_path: str) -> None:
+    """A torchrun rank: the arguments grpo.learner.launch.learner_args wrote, then the code one process runs."""
+    args = json.loads(Path(args_path).read_text())
+    cfg = load_config(args["config"])
+    batch = torch.load(args["batch"], weights_only=False)
+    learner = new_learner(
+        cfg, args["iteration"], args["policy_dir"], args["ref_dir"], args["state_dir"], args["adapter_dir"]
+    )
+    summary = train_and_save(learner, args["run_id"], args["iteration"], batch, args["out_dir"])
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args["summary"]).write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1])
