@@ -12,7 +12,7 @@ reward; this file writes it), one reward process per worker (reward.workers=1):
 (c) pool, 2 workers, reward.shards=2: two flow runs, one per shard, taken by the two workers at once,
     then the shards merged by the orchestrating flow.
 
-(b) and (c) go through the product's own dispatch (flows.grpo.Placement); the seconds are the orchestrating
+(b) and (c) go through the product's own dispatch (flows.placement.Placement); the seconds are the orchestrating
 flow's, from dispatch to the committed stage. Run it on a quiet machine: two workers need two idle cores.
 """
 
@@ -80,17 +80,18 @@ def orchestrate(url: str, run_id: str, shards: int) -> float:
     """The rewards stage of iteration 0 placed on pool "cpu" from a flow run here; its seconds."""
     from prefect import flow
 
-    from flows.grpo import Placement, ok
+    from flows.placement import Placement
     from grpo.layout import stage_dir
     from grpo.storage import latest_committed, open_storage
+    from stages.common import load_run
 
     @flow(name="rewards-on-pool")
     def rewards_on_pool() -> float:
         storage = open_storage(url)
         upstream = latest_committed(storage, stage_dir(storage, run_id, 0, "rollouts")).uri
-        at = Placement({"rewards": "cpu"}, url, run_id, 0, {"rewards": False}, {"rewards": shards})
+        at = Placement({"rewards": "cpu"}, storage, run_id, 0, load_run(storage, run_id))
         t0 = time.perf_counter()
-        ok(at("rewards", upstream))
+        at("rewards", upstream)
         return time.perf_counter() - t0
 
     return rewards_on_pool()

@@ -29,13 +29,14 @@ from pathlib import Path
 from grpo.config import ConfigError, load_config_file
 from grpo.errors import describe
 from grpo.layout import SHARDED, STAGES, run_dir, stage_dir
+from grpo.lineage import next_iteration
 from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
 from grpo.report import best_iteration
 from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
 from schemas import SchemaError
 from stages import StageError, stage_function
-from stages.iteration import next_iteration, run_warm
+from stages.iteration import run_warm
 
 
 def cmd_init(args, storage):
@@ -171,9 +172,9 @@ def cmd_demo(args, storage):
 
 
 def cmd_status(args, storage):
-    from stages.common import load_run, stale_attempt
-    from stages.gc import collected_summary, running_attempts
-    from stages.init import check_datasets
+    from grpo.gc import collected_summary, running_attempts
+    from grpo.lineage import stale_attempt
+    from stages.common import check_datasets, load_run
 
     load_run(storage, args.run)
     last = next_iteration(storage, args.run)
@@ -236,8 +237,8 @@ def _corrupt(storage: Storage, attempt_dir: str) -> bool:
 
 
 def cmd_gc(args, storage):
+    from grpo.gc import held_summary, plan, remove
     from stages.common import load_run
-    from stages.gc import held_summary, plan, remove
 
     cfg = load_run(storage, args.run)
     found = plan(storage, args.run, min_age_s=args.older_than_s, retention=cfg.retention if args.retention else None)
@@ -261,7 +262,8 @@ def cmd_gc(args, storage):
 
 def cmd_export(args, storage):
     from grpo.checkpoint import export_policy
-    from stages.common import committed_input, load_run
+    from grpo.lineage import committed_input
+    from stages.common import load_run
 
     load_run(storage, args.run)
     if (args.dir is None) == (args.out is None):
@@ -285,7 +287,7 @@ def export_source(storage, run_id: str, k: int):
     """Iteration k's committed learn, verified; one line when it has none, its files changed after the commit
     (committed_input says so) or `grpo gc --retention` collected its policy."""
     from grpo.checkpoint import ADAPTER_PREFIX, CHECKPOINT_PREFIX
-    from stages.common import committed_input
+    from grpo.lineage import committed_input
 
     if not committed_attempts(storage, stage_dir(storage, run_id, k, "learn")):
         n = newest_learn(storage, run_id)

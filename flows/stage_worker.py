@@ -17,7 +17,8 @@ import argparse
 
 from prefect.task_worker import serve
 
-from flows.grpo import TASKS, stage_logs_to_prefect
+from flows.logs import stage_logs_to_prefect
+from flows.tasks import TASKS
 from stages.iteration import warm_state
 
 

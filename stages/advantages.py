@@ -17,10 +17,11 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.core import group_advantages
+from grpo.lineage import check_chain, committed_input
 from grpo.storage import Committed, Storage
 from grpo.tasks.functions import reward_source
 from schemas import read_parquet, table_file, write_parquet
-from stages.common import StageError, check_chain, committed_input, load_run, run_stage
+from stages.common import StageError, load_run, run_stage
 
 
 def advantages(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:

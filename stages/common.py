@@ -1,4 +1,4 @@
-"""The skip-or-run-then-commit wrapper every stage goes through, the run's config and lineage checks.
+"""The skip-or-run-then-commit wrapper every stage goes through, and the run's config with its pinned datasets.
 
 Where things live: grpo.layout. A stage's identity is (run, iteration, stage, config hash, input manifests):
 running it again with the same identity returns the committed manifest; `force`
@@ -8,30 +8,27 @@ writes a new attempt beside the old one.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
 import logging
 import sys
 from typing import Callable
 
-import fsspec
-
+from grpo import data
 from grpo.config import ConfigError, RunConfig, stored_config
 from grpo.errors import StageError
 from grpo.layout import no_such_run, run_json, stage_dir
+from grpo.lineage import note_committed, raced
 from grpo.storage import (
     Committed,
-    CorruptArtifactError,
-    NotCommittedError,
     StageWriter,
     Storage,
     committed_attempts,
     config_hash,
     find_committed,
-    latest_committed,
     load_manifest,
     stage_identity,
 )
+from grpo.tasks import Example
 
 log = logging.getLogger("grpo.stages")
 
@@ -57,110 +54,8 @@ def load_run(storage: Storage, run_id: str) -> RunConfig:
     except ConfigError as e:
         raise StageError(f"{storage.uri(path)}: {e}") from e
     if cfg.task.dataset or cfg.eval.dataset:  # every read of them held to what grpo init fingerprinted
-        from stages.init import pin_datasets  # init imports this module
-
         pin_datasets(storage, run_id)
     return cfg
-
-
-def _newest_ref(storage: Storage, stage_dir: str) -> tuple[str, str] | None:
-    """(uri, manifest sha256) of the newest committed attempt in `stage_dir`, or None."""
-    attempts = committed_attempts(storage, stage_dir)
-    if not attempts:
-        return None
-    return storage.uri(attempts[-1]), load_manifest(storage, attempts[-1], verify=False)[1]
-
-
-def stale_input(storage: Storage, committed: Committed, seen: set | None = None) -> tuple[str, str, str] | None:
-    """The first input of `committed`'s chain that a newer attempt replaced: (attempt that read it,
-    the input it read, the newer one); None when the chain is current.
-
-    Follows the inputs of the same run down to the previous iteration's `learn` and the base model
-    (their own chains were checked when they ran): after `grpo stage rollouts --force`, the rewards,
-    advantages and learn made from the old rollouts are stale.
-    """
-    seen = set() if seen is None else seen
-    for name, ref in sorted(committed.manifest.inputs.items()):
-        path = fsspec.core.strip_protocol(ref.uri) if "://" in ref.uri else ref.uri
-        newest = _newest_ref(storage, path.rstrip("/").rsplit("/", 1)[0])
-        if newest is not None and newest[1] != ref.manifest_sha256:
-            return committed.uri, ref.uri, newest[0]
-        if ref.manifest_sha256 in seen:
-            continue
-        seen.add(ref.manifest_sha256)
-        manifest, sha = load_manifest(storage, path, verify=False)
-        if manifest.iteration is not None and manifest.iteration == committed.manifest.iteration:
-            found = stale_input(storage, Committed(storage, path, manifest, sha), seen)
-            if found:
-                return found
-    return None
-
-
-def stale_attempt(storage: Storage, attempt_dir: str) -> bool:
-    """Whether a committed attempt was made from inputs a newer attempt replaced (stale_input)."""
-    manifest, sha = load_manifest(storage, attempt_dir, verify=False)
-    return stale_input(storage, Committed(storage, attempt_dir, manifest, sha)) is not None
-
-
-# what tells this process's commits from another's: when it started, and the attempts it committed
-_STARTED = dt.datetime.now(dt.timezone.utc)
-_COMMITTED_HERE: set[str] = set()
-
-
-def raced(storage: Storage, attempt_dir: str) -> str | None:
-    """The message for a committed attempt that another process committed after this one started
-    (two processes driving one run, or a stage forced beside a running one); None when it was this
-    process's own, or older."""
-    if attempt_dir in _COMMITTED_HERE:
-        return None
-    manifest, _ = load_manifest(storage, attempt_dir, verify=False)
-    if dt.datetime.fromisoformat(manifest.committed_at) < _STARTED:
-        return None
-    where = manifest.stage if manifest.iteration is None else f"{manifest.stage} {manifest.iteration}"
-    return f"another process committed {where} ({manifest.attempt}) while this one ran; nothing to do"
-
-
-def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, inputs: dict[str, Committed]) -> None:
-    """Every input of a stage must come from the current chain of its iteration (see stale_input);
-    the error names both attempts and the command that rebuilds the chain, or, when another process
-    committed the newer attempt while this one ran, says so (this one lost the race; see `raced`)."""
-    seen: set = set()
-    for name, committed in inputs.items():
-        found = stale_input(storage, committed, seen)
-        if found:
-            reader, old, new = found
-            race = raced(storage, fsspec.core.strip_protocol(new) if "://" in new else new)
-            if race:
-                raise StageError(race)
-            raise StageError(
-                f"{stage} iteration {iteration}: input {name} is stale: {reader} was made from {old}, "
-                f"which {new} replaced; rebuild the chain with `grpo run --run {run_id} --start "
-                f"{iteration}` (it reruns only the stale stages)"
-            )
-
-
-def committed_input(storage: Storage, run_id: str, iteration: int | None, stage: str) -> Committed:
-    """The newest committed output of `stage`, verified; a clear error says what to run."""
-    try:
-        return latest_committed(storage, stage_dir(storage, run_id, iteration, stage))
-    except CorruptArtifactError as e:
-        if stage == "base":
-            raise StageError(
-                f"{e}: the run's base model changed after its commit; restore its files or make a new run"
-            ) from e
-        raise StageError(
-            f"{e}: the committed {stage} changed after its commit; make a new attempt with "
-            f"`grpo stage {stage} --run {run_id} --iteration {iteration} --force` (the damaged "
-            "one stays for inspection)"
-        ) from e
-    except NotCommittedError as e:
-        if stage == "base":  # an init that stopped after run.json: running it again finishes it
-            raise StageError(
-                f"input missing: {e}; run `grpo init --run {run_id}` (it reads run.json) to commit the base model"
-            ) from e
-        raise StageError(
-            f"input missing: {e}; run `grpo stage {stage} --run {run_id} --iteration {iteration}` first"
-        ) from e
 
 
 def gpu_memory() -> dict[str, float]:
@@ -212,6 +107,58 @@ def run_stage(
             if race:
                 raise StageError(race)
         committed = writer.commit(summary=summary)
-        _COMMITTED_HERE.add(committed.attempt_dir)
+        note_committed(committed.attempt_dir)
     log.info("%s iteration %s: committed %s %s", stage, iteration, committed.uri, summary)
     return committed
+
+
+def run_datasets(cfg: RunConfig) -> dict[str, str]:
+    """{config field: uri} of the datasets the run reads."""
+    return {name: uri for name, uri in (("task.dataset", cfg.task.dataset), ("eval.dataset", cfg.eval.dataset)) if uri}
+
+
+def dataset_examples(cfg: RunConfig, name: str, uri: str) -> tuple[Example, ...]:
+    """The rows of dataset `name` as the stages read them (stages.prompts), a bad one naming the field."""
+    t = cfg.task
+    try:
+        return data.load_examples(uri, t.prompt_column, t.answer_column, t.skip_invalid_rows, data.pinned_version(uri))
+    except data.DatasetChangedError as e:
+        raise StageError(str(e)) from e
+    except data.DatasetError as e:
+        raise ConfigError(f"{name}: {e}") from e
+
+
+def dataset_facts(cfg: RunConfig) -> dict[str, dict]:
+    """{config field: {uri, fingerprint, rows, skipped_rows}} of each dataset: what the base manifest's
+    summary records, the run's pins (data.pin)."""
+    t, facts = cfg.task, {}
+    for name, uri in run_datasets(cfg).items():
+        rows = dataset_examples(cfg, name, uri)
+        skipped = data.blank_row_count(uri, t.prompt_column, t.answer_column) if t.skip_invalid_rows else 0
+        facts[name] = {"uri": uri, "fingerprint": data.pinned_version(uri), "rows": len(rows), "skipped_rows": skipped}
+    return facts
+
+
+def recorded_datasets(storage: Storage, run_id: str) -> dict[str, dict] | None:
+    """The datasets' facts the run's committed base recorded (dataset_facts); None before the base is
+    committed or for a run made before they were recorded (then not pinned: its datasets read as they are)."""
+    attempts = committed_attempts(storage, stage_dir(storage, run_id, None, "base"))
+    if not attempts:
+        return None
+    return load_manifest(storage, attempts[-1], verify=False)[0].summary.get("datasets")
+
+
+def pin_datasets(storage: Storage, run_id: str) -> None:
+    """Hold this process's reads of the run's datasets to the fingerprints its init recorded."""
+    data.pin(recorded_datasets(storage, run_id))
+
+
+def check_datasets(storage: Storage, run_id: str) -> None:
+    """A StageError naming the first dataset of the run that changed since grpo init."""
+    recorded = recorded_datasets(storage, run_id)
+    data.pin(recorded)
+    for facts in (recorded or {}).values():
+        try:
+            data.pinned_version(facts["uri"])
+        except data.DatasetError as e:
+            raise StageError(str(e)) from e

@@ -41,11 +41,20 @@ from grpo.config import (
     load_config_file,
     stored_config,
 )
-from grpo.layout import run_dir, run_json, stage_dir
-from grpo.storage import Committed, Storage, committed_attempts, is_local, load_manifest
-from grpo.tasks import Example, functions, generates, get_task
+from grpo.layout import run_dir, run_json
+from grpo.storage import Committed, Storage, is_local
+from grpo.tasks import functions, generates, get_task
 from grpo.tiny_model import build_for_task
-from stages.common import StageError, load_run, log, run_stage
+from stages.common import (
+    StageError,
+    dataset_examples,
+    dataset_facts,
+    load_run,
+    log,
+    pin_datasets,
+    run_datasets,
+    run_stage,
+)
 
 
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
@@ -100,63 +109,11 @@ def build_tiny_base(out_dir: str, cfg: RunConfig) -> str:
     return build_for_task(out_dir, cfg.task.name, cfg.task.params, cfg.model, cfg.seed)
 
 
-def _datasets(cfg: RunConfig) -> dict[str, str]:
-    """{config field: uri} of the datasets the run reads."""
-    return {name: uri for name, uri in (("task.dataset", cfg.task.dataset), ("eval.dataset", cfg.eval.dataset)) if uri}
-
-
-def _examples(cfg: RunConfig, name: str, uri: str) -> tuple[Example, ...]:
-    """The rows of dataset `name` as the stages read them (stages.prompts), a bad one naming the field."""
-    t = cfg.task
-    try:
-        return data.load_examples(uri, t.prompt_column, t.answer_column, t.skip_invalid_rows, data.pinned_version(uri))
-    except data.DatasetChangedError as e:
-        raise StageError(str(e)) from e
-    except data.DatasetError as e:
-        raise ConfigError(f"{name}: {e}") from e
-
-
-def dataset_facts(cfg: RunConfig) -> dict[str, dict]:
-    """{config field: {uri, fingerprint, rows, skipped_rows}} of each dataset: what the base manifest's
-    summary records, the run's pins (data.pin)."""
-    t, facts = cfg.task, {}
-    for name, uri in _datasets(cfg).items():
-        rows = _examples(cfg, name, uri)
-        skipped = data.blank_row_count(uri, t.prompt_column, t.answer_column) if t.skip_invalid_rows else 0
-        facts[name] = {"uri": uri, "fingerprint": data.pinned_version(uri), "rows": len(rows), "skipped_rows": skipped}
-    return facts
-
-
-def recorded_datasets(storage: Storage, run_id: str) -> dict[str, dict] | None:
-    """The datasets' facts the run's committed base recorded (dataset_facts); None before the base is
-    committed or for a run made before they were recorded (then not pinned: its datasets read as they are)."""
-    attempts = committed_attempts(storage, stage_dir(storage, run_id, None, "base"))
-    if not attempts:
-        return None
-    return load_manifest(storage, attempts[-1], verify=False)[0].summary.get("datasets")
-
-
-def pin_datasets(storage: Storage, run_id: str) -> None:
-    """Hold this process's reads of the run's datasets to the fingerprints its init recorded."""
-    data.pin(recorded_datasets(storage, run_id))
-
-
-def check_datasets(storage: Storage, run_id: str) -> None:
-    """A StageError naming the first dataset of the run that changed since grpo init."""
-    recorded = recorded_datasets(storage, run_id)
-    data.pin(recorded)
-    for facts in (recorded or {}).values():
-        try:
-            data.pinned_version(facts["uri"])
-        except data.DatasetError as e:
-            raise StageError(str(e)) from e
-
-
 def _sample_prompts(cfg: RunConfig) -> list:
     """A few prompts of each source the run reads, to check that they load and render."""
     examples = []
-    for name, uri in _datasets(cfg).items():
-        rows = _examples(cfg, name, uri)
+    for name, uri in run_datasets(cfg).items():
+        rows = dataset_examples(cfg, name, uri)
         examples += [next((e for e in rows if isinstance(e.prompt, list)), rows[0]), rows[0]]
     task = get_task(cfg.task.name, **cfg.task.params)
     if generates(task) and not cfg.task.dataset:  # the task's own prompts, for training and eval

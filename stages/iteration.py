@@ -8,32 +8,12 @@ import gc
 from contextlib import contextmanager
 from typing import Iterator
 
-from grpo.layout import STAGES, stage_dir
-from grpo.storage import Committed, Storage, committed_attempts
+from grpo.layout import STAGES
+from grpo.storage import Committed, Storage
 from grpo.tracking import track
 from stages import stage_function
-from stages.common import load_run, stale_attempt
+from stages.common import load_run
 from stages.rewards import WARM_POOLS
-
-
-def _committed(storage: Storage, run_id: str, k: int, stage: str) -> bool:
-    return bool(committed_attempts(storage, stage_dir(storage, run_id, k, stage)))
-
-
-def _finished(storage: Storage, run_id: str, k: int) -> bool:
-    """Iteration k has a committed eval whose chain (learn, advantages, ..., snapshot) is current; an eval that
-    eval.every skipped commits too (stages.eval.skip), so this holds for it alike."""
-    attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
-    return bool(attempts) and not stale_attempt(storage, attempts[-1])
-
-
-def next_iteration(storage: Storage, run_id: str) -> int:
-    """The first unfinished iteration: the first without a committed `eval`, or whose stages were
-    made stale by a forced rerun of an earlier stage (the run resumes there and rebuilds them)."""
-    last = 0
-    while _committed(storage, run_id, last, "learn"):
-        last += 1
-    return next((k for k in range(last) if not _finished(storage, run_id, k)), last)
 
 
 def run_iteration(

@@ -36,9 +36,10 @@ from grpo.generation import release_accelerator
 from grpo.layout import STATE_PREFIXES
 from grpo.learner import Batch, Learner, launch, nodes
 from grpo.learner.rank import new_learner, train_and_save
+from grpo.lineage import check_chain, committed_input, reference_iteration
 from grpo.storage import Committed, StageWriter, Storage, config_hash, is_local, stage_identity
 from schemas import read_parquet, table_file
-from stages.common import StageError, check_chain, committed_input, load_run, run_stage
+from stages.common import StageError, load_run, run_stage
 
 KEYS = ["prompt_id", "sample_index"]
 
@@ -159,17 +160,6 @@ def is_state_file(path: str) -> bool:
 
 
 # ---------------------------------------------------------------- stage
-
-
-def reference_iteration(iteration: int, every: int | None) -> int | None:
-    """The iteration whose snapshot is the KL reference of `iteration` with learn.ref_update_every = `every`:
-    the last multiple of it (every, 2 * every, ...) at or before `iteration`; None (the base model) before
-    the first, or without refresh.
-
-    >>> [reference_iteration(k, 2) for k in range(6)], reference_iteration(3, 1), reference_iteration(9, None)
-    ([None, None, 2, 2, 4, 4], 3, None)
-    """
-    return None if every is None or iteration < every else iteration // every * every
 
 
 def reference_source(storage: Storage, run_id: str, iteration: int, every: int | None) -> Committed:

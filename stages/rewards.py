@@ -42,11 +42,12 @@ import pyarrow.parquet as pq
 
 from grpo.checkpoint import local_checkpoint
 from grpo.config import RewardConfig, RunConfig, identity_section
+from grpo.lineage import check_chain, committed_input
 from grpo.progress import progress
 from grpo.storage import Committed, Storage
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, table_file
-from stages.common import StageError, check_chain, committed_input, load_run
+from stages.common import StageError, load_run
 from stages.shards import ranges, run_sharded
 
 log = logging.getLogger("grpo.stages")

@@ -18,11 +18,12 @@ from grpo.checkpoint import content_hash, non_finite_weights
 from grpo.config import RolloutConfig, RunConfig, identity_section
 from grpo.generation import Sample, SamplingSpec, decode_responses
 from grpo.layout import Salt, iteration_seed, round_seed
+from grpo.lineage import check_chain, committed_input
 from grpo.progress import progress
 from grpo.storage import Committed, StageWriter, Storage
 from schemas import ParquetWriter, table_file
 from stages import rewards
-from stages.common import StageError, check_chain, committed_input, load_run
+from stages.common import StageError, load_run
 from stages.prompts import Prompts, held_out_config, iteration_prompts, policy_and_prompts, round_prompts, sampler
 from stages.rewards import WARM_POOLS, score_samples, scorer_key
 from stages.shards import ranges, run_sharded

@@ -10,9 +10,10 @@ that learn's adapter/.
 from __future__ import annotations
 
 from grpo.checkpoint import ADAPTER_PREFIX, CHECKPOINT_PREFIX, checkpoint_files
+from grpo.lineage import check_chain, committed_input
 from grpo.storage import Committed, Storage
 from schemas import FileEntry
-from stages.common import check_chain, committed_input, load_run, run_stage
+from stages.common import load_run, run_stage
 
 
 def policy_source(storage: Storage, run_id: str, iteration: int) -> Committed:

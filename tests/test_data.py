@@ -6,8 +6,9 @@ import json
 import pandas as pd
 import pytest
 
+import flows.artifacts
 import flows.cli
-import flows.grpo
+import flows.tasks
 import grpo.data
 import grpo.progress
 import grpo.tasks.functions
@@ -23,7 +24,17 @@ ROWS = [
 
 
 @pytest.mark.parametrize(
-    "module", [grpo.data, grpo.tasks.math, grpo.tasks.functions, grpo.progress, flows.cli, flows.grpo, stages.shards]
+    "module",
+    [
+        grpo.data,
+        grpo.tasks.math,
+        grpo.tasks.functions,
+        grpo.progress,
+        flows.cli,
+        flows.tasks,
+        flows.artifacts,
+        stages.shards,
+    ],
 )
 def test_doctests(module):
     result = doctest.testmod(module)

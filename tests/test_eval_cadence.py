@@ -11,13 +11,15 @@ import pytest
 from test_stages import TINY
 
 from flows.cli import main
+from grpo import gc
 from grpo.config import load_config
 from grpo.layout import run_json, stage_dir
+from grpo.lineage import next_iteration
 from grpo.report import best_iteration, write_report
 from grpo.storage import StageWriter, committed_attempts, latest_committed, open_storage
-from stages import gc, stage_function
+from stages import stage_function
 from stages.init import init_run
-from stages.iteration import next_iteration, run_iteration, run_warm
+from stages.iteration import run_iteration, run_warm
 from stages.learn import WARM
 
 EVERY_2 = TINY + ["eval.every=2"]

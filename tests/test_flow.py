@@ -22,8 +22,10 @@ from test_learn import F32
 from test_stages import TINY
 
 import stages.rewards
+from flows.artifacts import artifact_key
 from flows.cli import main
-from flows.grpo import artifact_key, grpo, resolve_iteration, transient
+from flows.grpo import grpo, resolve_iteration
+from flows.tasks import transient
 from grpo.config import load_config
 from grpo.layout import stage_dir
 from grpo.storage import is_committed, list_attempts, open_storage
@@ -102,7 +104,7 @@ def test_failed_stage_resumes_there_and_earlier_outputs_stay_byte_identical(url,
     failed, storage = attempts(url, 1), open_storage(url)
     assert failed["rewards"] and not failed["advantages"]  # a half-written rewards attempt, nothing after
     assert not is_committed(storage, f"{stage_dir(storage, RUN, 1, 'rewards')}/{failed['rewards'][0]}")
-    assert resolve_iteration(url, RUN, "next") == 1
+    assert resolve_iteration(storage, RUN, "next") == 1
     kept = {**committed_hashes(url, 0), **committed_hashes(url, 1, ["snapshot", "rollouts"])}
 
     monkeypatch.setattr(stages.rewards, "score_batch", real)
@@ -114,7 +116,7 @@ def test_failed_stage_resumes_there_and_earlier_outputs_stay_byte_identical(url,
     assert sorted(m.split()[0] for m in reuse_messages(caplog)) == ["rollouts", "snapshot"]
     now = {**committed_hashes(url, 0), **committed_hashes(url, 1, ["snapshot", "rollouts"])}
     assert now == kept
-    assert resolve_iteration(url, RUN, "next") == 2
+    assert resolve_iteration(open_storage(url), RUN, "next") == 2
 
 
 def test_force_stage_reruns_that_stage_and_the_later_ones(url):

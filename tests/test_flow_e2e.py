@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from test_stages import TINY
 
-from flows.grpo import artifact_key
+from flows.artifacts import artifact_key
 from grpo.layout import stage_dir
 from grpo.storage import NotCommittedError, is_committed, latest_committed, list_attempts, open_storage
 from stages import STAGES, StageError, stage_function
@@ -50,7 +50,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def worker(server):
     """The work pool, the deployment from prefect.yaml (deployed from the repo root), a worker
-    started elsewhere: each flow run finds the checkout itself (flows.grpo.work_in_checkout)."""
+    started elsewhere: each flow run finds the checkout itself (flows.deploy.work_in_checkout)."""
     server.cli("work-pool", "create", "grpo-pool", "--type", "process", "--overwrite")
     server.cli("--no-prompt", "deploy", "--all", cwd=REPO)
     with process_worker(server, "grpo-pool", cwd=server.home) as worker:

@@ -9,6 +9,7 @@ import pytest
 
 from flows.cli import main
 from grpo.config import RetentionConfig, load_config
+from grpo.gc import held_summary, plan, remove
 from grpo.layout import stage_dir
 from grpo.storage import (
     HEARTBEAT_NAME,
@@ -21,7 +22,6 @@ from grpo.storage import (
     read_collected,
 )
 from stages.common import run_stage
-from stages.gc import held_summary, plan, remove
 from stages.init import write_run_json
 
 HOUR = 3600.0

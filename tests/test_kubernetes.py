@@ -29,7 +29,7 @@ from grpo.layout import STAGES  # noqa: E402
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 TEMPLATE = json.loads((DEPLOY / "base-job-template.json").read_text())
 PREFECT_YAML = yaml.safe_load((DEPLOY / "prefect.yaml").read_text())
-FLOWS = {"flows.grpo:grpo": "grpo", "flows.grpo:stage_flow": "grpo-stage"}  # entrypoint -> flow name
+FLOWS = {"flows.grpo:grpo": "grpo", "flows.placement:stage_flow": "grpo-stage"}  # entrypoint -> flow name
 DEPLOYMENTS = {f"{FLOWS[d['entrypoint']]}/{d['name']}": d for d in PREFECT_YAML["deployments"]}
 PLACEMENT = DEPLOYMENTS["grpo/k8s-placed"]["parameters"]["placement"]
 NEEDS_GPU = {"rollouts", "learn", "eval"}  # sampling and the update; the other stages only read and write files
@@ -171,7 +171,7 @@ def test_deployment_renders_a_job_with_its_resources_and_the_secret(name):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_each_placed_stage_renders_a_job_on_its_pool(stage):
-    """grpo/k8s-placed runs a stage as a flow run of grpo-stage/<pool> (flows.grpo.Placement): a GPU
+    """grpo/k8s-placed runs a stage as a flow run of grpo-stage/<pool> (flows.placement.Placement): a GPU
     pod for sampling and the update, a CPU pod for the rest."""
     pool = PLACEMENT[stage]
     deployment = DEPLOYMENTS[f"grpo-stage/{pool}"]

@@ -359,8 +359,8 @@ def test_reference_refresh_a_cold_resume_equals_the_warm_run_and_gc_keeps_the_re
     bytes; gc's retention keeps the policy iteration 3's reference reads."""
     import numpy as np
 
+    from grpo import gc
     from grpo.config import RetentionConfig
-    from stages import gc
     from stages import learn as learn_stage
     from stages.iteration import run_iteration
 

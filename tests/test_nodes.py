@@ -206,9 +206,9 @@ def test_a_placed_learn_on_two_nodes_is_one_flow_run_per_node_on_its_pool(storag
     grpo-stage/<pool> with its own idempotency key; no Prefect server needed to see what it asks for."""
     import prefect.deployments
 
-    from flows.grpo import Placement
+    from flows.placement import Placement
 
-    make_run(storage, "p", extra=["learn.num_processes=2", "learn.nodes=2"])
+    cfg = make_run(storage, "p", extra=["learn.num_processes=2", "learn.nodes=2"])
     asked = []
 
     def run_deployment(name, parameters, idempotency_key, timeout):
@@ -217,7 +217,7 @@ def test_a_placed_learn_on_two_nodes_is_one_flow_run_per_node_on_its_pool(storag
 
     monkeypatch.setattr(prefect.deployments, "run_deployment", run_deployment)
     monkeypatch.setattr(Placement, "wait_flow_runs", lambda self, stage, runs, upstream: [r.id for r in runs])
-    at = Placement({"learn": "gpu"}, storage.url, "p", 0, {"learn": False}, {})
+    at = Placement({"learn": "gpu"}, storage, "p", 0, cfg)
     assert at("learn", "file:///advantages") == [1, 2]
     assert [(name, p.get("node_rank"), p["upstream"]) for name, p, _ in asked] == [
         ("grpo-stage/gpu", None, "file:///advantages"),

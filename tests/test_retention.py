@@ -7,12 +7,12 @@ import doctest
 import pytest
 from test_stages import make_run
 
-import stages.gc
+import grpo.gc
 from flows.cli import main
 from grpo.config import RetentionConfig
+from grpo.gc import POLICY_PREFIXES, STATE_PREFIXES, plan
 from grpo.layout import run_dir, stage_dir
 from grpo.storage import latest_committed, open_storage
-from stages.gc import POLICY_PREFIXES, STATE_PREFIXES, plan
 from stages.iteration import run_warm
 
 RETENTION = ["retention.keep_last=1", "retention.keep_every=2"]
@@ -20,7 +20,7 @@ TABLES = ["rollouts", "rewards", "advantages", "logprobs", "learn_metrics", "eva
 
 
 def test_doctests():
-    assert doctest.testmod(stages.gc).failed == 0
+    assert doctest.testmod(grpo.gc).failed == 0
 
 
 @pytest.fixture

@@ -12,10 +12,11 @@ from test_learn import F32
 from flows.cli import main
 from grpo.config import ConfigError, load_config
 from grpo.layout import stage_dir
+from grpo.lineage import next_iteration
 from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
 from stages import STAGES, StageError, stage_function
 from stages.init import init_run
-from stages.iteration import next_iteration, run_iteration
+from stages.iteration import run_iteration
 
 pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
 

@@ -351,11 +351,11 @@ def test_a_plain_run_id_is_accepted(tmp_path):
 
 
 def test_the_flow_names_a_failed_stage_once(tmp_path, monkeypatch):
-    import flows.grpo
+    import flows.tasks
 
     def fails(storage, run_id, iteration, force=False):
         raise StageError(f"rewards iteration {iteration}: input rollouts is stale: ...;\n rebuild the chain")
 
-    monkeypatch.setattr(flows.grpo, "stage_function", lambda name: fails)
-    state = flows.grpo.run_stage("rewards", (tmp_path / "store").as_uri(), "t", 3, None, False)
+    monkeypatch.setattr(flows.tasks, "stage_function", lambda name: fails)
+    state = flows.tasks.run_stage("rewards", (tmp_path / "store").as_uri(), "t", 3, None, False)
     assert state.message == "rewards iteration 3: input rollouts is stale: ...; rebuild the chain"

@@ -37,6 +37,7 @@ import fsspec
 from grpo import report
 from grpo.config import RetentionConfig
 from grpo.layout import POLICY_PREFIXES, SHARD_FOLDER, STAGES, STATE_PREFIXES, run_dir, run_json, stage_dir
+from grpo.lineage import next_iteration, reference_iteration
 from grpo.storage import (
     HEARTBEAT_NAME,
     ArtifactError,
@@ -50,8 +51,6 @@ from grpo.storage import (
     read_collected,
 )
 from schemas.manifest import MANIFEST_NAME
-from stages.iteration import next_iteration
-from stages.learn import reference_iteration
 
 LEASE_BEATS = 10  # a heartbeat is live for this many of its writer's beats at least, whatever min_age_s
 

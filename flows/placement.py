@@ -1,0 +1,208 @@
+"""Where the flow's stages run: here (the default), as flow runs of deployment `grpo-stage/<pool>` on other work
+pools, on long-lived stage workers (`warm`), in shards, or on learn.nodes machines; `Placement` dispatches one
+iteration's stages and waits for them, reading each result from storage."""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow
+from prefect.states import Failed, State
+
+from flows.logs import stage_logs_to_prefect
+from flows.tasks import TASKS, checked_uri, failure_line, ok
+from grpo.config import ConfigError, RunConfig
+from grpo.layout import STAGES, StageName, stage_dir
+from grpo.storage import Storage, latest_committed
+
+WARM_WORKERS = "warm"  # a placement that sends the stage to a long-lived stage worker, not a work pool
+
+
+def stage_run_name() -> str:
+    """flow_run_name of grpo-stage: `demo rewards 3`, `demo rewards 3 shard 1`."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    name = f"{p['run_id']} {p['stage']} {p['iteration']}" + ("" if p.get("shard") is None else f" shard {p['shard']}")
+    return name + (f" node {p['node_rank']}" if p.get("node_rank") else "")
+
+
+@flow(name="grpo-stage", flow_run_name=stage_run_name)
+def stage_flow(
+    storage_url: str,
+    run_id: str,
+    iteration: int,
+    stage: StageName,
+    upstream: str | None = None,
+    force: bool = False,
+    shard: int | None = None,
+    node_rank: int = 0,
+    last: bool = True,
+) -> str:
+    """One stage of one iteration (or one shard of it, or one node of learn), run by a worker of the pool it is
+    placed on (deployment `grpo-stage/<pool>`); the same task, retries included, as in the flow `grpo`. Its
+    result is the committed manifest in storage: the orchestrating flow reads it there, no result storage needed."""
+    with stage_logs_to_prefect():
+        args = (storage_url, run_id, iteration) + ((upstream,) if stage != "snapshot" else ())
+        node = {"node_rank": node_rank} if node_rank else {}
+        node |= {"last": last} if stage == "eval" else {}
+        return TASKS[stage](*args, force=force, **({} if shard is None else {"shard": shard}), **node)
+
+
+def check_placement(placement: dict[str, str] | None) -> None:
+    """A placement names stages only (a ConfigError, before anything runs, names the others)."""
+    unknown = sorted(set(placement or {}) - set(STAGES))
+    if unknown:
+        raise ConfigError(f"placement: unknown stage(s) {unknown}; stages: {list(STAGES)}")
+
+
+class Placement:
+    """One iteration's stages, each where it is placed: `stage(name, upstream)` runs it here, on its work pool, on
+    the stage workers, or in shards (wherever the stage runs, then merged here), and returns the committed URI."""
+
+    def __init__(
+        self,
+        placement: dict[str, str] | None,
+        storage: Storage,
+        run_id: str,
+        iteration: int,
+        cfg: RunConfig,
+        force_stage: str | None = None,
+        last: bool = True,
+    ):
+        self.placement, self.storage, self.url = placement or {}, storage, storage.url
+        self.run_id, self.k, self.last = run_id, iteration, last
+        self.force = {name: name == force_stage for name in STAGES}
+        self.shards = {"rollouts": cfg.rollout.shards, "rewards": cfg.reward.shards}
+        self.nodes = cfg.learn.nodes
+
+    def __call__(self, stage: str, upstream: str | None) -> str:
+        """Run (or reuse) `stage` where it is placed: its committed URI; a failure raises FailedRun (`ok`)."""
+        return ok(self.placed(stage, upstream) or self.here(stage, upstream))
+
+    def here(self, stage: str, upstream: str | None) -> str | State:
+        """The stage's task in this flow run."""
+        args = (self.url, self.run_id, self.k) + ((upstream,) if stage != "snapshot" else ())
+        return TASKS[stage](*args, force=self.force[stage], **({"last": self.last} if stage == "eval" else {}))
+
+    def placed(self, stage: str, upstream: str | None) -> str | State | None:
+        """A placed or sharded stage run where it belongs (what its task would return); None for one run here."""
+        pool, n = self.placement.get(stage), self.shards.get(stage, 1)
+        if n > 1:
+            return self.sharded(stage, upstream, pool, n)
+        if pool is None:
+            return None
+        if stage == "learn" and self.nodes > 1:
+            return self.learn_nodes(pool, upstream, self.nodes)
+        if pool == WARM_WORKERS:
+            return self.wait_tasks(stage, [self.delay(stage, upstream, None)], upstream)
+        return self.wait_flow_runs(stage, [self.flow_run(pool, stage, upstream, None)], upstream)
+
+    def sharded(self, stage: str, upstream: str | None, pool: str | None, n: int) -> str | State:
+        """Every shard as its own task run: here one after the other, on the pool as concurrent flow runs
+        (each on whichever worker takes it), or by the stage workers; then the shards merged here (reading
+        them from storage). A failed shard fails the stage once all have ended; the others stay committed."""
+        if pool is None:
+            args = (self.url, self.run_id, self.k, upstream)
+            for k in range(n):
+                done = TASKS[stage](*args, force=self.force[stage], shard=k)
+                if isinstance(done, State):
+                    return done
+        elif pool == WARM_WORKERS:
+            done = self.wait_tasks(stage, [self.delay(stage, upstream, k) for k in range(n)], upstream, shards=True)
+        else:
+            runs = [self.flow_run(pool, stage, upstream, k) for k in range(n)]
+            done = self.wait_flow_runs(stage, runs, upstream, shards=True)
+        if isinstance(done, State):
+            return done
+        return TASKS[stage](self.url, self.run_id, self.k, upstream)  # reuses the shards: merges them
+
+    def learn_nodes(self, pool: str, upstream: str | None, nodes: int) -> str | State:
+        """learn on learn.nodes machines: node 0 (the stage, which commits) and nodes 1..n-1 at once, each a
+        flow run on the pool (whose concurrency limit must let n run, one per machine) or a task run on the
+        stage workers; node 0's line comes first when they fail."""
+        if pool == WARM_WORKERS:
+            return self.wait_tasks("learn", [self.delay("learn", upstream, None, r) for r in range(nodes)], upstream)
+        return self.wait_flow_runs(
+            "learn", [self.flow_run(pool, "learn", upstream, None, r) for r in range(nodes)], upstream
+        )
+
+    def flow_run(self, pool: str, stage: str, upstream: str | None, shard: int | None, node_rank: int = 0):
+        """A flow run of the stage (or one shard, or one node of learn) on `pool`, scheduled; the caller waits
+        for it."""
+        from prefect.deployments import run_deployment
+        from prefect.runtime import flow_run
+
+        # one child flow run per stage (shard), iteration and try of this flow run: a retried orchestrator
+        # starts the stages again (each reuses what committed), a repeated call in one try does not
+        key = (
+            f"{flow_run.get_id()}/{flow_run.get_run_count()}/{self.k}/{stage}"
+            + ("" if shard is None else f"/shard-{shard}")
+            + (f"/node-{node_rank}" if node_rank else "")
+        )
+        parameters = {
+            "storage_url": self.url,
+            "run_id": self.run_id,
+            "iteration": self.k,
+            "stage": stage,
+            "upstream": upstream,
+            "force": self.force[stage],
+        }
+        if shard is not None:
+            parameters["shard"] = shard
+        if node_rank:
+            parameters["node_rank"] = node_rank
+        if stage == "eval":
+            parameters["last"] = self.last
+        return run_deployment(f"grpo-stage/{pool}", parameters=parameters, idempotency_key=key, timeout=0)
+
+    def wait_flow_runs(self, stage: str, runs: list, upstream: str | None, shards: bool = False) -> str | State:
+        from prefect.client.orchestration import get_client
+
+        ended = {}
+        with get_client(sync_client=True) as client:
+            while len(ended) < len(runs):
+                for run in runs:
+                    if run.id not in ended:
+                        state = client.read_flow_run(run.id).state
+                        if state is not None and state.is_final():
+                            ended[run.id] = state
+                if len(ended) < len(runs):
+                    time.sleep(2)
+        return self.outcome(stage, [ended[run.id] for run in runs], upstream, shards)
+
+    def delay(self, stage: str, upstream: str | None, shard: int | None, node_rank: int = 0):
+        """The stage's task (or one shard's, or one node's of learn) sent to the long-lived stage workers that
+        serve it (flows/stage_worker.py)."""
+        args = (self.url, self.run_id, self.k) + ((upstream,) if stage != "snapshot" else ())
+        extra = ({} if shard is None else {"shard": shard}) | ({"node_rank": node_rank} if node_rank else {})
+        extra |= {"last": self.last} if stage == "eval" else {}
+        return TASKS[stage].delay(*args, force=self.force[stage], **extra)
+
+    def wait_tasks(self, stage: str, futures: list, upstream: str | None, shards: bool = False) -> str | State:
+        for future in futures:
+            for _ in range(60):  # a task run the server has not given its first state yet: wait() raises
+                try:
+                    future.wait()  # (PrefectHQ/prefect#18280)
+                    break
+                except RuntimeError as e:
+                    if "has no state" not in str(e):
+                        raise
+                    time.sleep(1)
+            else:
+                future.wait()
+        return self.outcome(stage, [future.state for future in futures], upstream, shards)
+
+    def outcome(self, stage: str, states: list[State], upstream: str | None, shards: bool) -> str | State:
+        """The first failed run's one line (a task that returned Failed, one of USER_ERRORS, ended in that
+        state), or the committed URI of the stage; with `shards`, "" (the caller merges)."""
+        for k, state in enumerate(states):
+            if not state.is_completed():
+                where = f"shard {k}: " if shards else ""
+                return Failed(message=failure_line(stage, self.k, where + (state.message or state.name)))
+        return "" if shards else committed_uri(self.storage, self.run_id, self.k, stage, upstream)
+
+
+def committed_uri(storage: Storage, run_id: str, iteration: int, stage: str, upstream: str | None) -> str:
+    """The URI of the newest committed attempt of a stage, which must have read `upstream`."""
+    return checked_uri(latest_committed(storage, stage_dir(storage, run_id, iteration, stage)), upstream)

@@ -1,0 +1,160 @@
+"""A run's lineage: which committed attempt of a stage is current, whether an attempt's inputs were replaced
+since (stale), where a run resumes, and which iteration is the KL reference of another. Stages check their
+inputs here before running; `grpo run`, `grpo status` and gc ask the same questions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import fsspec
+
+from grpo.errors import StageError
+from grpo.layout import stage_dir
+from grpo.storage import (
+    Committed,
+    CorruptArtifactError,
+    NotCommittedError,
+    Storage,
+    committed_attempts,
+    latest_committed,
+    load_manifest,
+)
+
+
+def _newest_ref(storage: Storage, stage_dir: str) -> tuple[str, str] | None:
+    """(uri, manifest sha256) of the newest committed attempt in `stage_dir`, or None."""
+    attempts = committed_attempts(storage, stage_dir)
+    if not attempts:
+        return None
+    return storage.uri(attempts[-1]), load_manifest(storage, attempts[-1], verify=False)[1]
+
+
+def stale_input(storage: Storage, committed: Committed, seen: set | None = None) -> tuple[str, str, str] | None:
+    """The first input of `committed`'s chain that a newer attempt replaced: (attempt that read it,
+    the input it read, the newer one); None when the chain is current.
+
+    Follows the inputs of the same run down to the previous iteration's `learn` and the base model
+    (their own chains were checked when they ran): after `grpo stage rollouts --force`, the rewards,
+    advantages and learn made from the old rollouts are stale.
+    """
+    seen = set() if seen is None else seen
+    for name, ref in sorted(committed.manifest.inputs.items()):
+        path = fsspec.core.strip_protocol(ref.uri) if "://" in ref.uri else ref.uri
+        newest = _newest_ref(storage, path.rstrip("/").rsplit("/", 1)[0])
+        if newest is not None and newest[1] != ref.manifest_sha256:
+            return committed.uri, ref.uri, newest[0]
+        if ref.manifest_sha256 in seen:
+            continue
+        seen.add(ref.manifest_sha256)
+        manifest, sha = load_manifest(storage, path, verify=False)
+        if manifest.iteration is not None and manifest.iteration == committed.manifest.iteration:
+            found = stale_input(storage, Committed(storage, path, manifest, sha), seen)
+            if found:
+                return found
+    return None
+
+
+def stale_attempt(storage: Storage, attempt_dir: str) -> bool:
+    """Whether a committed attempt was made from inputs a newer attempt replaced (stale_input)."""
+    manifest, sha = load_manifest(storage, attempt_dir, verify=False)
+    return stale_input(storage, Committed(storage, attempt_dir, manifest, sha)) is not None
+
+
+# what tells this process's commits from another's: when it started, and the attempts it committed
+_STARTED = dt.datetime.now(dt.timezone.utc)
+
+
+_COMMITTED_HERE: set[str] = set()
+
+
+def note_committed(attempt_dir: str) -> None:
+    """Record an attempt this process committed (`raced` then never calls it another's)."""
+    _COMMITTED_HERE.add(attempt_dir)
+
+
+def raced(storage: Storage, attempt_dir: str) -> str | None:
+    """The message for a committed attempt that another process committed after this one started
+    (two processes driving one run, or a stage forced beside a running one); None when it was this
+    process's own, or older."""
+    if attempt_dir in _COMMITTED_HERE:
+        return None
+    manifest, _ = load_manifest(storage, attempt_dir, verify=False)
+    if dt.datetime.fromisoformat(manifest.committed_at) < _STARTED:
+        return None
+    where = manifest.stage if manifest.iteration is None else f"{manifest.stage} {manifest.iteration}"
+    return f"another process committed {where} ({manifest.attempt}) while this one ran; nothing to do"
+
+
+def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, inputs: dict[str, Committed]) -> None:
+    """Every input of a stage must come from the current chain of its iteration (see stale_input);
+    the error names both attempts and the command that rebuilds the chain, or, when another process
+    committed the newer attempt while this one ran, says so (this one lost the race; see `raced`)."""
+    seen: set = set()
+    for name, committed in inputs.items():
+        found = stale_input(storage, committed, seen)
+        if found:
+            reader, old, new = found
+            race = raced(storage, fsspec.core.strip_protocol(new) if "://" in new else new)
+            if race:
+                raise StageError(race)
+            raise StageError(
+                f"{stage} iteration {iteration}: input {name} is stale: {reader} was made from {old}, "
+                f"which {new} replaced; rebuild the chain with `grpo run --run {run_id} --start "
+                f"{iteration}` (it reruns only the stale stages)"
+            )
+
+
+def committed_input(storage: Storage, run_id: str, iteration: int | None, stage: str) -> Committed:
+    """The newest committed output of `stage`, verified; a clear error says what to run."""
+    try:
+        return latest_committed(storage, stage_dir(storage, run_id, iteration, stage))
+    except CorruptArtifactError as e:
+        if stage == "base":
+            raise StageError(
+                f"{e}: the run's base model changed after its commit; restore its files or make a new run"
+            ) from e
+        raise StageError(
+            f"{e}: the committed {stage} changed after its commit; make a new attempt with "
+            f"`grpo stage {stage} --run {run_id} --iteration {iteration} --force` (the damaged "
+            "one stays for inspection)"
+        ) from e
+    except NotCommittedError as e:
+        if stage == "base":  # an init that stopped after run.json: running it again finishes it
+            raise StageError(
+                f"input missing: {e}; run `grpo init --run {run_id}` (it reads run.json) to commit the base model"
+            ) from e
+        raise StageError(
+            f"input missing: {e}; run `grpo stage {stage} --run {run_id} --iteration {iteration}` first"
+        ) from e
+
+
+def _committed(storage: Storage, run_id: str, k: int, stage: str) -> bool:
+    return bool(committed_attempts(storage, stage_dir(storage, run_id, k, stage)))
+
+
+def _finished(storage: Storage, run_id: str, k: int) -> bool:
+    """Iteration k has a committed eval whose chain (learn, advantages, ..., snapshot) is current; an eval that
+    eval.every skipped commits too (stages.eval.skip), so this holds for it alike."""
+    attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
+    return bool(attempts) and not stale_attempt(storage, attempts[-1])
+
+
+def next_iteration(storage: Storage, run_id: str) -> int:
+    """The first unfinished iteration: the first without a committed `eval`, or whose stages were
+    made stale by a forced rerun of an earlier stage (the run resumes there and rebuilds them)."""
+    last = 0
+    while _committed(storage, run_id, last, "learn"):
+        last += 1
+    return next((k for k in range(last) if not _finished(storage, run_id, k)), last)
+
+
+def reference_iteration(iteration: int, every: int | None) -> int | None:
+    """The iteration whose snapshot is the KL reference of `iteration` with learn.ref_update_every = `every`:
+    the last multiple of it (every, 2 * every, ...) at or before `iteration`; None (the base model) before
+    the first, or without refresh.
+
+    >>> [reference_iteration(k, 2) for k in range(6)], reference_iteration(3, 1), reference_iteration(9, None)
+    ([None, None, 2, 2, 4, 4], 3, None)
+    """
+    return None if every is None or iteration < every else iteration // every * every
