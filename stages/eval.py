@@ -16,11 +16,12 @@ from grpo.config import EVAL_READING, RunConfig
 from grpo.generation import SamplingSpec, decode_responses
 from grpo.layout import stage_dir
 from grpo.lineage import check_chain, committed_input
+from grpo.scoring.pool import WARM_POOLS
+from grpo.scoring.score import score_batch, scorer_key
 from grpo.storage import Committed, Storage, committed_attempts, latest_committed
 from schemas import table_file, write_parquet
 from stages.common import load_run, run_stage
 from stages.prompts import eval_prompts, held_out_config, policy_and_prompts, sampler
-from stages.rewards import WARM_POOLS, score_batch, scorer_key
 
 
 def exact_match(components: dict[str, float]) -> float:

@@ -9,11 +9,11 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from grpo.layout import STAGES
+from grpo.scoring.pool import WARM_POOLS
 from grpo.storage import Committed, Storage
 from grpo.tracking import track
 from stages import stage_function
 from stages.common import load_run
-from stages.rewards import WARM_POOLS
 
 
 def run_iteration(
@@ -45,7 +45,7 @@ class WarmState:
 def warm_state() -> Iterator[WarmState]:
     """Everything one process keeps between the iterations it runs, entered once by the flow and by
     `grpo run`:
-    - the reward worker pool (stages.rewards.WARM_POOLS): one for all iterations, stopped on exit;
+    - the reward worker pool (grpo.scoring.pool.WARM_POOLS): one for all iterations, stopped on exit;
     - the learner one learn hands to the next iteration's (stages.learn.WARM, keyed by the commit it
       made; on a GPU it waits in CPU memory);
     - the sampling engine (grpo.generation's live generators): reloaded in place with each new

@@ -20,12 +20,13 @@ from grpo.generation import Sample, SamplingSpec, decode_responses
 from grpo.layout import Salt, iteration_seed, round_seed
 from grpo.lineage import check_chain, committed_input
 from grpo.progress import progress
+from grpo.scoring.pool import WARM_POOLS
+from grpo.scoring.score import score_samples, scorer_key
 from grpo.storage import Committed, StageWriter, Storage
 from schemas import ParquetWriter, table_file
 from stages import rewards
 from stages.common import StageError, load_run
 from stages.prompts import Prompts, held_out_config, iteration_prompts, policy_and_prompts, round_prompts, sampler
-from stages.rewards import WARM_POOLS, score_samples, scorer_key
 from stages.shards import ranges, run_sharded
 
 
@@ -220,7 +221,7 @@ def sample_rounds(
     the same prompts. The draws table records each prompt's round and signal; the summary the rounds.
 
     Where scoring happens. The decision to draw more needs rewards, so this stage scores each chunk with the
-    rewards stage's code (rewards.score_samples, in its warm worker pool) and keeps only the per-group signal
+    rewards stage's code (grpo.scoring.score.score_samples, in its warm worker pool) and keeps only the per-group signal
     (the draws table), not the rewards. The rewards stage scores the committed rollouts again as always: it
     stays the one stage whose side effect is rewards (its error column, max_error_fraction, shards, a forced
     rescoring all unchanged), and the advantages stage decides what the learner trains on from those

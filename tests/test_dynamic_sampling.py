@@ -11,6 +11,7 @@ from grpo.config import ConfigError, load_config
 from grpo.data import draw_at
 from grpo.layout import Salt, iteration_seed, stage_dir
 from grpo.query import query
+from grpo.scoring.pool import WARM_POOLS
 from grpo.storage import latest_committed, open_storage
 from grpo.tasks import get_task
 from schemas import read_parquet, table_file
@@ -19,7 +20,7 @@ from stages.init import init_run
 from stages.iteration import run_iteration
 from stages.learn import learn, load_batch
 from stages.prompts import held_out_split
-from stages.rewards import WARM_POOLS, rewards
+from stages.rewards import rewards
 from stages.rollouts import rollouts
 from stages.snapshot import snapshot
 

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from test_stages import TINY
 
-import stages.rewards
+import grpo.scoring.score
 from flows.cli import main
 from grpo.config import ConfigError, load_config
 from grpo.gc import plan
@@ -63,7 +63,7 @@ def test_a_failed_shard_reruns_alone_and_gc_collects_its_failed_attempt(storage,
     init_run(storage, "many", load_config(None, CHUNKED + SHARDED))
     for stage in ("snapshot", "rollouts"):
         stage_function(stage)(storage, "many", 0)
-    real, calls = stages.rewards.score_batch, []
+    real, calls = grpo.scoring.score.score_batch, []
 
     def second_shard_fails(*args, **kwargs):
         calls.append(1)
@@ -71,7 +71,7 @@ def test_a_failed_shard_reruns_alone_and_gc_collects_its_failed_attempt(storage,
             raise StageError("injected reward fault")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(stages.rewards, "score_batch", second_shard_fails)
+    monkeypatch.setattr(grpo.scoring.score, "score_batch", second_shard_fails)
     with pytest.raises(StageError, match="injected reward fault"):
         stage_function("rewards")(storage, "many", 0)
     first = attempts(storage, "many", shard_stage("rewards", 0, 2))
@@ -80,7 +80,7 @@ def test_a_failed_shard_reruns_alone_and_gc_collects_its_failed_attempt(storage,
     failed = f"{shard_1}/{list_attempts(storage, shard_1)[0]}"
     assert failed in {g.path for g in plan(storage, "many", min_age_s=0).garbage}  # gc sees shard folders
 
-    monkeypatch.setattr(stages.rewards, "score_batch", real)
+    monkeypatch.setattr(grpo.scoring.score, "score_batch", real)
     done = stage_function("rewards")(storage, "many", 0)
     assert attempts(storage, "many", shard_stage("rewards", 0, 2)) == first  # reused, not scored again
     assert len(attempts(storage, "many", shard_stage("rewards", 1, 2))) == 2  # the failed one, then its rerun

@@ -192,7 +192,7 @@ def test_overlong_shaping_is_a_reward_component_a_query_shows(storage):
     """reward.overlong_buffer: each response's reward loses penalty * (length - (max_tokens - buffer)) / buffer
     past max_tokens - buffer tokens, after truncated_reward; the term is the component `overlong`."""
     from grpo.query import query
-    from stages.rewards import overlong_penalty
+    from grpo.scoring.shaping import overlong_penalty
 
     make_run(storage, "o", extra=["reward.overlong_buffer=6", "reward.overlong_penalty=0.5"])  # max_tokens 16
     for s in ["snapshot", "rollouts", "rewards"]:
@@ -216,10 +216,12 @@ def test_overlong_shaping_is_a_reward_component_a_query_shows(storage):
 def test_rewards_doctests():
     import doctest
 
-    import stages.rewards
+    import grpo.scoring.pool
+    import grpo.scoring.score
+    import grpo.scoring.shaping
 
-    result = doctest.testmod(stages.rewards)
-    assert result.attempted >= 3 and result.failed == 0
+    results = [doctest.testmod(m) for m in (grpo.scoring.pool, grpo.scoring.score, grpo.scoring.shaping)]
+    assert sum(r.attempted for r in results) >= 3 and not any(r.failed for r in results)
 
 
 def test_reward_timeout_is_recorded(storage, monkeypatch):
@@ -250,8 +252,9 @@ def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_
     import pyarrow as pa
 
     from grpo.config import RewardConfig
+    from grpo.scoring.pool import _fork_pool
+    from grpo.scoring.score import batch_items, score_batch, scorer_key
     from grpo.tasks import get_task, sort
-    from stages.rewards import _fork_pool, batch_items, score_batch, scorer_key
 
     real = sort.SortTask.reward
 
@@ -291,7 +294,7 @@ def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_
 def test_reward_pool_is_kept_only_while_warm_and_never_after_a_failure():
     import os
 
-    from stages.rewards import _WarmPools
+    from grpo.scoring.pool import _WarmPools
 
     pools = _WarmPools()
     pids = []
@@ -319,7 +322,7 @@ def test_a_pool_failed_as_it_starts_is_terminated_despite_the_parents_sigterm_ha
     import signal
     import threading
 
-    from stages.rewards import _WarmPools
+    from grpo.scoring.pool import _WarmPools
 
     pools, done = _WarmPools(), threading.Event()
 

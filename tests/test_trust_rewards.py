@@ -11,12 +11,13 @@ from test_stages import TINY
 from grpo.config import RewardConfig, load_config
 from grpo.errors import LayoutError, StageError
 from grpo.layout import run_dir, stage_dir
+from grpo.scoring.pool import RewardPool
+from grpo.scoring.score import allowed_errors, score_batch
 from grpo.storage import StageWriter, committed_attempts, latest_committed, open_storage
 from grpo.tasks import functions
 from stages import stage_function
 from stages.common import run_stage
 from stages.init import init_run
-from stages.rewards import RewardPool, allowed_errors, score_batch
 
 FUNCTIONS = """
 import os, signal, time
@@ -68,7 +69,7 @@ def funcs(tmp_path_factory) -> str:
 
 
 def key(path: str, name: str) -> tuple:
-    """stages.rewards.scorer_key of one function of the file `path`."""
+    """grpo.scoring.score.scorer_key of one function of the file `path`."""
     return "sort", (), (f"{path}:{name}",), None, (path,)
 
 
