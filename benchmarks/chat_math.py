@@ -29,8 +29,9 @@ import torch
 from timing import machine
 
 from grpo.config import load_config
-from grpo.generation import HFGenerator, SamplingSpec, decode_responses, stop_token_ids
 from grpo.quiet import quiet_libraries
+from grpo.sampling.base import SamplingSpec, decode_responses, stop_token_ids
+from grpo.sampling.hf import HFGenerator
 from grpo.storage import open_storage
 from grpo.tasks.math import math_reward
 from grpo.tiny_model import build_chat_model

@@ -213,13 +213,13 @@ def vllm_alone(storage, run_id: str, iteration: int, cfg) -> float:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from grpo import generation
+    from grpo.sampling import engines
     from stages import stage_function
 
     rollouts = stage_function("rollouts")(storage, run_id, iteration)
     table = pd.read_parquet(storage.uri(rollouts.path("rollouts.parquet")), columns=["prompt_id", "prompt_ids"])
     prompts = table.drop_duplicates("prompt_id").prompt_ids.map(list).tolist()
-    gen = generation._CACHE["vllm"]
+    gen = engines._CACHE["vllm"]
     gen.wake()
     r = cfg.rollout
     params = SamplingParams(
@@ -283,7 +283,7 @@ def main() -> int:
     from transformers.utils.logging import disable_progress_bar
 
     from grpo.checkpoint import parameter_count
-    from grpo.generation import close_generators
+    from grpo.sampling.engines import close_generators
     from grpo.storage import open_storage
 
     disable_progress_bar()  # a "Loading weights" and "Writing model shards" bar per checkpoint between the lines

@@ -21,7 +21,8 @@ import time
 from functools import partial
 
 from grpo.config import RunConfig, load_config
-from grpo.generation import SamplingSpec, get_generator
+from grpo.sampling.base import SamplingSpec
+from grpo.sampling.engines import get_generator
 from grpo.tasks import get_task
 from stages.init import build_tiny_base
 

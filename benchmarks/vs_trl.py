@@ -239,7 +239,7 @@ def sort_trl(root: Path, seed: int, iterations: int, target: float) -> tuple[flo
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo.config import load_config_file
-    from grpo.generation import decode_responses
+    from grpo.sampling.base import decode_responses
     from grpo.tasks import get_task
     from stages.eval import exact_match
     from stages.init import build_tiny_base

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 
 from grpo.config import EVAL_READING, RunConfig
-from grpo.generation import SamplingSpec, decode_responses
 from grpo.layout import stage_dir
 from grpo.lineage import check_chain, committed_input
+from grpo.sampling.base import SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
 from grpo.storage import Committed, Storage, committed_attempts, latest_committed

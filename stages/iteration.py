@@ -48,8 +48,8 @@ def warm_state() -> Iterator[WarmState]:
     - the reward worker pool (grpo.scoring.pool.WARM_POOLS): one for all iterations, stopped on exit;
     - the learner one learn hands to the next iteration's (stages.learn.WARM, keyed by the commit it
       made; on a GPU it waits in CPU memory);
-    - the sampling engine (grpo.generation's live generators): reloaded in place with each new
-      policy, asleep while the learner runs; `grpo.generation.close_generators()` stops it;
+    - the sampling engine (grpo.sampling's live generators): reloaded in place with each new
+      policy, asleep while the learner runs; `grpo.engines.close_generators()` stops it;
     - gc.freeze of what the first iteration loaded (WarmState.loaded), undone on exit.
     The learner and the engine outlive the block (a later block in the process takes them up again if
     its run continues theirs). Process-wide caches that need no owner, read-only and bounded: tokenizer

@@ -32,11 +32,11 @@ from grpo.checkpoint import (
     upload_folder,
 )
 from grpo.config import LEARN_PLACEMENT, RunConfig, identity_section
-from grpo.generation import release_accelerator
 from grpo.layout import STATE_PREFIXES
 from grpo.learner import Batch, Learner, launch, nodes
 from grpo.learner.rank import new_learner, train_and_save
 from grpo.lineage import check_chain, committed_input, reference_iteration
+from grpo.sampling.engines import release_accelerator
 from grpo.storage import Committed, StageWriter, Storage, config_hash, is_local, stage_identity
 from schemas import read_parquet, table_file
 from stages.common import StageError, load_run, run_stage

@@ -17,8 +17,9 @@ from tokenizers import models as tokenizer_models
 from grpo import data
 from grpo.checkpoint import policy_folders, tokenizer_and_config
 from grpo.config import RunConfig
-from grpo.generation import Generator, choose_backend, engine_settings, get_generator, stop_token_ids
 from grpo.layout import Salt, iteration_seed
+from grpo.sampling.base import Generator, stop_token_ids
+from grpo.sampling.engines import choose_backend, engine_settings, get_generator
 from grpo.storage import Committed
 from grpo.tasks import Example, get_task
 from stages.common import StageError

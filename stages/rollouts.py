@@ -16,10 +16,10 @@ import time
 from grpo import data
 from grpo.checkpoint import content_hash, non_finite_weights
 from grpo.config import RolloutConfig, RunConfig, identity_section
-from grpo.generation import Sample, SamplingSpec, decode_responses
 from grpo.layout import Salt, iteration_seed, round_seed
 from grpo.lineage import check_chain, committed_input
 from grpo.progress import progress
+from grpo.sampling.base import Sample, SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_samples, scorer_key
 from grpo.storage import Committed, StageWriter, Storage

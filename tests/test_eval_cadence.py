@@ -228,7 +228,7 @@ def test_vllm_loads_the_export_as_it_is(run, tmp_path, monkeypatch, capsys):
 
     storage, _ = run
     assert main(["--storage", storage.uri(storage.path()), "export", "--run", "r", "--best", str(tmp_path / "p")]) == 0
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as grpo.generation sets them
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as grpo.sampling sets them
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = vllm.LLM(model=str(tmp_path / "p"), max_model_len=64, enforce_eager=True, use_tqdm_on_load=False)
     out = llm.generate(["sort 3 1 2 :"], vllm.SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)

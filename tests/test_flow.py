@@ -202,7 +202,7 @@ def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
     """Two iterations in one flow run (the vLLM engine reloads weights in place, the learner keeps
     its model and optimizer) against two cold processes of one iteration each: same samples,
     rewards and checkpoints."""
-    from grpo.generation import close_generators
+    from grpo.sampling.engines import close_generators
 
     url = (tmp_path / "store").as_uri()
     vllm = [o for o in TINY if not o.startswith("rollout.backend")] + ["rollout.backend=vllm", F32]

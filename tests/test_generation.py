@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo.generation import HFGenerator, SamplingSpec, close_generators, get_generator, sample_token
+from grpo.sampling.base import SamplingSpec
+from grpo.sampling.engines import close_generators, get_generator
+from grpo.sampling.hf import HFGenerator, sample_token
 from grpo.tasks import get_task
 from grpo.tiny_model import EOS_ID, build_for_task
 
@@ -110,7 +112,7 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
 
 HEAP_PROBE = """
 import ctypes
-from grpo.generation import _return_freed_heap
+from grpo.sampling.vllm_engine import _return_freed_heap
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20  # MiB resident
 libc, blocks = ctypes.CDLL(None), []
 libc.malloc.restype = libc.realloc.restype = ctypes.c_void_p

@@ -13,8 +13,8 @@ from test_stages import make_run, rewards_of_a_short_run
 
 from flows.cli import main
 from grpo.config import load_config
-from grpo.generation import close_generators
 from grpo.layout import stage_dir
+from grpo.sampling.engines import close_generators
 from grpo.storage import latest_committed, open_storage
 from stages import learn as learn_stage
 from stages.init import init_run

@@ -10,9 +10,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from test_learn import F32, TINY  # the same tiny run
 
-from grpo import generation
 from grpo.config import ConfigError, load_config
 from grpo.learner import MASTER_WEIGHTS
+from grpo.sampling import engines
 from grpo.storage import open_storage
 from grpo.tiny_model import build_for_task
 from stages import stage_function
@@ -92,23 +92,23 @@ def test_gradient_checkpointing_and_small_logprob_chunks_give_the_same_update(st
 @pytest.mark.parametrize("keep", [True, False])
 def test_the_sampler_is_kept_or_closed_before_the_learner(storage, keep):
     init_run(storage, "r", load_config(None, TINY + [f"rollout.keep_engine={str(keep).lower()}"]))
-    generation.close_generators()
+    engines.close_generators()
     for s in ["snapshot", "rollouts", "rewards", "advantages"]:
         stage_function(s)(storage, "r", 0)
-    live = generation._CACHE.get("hf")
+    live = engines._CACHE.get("hf")
     assert live is not None
     stage_function("learn")(storage, "r", 0)
     WARM.take(None)
-    assert (generation._CACHE.get("hf") is live) == keep and (("hf" in generation._CACHE) == keep)
+    assert (engines._CACHE.get("hf") is live) == keep and (("hf" in engines._CACHE) == keep)
     stage_function("eval")(storage, "r", 0)  # starts (or reuses) a sampler again
-    assert "hf" in generation._CACHE
-    generation.close_generators()
+    assert "hf" in engines._CACHE
+    engines.close_generators()
 
 
 def test_engine_settings_resolve_for_the_platform_pass_through_and_restart_the_engine(tmp_path):
     model = build_for_task(str(tmp_path / "m"), "sort", hidden_size=64, num_heads=2, intermediate_size=128)
     cfg = load_config(None, ["rollout.max_prompt_tokens=20", "rollout.max_tokens=16"])
-    settings = generation.engine_settings("vllm", cfg.rollout, "auto", model)
+    settings = engines.engine_settings("vllm", cfg.rollout, "auto", model)
     assert settings == {
         "dtype": "float32",
         "max_model_len": 36,
@@ -127,14 +127,14 @@ def test_engine_settings_resolve_for_the_platform_pass_through_and_restart_the_e
             "model.dtype=bfloat16",
         ],
     )
-    settings = generation.engine_settings("vllm", cfg.rollout, cfg.model.dtype, model)
+    settings = engines.engine_settings("vllm", cfg.rollout, cfg.model.dtype, model)
     assert (
         settings["max_model_len"],
         settings["enable_prefix_caching"],
         settings["kv_cache_dtype"],
         settings["dtype"],
     ) == (48, True, "fp8", "bfloat16")
-    assert generation.engine_settings("hf", cfg.rollout, "auto", model) == {"dtype": "float32"}
+    assert engines.engine_settings("hf", cfg.rollout, "auto", model) == {"dtype": "float32"}
     assert (
         settings["max_model_len"] == 48
         and 64 == json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
@@ -149,12 +149,12 @@ def test_engine_settings_resolve_for_the_platform_pass_through_and_restart_the_e
         with pytest.raises(ConfigError, match=field):
             load_config(None, [bad])
     try:
-        first = generation.get_generator("hf", model, dtype="float32")
-        assert generation.get_generator("hf", model, dtype="float32") is first
-        second = generation.get_generator("hf", model, dtype="bfloat16")  # other settings: a new engine
+        first = engines.get_generator("hf", model, dtype="float32")
+        assert engines.get_generator("hf", model, dtype="float32") is first
+        second = engines.get_generator("hf", model, dtype="bfloat16")  # other settings: a new engine
         assert second is not first and next(second.model.parameters()).dtype == torch.bfloat16
     finally:
-        generation.close_generators()
+        engines.close_generators()
 
 
 def test_fsdp2_keeps_float32_master_weights_in_its_sharded_state_and_a_cold_resume_equals_a_warm_one(

@@ -18,7 +18,9 @@ import pytest
 
 from flows.cli import main
 from grpo.config import ConfigError, load_config
-from grpo.generation import HFGenerator, SamplingSpec, close_generators, get_generator
+from grpo.sampling.base import SamplingSpec
+from grpo.sampling.engines import close_generators, get_generator
+from grpo.sampling.hf import HFGenerator
 from grpo.storage import open_storage
 from grpo.tiny_model import build_chat_model
 from stages.init import init_run
@@ -313,7 +315,7 @@ def test_both_backends_stop_on_every_eos_id_and_keep_each_budget(world, tmp_path
     """An eos id listed only in generation_config.json stops too; each prompt keeps its own budget."""
     from transformers import AutoTokenizer
 
-    from grpo.generation import decode_responses
+    from grpo.sampling.base import decode_responses
 
     model = tmp_path / "m"
     shutil.copytree(world / "model", model)
@@ -357,7 +359,7 @@ def test_tokenizer_without_pad_token_pads_with_eos(world, tmp_path):
 
 def test_a_warm_engine_restarts_when_the_eos_ids_change(world, tmp_path):
     """Reloading weights in place keeps the old stop ids: a checkpoint with other eos ids is not 'the same'."""
-    from grpo.generation import same_architecture
+    from grpo.sampling.engines import same_architecture
 
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(world / "model", a)

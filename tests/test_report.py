@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import generation
 from grpo.config import load_config
 from grpo.report import iteration_rows, write_report
+from grpo.sampling import engines
 from grpo.storage import open_storage
 from grpo.tracking import event_dir
 from stages.init import init_run
@@ -107,10 +107,10 @@ def test_auto_backend_picks_by_model_size_and_says_why(tmp_path, storage, monkey
     big = tmp_path / "big"
     big.mkdir()
     save_file({"w": torch.zeros(10_000_000, dtype=torch.bfloat16)}, str(big / "model.safetensors"))
-    assert generation.choose_backend("auto", str(big)) == ("vllm", "auto: 10.0M parameters on a CPU (>= 10M)")
-    assert generation.choose_backend("hf", str(big)) == ("hf", "rollout.backend")
+    assert engines.choose_backend("auto", str(big)) == ("vllm", "auto: 10.0M parameters on a CPU (>= 10M)")
+    assert engines.choose_backend("hf", str(big)) == ("hf", "rollout.backend")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "vllm" else object())
-    assert generation.choose_backend("auto", str(big)) == ("hf", "auto: vLLM is not installed")
+    assert engines.choose_backend("auto", str(big)) == ("hf", "auto: vLLM is not installed")
 
 
 def test_report_rows_cover_every_committed_iteration_and_the_plot_is_written(storage, tmp_path):

@@ -551,7 +551,8 @@ def test_an_init_killed_after_run_json_is_finished_by_the_command_the_error_name
 
 
 def test_a_sampler_serving_stale_weights_trips_max_logprob_gap_and_tis_trains_through_it(storage, monkeypatch):
-    from grpo.generation import HFGenerator, close_generators
+    from grpo.sampling.engines import close_generators
+    from grpo.sampling.hf import HFGenerator
 
     make_run(storage, extra=["learn.max_logprob_gap=0.01", "learn.lr=1e-2"])
     close_generators()

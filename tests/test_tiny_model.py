@@ -59,7 +59,7 @@ def test_tokenizer_special_ids_and_unknown_words():
 def test_decode_responses_drops_the_final_eos_and_keeps_other_specials(sort_model):
     import random
 
-    from grpo.generation import decode_responses
+    from grpo.sampling.base import decode_responses
 
     tok = AutoTokenizer.from_pretrained(sort_model)
     rng = random.Random(0)
@@ -142,7 +142,8 @@ def test_build_leaves_global_rng_alone(tmp_path):
 @pytest.mark.slow
 def test_weight_reload_samples_like_a_fresh_generator(tmp_path, backend):
     """A warm generator that reloads checkpoint B in place samples exactly what one started on B does."""
-    from grpo.generation import SamplingSpec, close_generators, get_generator
+    from grpo.sampling.base import SamplingSpec
+    from grpo.sampling.engines import close_generators, get_generator
 
     a, b = (build_for_task(str(tmp_path / name), "sort", seed=seed) for name, seed in (("a", 0), ("b", 1)))
     tok = AutoTokenizer.from_pretrained(a)

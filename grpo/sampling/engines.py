@@ -1,0 +1,148 @@
+"""The engine registry: which backend samples (`choose_backend`), with which settings (`engine_settings`), and the
+live engines one process keeps warm between stages (`get_generator`, `release_accelerator` around the learner,
+`close_generators`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from grpo.sampling.base import Generator, _generation_config_eos
+from grpo.sampling.hf import HFGenerator
+from grpo.sampling.vllm_engine import VLLMGenerator
+
+BACKENDS = {"hf": HFGenerator, "vllm": VLLMGenerator}
+_CACHE: dict[str, Generator] = {}
+_SETTINGS: dict[str, dict] = {}  # what each live generator was built with
+
+
+# config.json keys that differ between saves of one architecture
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype"}
+
+
+def same_architecture(dir_a: str, dir_b: str) -> bool:
+    """Whether two checkpoint folders differ only in their weights (config, tokenizer and eos ids equal)."""
+
+    def read(d: str, name: str) -> bytes | None:
+        p = Path(d, name)
+        return p.read_bytes() if p.exists() else None
+
+    def config(d: str) -> dict | None:
+        raw = read(d, "config.json")
+        return None if raw is None else {k: v for k, v in json.loads(raw).items() if k not in _VOLATILE_CONFIG_KEYS}
+
+    config_a = config(dir_a)
+    return (
+        config_a is not None
+        and config_a == config(dir_b)
+        and all(read(dir_a, f) == read(dir_b, f) for f in ("tokenizer.json", "tokenizer_config.json"))
+        and _generation_config_eos(dir_a) == _generation_config_eos(dir_b)
+    )  # what stops sampling
+
+
+def get_generator(backend: str, model_dir: str, adapter_dir: str | None = None, **settings) -> Generator:
+    """A generator for `model_dir` (with the LoRA adapters of `adapter_dir`) built with `settings` (the
+    backend's keyword arguments). The live one is reused when its settings are the same: woken if
+    asleep, as is for the same checkpoint, with its weights reloaded in place for another checkpoint
+    of the same architecture (a warm engine across iterations), its adapters swapped for other ones;
+    it is restarted otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown rollout backend {backend!r}; valid: {sorted(BACKENDS)}")
+    current = _CACHE.get(backend)
+    if current is not None and _SETTINGS.get(backend) == settings:
+        if current.model_dir == model_dir or same_architecture(current.model_dir, model_dir):
+            current.wake()
+            if current.model_dir != model_dir:
+                current.load_weights(model_dir)
+            if current.adapter_dir != adapter_dir:
+                current.load_adapter(adapter_dir)
+            return current
+    if current is not None:
+        current.close()
+        del _CACHE[backend]
+    _CACHE[backend] = BACKENDS[backend](model_dir, **settings)
+    _SETTINGS[backend] = settings
+    if adapter_dir is not None:
+        _CACHE[backend].load_adapter(adapter_dir)
+    return _CACHE[backend]
+
+
+VLLM_MIN_PARAMS = 10_000_000  # on 2 CPU cores vLLM samples 2.8x faster at 13M, transformers 3x faster at 0.1M
+
+
+def choose_backend(setting: str, model_dir: str) -> tuple[str, str]:
+    """(backend, why) for rollout.backend `setting`: `auto` picks vLLM on a GPU and for models of
+    VLLM_MIN_PARAMS and up, transformers for smaller ones on a CPU or where vLLM is not installed."""
+    if setting != "auto":
+        return setting, "rollout.backend"
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "hf", "auto: vLLM is not installed"
+    if torch.cuda.is_available():
+        return "vllm", "auto: a GPU"
+    from grpo.checkpoint import parameter_count
+
+    n = parameter_count(model_dir)
+    if n >= VLLM_MIN_PARAMS:
+        return "vllm", f"auto: {n / 1e6:.1f}M parameters on a CPU (>= {VLLM_MIN_PARAMS / 1e6:.0f}M)"
+    return "hf", f"auto: {n / 1e6:.1f}M parameters on a CPU (< {VLLM_MIN_PARAMS / 1e6:.0f}M)"
+
+
+def release_accelerator(keep_engine: bool) -> None:
+    """Before the learner runs: every live generator sleeps (off the GPU, usable again on its next
+    use) or, when it cannot sleep or keep_engine is False, is closed."""
+    for backend, gen in list(_CACHE.items()):
+        if not (keep_engine and gen.sleep()):
+            gen.close()
+            del _CACHE[backend]
+
+
+def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None) -> dict:
+    """The keyword arguments of the `backend` generator for this run on this machine: rollout.vllm's
+    None settings resolved to the platform's defaults, model.dtype's `auto` to the checkpoint's dtype.
+
+    rollout: grpo.config.RolloutConfig; lora: grpo.config.LoraConfig or None. Recorded in the rollouts
+    and eval manifests (`sampler`).
+    """
+    from grpo.checkpoint import checkpoint_dtype_name
+
+    dtype = checkpoint_dtype_name(model_dir) if dtype == "auto" else dtype
+    if backend != "vllm":
+        return {"dtype": dtype}
+    v, gpu = rollout.vllm, torch.cuda.is_available()
+    max_len = v.max_model_len
+    if max_len is None and rollout.max_prompt_tokens is not None:
+        max_len = min(rollout.max_prompt_tokens + rollout.max_tokens, _context_length(model_dir))
+    settings = {
+        "dtype": dtype,
+        "max_model_len": max_len,
+        "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
+        "enable_prefix_caching": gpu if v.enable_prefix_caching is None else v.enable_prefix_caching,
+        "kv_cache_dtype": v.kv_cache_dtype,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "enable_sleep_mode": gpu if v.enable_sleep_mode is None else v.enable_sleep_mode,
+    }
+    if gpu:
+        settings["gpu_memory_utilization"] = v.gpu_memory_utilization
+    if lora is not None and (gpu if v.enable_lora is None else v.enable_lora):  # else merged in memory
+        settings |= {"enable_lora": True, "max_lora_rank": _lora_rank(lora.r), "max_loras": 1}
+    return settings
+
+
+def _lora_rank(r: int) -> int:
+    """vLLM's max_lora_rank: the smallest of the ranks it accepts that holds r."""
+    return next(n for n in (1, 8, 16, 32, 64, 128, 256, 320, 512) if n >= r)
+
+
+def _context_length(model_dir: str) -> int:
+    return int(json.loads(Path(model_dir, "config.json").read_text()).get("max_position_embeddings") or 2**31)
+
+
+def close_generators() -> None:
+    """Stop every live engine (the next get_generator starts cold)."""
+    while _CACHE:
+        _CACHE.popitem()[1].close()
+    _SETTINGS.clear()

@@ -1,0 +1,162 @@
+"""The transformers backend: batched decoding with the model's KV cache, sampler log-probs under the raw model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from grpo.sampling.base import Sample, SamplingSpec, pad_token_id, stop_token_ids
+
+
+class HFGenerator:
+    """A transformers model decoded with its own KV cache, for machines without vLLM.
+
+    Each prompt is prefilled once and its n samples decode from copies of its cache (the prompt
+    shared, like vLLM's parallel sampling); each step keeps only the sampled token's log-prob, so
+    memory grows with sequences x tokens, not x vocabulary. Batched, prompts left-padded.
+    """
+
+    def __init__(self, model_dir: str, batch_size: int = 1024, dtype: str = "float32"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_dir, self.batch_size = model_dir, batch_size
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos = torch.tensor(stop_token_ids(self.tokenizer, model_dir), device=self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.model.to(self.device)
+        self.adapter_dir: str | None = None
+
+    @torch.no_grad()
+    def _batch(
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int], rng: torch.Generator
+    ) -> list[list[Sample]]:
+        pad = pad_token_id(self.tokenizer)
+        width, dev = max(map(len, prompts)), self.device
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
+        attn = (
+            torch.arange(width, device=dev) >= torch.tensor([width - len(p) for p in prompts], device=dev)[:, None]
+        ).long()
+        out = self.model(
+            input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp_min(0), use_cache=True
+        )
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(spec.n)  # (B, ...) -> (B*n, ...)
+        logits = out.logits[:, -1].repeat_interleave(spec.n, 0)  # (B*n, V)
+        attn = attn.repeat_interleave(spec.n, 0)
+        position = attn.sum(1, keepdim=True)  # (B*n, 1): where the next token sits
+        tokens, logps = [], []
+        done = torch.zeros(len(logits), dtype=torch.bool, device=dev)
+        stopped = done.clone()  # ended by an eos or a stop string
+        limit = torch.tensor(budgets, device=dev).repeat_interleave(spec.n)  # (B*n,) each prompt's own budget
+        length = limit.clone()  # tokens kept per row
+        for t in range(int(limit.max())):
+            logp = logits.float().log_softmax(-1)  # the raw distribution, before temperature and top-p
+            tok = (
+                logp.argmax(-1)
+                if spec.temperature == 0
+                else sample_token(logits.float() / spec.temperature, spec.top_p, rng)
+            )
+            tok = tok.masked_fill(done, pad)
+            tokens.append(tok)
+            logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+            ended = ~done & torch.isin(tok, self.eos)
+            if spec.stop:
+                ended |= ~done & self._stop_strings_seen(tokens, spec.stop)
+            length[ended], done, stopped = t + 1, done | ended, stopped | ended
+            done |= limit == t + 1  # out of budget: "length" (length stays at the budget)
+            if done.all():
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=attn,
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits, position = out.logits[:, -1], position + 1
+        rows, row_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
+        samples = [
+            Sample(r[:k], lp[:k], "stop" if s else "length")
+            for r, lp, k, s in zip(rows, row_logps, length.tolist(), stopped.tolist())
+        ]
+        return [samples[i * spec.n : (i + 1) * spec.n] for i in range(len(prompts))]
+
+    def _stop_strings_seen(self, tokens: list[torch.Tensor], stop: tuple[str, ...]) -> torch.Tensor:
+        """(B*n,) whether each row's text so far holds a stop string."""
+        rows = torch.stack(tokens, 1).tolist()
+        return torch.tensor([any(s in self.tokenizer.decode(r) for s in stop) for r in rows], device=self.device)
+
+    def generate(
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
+    ) -> list[list[Sample]]:
+        rng = torch.Generator(self.device).manual_seed(spec.seed)
+        budgets = budgets or [spec.max_tokens] * len(prompts)
+        step = max(1, self.batch_size // spec.n)
+        out: list[list[Sample]] = []
+        for i in range(0, len(prompts), step):
+            out += self._batch(prompts[i : i + step], spec, budgets[i : i + step], rng)
+        return out
+
+    def load_weights(self, model_dir: str) -> None:
+        from safetensors.torch import load_file
+
+        if self.adapter_dir is not None or hasattr(self.model, "unload"):  # back to the plain model
+            self.model, self.adapter_dir = self.model.unload(), None
+        state = {}
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            state.update(load_file(f))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)  # cast to the model's dtype
+        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+        if unexpected or set(missing) - tied:
+            raise ValueError(
+                f"{model_dir}: weights do not fit the loaded model "
+                f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})"
+            )
+        self.model_dir = model_dir
+
+    def load_adapter(self, adapter_dir: str | None) -> None:
+        """peft's LoRA layers in the model, unmerged (x W + s x A B): a new policy's adapters are loaded
+        into them in place; None switches them off."""
+        from peft import PeftModel, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if adapter_dir is None:
+            if hasattr(self.model, "disable_adapter_layers"):
+                self.model.base_model.disable_adapter_layers()
+        elif not hasattr(self.model, "get_base_model"):
+            self.model = PeftModel.from_pretrained(self.model, adapter_dir).eval().to(self.device)
+        else:
+            weights = load_file(str(Path(adapter_dir, "adapter_model.safetensors")), device=str(self.device))
+            result = set_peft_model_state_dict(self.model, weights)
+            if result.unexpected_keys:
+                raise ValueError(f"{adapter_dir}: adapters do not fit the loaded ones ({result.unexpected_keys[:3]})")
+            self.model.base_model.enable_adapter_layers()
+        self.adapter_dir = adapter_dir
+
+    def sleep(self) -> bool:
+        self.model.to("cpu")  # on a GPU: off it until the next use
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    def wake(self) -> None:
+        self.model.to(self.device)
+
+    def close(self) -> None:
+        pass
+
+
+def sample_token(logits: torch.Tensor, top_p: float, rng: torch.Generator) -> torch.Tensor:
+    """One token per row from softmax(logits), within the smallest set of mass >= top_p (nucleus).
+
+    logits (B, V) -> (B,) long.
+    """
+    probs = logits.softmax(-1)
+    if top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        sorted_p = sorted_p * (sorted_p.cumsum(-1) - sorted_p < top_p)  # the first token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
