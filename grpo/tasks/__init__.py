@@ -12,43 +12,14 @@ them. A task without `generate` (`math`) scores a dataset (`task.dataset`).
 """
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Protocol
 
+from grpo.tasks.arithmetic import ArithmeticTask
+from grpo.tasks.base import Example, Task
+from grpo.tasks.math import MathTask
+from grpo.tasks.sort import SortTask
 
-@dataclass(frozen=True)
-class Example:
-    """One prompt and the answer its reward is checked against."""
+__all__ = ["Example", "Task", "TASKS", "generates", "get_task"]
 
-    prompt: str | list[dict]
-    """Text, or chat messages `{role, content}` (rendered with the model's chat template)."""
-    ground_truth: str
-    row: dict | None = None
-    """A dataset row's other columns, passed to user reward functions as keyword arguments."""
-
-
-class Task(Protocol):
-    """What every task provides; see `sort.SortTask` for an example."""
-
-    name: str
-
-    def words(self) -> list[str]:
-        """Every word a prompt or a correct answer can contain."""
-        ...
-
-    def generate(self, n: int, seed: int) -> list[Example]:
-        """`n` examples, the same ones for the same seed."""
-        ...
-
-    def reward(self, response: str, ground_truth: str, prompt: str) -> dict[str, float]:
-        """Named reward components in [0, 1]; `"total"` is the scalar reward."""
-        ...
-
-
-# imported after Example is defined: the task modules import it from here
-from grpo.tasks.arithmetic import ArithmeticTask  # noqa: E402
-from grpo.tasks.math import MathTask  # noqa: E402
-from grpo.tasks.sort import SortTask  # noqa: E402
 
 TASKS: dict[str, type] = {"sort": SortTask, "arithmetic": ArithmeticTask, "math": MathTask}
 

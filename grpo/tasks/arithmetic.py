@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from grpo.tasks import Example
+from grpo.tasks.base import Example
 
 _INTEGER = re.compile(r"-?[0-9]+")
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from grpo.tasks import Example
+from grpo.tasks.base import Example
 
 _NUMBER = re.compile(r"-?[0-9]+")
 
