@@ -330,51 +330,6 @@ class LearnConfig:
         return self.processes_per_node or self.num_processes // self.nodes
 
 
-LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s")
-"""The learn fields that say where its processes run and how long they wait for each other, not what they
-compute (rank r does the same work on any node): left out of the learn stage's identity, and free to
-change for an existing run."""
-
-ADDED_SETTINGS = {
-    "learn": (("dual_clip_c",), ("ref_update_every",), ("old_logprobs",), ("padding_free",)),
-    "reward": (("overlong_buffer", "overlong_penalty"),),
-    "rollout": (("min_signal_groups", "max_sampling_rounds"),),
-}
-"""Settings added after runs were made without them, per section, in groups that act together: a stage's identity
-leaves a group out while all of it holds its defaults (what runs did before it existed), so the stages those
-runs committed stay theirs."""
-
-
-CHANGED_DEFAULTS = {("learn", "mixed_precision"): ("no", "auto"), ("learn", "old_logprobs"): ("recompute", "auto")}
-"""Defaults changed after runs were made with the old one, (section, field): (old default, new default). A run
-that holds the old default keeps it when a config at the new default (one that does not set the field) comes
-to it again (stages.init.write_run_json), a run.json written before the field existed reads as the old default
-(stored_config), and a setting added later (ADDED_SETTINGS) is left out of identities at its old default: a
-scheduled deployment's run goes on as it started."""
-
-
-def stored_config(raw: dict | None) -> RunConfig:
-    """A run.json's config: load_config, where a field whose default changed (CHANGED_DEFAULTS) and that the
-    stored config lacks (written before the field existed) holds the old default, which it ran with."""
-    if isinstance(raw, dict):
-        raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-        for (section, name), (was, _) in CHANGED_DEFAULTS.items():
-            if isinstance(raw.get(section), dict):
-                raw[section].setdefault(name, was)
-    return load_config(raw)
-
-
-def identity_section(cfg: RunConfig, section: str) -> dict:
-    """Section `section` of cfg as stage identities cover it: ADDED_SETTINGS groups at their defaults left out."""
-    values = cfg.to_dict()[section]
-    # a group's defaults as they were when it was added, before any later change of them (CHANGED_DEFAULTS)
-    fields = dataclasses.fields(getattr(cfg, section))
-    defaults = {f.name: CHANGED_DEFAULTS.get((section, f.name), (f.default,))[0] for f in fields}
-    groups = ADDED_SETTINGS.get(section, ())
-    idle = {k for group in groups if all(values[k] == defaults[k] for k in group) for k in group}
-    return {k: v for k, v in values.items() if k not in idle}
-
-
 EvalMetric = Literal["exact_match", "reward_mean", "avg_at_k", "pass_at_k"]
 
 
@@ -402,11 +357,6 @@ class EvalConfig:
     def metric_key(self) -> str:
         """`metric` as the eval summary names it: `avg_at_k` with samples_per_prompt=4 is `avg@4`."""
         return self.metric.replace("_at_k", f"@{self.samples_per_prompt}")
-
-
-EVAL_READING = ("every", "metric")
-"""The eval fields that say when an eval runs and how its figures are read, not what it computes: left out of
-the eval stage's identity."""
 
 
 @dataclass(frozen=True)

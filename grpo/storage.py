@@ -38,6 +38,7 @@ from pathlib import Path
 import fsspec
 from fsspec import AbstractFileSystem
 
+from grpo.identity import config_hash, stage_identity
 from schemas.manifest import MANIFEST_NAME, FileEntry, InputRef, Manifest
 
 DEFAULT_STORAGE = "storage"
@@ -183,10 +184,6 @@ def file_digest(fs: AbstractFileSystem, path: str) -> tuple[int, str]:
         while len(_HASHED) > _HASHED_MAX:
             _HASHED.popitem(last=False)
     return size, digest
-
-
-def config_hash(config: dict) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
@@ -365,20 +362,6 @@ def find_committed(storage: Storage, stage_dir: str, identity: str, verify: bool
             collected = verify_files(storage, attempt_dir, manifest) if verify else {}
             return Committed(storage, attempt_dir, manifest, sha, collected)
     return None
-
-
-# change only with tests test_new_attempt_never_overwrites_and_identity_lookup,
-# test_rerun_is_noop_and_force_adds_attempt_without_touching_old and test_warm_iterations_commit_what_cold_ones_do
-# in view
-def stage_identity(run_id: str, iteration: int | None, stage: str, cfg_hash: str, inputs: dict[str, InputRef]) -> str:
-    key = {
-        "run_id": run_id,
-        "iteration": iteration,
-        "stage": stage,
-        "config_hash": cfg_hash,
-        "inputs": {k: v.manifest_sha256 for k, v in sorted(inputs.items())},
-    }
-    return config_hash(key)
 
 
 def heartbeat_interval_s() -> float:

@@ -17,6 +17,7 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.core import group_advantages
+from grpo.identity import section
 from grpo.lineage import check_chain, committed_input
 from grpo.storage import Committed, Storage
 from grpo.tasks.functions import reward_source
@@ -116,7 +117,7 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
 def stage_config(cfg: RunConfig) -> dict:
     """What the stage's identity covers: the advantage section and G; with dynamic sampling
     (rollout.min_signal_groups) also how many groups with signal the learner keeps (signal_groups_kept)."""
-    config = {"advantage": cfg.to_dict()["advantage"], "group_size": cfg.rollout.group_size}
+    config = {"advantage": section(cfg, "advantage"), "group_size": cfg.rollout.group_size}
     if cfg.rollout.min_signal_groups is not None:
         per_step = cfg.learn.minibatch_size // cfg.rollout.group_size
         config["dynamic_sampling"] = {"at_most": cfg.rollout.prompts_per_iteration, "multiple_of": per_step}

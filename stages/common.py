@@ -14,20 +14,12 @@ import sys
 from typing import Callable
 
 from grpo import data
-from grpo.config import ConfigError, RunConfig, stored_config
+from grpo.config import ConfigError, RunConfig
 from grpo.errors import StageError
+from grpo.identity import config_hash, stage_identity, stored_config
 from grpo.layout import no_such_run, run_json, stage_dir
 from grpo.lineage import note_committed, raced
-from grpo.storage import (
-    Committed,
-    StageWriter,
-    Storage,
-    committed_attempts,
-    config_hash,
-    find_committed,
-    load_manifest,
-    stage_identity,
-)
+from grpo.storage import Committed, StageWriter, Storage, committed_attempts, find_committed, load_manifest
 from grpo.tasks import Example
 
 log = logging.getLogger("grpo.stages")

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 
-from grpo.config import EVAL_READING, RunConfig
+from grpo.config import RunConfig
+from grpo.identity import section
 from grpo.layout import stage_dir
 from grpo.lineage import check_chain, committed_input
 from grpo.sampling.base import SamplingSpec, decode_responses
@@ -137,10 +138,10 @@ def skip(storage: Storage, run_id: str, iteration: int, inputs: dict[str, Commit
 
 def stage_config(cfg: RunConfig) -> dict:
     """What the eval stage's identity covers: the held-out prompts, the sampler and the reward (not
-    config.EVAL_READING: when evals run and which figure is read as the best)."""
+    grpo.identity.EVAL_READING: when evals run and which figure is read as the best)."""
     config = {
-        "task": cfg.to_dict()["task"],
-        "eval": {k: v for k, v in cfg.to_dict()["eval"].items() if k not in EVAL_READING},
+        "task": section(cfg, "task"),
+        "eval": section(cfg, "eval"),
         "backend": cfg.rollout.backend,
         "max_tokens": cfg.rollout.max_tokens,
         "max_prompt_tokens": cfg.rollout.max_prompt_tokens,

@@ -32,15 +32,8 @@ from grpo.checkpoint import (
     one_line,
     upload_folder,
 )
-from grpo.config import (
-    CHANGED_DEFAULTS,
-    EVAL_READING,
-    LEARN_PLACEMENT,
-    ConfigError,
-    RunConfig,
-    load_config_file,
-    stored_config,
-)
+from grpo.config import ConfigError, RunConfig, load_config_file
+from grpo.identity import CHANGED_DEFAULTS, EVAL_READING, LEARN_PLACEMENT, section, stored_config
 from grpo.layout import run_dir, run_json
 from grpo.storage import Committed, Storage, is_local
 from grpo.tasks import functions, generates, get_task
@@ -62,8 +55,9 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     result depends on it: the `tracking` and `retention` sections (what is sent where, what gc keeps) and
     learn.num_processes (with learn.sharding=fsdp2 the optimizer state reshards to any number of
     processes; the next learns run with the new number), where the learner's processes run
-    (config.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s), and when evals run
-    and which figure is the best (config.EVAL_READING: eval.every, eval.metric; committed evals and skips stay)."""
+    (grpo.identity.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s), and when evals
+    run and which figure is the best (grpo.identity.EVAL_READING: eval.every, eval.metric; committed evals and
+    skips stay)."""
     path = run_json(storage, run_id)
     if storage.exists(path):
         old, new = stored_config(json.loads(storage.read_bytes(path)).get("config")).to_dict(), cfg.to_dict()
@@ -200,7 +194,7 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
                     writer.storage.fs.put_file(str(Path(path)), writer.path(functions.committed_name(i, spec)))
             return {"base_model": source, "datasets": datasets}
 
-        stage_cfg = {"model": cfg.to_dict()["model"], "task": cfg.to_dict()["task"], "seed": cfg.seed}
+        stage_cfg = {"model": section(cfg, "model"), "task": section(cfg, "task"), "seed": cfg.seed}
         if cfg.reward.functions:
             stage_cfg["reward_functions"] = cfg.reward.functions
         base = run_stage(storage, run_id, None, "base", config=stage_cfg, inputs={}, body=body, force=force)

@@ -31,13 +31,14 @@ from grpo.checkpoint import (
     tokenizer_and_config,
     upload_folder,
 )
-from grpo.config import LEARN_PLACEMENT, RunConfig, identity_section
+from grpo.config import RunConfig
+from grpo.identity import config_hash, section, stage_identity
 from grpo.layout import STATE_PREFIXES
 from grpo.learner import Batch, Learner, launch, nodes
 from grpo.learner.rank import new_learner, train_and_save
 from grpo.lineage import check_chain, committed_input, reference_iteration
 from grpo.sampling.engines import release_accelerator
-from grpo.storage import Committed, StageWriter, Storage, config_hash, is_local, stage_identity
+from grpo.storage import Committed, StageWriter, Storage, is_local
 from schemas import read_parquet, table_file
 from stages.common import StageError, load_run, run_stage
 
@@ -189,9 +190,9 @@ def learn_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int) 
 
 def stage_config(cfg: RunConfig) -> dict:
     """What the stage's identity covers: the seed and the learn section, less where its processes run
-    (LEARN_PLACEMENT: one node or several train the same update) and settings added later at their defaults."""
-    learn = identity_section(cfg, "learn")
-    return {"seed": cfg.seed, "learn": {k: v for k, v in learn.items() if k not in LEARN_PLACEMENT}}
+    (grpo.identity.LEARN_PLACEMENT: one node or several train the same update) and settings added later at
+    their defaults."""
+    return {"seed": cfg.seed, "learn": section(cfg, "learn")}
 
 
 def read_batch(storage: Storage, cfg: RunConfig, inputs: dict[str, Committed]) -> Batch:

@@ -26,7 +26,8 @@ import math
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from grpo.config import RunConfig, identity_section
+from grpo.config import RunConfig
+from grpo.identity import section
 from grpo.lineage import check_chain, committed_input
 from grpo.progress import progress
 from grpo.scoring.pool import WARM_POOLS
@@ -123,9 +124,8 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
 
 def stage_config(cfg: RunConfig) -> dict:
     """What the stage's identity covers: the task and the reward section, less reward.shards (1 and N shards
-    score the same rows) and settings added later at their defaults (config.ADDED_SETTINGS)."""
-    reward = {k: v for k, v in identity_section(cfg, "reward").items() if k != "shards"}
-    return {"task": cfg.to_dict()["task"], "reward": reward}
+    score the same rows) and settings added later at their defaults (grpo.identity)."""
+    return {"task": section(cfg, "task"), "reward": section(cfg, "reward")}
 
 
 def merged_summary(parts: list[dict]) -> dict:

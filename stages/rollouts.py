@@ -15,7 +15,8 @@ import time
 
 from grpo import data
 from grpo.checkpoint import content_hash, non_finite_weights
-from grpo.config import RolloutConfig, RunConfig, identity_section
+from grpo.config import RolloutConfig, RunConfig
+from grpo.identity import section
 from grpo.layout import Salt, iteration_seed, round_seed
 from grpo.lineage import check_chain, committed_input
 from grpo.progress import progress
@@ -166,9 +167,8 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
 
 def stage_config(cfg: RunConfig) -> dict:
     """What the stage's identity covers: the seed, the task and the rollout section, less rollout.shards (1 and N
-    shards sample the same rows) and settings added later at their defaults (config.ADDED_SETTINGS)."""
-    rollout = {k: v for k, v in identity_section(cfg, "rollout").items() if k != "shards"}
-    config = {"seed": cfg.seed, "task": cfg.to_dict()["task"], "rollout": rollout}
+    shards sample the same rows) and settings added later at their defaults (grpo.identity)."""
+    config = {"seed": cfg.seed, "task": section(cfg, "task"), "rollout": section(cfg, "rollout")}
     if cfg.task.dataset:  # the held-out rows are never drawn
         config["held_out"] = held_out_config(cfg)
     if cfg.rollout.min_signal_groups is not None:  # dynamic sampling scores as the rewards stage does

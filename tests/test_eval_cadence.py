@@ -193,9 +193,9 @@ def test_export_refuses_a_policy_gc_collected_and_best_before_any_eval(run, tmp_
 
 
 def test_eval_every_and_metric_leave_the_eval_stage_identity_alone():
-    """Existing runs keep their committed evals: eval.every and eval.metric (config.EVAL_READING) are not part of
+    """Existing runs keep their committed evals: eval.every and eval.metric (grpo.identity.EVAL_READING) are not part of
     the eval stage's identity (hashes of the eval stage config before they existed)."""
-    from grpo.storage import config_hash
+    from grpo.identity import config_hash
     from stages.eval import stage_config
 
     assert config_hash(stage_config(load_config(None))) == (

@@ -318,9 +318,9 @@ def test_learn_doctests():
 
 
 def test_settings_added_later_leave_existing_stage_identities_alone():
-    """At their defaults the settings added after runs were made (config.ADDED_SETTINGS) are not part of any
+    """At their defaults the settings added after runs were made (grpo.identity.ADDED_SETTINGS) are not part of any
     stage's identity: a run made before them keeps its committed stages (hash of the defaults before them)."""
-    from grpo.storage import config_hash
+    from grpo.identity import config_hash
     from stages import advantages, learn, rewards, rollouts
 
     cfg = load_config(None)

@@ -1,0 +1,145 @@
+"""What a stage's identity covers, and the policy that keeps committed stages theirs when the code changes.
+
+A stage's identity is (run, iteration, stage, the hash of the config it reads, the manifests of its inputs)
+(`stage_identity`): run again with the same identity, a stage reuses its commit. The config a stage hashes is
+made of sections read through `section`, and every field of those sections is decided here, once:
+- IDENTITY_FIELDS: covered by identities since runs were first committed; changing one makes a new stage;
+- ADDED_SETTINGS: added after runs were made without them, left out while at the defaults they were added with,
+  so the stages those runs committed stay theirs;
+- LEFT_OUT: fields no identity covers (where processes run, shards, when evals run and how they are read).
+A new field in none of them makes every identity that reads its section fail (UndecidedSetting), and
+tests/test_identity.py fails until it is decided. CHANGED_DEFAULTS: defaults changed after runs were made
+with the old one, which such runs keep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+from grpo.config import ConfigError, RunConfig, load_config
+from schemas.manifest import InputRef
+
+IDENTITY_FIELDS = {
+    "task": (
+        "name", "params", "dataset", "prompt_column", "answer_column", "prompt_format", "system_prompt",
+        "skip_invalid_rows",
+    ),
+    "model": (
+        "base_model", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings",
+        "tie_embeddings", "initializer_range", "arch", "dtype",
+    ),
+    "rollout": (
+        "backend", "prompts_per_iteration", "group_size", "temperature", "top_p", "max_tokens", "stop",
+        "max_prompt_tokens", "chunk_prompts", "vllm", "keep_engine",
+    ),
+    "reward": (
+        "functions", "weights", "workers", "timeout_s", "max_error_fraction", "truncated_reward", "max_memory_mb",
+    ),
+    "advantage": ("mode", "eps", "filter_zero_variance"),
+    "learn": (
+        "loss_type", "agg_mode", "epochs", "minibatch_size", "microbatch_size", "lr", "lr_decay_steps",
+        "weight_decay", "betas", "max_grad_norm", "clip_eps", "clip_eps_high", "kl_coef", "kl_estimator",
+        "num_processes", "importance_correction", "tis_cap", "mixed_precision", "gradient_checkpointing",
+        "logprob_chunk", "max_logprob_gap", "lora", "sharding",
+    ),
+    "eval": ("n_prompts", "seed", "dataset", "split_fraction", "samples_per_prompt"),
+}  # fmt: skip
+"""Per section, the fields every identity reading it has covered since runs were first committed."""
+
+ADDED_SETTINGS = {
+    "learn": (("dual_clip_c",), ("ref_update_every",), ("old_logprobs",), ("padding_free",)),
+    "reward": (("overlong_buffer", "overlong_penalty"),),
+    "rollout": (("min_signal_groups", "max_sampling_rounds"),),
+}
+"""Settings added after runs were made without them, per section, in groups that act together: an identity
+leaves a group out while all of it holds its defaults (what runs did before it existed)."""
+
+LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s")
+"""Where the learner's processes run and how long they wait for each other, not what they compute (rank r does
+the same work on any node): free to change for an existing run."""
+
+EVAL_READING = ("every", "metric")
+"""When evals run and which figure is read as the best: committed evals and skips stay when they change."""
+
+LEFT_OUT = {
+    "learn": LEARN_PLACEMENT,
+    "eval": EVAL_READING,
+    "rollout": ("shards",),  # 1 and N shards sample the same rows
+    "reward": ("shards",),  # and score them alike
+    "tracking": ("backend", "uri", "project", "dir"),
+    "retention": ("keep_last", "keep_every"),
+}
+"""Per section, the fields no identity covers."""
+
+
+class UndecidedSetting(ConfigError):
+    """A config field that IDENTITY_FIELDS, ADDED_SETTINGS and LEFT_OUT all leave undecided."""
+
+
+def undecided(cfg: RunConfig) -> list[str]:
+    """`section.field` of every field of cfg's sections that no list here decides."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        added = {k for group in ADDED_SETTINGS.get(f.name, ()) for k in group}
+        decided = set(IDENTITY_FIELDS.get(f.name, ())) | added | set(LEFT_OUT.get(f.name, ()))
+        out += [f"{f.name}.{x.name}" for x in dataclasses.fields(value) if x.name not in decided]
+    return out
+
+
+def section(cfg: RunConfig, name: str) -> dict:
+    """Section `name` of cfg as identities cover it: LEFT_OUT fields and ADDED_SETTINGS groups at their defaults
+    left out. Raises UndecidedSetting for a field not decided here."""
+    if missing := [m for m in undecided(cfg) if m.startswith(f"{name}.")]:
+        raise UndecidedSetting(
+            f"{', '.join(missing)}: decide what identities make of it in grpo/identity.py (ADDED_SETTINGS, to "
+            "keep the stages runs committed without it; IDENTITY_FIELDS; or LEFT_OUT)"
+        )
+    values = {k: v for k, v in cfg.to_dict()[name].items() if k not in LEFT_OUT.get(name, ())}
+    # a group's defaults as they were when it was added, before any later change of them (CHANGED_DEFAULTS)
+    fields = dataclasses.fields(getattr(cfg, name))
+    defaults = {f.name: CHANGED_DEFAULTS.get((name, f.name), (f.default,))[0] for f in fields}
+    groups = ADDED_SETTINGS.get(name, ())
+    idle = {k for group in groups if all(values[k] == defaults[k] for k in group) for k in group}
+    return {k: v for k, v in values.items() if k not in idle}
+
+
+CHANGED_DEFAULTS = {("learn", "mixed_precision"): ("no", "auto"), ("learn", "old_logprobs"): ("recompute", "auto")}
+"""Defaults changed after runs were made with the old one, (section, field): (old default, new default). A run
+that holds the old default keeps it when a config at the new default (one that does not set the field) comes
+to it again (stages.init.write_run_json), a run.json written before the field existed reads as the old default
+(stored_config), and a setting added later (ADDED_SETTINGS) is left out of identities at its old default: a
+scheduled deployment's run goes on as it started."""
+
+
+def stored_config(raw: dict | None) -> RunConfig:
+    """A run.json's config: load_config, where a field whose default changed (CHANGED_DEFAULTS) and that the
+    stored config lacks (written before the field existed) holds the old default, which it ran with."""
+    if isinstance(raw, dict):
+        raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+        for (section, name), (was, _) in CHANGED_DEFAULTS.items():
+            if isinstance(raw.get(section), dict):
+                raw[section].setdefault(name, was)
+    return load_config(raw)
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# change only with tests test_new_attempt_never_overwrites_and_identity_lookup,
+# test_rerun_is_noop_and_force_adds_attempt_without_touching_old and test_warm_iterations_commit_what_cold_ones_do
+# in view
+def stage_identity(run_id: str, iteration: int | None, stage: str, cfg_hash: str, inputs: dict[str, InputRef]) -> str:
+    key = {
+        "run_id": run_id,
+        "iteration": iteration,
+        "stage": stage,
+        "config_hash": cfg_hash,
+        "inputs": {k: v.manifest_sha256 for k, v in sorted(inputs.items())},
+    }
+    return config_hash(key)
