@@ -111,7 +111,7 @@ def learn_run_name() -> str:
 @task(task_run_name=learn_run_name)
 def learn(storage_url: str, run_id: str, iteration: int, advs: str, force: bool = False, node_rank: int = 0) -> str:
     """Clipped policy gradient + KL to the reference; commits the next policy (with learn.nodes > 1 node 0
-    does, and `node_rank` r joins it as node r: stages.nodes)."""
+    does, and `node_rank` r joins it as node r: grpo.learner.nodes)."""
     return run_stage("learn", storage_url, run_id, iteration, advs, force, node_rank=node_rank)
 
 

@@ -272,7 +272,7 @@ class LearnConfig:
     nodes: int = 1
     """Machines the learner's processes span (torchrun --nnodes). >1: the learn stage is node 0 (rank 0,
     which commits) and waits for nodes 1..N-1, each started with `grpo stage learn --node-rank r` or by the
-    flow on learn's work pool, to meet it through storage (stages/nodes.py)."""
+    flow on learn's work pool, to meet it through storage (grpo/learner/nodes.py)."""
     processes_per_node: int | None = None
     """Learner processes on each node (torchrun --nproc_per_node); None: num_processes / nodes. Where the
     processes run, not what they compute: this and `nodes` may change for an existing run."""

@@ -4,7 +4,7 @@ A stage calls `progress(...)` after each piece of long work; that is a log recor
 (INFO), so `-v` and Prefect's run log show it as lines like any other. `grpo` in a terminal shows it
 as one line on stderr, rewritten in place and erased when the work is done (`TerminalLine`); piped
 or redirected output gets none of it. A learner process under torchrun prints it to its stdout with
-PREFIX instead (no logging there); stages.launch turns such lines back into `progress` calls.
+PREFIX instead (no logging there); grpo.learner.launch turns such lines back into `progress` calls.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TextIO
 
 log = logging.getLogger("grpo.progress")
 PREFIX = "grpo-progress: "
-TO_STDOUT = "GRPO_PROGRESS_STDOUT"  # set in torchrun's workers by stages.launch
+TO_STDOUT = "GRPO_PROGRESS_STDOUT"  # set in torchrun's workers by grpo.learner.launch
 
 
 def progress(what: str, done: int, total: int, unit: str = "") -> None:

@@ -40,7 +40,7 @@ class Learner:
     Built from checkpoint folders (and the previous iteration's optimizer.pt or dcp/, rng.pt and master
     weights); a warm run keeps it in memory for the next iteration instead, which then trains exactly as
     one built from the committed files would. learn.sharding=fsdp2 shards it across processes
-    (grpo.sharding); the same code runs on every process.
+    (grpo.learner.sharding); the same code runs on every process.
     """
 
     def __init__(
