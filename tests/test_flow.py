@@ -21,13 +21,13 @@ from prefect.testing.utilities import prefect_test_harness
 from test_learn import F32
 from test_stages import TINY
 
-import grpo.scoring.score
 from flows.artifacts import artifact_key
 from flows.cli import main
 from flows.grpo import grpo, resolve_iteration
 from flows.tasks import transient
 from grpo.config import load_config
 from grpo.layout import stage_dir
+from grpo.scoring import score as scoring
 from grpo.storage import is_committed, list_attempts, open_storage
 from stages import STAGES, StageError
 
@@ -93,12 +93,12 @@ def test_flow_commits_every_stage_then_reuses_all(url, caplog):
 
 
 def test_failed_stage_resumes_there_and_earlier_outputs_stay_byte_identical(url, monkeypatch, caplog):
-    real = grpo.scoring.score.score_batch
+    real = scoring.score_batch
 
     def broken(pool, key, cfg, items, **_):  # iteration 1's first scoring: its rewards stage
         raise RuntimeError("injected reward fault")
 
-    monkeypatch.setattr(grpo.scoring.score, "score_batch", broken)
+    monkeypatch.setattr(scoring, "score_batch", broken)
     state = grpo(run_id=RUN, iteration=1, storage_url=url, return_state=True)
     assert state.is_failed() and "injected reward fault" in state.message
     failed, storage = attempts(url, 1), open_storage(url)
@@ -107,7 +107,7 @@ def test_failed_stage_resumes_there_and_earlier_outputs_stay_byte_identical(url,
     assert resolve_iteration(storage, RUN, "next") == 1
     kept = {**committed_hashes(url, 0), **committed_hashes(url, 1, ["snapshot", "rollouts"])}
 
-    monkeypatch.setattr(grpo.scoring.score, "score_batch", real)
+    monkeypatch.setattr(scoring, "score_batch", real)
     caplog.set_level(logging.INFO)
     grpo(run_id=RUN, iteration="next", storage_url=url)
     after = attempts(url, 1)
@@ -254,7 +254,7 @@ def test_a_stage_error_fails_the_flow_run_with_its_one_line_and_no_traceback(url
     def refuse(pool, key, cfg, items, **_):
         raise error()
 
-    monkeypatch.setattr(grpo.scoring.score, "score_batch", refuse)
+    monkeypatch.setattr(scoring, "score_batch", refuse)
     run_id = "oneline-" + case.replace(" ", "-")
     state = grpo(run_id=run_id, iteration=0, overrides=TINY, storage_url=url, return_state=True)
     assert state.is_failed()
