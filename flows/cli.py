@@ -10,6 +10,7 @@ grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
 grpo report --run demo                       # report.png and report.md in the run folder
 grpo export --run demo --out ./demo-policy   # the newest policy as an HF folder (LoRA merged)
 grpo export --run demo --best ./demo-best    # the best by eval.metric (or --iteration k, --latest)
+grpo k8s render [--stage learn]              # each stage's Kubernetes Job from deploy/kubernetes, as YAML
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from flows.kubernetes import PREFECT_FILE
 from grpo.config import ConfigError, load_config_file
 from grpo.errors import describe
 from grpo.layout import SHARDED, STAGES, run_dir, stage_dir
@@ -304,6 +306,23 @@ def cmd_report(args, storage):
     print(f"{png}\n{md}")
 
 
+def cmd_k8s_render(args, storage):
+    from flows import kubernetes as k8s
+
+    if args.deployment:
+        found = k8s.deployments(args.prefect_file)
+        if args.deployment not in found:
+            raise StageError(f"--deployment {args.deployment}: {args.prefect_file} has {', '.join(sorted(found))}")
+        d = found[args.deployment]
+        job = k8s.render_job(d, k8s.job_template(args.prefect_file), {"run_id": args.run}, args.run)
+        what = f"deployment {args.deployment}: a flow run on pool {d['work_pool']['name']}"
+        print(k8s.as_yaml([(what, job)]), end="")
+        return
+    jobs = k8s.stage_jobs(args.stage or STAGES, args.run, args.iteration, args.prefect_file)
+    shown = [(f"stage {s}: a flow run of deployment {name}", job) for s, (name, job) in jobs.items()]
+    print(k8s.as_yaml(shown), end="")
+
+
 def cmd_query(args, storage):
     import duckdb
 
@@ -400,6 +419,21 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("report", help="plot a run's progress: report.png and report.md in its folder")
     sp.add_argument("--run", required=True)
     sp.set_defaults(fn=cmd_report)
+    sp = sub.add_parser("k8s", help="Kubernetes: see the Jobs the deploy/kubernetes work pools create")
+    k8s = sp.add_subparsers(dest="k8s_command", required=True)
+    sp = k8s.add_parser(
+        "render",
+        help="print each stage's Kubernetes Job as YAML (offline: no cluster, no Prefect server)",
+        description="The Job a kubernetes worker creates for a flow run of deploy/kubernetes' deployments, rendered "
+        "by prefect-kubernetes' own code; by default each stage's, as grpo/k8s-placed places it. Placeholder flow "
+        "run ids: to read and diff, not to apply.",
+    )
+    sp.add_argument("--stage", action="append", choices=STAGES, help="only this stage (repeatable; default: all six)")
+    sp.add_argument("--deployment", help="instead, a deployment's flow run: grpo/k8s-gpu, grpo/k8s-placed, ...")
+    sp.add_argument("--run", default="k1", help="the run id the flow run is named after (default k1)")
+    sp.add_argument("--iteration", type=int, default=0, help="the iteration it is named after (default 0)")
+    sp.add_argument("--prefect-file", default=str(PREFECT_FILE), help="the deployments (default: this checkout's)")
+    sp.set_defaults(fn=cmd_k8s_render)
     sp = sub.add_parser(
         "query",
         help="DuckDB SQL over the committed tables of a run",
