@@ -8,8 +8,8 @@ grpo demo                                    # init + train the tiny sort model 
 grpo status --run demo
 grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
 grpo report --run demo                       # report.png and report.md in the run folder
-grpo export --run demo --out ./demo-policy   # the newest policy as an HF folder (LoRA merged)
-grpo export --run demo --best ./demo-best    # the best by eval.metric (or --iteration k, --latest)
+grpo export --run demo                       # the newest policy as an HF folder under the run (LoRA merged)
+grpo export --run demo --best ./demo-best    # the best by eval.metric, into a folder named (or --iteration k)
 grpo k8s render [--stage learn]              # each stage's Kubernetes Job from deploy/kubernetes, as YAML
 """
 
@@ -22,6 +22,8 @@ import os
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import argparse  # noqa: E402
+import dataclasses
+import json
 import logging  # noqa: E402
 import sys
 import time
@@ -30,11 +32,20 @@ from pathlib import Path
 from flows.kubernetes import PREFECT_FILE
 from grpo.config import ConfigError, load_config_file
 from grpo.errors import describe
-from grpo.layout import SHARDED, STAGES, run_dir, stage_dir
+from grpo.layout import SHARDED, STAGES, export_dir, run_dir, stage_dir
 from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
 from grpo.report import best_iteration
-from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
+from grpo.storage import (
+    ArtifactError,
+    Storage,
+    committed_attempts,
+    is_local,
+    list_attempts,
+    load_manifest,
+    open_storage,
+    url_to_fs,
+)
 from schemas import SchemaError
 from stages import StageError, stage_function
 from stages.iteration import next_iteration, run_warm
@@ -117,7 +128,7 @@ def next_steps(storage, run_id: str, storage_arg: str | None) -> str:
         f'      {grpo} query --run {run_id} "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"\n'
         f"      {grpo} report --run {run_id}                 # report.png and report.md in the run folder\n"
         f"      {grpo} run --run {run_id} --iterations 10    # 10 more\n"
-        f"      {grpo} export --run {run_id} --out {run_id}-policy   # the newest policy as a Hugging Face folder"
+        f"      {grpo} export --run {run_id}                 # the newest policy as a Hugging Face folder under the run"
     )
 
 
@@ -127,9 +138,10 @@ def newest_policy(storage, run_id: str, storage_arg: str | None) -> str:
     if k < 0:
         return ""
     attempt = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))[-1]
+    into = shown_path(default_export(storage, run_id, k))
     return (
         f"newest policy: iteration {k}, {storage.uri(attempt)}\n"
-        f"export it: {grpo_command(storage_arg)} export --run {run_id} --out DIR"
+        f"export it: {grpo_command(storage_arg)} export --run {run_id}   # into {into}"
     )
 
 
@@ -156,6 +168,14 @@ def cmd_demo(args, storage):
 
     cfg = load_config_file(args.config, args.set)
     init_run(storage, args.run, cfg)
+    if (there := first_reaching(storage, args.run, args.target)) is not None:  # a rerun of a finished demo
+        k, exact = there
+        print(
+            f"run {args.run} reached held-out exact match {args.target} already, at iteration {k} ({exact:.3f}); "
+            f"nothing to train (`grpo run --run {args.run} --iterations 10` trains on)\n"
+            f"{next_steps(storage, args.run, args.storage)}"
+        )
+        return
     start = next_iteration(storage, args.run)
     print(
         f"training run {args.run} ({cfg.task.name} task, {cfg.model.base_model or 'a tiny model built here'}) "
@@ -170,6 +190,15 @@ def cmd_demo(args, storage):
         else (f"held-out exact match did not reach {args.target} in {args.iterations} iterations")
     )
     print(f"{done}\n{next_steps(storage, args.run, args.storage)}")
+
+
+def first_reaching(storage, run_id: str, target: float) -> tuple[int, float] | None:
+    """(iteration, exact match) of the first committed eval whose held-out exact match reached `target`; None if
+    none did."""
+    from grpo.report import iteration_rows
+
+    rows = iteration_rows(storage, run_id)
+    return next(((r["iteration"], e) for r in rows if (e := r["eval_exact_match"]) is not None and e >= target), None)
 
 
 def cmd_status(args, storage):
@@ -214,8 +243,8 @@ def cmd_status(args, storage):
         "stopped beating; stale: made from inputs a newer attempt replaced; corrupt, with --verify: files "
         "changed after the commit; skipped: an eval eval.every did not run)"
     )
-    if best := best_iteration(storage, args.run):
-        print(f"best so far: {best}; export it: {grpo_command(args.storage)} export --run {args.run} --best --out DIR")
+    if (best := best_iteration(storage, args.run)) and not best.all_zero:  # all 0: none is better than another
+        print(f"best so far: {best}; export it: {grpo_command(args.storage)} export --run {args.run} --best")
     if collected := collected_summary(storage, args.run):  # removed on purpose: not corrupt
         print(collected)
     if newest := newest_policy(storage, args.run, args.storage):
@@ -266,21 +295,60 @@ def cmd_export(args, storage):
     from stages.common import committed_input, load_run
 
     load_run(storage, args.run)
-    if (args.dir is None) == (args.out is None):
+    if args.dir is not None and args.out is not None:
         raise StageError("export: name the folder to write once: `grpo export --run R DIR` or `--out DIR`")
-    out, which = args.dir or args.out, ""
+    which = ""
     k = newest_learn(storage, args.run) if args.iteration is None else args.iteration
     if args.best:
         best = best_iteration(storage, args.run)
         if best is None:
             raise StageError(f"run {args.run}: no eval has run yet, so none is best; export --latest or --iteration K")
+        if best.all_zero:
+            raise StageError(
+                f"run {args.run}: every eval so far scored {best.metric} 0, so none is best; "
+                "export --latest or --iteration K"
+            )
         k, which = best.iteration, f" (the best: {best.metric} {best.value:.4g})"
-    policy = committed_input(storage, args.run, None, "base") if k < 0 else export_source(storage, args.run, k)
+    base = committed_input(storage, args.run, None, "base")
+    policy = base if k < 0 else export_source(storage, args.run, k)
+    out = args.dir or args.out or default_export(storage, args.run, None if k < 0 else k)
+    what = f"{'the base model' if k < 0 else f'the policy of iteration {k}'} of run {args.run}{which}"
+    source = {"run_id": args.run, "iteration": None if k < 0 else k, **dataclasses.asdict(policy.ref())}
+    fs, root = url_to_fs(out)
     try:
-        export_policy(policy, committed_input(storage, args.run, None, "base"), out)
+        export_policy(policy, base, out)
     except FileExistsError as e:
+        if args.dir is None and args.out is None and _exported_from(fs, root) == source:
+            print(f"{what}: exported already, {shown_path(out)}")
+            return
         raise StageError(str(e)) from e
-    print(f"{'the base model' if k < 0 else f'the policy of iteration {k}'} of run {args.run}{which}: {out}")
+    fs.pipe_file(f"{root}/{EXPORT_SOURCE}", json.dumps(source, indent=1).encode())  # last: the export is whole
+    print(f"{what}: {shown_path(out)}")
+
+
+EXPORT_SOURCE = "grpo_export.json"
+"""Written into an exported folder last: the run, iteration and committed attempt it holds (so a second export to
+the default folder knows it is there already)."""
+
+
+def default_export(storage: Storage, run_id: str, k: int | None) -> str:
+    """Where `grpo export` writes without a folder named (layout.export_dir): a local path, or a URL."""
+    path = export_dir(storage, run_id, k)
+    return path if is_local(storage.fs) else storage.uri(path)
+
+
+def _exported_from(fs, root: str) -> dict | None:
+    """What an exported folder's EXPORT_SOURCE says it holds (None: none, or not readable)."""
+    try:
+        return json.loads(fs.cat_file(f"{root}/{EXPORT_SOURCE}"))
+    except (OSError, ValueError):
+        return None
+
+
+def shown_path(out: str) -> str:
+    """A local folder relative to the working folder where under it (to paste into from_pretrained), else as is."""
+    path = Path(out)
+    return str(path.relative_to(Path.cwd())) if path.is_absolute() and path.is_relative_to(Path.cwd()) else out
 
 
 def export_source(storage, run_id: str, k: int):
@@ -409,7 +477,11 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_gc)
     sp = sub.add_parser("export", help="write a policy as a self-contained HF folder (LoRA adapters merged)")
     sp.add_argument("--run", required=True)
-    sp.add_argument("dir", nargs="?", help="a new local folder or fsspec URL (or --out DIR)")
+    sp.add_argument(
+        "dir",
+        nargs="?",
+        help="a new local folder or fsspec URL (or --out DIR); default: exports/iter-000k in the run's folder",
+    )
     sp.add_argument("--out", help="the same as DIR")
     which = sp.add_mutually_exclusive_group()
     which.add_argument("--iteration", type=int, help="the policy the learn of this iteration committed")
