@@ -8,8 +8,9 @@ grpo demo                                    # init + train the tiny sort model 
 grpo status --run demo
 grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
 grpo report --run demo                       # report.png and report.md in the run folder
-grpo export --run demo --out ./demo-policy   # the newest policy as an HF folder (LoRA merged)
-grpo export --run demo --best ./demo-best    # the best by eval.metric (or --iteration k, --latest)
+grpo export --run demo                       # the newest policy as an HF folder under the run (LoRA merged)
+grpo export --run demo --best ./demo-best    # the best by eval.metric, into a folder named (or --iteration k)
+grpo k8s render [--stage learn]              # each stage's Kubernetes Job from deploy/kubernetes, as YAML
 """
 
 from __future__ import annotations
@@ -21,19 +22,31 @@ import os
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import argparse  # noqa: E402
+import dataclasses
+import json
 import logging  # noqa: E402
 import sys
 import time
 from pathlib import Path
 
+from flows.kubernetes import PREFECT_FILE
 from grpo.config import ConfigError, load_config_file
 from grpo.errors import describe
-from grpo.layout import SHARDED, STAGES, run_dir, stage_dir
+from grpo.layout import SHARDED, STAGES, export_dir, run_dir, stage_dir
 from grpo.lineage import next_iteration
 from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
 from grpo.report import best_iteration
-from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
+from grpo.storage import (
+    ArtifactError,
+    Storage,
+    committed_attempts,
+    is_local,
+    list_attempts,
+    load_manifest,
+    open_storage,
+    url_to_fs,
+)
 from schemas import SchemaError
 from stages import StageError, stage_function
 from stages.iteration import run_warm
@@ -116,7 +129,7 @@ def next_steps(storage, run_id: str, storage_arg: str | None) -> str:
         f'      {grpo} query --run {run_id} "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"\n'
         f"      {grpo} report --run {run_id}                 # report.png and report.md in the run folder\n"
         f"      {grpo} run --run {run_id} --iterations 10    # 10 more\n"
-        f"      {grpo} export --run {run_id} --out {run_id}-policy   # the newest policy as a Hugging Face folder"
+        f"      {grpo} export --run {run_id}                 # the newest policy as a Hugging Face folder under the run"
     )
 
 
@@ -126,9 +139,10 @@ def newest_policy(storage, run_id: str, storage_arg: str | None) -> str:
     if k < 0:
         return ""
     attempt = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))[-1]
+    into = shown_path(default_export(storage, run_id, k))
     return (
         f"newest policy: iteration {k}, {storage.uri(attempt)}\n"
-        f"export it: {grpo_command(storage_arg)} export --run {run_id} --out DIR"
+        f"export it: {grpo_command(storage_arg)} export --run {run_id}   # into {into}"
     )
 
 
@@ -155,6 +169,14 @@ def cmd_demo(args, storage):
 
     cfg = load_config_file(args.config, args.set)
     init_run(storage, args.run, cfg)
+    if (there := first_reaching(storage, args.run, args.target)) is not None:  # a rerun of a finished demo
+        k, exact = there
+        print(
+            f"run {args.run} reached held-out exact match {args.target} already, at iteration {k} ({exact:.3f}); "
+            f"nothing to train (`grpo run --run {args.run} --iterations 10` trains on)\n"
+            f"{next_steps(storage, args.run, args.storage)}"
+        )
+        return
     start = next_iteration(storage, args.run)
     print(
         f"training run {args.run} ({cfg.task.name} task, {cfg.model.base_model or 'a tiny model built here'}) "
@@ -169,6 +191,15 @@ def cmd_demo(args, storage):
         else (f"held-out exact match did not reach {args.target} in {args.iterations} iterations")
     )
     print(f"{done}\n{next_steps(storage, args.run, args.storage)}")
+
+
+def first_reaching(storage, run_id: str, target: float) -> tuple[int, float] | None:
+    """(iteration, exact match) of the first committed eval whose held-out exact match reached `target`; None if
+    none did."""
+    from grpo.report import iteration_rows
+
+    rows = iteration_rows(storage, run_id)
+    return next(((r["iteration"], e) for r in rows if (e := r["eval_exact_match"]) is not None and e >= target), None)
 
 
 def cmd_status(args, storage):
@@ -213,8 +244,8 @@ def cmd_status(args, storage):
         "stopped beating; stale: made from inputs a newer attempt replaced; corrupt, with --verify: files "
         "changed after the commit; skipped: an eval eval.every did not run)"
     )
-    if best := best_iteration(storage, args.run):
-        print(f"best so far: {best}; export it: {grpo_command(args.storage)} export --run {args.run} --best --out DIR")
+    if (best := best_iteration(storage, args.run)) and not best.all_zero:  # all 0: none is better than another
+        print(f"best so far: {best}; export it: {grpo_command(args.storage)} export --run {args.run} --best")
     if collected := collected_summary(storage, args.run):  # removed on purpose: not corrupt
         print(collected)
     if newest := newest_policy(storage, args.run, args.storage):
@@ -266,21 +297,60 @@ def cmd_export(args, storage):
     from stages.common import load_run
 
     load_run(storage, args.run)
-    if (args.dir is None) == (args.out is None):
+    if args.dir is not None and args.out is not None:
         raise StageError("export: name the folder to write once: `grpo export --run R DIR` or `--out DIR`")
-    out, which = args.dir or args.out, ""
+    which = ""
     k = newest_learn(storage, args.run) if args.iteration is None else args.iteration
     if args.best:
         best = best_iteration(storage, args.run)
         if best is None:
             raise StageError(f"run {args.run}: no eval has run yet, so none is best; export --latest or --iteration K")
+        if best.all_zero:
+            raise StageError(
+                f"run {args.run}: every eval so far scored {best.metric} 0, so none is best; "
+                "export --latest or --iteration K"
+            )
         k, which = best.iteration, f" (the best: {best.metric} {best.value:.4g})"
-    policy = committed_input(storage, args.run, None, "base") if k < 0 else export_source(storage, args.run, k)
+    base = committed_input(storage, args.run, None, "base")
+    policy = base if k < 0 else export_source(storage, args.run, k)
+    out = args.dir or args.out or default_export(storage, args.run, None if k < 0 else k)
+    what = f"{'the base model' if k < 0 else f'the policy of iteration {k}'} of run {args.run}{which}"
+    source = {"run_id": args.run, "iteration": None if k < 0 else k, **dataclasses.asdict(policy.ref())}
+    fs, root = url_to_fs(out)
     try:
-        export_policy(policy, committed_input(storage, args.run, None, "base"), out)
+        export_policy(policy, base, out)
     except FileExistsError as e:
+        if args.dir is None and args.out is None and _exported_from(fs, root) == source:
+            print(f"{what}: exported already, {shown_path(out)}")
+            return
         raise StageError(str(e)) from e
-    print(f"{'the base model' if k < 0 else f'the policy of iteration {k}'} of run {args.run}{which}: {out}")
+    fs.pipe_file(f"{root}/{EXPORT_SOURCE}", json.dumps(source, indent=1).encode())  # last: the export is whole
+    print(f"{what}: {shown_path(out)}")
+
+
+EXPORT_SOURCE = "grpo_export.json"
+"""Written into an exported folder last: the run, iteration and committed attempt it holds (so a second export to
+the default folder knows it is there already)."""
+
+
+def default_export(storage: Storage, run_id: str, k: int | None) -> str:
+    """Where `grpo export` writes without a folder named (layout.export_dir): a local path, or a URL."""
+    path = export_dir(storage, run_id, k)
+    return path if is_local(storage.fs) else storage.uri(path)
+
+
+def _exported_from(fs, root: str) -> dict | None:
+    """What an exported folder's EXPORT_SOURCE says it holds (None: none, or not readable)."""
+    try:
+        return json.loads(fs.cat_file(f"{root}/{EXPORT_SOURCE}"))
+    except (OSError, ValueError):
+        return None
+
+
+def shown_path(out: str) -> str:
+    """A local folder relative to the working folder where under it (to paste into from_pretrained), else as is."""
+    path = Path(out)
+    return str(path.relative_to(Path.cwd())) if path.is_absolute() and path.is_relative_to(Path.cwd()) else out
 
 
 def export_source(storage, run_id: str, k: int):
@@ -304,6 +374,23 @@ def cmd_report(args, storage):
 
     png, md = write_report(storage, args.run)
     print(f"{png}\n{md}")
+
+
+def cmd_k8s_render(args, storage):
+    from flows import kubernetes as k8s
+
+    if args.deployment:
+        found = k8s.deployments(args.prefect_file)
+        if args.deployment not in found:
+            raise StageError(f"--deployment {args.deployment}: {args.prefect_file} has {', '.join(sorted(found))}")
+        d = found[args.deployment]
+        job = k8s.render_job(d, k8s.job_template(args.prefect_file), {"run_id": args.run}, args.run)
+        what = f"deployment {args.deployment}: a flow run on pool {d['work_pool']['name']}"
+        print(k8s.as_yaml([(what, job)]), end="")
+        return
+    jobs = k8s.stage_jobs(args.stage or STAGES, args.run, args.iteration, args.prefect_file)
+    shown = [(f"stage {s}: a flow run of deployment {name}", job) for s, (name, job) in jobs.items()]
+    print(k8s.as_yaml(shown), end="")
 
 
 def cmd_query(args, storage):
@@ -392,7 +479,11 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_gc)
     sp = sub.add_parser("export", help="write a policy as a self-contained HF folder (LoRA adapters merged)")
     sp.add_argument("--run", required=True)
-    sp.add_argument("dir", nargs="?", help="a new local folder or fsspec URL (or --out DIR)")
+    sp.add_argument(
+        "dir",
+        nargs="?",
+        help="a new local folder or fsspec URL (or --out DIR); default: exports/iter-000k in the run's folder",
+    )
     sp.add_argument("--out", help="the same as DIR")
     which = sp.add_mutually_exclusive_group()
     which.add_argument("--iteration", type=int, help="the policy the learn of this iteration committed")
@@ -402,6 +493,21 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("report", help="plot a run's progress: report.png and report.md in its folder")
     sp.add_argument("--run", required=True)
     sp.set_defaults(fn=cmd_report)
+    sp = sub.add_parser("k8s", help="Kubernetes: see the Jobs the deploy/kubernetes work pools create")
+    k8s = sp.add_subparsers(dest="k8s_command", required=True)
+    sp = k8s.add_parser(
+        "render",
+        help="print each stage's Kubernetes Job as YAML (offline: no cluster, no Prefect server)",
+        description="The Job a kubernetes worker creates for a flow run of deploy/kubernetes' deployments, rendered "
+        "by prefect-kubernetes' own code; by default each stage's, as grpo/k8s-placed places it. Placeholder flow "
+        "run ids: to read and diff, not to apply.",
+    )
+    sp.add_argument("--stage", action="append", choices=STAGES, help="only this stage (repeatable; default: all six)")
+    sp.add_argument("--deployment", help="instead, a deployment's flow run: grpo/k8s-gpu, grpo/k8s-placed, ...")
+    sp.add_argument("--run", default="k1", help="the run id the flow run is named after (default k1)")
+    sp.add_argument("--iteration", type=int, default=0, help="the iteration it is named after (default 0)")
+    sp.add_argument("--prefect-file", default=str(PREFECT_FILE), help="the deployments (default: this checkout's)")
+    sp.set_defaults(fn=cmd_k8s_render)
     sp = sub.add_parser(
         "query",
         help="DuckDB SQL over the committed tables of a run",

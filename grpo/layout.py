@@ -3,6 +3,7 @@
     <storage>/runs/<run_id>/run.json                 resolved config, written once
     <storage>/runs/<run_id>/base/attempt-*/          the base (and reference) model
     <storage>/runs/<run_id>/iter-000k/<stage>/attempt-*/
+    <storage>/runs/<run_id>/exports/iter-000k/       `grpo export` without a folder: an HF folder of a policy
 
 Every path of a run is built here; the stages, the CLI, `grpo query` and the flow import it.
 """
@@ -69,6 +70,13 @@ def stage_dir(storage: Storage, run_id: str, iteration: int | None, stage: str) 
     if iteration < 0:
         raise LayoutError(f"iteration must be >= 0, got {iteration}")
     return f"{run_dir(storage, run_id)}/iter-{iteration:04d}/{stage}"
+
+
+def export_dir(storage: Storage, run_id: str, iteration: int | None) -> str:
+    """Where `grpo export` writes a policy when given no folder: exports/iter-000k in the run's folder (None: the
+    base model, exports/base), beside what made it, as TRL's output_dir holds its trainer's final model; outside
+    every stage folder, so gc, status and query never read it."""
+    return f"{run_dir(storage, run_id)}/exports/" + ("base" if iteration is None else f"iter-{iteration:04d}")
 
 
 SHARDED = ("rollouts", "rewards")

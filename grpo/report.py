@@ -9,15 +9,25 @@ rerun iteration has one row with the values that were committed, whoever ran it.
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import json
+import re
 from dataclasses import dataclass
 
 from grpo.config import load_config
 from grpo.errors import StageError
-from grpo.layout import run_dir, run_json, stage_dir
+from grpo.layout import STAGES, run_dir, run_json, stage_dir
 from grpo.query import iterations
-from grpo.storage import NotCommittedError, Storage, committed_attempts, latest_committed, load_manifest
+from grpo.storage import (
+    Committed,
+    NotCommittedError,
+    Storage,
+    committed_attempts,
+    latest_committed,
+    load_manifest,
+)
+from schemas import read_parquet, table_file
 
 # (row key, stage, summary key): reward and eval first
 COLUMNS = [
@@ -36,25 +46,58 @@ COLUMNS = [
 ]
 
 
+_REFERENCE = re.compile(r"/iter-(\d+)/snapshot/")  # a learn's reference input: an iteration's snapshot, else the base
+
+
 def iteration_rows(storage: Storage, run_id: str, skip: set[int] | frozenset = frozenset()) -> list[dict]:
-    """{iteration, <COLUMNS>, response_length, avg@k / pass@k (when sampled)} per iteration with a
-    committed eval, ascending."""
+    """{iteration, <COLUMNS>, response_length, lr, iteration_s, rollouts_s, learn_s, reference_iteration,
+    avg@k / pass@k (when sampled)} per iteration with a committed eval, ascending.
+
+    lr: the learning rate of the iteration's last optimizer step (its learn_metrics table); iteration_s: seconds
+    from start to commit of its six stages, added (rollouts_s, learn_s: of those two); reference_iteration: the
+    iteration whose snapshot the learn's KL reference was (learn.ref_update_every), None for the base model."""
     rows = []
     for k in iterations(storage, run_id):
         if k in skip:  # not read at all: a tracker that sent them needs none of their manifests
             continue
         try:
-            s = {
-                stage: latest_committed(storage, stage_dir(storage, run_id, k, stage), verify=False).manifest.summary
-                for stage in ("rollouts", "advantages", "learn", "eval")
+            c = {
+                stage: latest_committed(storage, stage_dir(storage, run_id, k, stage), verify=False) for stage in STAGES
             }
         except NotCommittedError:
             continue
+        s = {stage: c[stage].manifest.summary for stage in STAGES}
         row = {"iteration": k, **{key: s[stage].get(name) for key, stage, name in COLUMNS}}
         row["response_length"] = s["rollouts"]["response_tokens"] / max(s["rollouts"]["samples"], 1)
         row.update({key: v for key, v in s["eval"].items() if key.startswith(("avg@", "pass@"))})
+        row["lr"] = last_lr(storage, c["learn"])
+        seconds = {stage: _seconds(c[stage].manifest) for stage in STAGES}
+        row.update(iteration_s=sum(seconds.values()), rollouts_s=seconds["rollouts"], learn_s=seconds["learn"])
+        reference = c["learn"].manifest.inputs.get("reference")
+        found = _REFERENCE.search(reference.uri) if reference is not None else None
+        row["reference_iteration"] = int(found.group(1)) if found else None
         rows.append(row)
     return rows
+
+
+def last_lr(storage: Storage, learn: Committed) -> float | None:
+    """The learning rate of a committed learn's last optimizer step (None: it took none); read once a process (a
+    committed file never changes), as the flow's progress artifact reads every iteration's again and again."""
+    key = (learn.uri, learn.manifest_sha256)
+    if key not in _LAST_LR:
+        lrs = read_parquet(storage.fs, learn.path(table_file("learn_metrics")), "learn_metrics", columns=["lr"])
+        _LAST_LR[key] = lrs.column("lr")[-1].as_py() if lrs.num_rows else None
+    return _LAST_LR[key]
+
+
+_LAST_LR: dict[tuple[str, str], float | None] = {}
+
+
+def _seconds(manifest) -> float:
+    """From an attempt's start to its commit."""
+    return (
+        dt.datetime.fromisoformat(manifest.committed_at) - dt.datetime.fromisoformat(manifest.started_at)
+    ).total_seconds()
 
 
 @dataclass(frozen=True)
@@ -65,6 +108,9 @@ class Best:
     metric: str
     """eval.metric as the eval summary names it (config.EvalConfig.metric_key): exact_match, avg@4, ..."""
     value: float
+    all_zero: bool = False
+    """Every eval considered scored 0 on the metric: none is better than another, so none is claimed best (the
+    report, `grpo status`, `grpo export --best`)."""
 
     def __str__(self) -> str:
         return f"iteration {self.iteration} ({self.metric} {self.value:.4g})"
@@ -87,51 +133,89 @@ def best_iteration(storage: Storage, run_id: str, among: list[int] | None = None
     if not scores:
         return None
     k = max(scores, key=scores.__getitem__)
-    return Best(k, metric, float(scores[k][0]))
+    return Best(k, metric, float(scores[k][0]), all_zero=all(v[0] == 0 for v in scores.values()))
 
 
-PLOTS = [  # (title, row keys)
+PLOTS = [  # (title, row keys); a plot with no value in any row (KL with learn.kl_coef 0) is left out
     ("mean reward", ["reward_mean"]),
     ("held-out eval", ["eval_exact_match", "eval_reward"]),
+    ("loss", ["loss"]),
+    ("grad norm (before clipping)", ["grad_norm"]),
+    ("learning rate", ["lr"]),
     ("KL to the reference", ["kl"]),
     ("clip fraction", ["clip_frac"]),
     ("entropy", ["entropy"]),
     ("response length (tokens)", ["response_length"]),
+    ("wall time per iteration (s)", ["iteration_s", "rollouts_s", "learn_s"]),
 ]
+COLUMNS_PER_ROW = 4
+
+
+def reference_refreshes(rows: list[dict]) -> list[int]:
+    """Iterations whose KL reference is another than the row before's (learn.ref_update_every: the KL drops there).
+
+    >>> rows = [{"iteration": k, "reference_iteration": None if k < 2 else 2 * (k // 2)} for k in range(5)]
+    >>> reference_refreshes(rows)
+    [2, 4]
+    """
+    pairs = zip(rows, rows[1:])
+    return [b["iteration"] for a, b in pairs if a.get("reference_iteration") != b.get("reference_iteration")]
+
+
+def shown_plots(rows: list[dict]) -> list[tuple[str, list[str]]]:
+    """The PLOTS with a value in some row."""
+    return [(name, keys) for name, keys in PLOTS if any(r.get(key) is not None for r in rows for key in keys)]
 
 
 def figure_png(rows: list[dict], title: str, dpi: int = 90, best: Best | None = None) -> bytes:
-    """The PLOTS against iteration, as PNG bytes (matplotlib, no display); 12 x 6.5 inches at `dpi`; the best
-    iteration a dashed line on the held-out eval's plot. Iterations without a figure (a skipped eval) are
-    left out of that figure's line."""
+    """The report's figure (`figure`) as PNG bytes at `dpi`."""
+    from matplotlib import pyplot as plt
+
+    fig = figure(rows, title, best)
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=dpi)
+    plt.close(fig)
+    return out.getvalue()
+
+
+def figure(rows: list[dict], title: str, best: Best | None = None):
+    """The PLOTS against iteration, a matplotlib Figure (no display; close it with pyplot.close), 4 plots a row,
+    every x axis spanning the same iterations (an eval under eval.every has points on some of them); the best
+    iteration a dashed line on the held-out eval's plot unless every eval scored 0, reference refreshes dotted lines
+    on the KL's. Iterations without a figure (a skipped eval) are left out of that figure's line."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5), constrained_layout=True)
+    plots = shown_plots(rows)
+    nrows = -(-len(plots) // COLUMNS_PER_ROW)
+    fig, axes = plt.subplots(
+        nrows, COLUMNS_PER_ROW, figsize=(16, 3.2 * nrows + 0.4), constrained_layout=True, squeeze=False
+    )
     x = [r["iteration"] for r in rows]
-    for ax, (name, keys) in zip(axes.flat, PLOTS):
-        if all(r.get(key) is None for r in rows for key in keys):  # the KL without a reference model
-            ax.text(0.5, 0.5, "not measured\n(learn.kl_coef = 0)", ha="center", va="center", transform=ax.transAxes)
+    for ax in axes.flat[len(plots) :]:
+        ax.set_visible(False)
+    for ax, (name, keys) in zip(axes.flat, plots):
         for key in keys:
             xy = [(k, r[key]) for k, r in zip(x, rows) if r.get(key) is not None]
             if xy:
                 ax.plot(*zip(*xy), marker="." if len(xy) < 30 else None, label=key)
-        if best is not None and "eval_exact_match" in keys:
+        if best is not None and not best.all_zero and "eval_exact_match" in keys:
             ax.axvline(best.iteration, color="gray", linestyle="--", linewidth=1, label=f"best: {best}")
+        if "kl" in keys:
+            for i, k in enumerate(reference_refreshes(rows)):
+                ax.axvline(k, color="tab:red", linestyle=":", linewidth=1, label=None if i else "reference refresh")
         ax.set_title(name)
         ax.set_xlabel("iteration")
+        ax.set_xlim(min(x) - 0.5, max(x) + 0.5)  # the same span on every plot
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
         ax.grid(alpha=0.3)
-        if len(keys) > 1:
+        if len(ax.get_legend_handles_labels()[0]) > 1:
             ax.legend(fontsize=8)
     fig.suptitle(title)
-    out = io.BytesIO()
-    fig.savefig(out, format="png", dpi=dpi)
-    plt.close(fig)
-    return out.getvalue()
+    return fig
 
 
 def headline(rows: list[dict], best: Best | None) -> str:
@@ -144,16 +228,33 @@ def headline(rows: list[dict], best: Best | None) -> str:
         e = evaluated[-1]
         of = "" if e is last else f" (of iteration {e['iteration']}, the last evaluated)"
         text += f", held-out exact match {e['eval_exact_match']:.4g}{of}"
-    return text + (f". Best so far: {best}." if best is not None else ". No eval has run yet (eval.every).")
+    if best is None:
+        return text + ". No eval has run yet (eval.every)."
+    if best.all_zero:
+        return text + f". Every eval so far scored {best.metric} 0: none is best yet."
+    return text + f". Best so far: {best}."
 
 
 def markdown_table(rows: list[dict], keys: list[str] | None = None) -> str:
-    keys = keys or list(rows[0])
+    """A row per iteration; numbers to 4 significant digits, `-` where an iteration has none (a skipped eval);
+    by default every key of the rows that some row has a value for.
+
+    >>> print(markdown_table([{"iteration": 0, "kl": 0.0, "lr": None}, {"iteration": 1, "kl": 1.5e-05, "lr": None}]))
+    | iteration | kl |
+    |---|---|
+    | 0 | 0 |
+    | 1 | 1.5e-05 |
+    """
+    keys = keys or [k for k in dict.fromkeys(k for r in rows for k in r) if any(r.get(k) is not None for r in rows)]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
-        cells = [f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys]
+        cells = [_cell(r.get(k)) for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(v) -> str:
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) -> tuple[str, str]:

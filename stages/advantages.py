@@ -3,7 +3,8 @@
 Each prompt's G samples form a group; the stage checks every group is complete,
 stores per-sample advantages with their group's mean and std, and optionally
 drops groups with zero reward variance (they give no gradient signal); under dynamic sampling
-(rollout.min_signal_groups) keeps only groups with signal, as many as a batch (signal_groups_kept).
+(rollout.min_signal_groups) keeps only groups with signal, as many as a batch (signal_groups_kept), and refuses
+the iteration when they do not fill one minibatch, naming the groups found and needed.
 Finite rewards whose group statistics overflow float64 (a mean or std of inf or nan) are refused,
 naming the group and the function.
 """
@@ -57,6 +58,8 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
         spread = stats["max"] > stats["min"]  # (n_groups,)
         if dynamic:
             keep = signal_groups_kept(spread, **dynamic)
+            if not keep.any():  # the learner would refuse an empty batch: say what was found against what it needs
+                raise StageError(too_few_signal_groups(cfg, int(spread.sum()), len(counts)))
             kept = keep.repeat_interleave(group_size)
         else:
             kept = (
@@ -129,8 +132,8 @@ def signal_groups_kept(spread, at_most: int, multiple_of: int):
     trains on. Only groups with signal (unequal rewards, by the committed rewards), the first of them in draw
     order (prompt_id: round by round), at most `at_most` (prompts_per_iteration: the batch a round
     makes, as verl keeps train_batch_size groups) and a multiple of `multiple_of` (the groups of a minibatch),
-    so every kept group trains in every epoch; none when there are fewer than a minibatch's (the learn stage
-    then refuses the batch).
+    so every kept group trains in every epoch; none when there are fewer than a minibatch's (the stage then
+    refuses the iteration: too_few_signal_groups).
 
     spread: (n_groups,) bool in prompt_id order -> (n_groups,) bool.
 
@@ -139,6 +142,18 @@ def signal_groups_kept(spread, at_most: int, multiple_of: int):
     """
     n = min(int(spread.sum()), at_most) // multiple_of * multiple_of
     return spread & (spread.cumsum(0) <= n)
+
+
+def too_few_signal_groups(cfg: RunConfig, found: int, drawn: int) -> str:
+    """The one line for dynamic sampling that found fewer groups with signal than one minibatch of the learner takes
+    (signal_groups_kept then keeps none)."""
+    mb, g = cfg.learn.minibatch_size, cfg.rollout.group_size
+    return (
+        f"advantages: dynamic sampling found {found} groups with signal among the {drawn} drawn "
+        f"(rollout.max_sampling_rounds {cfg.rollout.max_sampling_rounds}), fewer than the {mb // g} groups one "
+        f"minibatch needs (learn.minibatch_size {mb} / rollout.group_size {g}); lower learn.minibatch_size or raise "
+        "rollout.max_sampling_rounds (nothing was committed)"
+    )
 
 
 def overflowed(adv, stats: dict, group_size: int, totals: list[float]) -> tuple[int, int] | None:

@@ -12,9 +12,10 @@ from grpo.data import draw_at
 from grpo.layout import Salt, iteration_seed, stage_dir
 from grpo.query import query
 from grpo.scoring.pool import WARM_POOLS
-from grpo.storage import latest_committed, open_storage
+from grpo.storage import committed_attempts, latest_committed, open_storage
 from grpo.tasks import get_task
 from schemas import read_parquet, table_file
+from stages import StageError
 from stages.advantages import advantages
 from stages.init import init_run
 from stages.iteration import run_iteration
@@ -99,6 +100,27 @@ def test_max_sampling_rounds_bounds_the_rounds(storage, tmp_path):
     snapshot(storage, "d", 0)
     ro = rollouts(storage, "d", 0).manifest.summary
     assert ro["rounds"] == 1 and ro["prompts_drawn"] == 16 and ro["samples"] == 64 and ro["signal_groups"] < 16
+
+
+def test_too_few_groups_with_signal_for_a_minibatch_fail_advantages_naming_the_groups_found_and_needed(
+    storage, tmp_path
+):
+    """Before: the learn stage's `0 kept samples, fewer than learn.minibatch_size`. Now the advantages stage says
+    how many groups had signal against how many one minibatch takes, and commits nothing."""
+    extra = ["rollout.max_sampling_rounds=1", "rollout.min_signal_groups=16", "learn.minibatch_size=64"]
+    make_run(storage, tmp_path, extra=extra)
+    snapshot(storage, "d", 0)
+    found = rollouts(storage, "d", 0).manifest.summary["signal_groups"]
+    rewards(storage, "d", 0)
+    assert found < 16
+    with pytest.raises(StageError) as e:
+        advantages(storage, "d", 0)
+    assert str(e.value) == (
+        f"advantages: dynamic sampling found {found} groups with signal among the 16 drawn "
+        "(rollout.max_sampling_rounds 1), fewer than the 16 groups one minibatch needs (learn.minibatch_size 64 / "
+        "rollout.group_size 4); lower learn.minibatch_size or raise rollout.max_sampling_rounds (nothing was committed)"
+    )
+    assert committed_attempts(storage, stage_dir(storage, "d", 0, "advantages")) == []
 
 
 def test_a_rerun_and_a_run_resumed_after_rollouts_commit_the_same_rows(storage, tmp_path):

@@ -37,9 +37,10 @@ def committed(storage, run_id: str) -> dict:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """Run `r`: eval.every=2 over one uninterrupted call of 3 iterations."""
+    """Run `r`: eval.every=2 over one uninterrupted call of 3 iterations; the best by the eval's mean reward (an
+    untrained tiny model's exact match is 0 at every eval, and then none is claimed best)."""
     storage = open_storage((tmp_path_factory.mktemp("cadence") / "store").as_uri())
-    init_run(storage, "r", load_config(None, EVERY_2))
+    init_run(storage, "r", load_config(None, EVERY_2 + ["eval.metric=reward_mean"]))
     WARM.take(None)
     outs = dict(run_warm(storage, "r", 0, 3))
     return storage, outs
@@ -100,12 +101,12 @@ def test_eval_metric_picks_the_best_iteration_and_skipped_evals_never_are(tmp_pa
 def test_status_query_and_the_report_mark_the_best_iteration(run, capsys):
     storage, _ = run
     best = best_iteration(storage, "r")
-    assert best.iteration in (1, 2) and best.metric == "exact_match"
+    assert best.iteration in (1, 2) and best.metric == "reward_mean" and not best.all_zero
     assert main(["--storage", storage.uri(storage.path()), "status", "--run", "r"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()}
     assert rows["0"][-2:] == ["skipped", "x1"] and rows["1"][-2:] == ["ok", "x1"]
-    assert f"best so far: {best}; export it: " in out and "export --run r --best --out DIR" in out
+    assert f"best so far: {best}; export it: " in out and "export --run r --best\n" in out
     from grpo.query import query
 
     assert list(query(storage, "r", "SELECT DISTINCT iteration FROM eval ORDER BY 1").iteration) == [1, 2]
@@ -126,7 +127,7 @@ def test_export_best_latest_and_iteration_through_the_cli(run, tmp_path, capsys)
     best = best_iteration(storage, "r")
 
     code, out = cli("--best", str(tmp_path / "best"))
-    which = f"iteration {best.iteration} of run r (the best: exact_match {best.value:.4g})"
+    which = f"iteration {best.iteration} of run r (the best: reward_mean {best.value:.4g})"
     assert code == 0 and out.out.strip() == f"the policy of {which}: {tmp_path / 'best'}"
     code, out = cli("--latest", "--out", str(tmp_path / "latest"))
     assert code == 0 and "the policy of iteration 2 of run r: " in out.out
@@ -173,6 +174,38 @@ def test_export_best_latest_and_iteration_through_the_cli(run, tmp_path, capsys)
     assert not (tmp_path / "x").exists()
     code, out = cli(str(tmp_path / "x"), "--out", str(tmp_path / "y"))
     assert code == 2 and "once" in out.err
+
+
+def test_export_without_a_folder_writes_under_the_run_and_knows_it_did(run, tmp_path, capsys, monkeypatch):
+    """As TRL's output_dir holds the trained model: `grpo export --run r` writes exports/iter-000k in the run's
+    folder, never into the working folder (a checkout's root), and says so; again, it is there already."""
+    storage, _ = run
+    monkeypatch.chdir(tmp_path)
+    url = storage.uri(storage.path())
+    cli = lambda *a: (main(["--storage", url, "export", "--run", "r", *a]), capsys.readouterr())  # noqa: E731
+    code, out = cli()
+    where = Path(storage.path()) / "runs" / "r" / "exports" / "iter-0002"
+    assert code == 0 and out.out.strip() == f"the policy of iteration 2 of run r: {where}", out.err
+    assert (where / "model.safetensors").exists() and list(tmp_path.iterdir()) == []
+    learn = latest_committed(storage, stage_dir(storage, "r", 2, "learn"))
+    assert json.loads((where / "grpo_export.json").read_text()) == {  # which committed policy it holds
+        "run_id": "r",
+        "iteration": 2,
+        "uri": learn.uri,
+        "manifest_sha256": learn.manifest_sha256,
+    }
+    code, out = cli()
+    assert code == 0 and out.out.strip() == f"the policy of iteration 2 of run r: exported already, {where}"
+    code, out = cli("--iteration", "0")
+    assert code == 0 and out.out.strip() == f"the policy of iteration 0 of run r: {where.with_name('iter-0000')}"
+    unfinished = where.with_name("iter-0001")
+    unfinished.mkdir()  # a folder no export finished: not taken for one
+    try:
+        code, out = cli("--iteration", "1")
+    finally:
+        unfinished.rmdir()
+    assert code == 2 and "iter-0001 exists; export writes a new folder" in out.err
+    shutil.rmtree(where.parent)
 
 
 def test_export_refuses_a_policy_gc_collected_and_best_before_any_eval(run, tmp_path, capsys):

@@ -89,15 +89,15 @@ def test_progress_shows_in_a_terminal_and_never_in_a_pipe(tmp_path):
     assert lines[1].split()[0] == "1"
     run = (tmp_path / "store" / "runs" / "t").as_uri()
     assert lines[2].startswith(f"newest policy: iteration 1, {run}/iter-0001/learn/attempt-0001-")
-    assert lines[3].endswith(" export --run t --out DIR")
+    exported = tmp_path / "store" / "runs" / "t" / "exports" / "iter-0001"  # grpo ran outside tmp_path: absolute
+    assert lines[3].endswith(f" export --run t   # into {exported}")
 
-    # the README's way to the trained model: export, then transformers loads and generates with it
-    out_dir = tmp_path / "t-policy"
-    code, out, err = grpo(tmp_path, "export", "--run", "t", "--out", str(out_dir))
-    assert code == 0 and out.strip() == f"the policy of iteration 1 of run t: {out_dir}", err
+    # the README's way to the trained model: export (under the run), then transformers loads and generates with it
+    code, out, err = grpo(tmp_path, "export", "--run", "t")
+    assert code == 0 and out.strip() == f"the policy of iteration 1 of run t: {exported}", err
     load = (  # as README.md shows it
         "from transformers import pipeline; "
-        "print(pipeline('text-generation', 't-policy')('sort 3 1 4 1 5 :', max_new_tokens=6))"
+        "print(pipeline('text-generation', 'store/runs/t/exports/iter-0001')('sort 3 1 4 1 5 :', max_new_tokens=6))"
     )
     proc = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "generated_text" in proc.stdout, proc.stderr[-2000:]

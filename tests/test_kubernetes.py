@@ -1,6 +1,7 @@
 """deploy/kubernetes offline: each deployment of its prefect.yaml rendered into the Kubernetes Job a
-worker would create, through prefect-kubernetes' own code (KubernetesWorkerJobConfiguration
-.resolve_for_flow_run, as the worker calls it for a flow run), with no Prefect API and no cluster.
+worker would create, through prefect-kubernetes' own code (flows/kubernetes.py: KubernetesWorkerJobConfiguration
+.resolve_for_flow_run, as the worker calls it for a flow run, and `grpo k8s render`), with no Prefect API and
+no cluster.
 The manifest must deserialize into a V1Job with no field the model does not know (kubernetes_asyncio:
 the client prefect-kubernetes creates jobs with; the same generated models as `kubernetes`)."""
 
@@ -8,8 +9,6 @@ import asyncio
 import json
 import re
 import tomllib
-import uuid
-from pathlib import Path
 
 import pytest
 import yaml
@@ -18,19 +17,16 @@ pytest.importorskip("prefect_kubernetes", reason="prefect-kubernetes not install
 
 from kubernetes_asyncio.client import ApiClient, V1Job  # noqa: E402 (prefect-kubernetes' client)
 from kubernetes_asyncio.client import models as k8s_models  # noqa: E402
-from prefect.client.schemas.objects import Flow, FlowRun, WorkPool  # noqa: E402
-from prefect.client.schemas.responses import DeploymentResponse  # noqa: E402
 from prefect.server.schemas.actions import WorkPoolCreate  # noqa: E402
 from prefect.utilities.schema_tools import validate  # noqa: E402
-from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration  # noqa: E402
+from prefect_kubernetes.worker import KubernetesWorker  # noqa: E402
 
+from flows.cli import main  # noqa: E402
+from flows.kubernetes import DEPLOY, deployments, render_job  # noqa: E402
 from grpo.layout import STAGES  # noqa: E402
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 TEMPLATE = json.loads((DEPLOY / "base-job-template.json").read_text())
-PREFECT_YAML = yaml.safe_load((DEPLOY / "prefect.yaml").read_text())
-FLOWS = {"flows.grpo:grpo": "grpo", "flows.placement:stage_flow": "grpo-stage"}  # entrypoint -> flow name
-DEPLOYMENTS = {f"{FLOWS[d['entrypoint']]}/{d['name']}": d for d in PREFECT_YAML["deployments"]}
+DEPLOYMENTS = deployments(DEPLOY / "prefect.yaml")
 PLACEMENT = DEPLOYMENTS["grpo/k8s-placed"]["parameters"]["placement"]
 NEEDS_GPU = {"rollouts", "learn", "eval"}  # sampling and the update; the other stages only read and write files
 SECRET_ENV = {"GRPO_STORAGE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"}
@@ -38,42 +34,9 @@ SECRET_ENV = {"GRPO_STORAGE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS
 PREFECT_EXTRAS = {"spec.template.spec.parallelism", "spec.template.spec.completions"}
 
 
-class OfflineClient:
-    """Stands in for the PrefectClient: answers the one read resolve_for_flow_run makes (the flow);
-    anything else would be an API call the render must not need."""
-
-    def __init__(self, flow: Flow):
-        self.flow = flow
-
-    async def read_flow(self, flow_id):
-        return self.flow
-
-    def __getattr__(self, name):
-        raise AssertionError(f"rendering the job called the Prefect API: {name}")
-
-
 def render(deployment: dict, parameters: dict | None = None) -> dict:
     """The Job manifest a kubernetes worker of the deployment's pool creates for a flow run of it."""
-    pool = deployment["work_pool"]
-    flow = Flow(id=uuid.uuid4(), name=FLOWS[deployment["entrypoint"]])
-    dep = DeploymentResponse(
-        id=uuid.uuid4(),
-        name=deployment["name"],
-        flow_id=flow.id,
-        entrypoint=deployment["entrypoint"],
-        parameters=deployment.get("parameters", {}),
-        work_pool_name=pool["name"],
-        job_variables=pool["job_variables"],
-    )
-    params = {**dep.parameters, **(parameters or {})}
-    run = FlowRun(id=uuid.uuid4(), name="k1", flow_id=flow.id, deployment_id=dep.id, parameters=params)
-    work_pool = WorkPool(name=pool["name"], type="kubernetes", base_job_template=TEMPLATE)
-    config = asyncio.run(
-        KubernetesWorkerJobConfiguration.resolve_for_flow_run(
-            run, client=OfflineClient(flow), work_pool=work_pool, worker_name="test", deployment=dep
-        )
-    )
-    return config.job_manifest
+    return render_job(deployment, TEMPLATE, parameters)
 
 
 async def as_v1job(manifest: dict) -> V1Job:
@@ -199,3 +162,34 @@ def test_the_image_copies_every_package():
 
 def test_every_stage_is_placed():
     assert set(PLACEMENT) == set(STAGES)
+
+
+def render_cli(capsys, *args) -> tuple[int, list[tuple[str, dict]], str]:
+    """`grpo k8s render ...`: (exit code, [(the comment line, the Job)], stderr)."""
+    code = main(["k8s", "render", *args])
+    out = capsys.readouterr()
+    docs = [d for d in out.out.split("---\n") if d.strip()]
+    return code, [(d.splitlines()[0], yaml.safe_load(d)) for d in docs], out.err
+
+
+def test_k8s_render_prints_each_stages_job_as_a_worker_would_create_it(capsys):
+    code, jobs, err = render_cli(capsys, "--run", "r7", "--iteration", "3")
+    assert code == 0 and err == ""
+    assert [c for c, _ in jobs] == [f"# stage {s}: a flow run of deployment grpo-stage/{PLACEMENT[s]}" for s in STAGES]
+    for stage, (_, job) in zip(STAGES, jobs):
+        check_job(job, DEPLOYMENTS[f"grpo-stage/{PLACEMENT[stage]}"]["work_pool"]["job_variables"])
+        limits = job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert ("nvidia.com/gpu" in limits) == (stage in NEEDS_GPU)
+        assert job["metadata"]["generateName"] == f"r7-{stage}-3-"
+    assert render_cli(capsys, "--run", "r7", "--iteration", "3")[1] == jobs  # placeholder ids: the same YAML again
+
+
+def test_k8s_render_one_stage_or_a_deployment_and_a_wrong_name_in_one_line(capsys):
+    code, jobs, _ = render_cli(capsys, "--stage", "learn")
+    assert code == 0 and [c for c, _ in jobs] == ["# stage learn: a flow run of deployment grpo-stage/grpo-k8s-gpu"]
+    code, jobs, _ = render_cli(capsys, "--deployment", "grpo/k8s-gpu")
+    assert code == 0 and [c for c, _ in jobs] == ["# deployment grpo/k8s-gpu: a flow run on pool grpo-k8s-gpu"]
+    check_job(jobs[0][1], DEPLOYMENTS["grpo/k8s-gpu"]["work_pool"]["job_variables"])
+    code, jobs, err = render_cli(capsys, "--deployment", "grpo/k8s-cpu")
+    assert code == 2 and jobs == [] and err.count("\n") == 1
+    assert "--deployment grpo/k8s-cpu: " in err and "grpo/k8s-gpu, grpo/k8s-placed" in err

@@ -614,7 +614,7 @@ def test_status_verify_shows_corrupt_the_error_says_what_to_run_and_gc_lists_the
     assert main(["--storage", storage.url, "status", "--run", "t", "--verify"]) == 2  # non-zero: something is corrupt
     out = capsys.readouterr()
     assert "corrupt x1" in out.out and "grpo stage eval --run t --iteration 0 --force" in out.err
-    assert "newest policy: iteration 0, " in out.out and " export --run t --out DIR" in out.out
+    assert "newest policy: iteration 0, " in out.out and " export --run t   # into " in out.out
     adv_dir = latest_committed(storage, stage_dir(storage, "t", 0, "advantages")).attempt_dir
     with open(f"{adv_dir}/advantages.parquet", "r+b") as f:
         f.seek(20)
