@@ -163,19 +163,54 @@ def blank_row_count(uri: str, prompt_column: str = "prompt", answer_column: str 
     return len(set().union(*_blank_rows(df, (prompt_column, answer_column)).values()))
 
 
-def _object_version(info: dict) -> str:
-    """An object's size and ETag (opaque: a multipart one is no MD5), version or, failing both, time."""
-    keys = ("ETag", "etag", "VersionId", "generation", "LastModified", "mtime")
-    tag = str(next((info[k] for k in keys if info.get(k)), "")).strip('"')
-    return f"{info.get('size')}:{tag}"
+_CONTENT_TAGS = ("ETag", "etag", "VersionId", "generation", "Content-MD5", "Digest", "md5Hash", "crc32c")
+"""What an object store or web server may say of an object's content, in the order they are read: a new tag
+for new content. A modification time is none (an edit may keep it: `cp -p`, rsync -t, HTTP's whole seconds)."""
+
+
+def _object_version(info: dict) -> str | None:
+    """An object's size and content tag (ETag: opaque, a multipart one is no MD5; or a version id, Content-MD5,
+    ...); None where the store gives no tag.
+
+    >>> _object_version({"size": 3, "ETag": '"abc"', "Last-Modified": "x"}), _object_version({"size": 3, "mtime": 1})
+    ('3:abc', None)
+    """
+    tag = next((str(info[k]).strip('"') for k in _CONTENT_TAGS if info.get(k)), None)
+    return None if tag is None else f"{info.get('size')}:{tag}"
+
+
+def _content_digest(fs, path: str, uri: str, size: int | None) -> str:
+    """sha256 of an object's bytes, read through once (an HTTP server's in one streamed GET); a DatasetError
+    where they cannot be read whole: nothing then says which bytes the run was made from."""
+    h, n = hashlib.sha256(), 0
+    stream = {"block_size": 0} if "http" in fs.protocol else {}  # no range requests: not every server takes them
+    try:
+        with fs.open(path, "rb", **stream) as f:
+            while chunk := f.read(2**20):
+                h.update(chunk)
+                n += len(chunk)
+    except Exception as e:  # noqa: BLE001 (each store raises its own kinds; aiohttp's are no OSError)
+        raise DatasetError(
+            f"dataset {uri}: the store gives no content tag (ETag, Content-MD5, a version id) and its bytes could "
+            f"not be read whole to hash them ({type(e).__name__}: {e}); serve it with an ETag, or copy it to local "
+            "or S3 storage"
+        ) from e
+    if size is not None and n != size:
+        raise DatasetError(
+            f"dataset {uri}: the store gives no content tag (ETag, Content-MD5, a version id) and sent {n} of its "
+            f"{size} bytes; serve it with an ETag, or copy it to local or S3 storage"
+        )
+    return h.hexdigest()
 
 
 def fingerprint(uri: str) -> str:
     """What identifies the dataset's bytes: `sha256:` of a local file's content (of each file's name and
-    content in a save_to_disk folder), `etag:` a hash of each object's size and ETag on object storage.
+    content in a save_to_disk folder), `etag:` a hash of each object's size and content tag (ETag) on
+    object storage and web servers, `sha256:` of each object's bytes where the store gives no tag (an
+    HTTP server without ETag: a same-size edit is seen); a DatasetError when it gives neither.
 
     Local files are hashed once a process while their stat stamp holds (grpo.storage.file_digest);
-    objects cost one metadata request each.
+    tagged objects cost one metadata request each, untagged ones a download each time.
     """
     fs, path = url_to_fs(uri)
     if not fs.exists(path):
@@ -189,8 +224,15 @@ def fingerprint(uri: str) -> str:
         kind = "sha256"
     else:
         infos = fs.find(path, detail=True) if folder else {path: fs.info(path)}
-        parts = [(f[len(path) :], _object_version(info)) for f, info in sorted(infos.items())]
-        kind = "etag"
+        tags = {f: _object_version(info) for f, info in infos.items()}
+        if all(tags.values()):
+            parts = [(f[len(path) :], tags[f]) for f in sorted(infos)]
+            kind = "etag"
+        else:
+            parts = [(f[len(path) :], _content_digest(fs, f, uri, infos[f].get("size"))) for f in sorted(infos)]
+            if not folder:
+                return f"sha256:{parts[0][1]}"
+            kind = "sha256"
     return f"{kind}:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()}"
 
 

@@ -2,7 +2,8 @@
 
 Always: attempts that never committed (a crash, a kill, a failed check), committed attempts that
 a newer attempt of the same stage replaced, as long as no kept manifest reads them (an input) or
-references their files (a snapshot points at its policy's files), and leftover `*.tmp-*` files.
+references their files (a snapshot points at its policy's files), leftover `*.tmp-*` files, and the
+tables of shards their stage merged (listed in the shard's collected.json; its manifest stays).
 
 With retention (`grpo gc --retention`, the run's RetentionConfig): also the weights and optimizer
 state of older learns, and nothing else: tables, manifests, run.json and summaries stay, so every
@@ -52,6 +53,7 @@ from grpo.storage import (
 from schemas.manifest import MANIFEST_NAME
 from stages.iteration import next_iteration
 from stages.learn import reference_iteration
+from stages.shards import merged_shard_tables
 
 LEASE_BEATS = 10  # a heartbeat is live for this many of its writer's beats at least, whatever min_age_s
 
@@ -61,12 +63,12 @@ class Garbage:
     path: str
     """An attempt folder or a file; with `files`, the committed attempt they are in (the rest stays)."""
     why: str
-    """"failed", "superseded", "temporary"; with retention also "policy" and "state"."""
+    """"failed", "superseded", "temporary", "merged" (a shard's table); with retention also "policy" and "state"."""
     bytes: int
     files: tuple[str, ...] = ()
-    """Retention: the attempt's files to remove, relative to it."""
+    """Retention and merged shards: the attempt's files to remove, relative to it."""
     note: str = ""
-    """Retention: why they go (recorded in collected.json, named by a stage that needs them)."""
+    """Retention and merged shards: why they go (recorded in collected.json, named by a stage that needs them)."""
 
 
 @dataclass(frozen=True)
@@ -342,6 +344,11 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
                 out.garbage.append(Garbage(path, "temporary", info.get("size", 0)))
             else:
                 out.held.append(Held(path, f"temporary file{{s}} newer than {span}", f"written {_span(a)} ago"))
+    merged = [t for k in range(_iterations(storage, run_id)) for t in merged_shard_tables(storage, run_id, k)]
+    for attempt, name, why in merged:  # shard tables their stage merged: its table holds the rows
+        if not _under(storage.uri(attempt).rstrip("/"), live):
+            size = listing.get(f"{attempt}/{name}", {}).get("size", 0)
+            out.garbage.append(Garbage(attempt, "merged", size, (name,), why))
     if retention is not None:
         _retention(storage, run_id, retention, listing, live, out)
     return out

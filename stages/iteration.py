@@ -8,8 +8,8 @@ import gc
 from contextlib import contextmanager
 from typing import Iterator
 
-from grpo.layout import STAGES, stage_dir
-from grpo.storage import Committed, Storage, committed_attempts
+from grpo.layout import POLICY_PREFIXES, STAGES, STATE_PREFIXES, stage_dir
+from grpo.storage import Committed, Storage, committed_attempts, read_collected
 from grpo.tracking import track
 from stages import stage_function
 from stages.common import load_run, stale_attempt
@@ -34,6 +34,30 @@ def next_iteration(storage: Storage, run_id: str) -> int:
     while _committed(storage, run_id, last, "learn"):
         last += 1
     return next((k for k in range(last) if not _finished(storage, run_id, k)), last)
+
+
+def dead_end(storage: Storage, run_id: str, iteration: int, stage: str) -> str | None:
+    """Why a new attempt of `stage` of `iteration` (--force) would leave the run stuck, or None. A stage before
+    learn makes the iteration's learn stale, and rerunning that learn needs the previous learn's policy and
+    optimizer state, which `grpo gc --retention` keeps only for the newest learn (and the one `grpo run`
+    continues from). Asked before anything is written, so the run stays as it was; learn and eval read what
+    they need themselves and fail, committing nothing, where it is gone."""
+    if stage in ("learn", "eval") or iteration == 0:
+        return None
+    previous = committed_attempts(storage, stage_dir(storage, run_id, iteration - 1, "learn"))
+    names = sorted(read_collected(storage, previous[-1])) if previous else []
+    if not names:
+        return None
+    policy = [n for n in names if n.startswith(POLICY_PREFIXES) and not n.startswith(STATE_PREFIXES)]
+    state = [n for n in names if n.startswith(STATE_PREFIXES)]
+    what = " and ".join(w for w, files in (("policy", policy), ("optimizer state", state)) if files)
+    shown = ", ".join((policy + state)[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"{stage} iteration {iteration} --force: a new attempt makes iteration {iteration}'s learn stale, and "
+        f"rerunning it needs iteration {iteration - 1}'s {what}, which was collected by `grpo gc --retention` "
+        f"({storage.uri(previous[-1])}: {shown}); nothing written. The run goes on from its newest learn with "
+        f"`grpo run --run {run_id} --start {next_iteration(storage, run_id)}`"
+    )
 
 
 def run_iteration(

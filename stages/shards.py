@@ -18,8 +18,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from grpo.layout import shard_stage
-from grpo.storage import Committed, StageWriter, Storage
+from grpo.layout import shard_dirs, shard_stage, stage_dir
+from grpo.storage import (
+    MERGED_SHARD,
+    Committed,
+    StageWriter,
+    Storage,
+    committed_attempts,
+    load_manifest,
+    read_collected,
+)
 from schemas import ParquetWriter, iter_row_groups, table_file
 from stages.common import StageError, run_stage
 
@@ -85,3 +93,22 @@ def run_sharded(
 
     parts = {f"shard-{k}": part for k, part in enumerate(done)}
     return run_stage(storage, run_id, iteration, stage, config=config, inputs={**inputs, **parts}, body=merge)
+
+
+def merged_shard_tables(storage: Storage, run_id: str, iteration: int) -> list[tuple[str, str, str]]:
+    """(shard attempt, its table, why it may go) of each shard table of the iteration that the newest committed
+    attempt of its stage merged and that is still there: the stage's table holds the same rows, so `grpo gc`
+    collects them (the shard's manifest and summary stay, for lineage and `grpo status`)."""
+    out = []
+    for stage, dirs in shard_dirs(storage, run_id, iteration).items():
+        merged = committed_attempts(storage, stage_dir(storage, run_id, iteration, stage))
+        if not merged:
+            continue
+        inputs = load_manifest(storage, merged[-1], verify=False)[0].inputs
+        for k in range(len(dirs)):
+            ref = inputs.get(f"shard-{k}")
+            attempt = ref and next((a for a in committed_attempts(storage, dirs[k]) if storage.uri(a) == ref.uri), None)
+            name = table_file(stage)
+            if attempt and name not in read_collected(storage, attempt) and storage.exists(f"{attempt}/{name}"):
+                out.append((attempt, name, f"{MERGED_SHARD}{storage.uri(merged[-1])}"))
+    return out
