@@ -37,8 +37,8 @@ from grpo.variants import (
 Backend = Literal["auto", "vllm", "hf"]
 
 MIN_TEMPERATURE = 1e-2
-"""The lowest rollout.temperature: below it sampling is greedy in all but name (a logit gap of 0.1 weighs e^10 to 1),
-so a group's G samples come out alike and carry no signal, and logits / temperature near float16's range."""
+"""The lowest rollout.temperature: below it sampling is greedy in all but name (at 0.01 a logit gap of 0.1 already
+weighs e^10 to 1), so a group's G samples come out alike and carry no signal."""
 
 
 @dataclass(frozen=True)
