@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import random
 from typing import Any, Literal
 
@@ -25,6 +26,8 @@ import pandas as pd
 
 from grpo.storage import file_digest, is_local, url_to_fs
 from grpo.tasks import Example
+
+log = logging.getLogger("grpo.data")
 
 PromptFormat = Literal["auto", "chat", "text"]
 _SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
@@ -255,10 +258,33 @@ def _short(fingerprint_: str) -> str:
     return f"{kind}:{digest[:12]}"
 
 
+def _size_only(uri: str) -> str:
+    """The fingerprint a file on a store without content tags (an HTTP server without ETag) got before its bytes
+    were hashed: its size alone."""
+    fs, path = url_to_fs(uri)
+    parts = [("", f"{fs.info(path).get('size')}:")]
+    return f"etag:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()}"
+
+
+_SIZE_PINNED: set[str] = set()  # datasets of runs pinned by size alone, said once a process
+
+
 def pinned_version(uri: str) -> str:
-    """The dataset's fingerprint; a DatasetChangedError when the run pinned it (`pin`) to another."""
+    """The dataset's fingerprint; a DatasetChangedError when the run pinned it (`pin`) to another. A run made
+    when an untagged object was pinned by its size alone goes on while the size holds, said once (its bytes
+    were never recorded: a new run pins them)."""
     now = fingerprint(uri)
     name, then = _PINNED.get(uri, ("", now))
+    if now != then and now.startswith("sha256:") and then.startswith("etag:") and then == _size_only(uri):
+        if uri not in _SIZE_PINNED:
+            _SIZE_PINNED.add(uri)
+            log.warning(
+                "%s %s was pinned by its size alone when the run was made (its store gives no ETag): an edit of the "
+                "same size goes unseen in this run; a new run pins its bytes",
+                name,
+                uri,
+            )
+        return now
     if now != then:
         raise DatasetChangedError(
             f"{name} {uri} changed since grpo init (fingerprint {_short(then)}, now {_short(now)}); "

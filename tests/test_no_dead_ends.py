@@ -9,6 +9,7 @@ forced stage shown `ok`, shards that `grpo status` and `grpo gc` did not see.
 import functools
 import http.server
 import json
+import logging
 import os
 import re
 import threading
@@ -25,7 +26,7 @@ from grpo.config import ConfigError, load_config
 from grpo.layout import run_dir, shard_stage, stage_dir
 from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage, read_collected
 from stages import StageError, stage_function
-from stages.init import init_run
+from stages.init import check_datasets, init_run
 from stages.iteration import next_iteration, run_iteration, run_warm
 
 
@@ -129,6 +130,25 @@ def test_a_same_size_edit_of_a_dataset_on_a_web_server_without_etag_is_refused(s
         StageError, match=r"^task\.dataset http://127\.0\.0\.1:\d+/arith\.jsonl changed since grpo init"
     ):
         stage_function("rollouts")(storage, "r", 0)
+
+
+def test_a_run_pinned_by_size_alone_before_bytes_were_hashed_goes_on_while_the_size_holds(storage, served, caplog):
+    folder, url = served
+    path = folder / "arith.jsonl"
+    write_jsonl(path, arithmetic(24))
+    uri = f"{url}/arith.jsonl"
+    base = init_run(storage, "old", config(f"task.dataset={uri}"))
+    manifest = f"{base.attempt_dir}/_manifest.json"  # as grpo recorded an untagged URL before: its size alone
+    raw = json.loads(storage.read_bytes(manifest))
+    raw["summary"]["datasets"]["task.dataset"]["fingerprint"] = data._size_only(uri)
+    storage.write_bytes_atomic(manifest, json.dumps(raw).encode())
+    data.pin(None)
+    with caplog.at_level(logging.WARNING, logger="grpo.data"):
+        check_datasets(storage, "old")  # not "changed since grpo init": restoring could not help it
+    assert "was pinned by its size alone when the run was made" in caplog.text
+    write_jsonl(path, arithmetic(30))  # another size: changed
+    with pytest.raises(StageError, match="changed since grpo init"):
+        check_datasets(storage, "old")
 
 
 def test_a_url_with_neither_a_content_tag_nor_bytes_that_read_whole_is_refused_at_init(storage, served, capsys):
