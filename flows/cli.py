@@ -36,7 +36,7 @@ from grpo.storage import ArtifactError, Storage, committed_attempts, list_attemp
 from schemas import SchemaError
 from stages import StageError, stage_function
 from stages.common import load_run, stale_attempt
-from stages.iteration import next_iteration, run_warm
+from stages.iteration import next_iteration, resume_problem, run_warm
 
 
 def cmd_init(args, storage):
@@ -145,6 +145,8 @@ def cmd_run(args, storage):
 
     load_run(storage, args.run)  # no such run: its one line, before the table's header
     start = next_iteration(storage, args.run) if args.start == "next" else args.start
+    if problem := resume_problem(storage, args.run, start):  # its learn could not be rerun: before any stage
+        raise StageError(problem)
     train(storage, args.run, start, args.iterations)
     if newest := newest_policy(storage, args.run, args.storage):  # none after --iterations 0 on a new run
         print(newest)

@@ -132,10 +132,13 @@ def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, input
             race = raced(storage, fsspec.core.strip_protocol(new) if "://" in new else new)
             if race:
                 raise StageError(race)
+            from stages.iteration import next_iteration  # it imports this module
+
+            start = min(iteration, next_iteration(storage, run_id))  # an earlier iteration's learn may be stale
             raise StageError(
                 f"{stage} iteration {iteration}: input {name} is stale: {reader} was made from {old}, "
                 f"which {new} replaced; rebuild the chain with `grpo run --run {run_id} --start "
-                f"{iteration}` (it reruns only the stale stages)"
+                f"{start}` (it reruns only the stale stages)"
             )
 
 

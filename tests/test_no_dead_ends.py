@@ -20,6 +20,7 @@ from test_stages import make_run
 from test_trust_inputs import arithmetic, config, write_jsonl
 
 import stages.init
+import stages.rewards
 from flows.cli import main
 from grpo import data
 from grpo.config import ConfigError, load_config
@@ -61,8 +62,25 @@ def test_a_force_whose_rebuild_needs_collected_files_is_refused_naming_a_command
     assert next_iteration(storage, "r") == 2
     rc, out, err = cli(storage, capsys, "run", "--run", "r", "--start", "2")  # the command it named works
     assert rc == 0 and "newest policy: iteration 2" in out, err
-    # eval needs no earlier learn: forcing it stays allowed
-    assert stage_function("eval")(storage, "r", 2, force=True)
+    assert stage_function("eval")(storage, "r", 2, force=True)  # eval needs no earlier learn: forcing it stays allowed
+
+
+def test_a_run_left_stale_past_a_collected_learn_says_how_its_policy_goes_on(storage, capsys, tmp_path):
+    make_run(storage, "r", extra=["retention.keep_last=1"])
+    for _ in run_warm(storage, "r", 0, 2):
+        pass
+    assert cli(storage, capsys, "gc", "--run", "r", "--retention", "--delete")[0] == 0
+    stages.rewards.rewards(storage, "r", 1, force=True)  # forced before dead_end was checked, or behind its back
+    rc, _, err = cli(storage, capsys, "run", "--run", "r")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "iteration 1 is stale and rerunning its learn needs iteration 0's" in err and "nothing run" in err
+    assert "`grpo export --run r --out DIR`" in err and "`grpo init --run NEW --set model.base_model=DIR`" in err
+    assert not list_attempts(storage, stage_dir(storage, "r", 1, "advantages"))[1:]  # nothing rerun
+    rc, _, err = cli(storage, capsys, "stage", "snapshot", "--run", "r", "--iteration", "2")  # reads stale learn 1
+    assert rc == 2 and "rebuild the chain with `grpo run --run r --start 1`" in err, err  # which then says the above
+    policy = tmp_path / "policy"  # the commands it named work
+    assert cli(storage, capsys, "export", "--run", "r", "--out", str(policy))[0] == 0
+    assert cli(storage, capsys, "init", "--run", "new", "--set", f"model.base_model={policy}")[0] == 0
 
 
 # ---------------------------------------------------------------- 5b. a web server's dataset is pinned by its bytes
