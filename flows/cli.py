@@ -32,8 +32,8 @@ from pathlib import Path
 from flows.kubernetes import PREFECT_FILE
 from grpo.config import ConfigError, load_config_file
 from grpo.errors import describe
-from grpo.layout import SHARDED, STAGES, export_dir, run_dir, stage_dir
-from grpo.lineage import next_iteration
+from grpo.layout import SHARDED, STAGES, export_dir, run_dir, shard_dirs, stage_dir
+from grpo.lineage import next_iteration, resume_problem, stale_attempt
 from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
 from grpo.report import best_iteration
@@ -49,6 +49,7 @@ from grpo.storage import (
 )
 from schemas import SchemaError
 from stages import StageError, stage_function
+from stages.common import load_run
 from stages.iteration import run_warm
 
 
@@ -159,6 +160,8 @@ def cmd_run(args, storage):
 
     load_run(storage, args.run)  # no such run: its one line, before the table's header
     start = next_iteration(storage, args.run) if args.start == "next" else args.start
+    if problem := resume_problem(storage, args.run, start):  # its learn could not be rerun: before any stage
+        raise StageError(problem)
     train(storage, args.run, start, args.iterations)
     if newest := newest_policy(storage, args.run, args.storage):  # none after --iterations 0 on a new run
         print(newest)
@@ -204,8 +207,7 @@ def first_reaching(storage, run_id: str, target: float) -> tuple[int, float] | N
 
 def cmd_status(args, storage):
     from grpo.gc import collected_summary, running_attempts
-    from grpo.lineage import stale_attempt
-    from stages.common import check_datasets, load_run
+    from stages.common import check_datasets
 
     load_run(storage, args.run)
     last = next_iteration(storage, args.run)
@@ -213,36 +215,25 @@ def cmd_status(args, storage):
         last += 1
     running = running_attempts(storage, args.run)
     print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in STAGES))
-    corrupt = []
+    corrupt, shard_lines, stale_from = [], [], None
     for k in range(last + 1):
-        cells = []
+        cells, after_stale = [], stale_from is not None  # past a stale learn: made from the policy it made
         for s in STAGES:
-            d = stage_dir(storage, args.run, k, s)
-            tried, done = list_attempts(storage, d), committed_attempts(storage, d)
-            live = sum(f"{d}/{a}" in running for a in tried)
-            if live and not done:
-                cells.append("running" + (f" +{len(tried) - live}f" if len(tried) > live else ""))
-                continue
-            failed = "".join(f" +{n}{x}" for n, x in ((live, "r"), (len(tried) - len(done) - live, "f")) if n)
-            state = (
-                "corrupt"
-                if done and args.verify and _corrupt(storage, done[-1])
-                else "stale"
-                if done and stale_attempt(storage, done[-1])
-                else "skipped"
-                if done and s == "eval" and load_manifest(storage, done[-1], verify=False)[0].summary.get("skipped")
-                else "ok"
-            )
-            cells.append(
-                "missing" if not tried else f"{state} x{len(done)}{failed}" if done else f"failed x{len(tried)}"
-            )
+            cell, state = stage_cell(storage, stage_dir(storage, args.run, k, s), running, args.verify, after_stale)
+            cells.append(cell)
             if state == "corrupt":
                 corrupt.append(f"grpo stage {s} --run {args.run} --iteration {k} --force")
+            if s == "learn" and state == "stale" and stale_from is None:
+                stale_from = k
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
+        shard_lines += shard_line(storage, args.run, k, running, args.verify, after_stale, corrupt)
+    for line in shard_lines:
+        print(line)
     print(
         "(xN: committed attempts; +Nr: attempts running now (a recent heartbeat); +Nf: attempts that failed or "
-        "stopped beating; stale: made from inputs a newer attempt replaced; corrupt, with --verify: files "
-        "changed after the commit; skipped: an eval eval.every did not run)"
+        "stopped beating; stale: made from inputs a newer attempt replaced, or after a stale learn; corrupt, with "
+        "--verify: files changed after the commit; skipped: an eval eval.every did not run; shards: each shard's "
+        "attempts, k of rollout.shards or reward.shards)"
     )
     if (best := best_iteration(storage, args.run)) and not best.all_zero:  # all 0: none is better than another
         print(f"best so far: {best}; export it: {grpo_command(args.storage)} export --run {args.run} --best")
@@ -256,6 +247,44 @@ def cmd_status(args, storage):
             f"{len(corrupt)} committed attempt(s) corrupt; make new ones with `{corrupt[0]}`"
             + (f" and {len(corrupt) - 1} more" if len(corrupt) > 1 else "")
         )
+
+
+def shard_line(storage, run_id: str, k: int, running: set[str], verify: bool, after_stale: bool, corrupt: list):
+    """[`grpo status`'s line of iteration k's shards (`iteration 3 shards: rewards 0 ok x1, 1 failed x1`)], or []
+    without shards; the command remaking each corrupt shard is added to `corrupt`."""
+    stages = []
+    for s, dirs in shard_dirs(storage, run_id, k).items():
+        shards = [stage_cell(storage, d, running, verify, after_stale) for d in dirs]
+        stages.append(f"{s} " + ", ".join(f"{j} {cell}" for j, (cell, _) in enumerate(shards)))
+        corrupt += [
+            f"grpo stage {s} --run {run_id} --iteration {k} --shard {j} --force"
+            for j, (_, state) in enumerate(shards)
+            if state == "corrupt"
+        ]
+    return [f"iteration {k} shards: {'; '.join(stages)}"] if stages else []
+
+
+def stage_cell(storage, d: str, running: set[str], verify: bool, after_stale: bool) -> tuple[str, str]:
+    """(`grpo status`'s cell of the stage folder `d`, the state of its newest committed attempt: ok, stale, corrupt
+    (with `verify`), skipped, or '' when none committed). `after_stale`: the folder is of an iteration after one
+    whose learn is stale, so whatever it committed descends from that learn and is stale too."""
+    tried, done = list_attempts(storage, d), committed_attempts(storage, d)
+    live = sum(f"{d}/{a}" in running for a in tried)
+    if live and not done:
+        return "running" + (f" +{len(tried) - live}f" if len(tried) > live else ""), ""
+    if not done:
+        return ("missing" if not tried else f"failed x{len(tried)}"), ""
+    failed = "".join(f" +{n}{x}" for n, x in ((live, "r"), (len(tried) - len(done) - live, "f")) if n)
+    state = (
+        "corrupt"
+        if verify and _corrupt(storage, done[-1])
+        else "stale"
+        if after_stale or stale_attempt(storage, done[-1])
+        else "skipped"
+        if d.endswith("/eval") and load_manifest(storage, done[-1], verify=False)[0].summary.get("skipped")
+        else "ok"
+    )
+    return f"{state} x{len(done)}{failed}", state
 
 
 def _corrupt(storage: Storage, attempt_dir: str) -> bool:

@@ -36,6 +36,10 @@ from grpo.variants import (
 
 Backend = Literal["auto", "vllm", "hf"]
 
+MIN_TEMPERATURE = 1e-2
+"""The lowest rollout.temperature: below it sampling is greedy in all but name (at 0.01 a logit gap of 0.1 already
+weighs e^10 to 1), so a group's G samples come out alike and carry no signal."""
+
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -129,7 +133,8 @@ class RolloutConfig:
     group_size: int = 8
     """G: samples per prompt, the group GRPO normalizes over."""
     temperature: float = 1.0
-    """Sampling temperature."""
+    """Sampling temperature, at least MIN_TEMPERATURE (0.01): lower makes a group's G samples alike, no signal to
+    learn from; greedy decoding is eval's, not training's."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
     max_tokens: int = 5
@@ -158,7 +163,9 @@ class RolloutConfig:
     rounds; the learner trains on groups with signal only, at most prompts_per_iteration of them in draw
     order, a whole number of minibatches (stages.rollouts.sample_rounds). None: off."""
     max_sampling_rounds: int = 3
-    """With min_signal_groups: the most rounds of prompts_per_iteration prompts one iteration samples."""
+    """With min_signal_groups: the most rounds of prompts_per_iteration prompts one iteration samples; with a
+    dataset the stage stops sooner, failing in one line, once rounds drew a whole epoch without one group with
+    signal (the reward looks constant)."""
 
 
 @dataclass(frozen=True)
@@ -170,9 +177,10 @@ class RewardConfig:
     weights: list[float] | None = None
     """Weight of each function's total in the reward (default 1 each)."""
     workers: int = 2
-    """Processes scoring responses in parallel."""
+    """Processes scoring responses in parallel; `grpo init` refuses more than a shard's samples or this machine's
+    CPU cores (each worker scores on a core of its own)."""
     timeout_s: float = 10.0
-    """Per-sample time limit; a timeout is recorded as an error with reward 0."""
+    """Per-sample time limit in seconds (> 0); a timeout is recorded as an error with reward 0."""
     max_error_fraction: float = 0.05
     """The stage fails when more than this fraction of samples errors."""
     truncated_reward: float | None = None
@@ -190,8 +198,8 @@ class RewardConfig:
     shards: int = 1
     """Split the samples into this many ranges, each scored by its own task run (on its own worker where the
     stage is placed) and committed on its own, so a failed shard reruns alone; the stage commits their rows
-    merged, the same as one shard. Each shard holds `max_error_fraction` on its own. Not part of the
-    stage's identity."""
+    merged, the same as one shard. Each shard holds `max_error_fraction` on its own. At most the iteration's
+    samples (rollout.prompts_per_iteration x rollout.group_size). Not part of the stage's identity."""
 
 
 @dataclass(frozen=True)
@@ -217,7 +225,8 @@ class LoraConfig:
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
-    """Names of the linear layers that get an adapter (peft's `target_modules`)."""
+    """Names of the linear layers that get an adapter (peft's `target_modules`: a layer's name or its dotted path's
+    end); `grpo init` refuses a name that matches no linear layer of the model."""
 
 
 Sharding = Literal["ddp", "fsdp2"]
@@ -340,8 +349,8 @@ class EvalConfig:
     seed: int = 1_000_003
     """Seed of the held-out prompts and of the held-out split; kept apart from the training seeds."""
     dataset: str | None = None
-    """Held-out prompts (same formats and columns as task.dataset); None with a task.dataset holds out
-    `split_fraction` of it."""
+    """Held-out prompts (same formats and columns as task.dataset, never task.dataset itself: `grpo init` refuses
+    the same path or content); None with a task.dataset holds out `split_fraction` of it."""
     split_fraction: float = 0.1
     """With task.dataset and no eval.dataset: the seeded share of its rows held out, never trained on."""
     samples_per_prompt: int = 1
@@ -658,9 +667,11 @@ def validate(cfg: RunConfig) -> None:
         )
     validate_nodes(lc)
     validate_dynamic_sampling(r, lc)
-    if r.temperature <= 0 or not 0 < r.top_p <= 1:
+    validate_reward(cfg.reward, r)
+    if r.temperature < MIN_TEMPERATURE or not 0 < r.top_p <= 1:
         raise ConfigError(
-            f"rollout.temperature must be > 0 and rollout.top_p in (0, 1], got {r.temperature}, {r.top_p}"
+            f"rollout.temperature must be >= {MIN_TEMPERATURE} and rollout.top_p in (0, 1], got {r.temperature}, "
+            f"{r.top_p}"
         )
     if cfg.reward.overlong_buffer is not None and not 1 <= cfg.reward.overlong_buffer <= r.max_tokens:
         raise ConfigError(
@@ -742,6 +753,19 @@ def validate_dynamic_sampling(r: RolloutConfig, lc: LearnConfig) -> None:
         )
     if r.shards > 1:
         raise ConfigError(f"rollout.shards={r.shards}: rollout.min_signal_groups samples in rounds, in one shard only")
+
+
+def validate_reward(rc: RewardConfig, r: RolloutConfig) -> None:
+    """reward.timeout_s a positive time, reward.shards at most the iteration's samples."""
+    if rc.timeout_s <= 0:
+        raise ConfigError(f"reward.timeout_s must be > 0 (seconds a sample may take), got {rc.timeout_s}")
+    samples = r.prompts_per_iteration * r.group_size
+    if rc.shards > samples:
+        raise ConfigError(
+            f"reward.shards={rc.shards} is more than the iteration's {samples} samples (rollout.prompts_per_iteration "
+            f"x rollout.group_size = {r.prompts_per_iteration} x {r.group_size}): a shard would have none; lower "
+            "reward.shards"
+        )
 
 
 def validate_nodes(lc: LearnConfig) -> None:

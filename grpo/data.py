@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import random
 from typing import Any, Literal
 
@@ -25,6 +26,8 @@ import pandas as pd
 
 from grpo.storage import file_digest, is_local, url_to_fs
 from grpo.tasks import Example
+
+log = logging.getLogger("grpo.data")
 
 PromptFormat = Literal["auto", "chat", "text"]
 _SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
@@ -163,19 +166,54 @@ def blank_row_count(uri: str, prompt_column: str = "prompt", answer_column: str 
     return len(set().union(*_blank_rows(df, (prompt_column, answer_column)).values()))
 
 
-def _object_version(info: dict) -> str:
-    """An object's size and ETag (opaque: a multipart one is no MD5), version or, failing both, time."""
-    keys = ("ETag", "etag", "VersionId", "generation", "LastModified", "mtime")
-    tag = str(next((info[k] for k in keys if info.get(k)), "")).strip('"')
-    return f"{info.get('size')}:{tag}"
+_CONTENT_TAGS = ("ETag", "etag", "VersionId", "generation", "Content-MD5", "Digest", "md5Hash", "crc32c")
+"""What an object store or web server may say of an object's content, in the order they are read: a new tag
+for new content. A modification time is none (an edit may keep it: `cp -p`, rsync -t, HTTP's whole seconds)."""
+
+
+def _object_version(info: dict) -> str | None:
+    """An object's size and content tag (ETag: opaque, a multipart one is no MD5; or a version id, Content-MD5,
+    ...); None where the store gives no tag.
+
+    >>> _object_version({"size": 3, "ETag": '"abc"', "Last-Modified": "x"}), _object_version({"size": 3, "mtime": 1})
+    ('3:abc', None)
+    """
+    tag = next((str(info[k]).strip('"') for k in _CONTENT_TAGS if info.get(k)), None)
+    return None if tag is None else f"{info.get('size')}:{tag}"
+
+
+def _content_digest(fs, path: str, uri: str, size: int | None) -> str:
+    """sha256 of an object's bytes, read through once (an HTTP server's in one streamed GET); a DatasetError
+    where they cannot be read whole: nothing then says which bytes the run was made from."""
+    h, n = hashlib.sha256(), 0
+    stream = {"block_size": 0} if "http" in fs.protocol else {}  # no range requests: not every server takes them
+    try:
+        with fs.open(path, "rb", **stream) as f:
+            while chunk := f.read(2**20):
+                h.update(chunk)
+                n += len(chunk)
+    except Exception as e:  # noqa: BLE001 (each store raises its own kinds; aiohttp's are no OSError)
+        raise DatasetError(
+            f"dataset {uri}: the store gives no content tag (ETag, Content-MD5, a version id) and its bytes could "
+            f"not be read whole to hash them ({type(e).__name__}: {e}); serve it with an ETag, or copy it to local "
+            "or S3 storage"
+        ) from e
+    if size is not None and n != size:
+        raise DatasetError(
+            f"dataset {uri}: the store gives no content tag (ETag, Content-MD5, a version id) and sent {n} of its "
+            f"{size} bytes; serve it with an ETag, or copy it to local or S3 storage"
+        )
+    return h.hexdigest()
 
 
 def fingerprint(uri: str) -> str:
     """What identifies the dataset's bytes: `sha256:` of a local file's content (of each file's name and
-    content in a save_to_disk folder), `etag:` a hash of each object's size and ETag on object storage.
+    content in a save_to_disk folder), `etag:` a hash of each object's size and content tag (ETag) on
+    object storage and web servers, `sha256:` of each object's bytes where the store gives no tag (an
+    HTTP server without ETag: a same-size edit is seen); a DatasetError when it gives neither.
 
     Local files are hashed once a process while their stat stamp holds (grpo.storage.file_digest);
-    objects cost one metadata request each.
+    tagged objects cost one metadata request each, untagged ones a download each time.
     """
     fs, path = url_to_fs(uri)
     if not fs.exists(path):
@@ -189,8 +227,15 @@ def fingerprint(uri: str) -> str:
         kind = "sha256"
     else:
         infos = fs.find(path, detail=True) if folder else {path: fs.info(path)}
-        parts = [(f[len(path) :], _object_version(info)) for f, info in sorted(infos.items())]
-        kind = "etag"
+        tags = {f: _object_version(info) for f, info in infos.items()}
+        if all(tags.values()):
+            parts = [(f[len(path) :], tags[f]) for f in sorted(infos)]
+            kind = "etag"
+        else:
+            parts = [(f[len(path) :], _content_digest(fs, f, uri, infos[f].get("size"))) for f in sorted(infos)]
+            if not folder:
+                return f"sha256:{parts[0][1]}"
+            kind = "sha256"
     return f"{kind}:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()}"
 
 
@@ -213,10 +258,33 @@ def _short(fingerprint_: str) -> str:
     return f"{kind}:{digest[:12]}"
 
 
+def _size_only(uri: str) -> str:
+    """The fingerprint a file on a store without content tags (an HTTP server without ETag) got before its bytes
+    were hashed: its size alone."""
+    fs, path = url_to_fs(uri)
+    parts = [("", f"{fs.info(path).get('size')}:")]
+    return f"etag:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()}"
+
+
+_SIZE_PINNED: set[str] = set()  # datasets of runs pinned by size alone, said once a process
+
+
 def pinned_version(uri: str) -> str:
-    """The dataset's fingerprint; a DatasetChangedError when the run pinned it (`pin`) to another."""
+    """The dataset's fingerprint; a DatasetChangedError when the run pinned it (`pin`) to another. A run made
+    when an untagged object was pinned by its size alone goes on while the size holds, said once (its bytes
+    were never recorded: a new run pins them)."""
     now = fingerprint(uri)
     name, then = _PINNED.get(uri, ("", now))
+    if now != then and now.startswith("sha256:") and then.startswith("etag:") and then == _size_only(uri):
+        if uri not in _SIZE_PINNED:
+            _SIZE_PINNED.add(uri)
+            log.warning(
+                "%s %s was pinned by its size alone when the run was made (its store gives no ETag): an edit of the "
+                "same size goes unseen in this run; a new run pins its bytes",
+                name,
+                uri,
+            )
+        return now
     if now != then:
         raise DatasetChangedError(
             f"{name} {uri} changed since grpo init (fingerprint {_short(then)}, now {_short(now)}); "

@@ -2,7 +2,8 @@
 
 Always: attempts that never committed (a crash, a kill, a failed check), committed attempts that
 a newer attempt of the same stage replaced, as long as no kept manifest reads them (an input) or
-references their files (a snapshot points at its policy's files), and leftover `*.tmp-*` files.
+references their files (a snapshot points at its policy's files), leftover `*.tmp-*` files, and the
+tables of shards their stage merged (listed in the shard's collected.json; its manifest stays).
 
 With retention (`grpo gc --retention`, the run's RetentionConfig): also the weights and optimizer
 state of older learns, and nothing else: tables, manifests, run.json and summaries stay, so every
@@ -36,10 +37,11 @@ import fsspec
 
 from grpo import report
 from grpo.config import RetentionConfig
-from grpo.layout import POLICY_PREFIXES, SHARD_FOLDER, STAGES, STATE_PREFIXES, run_dir, run_json, stage_dir
+from grpo.layout import POLICY_PREFIXES, SHARD_FOLDER, STAGES, STATE_PREFIXES, run_dir, run_json, shard_dirs, stage_dir
 from grpo.lineage import next_iteration, reference_iteration
 from grpo.storage import (
     HEARTBEAT_NAME,
+    MERGED_SHARD,
     ArtifactError,
     Storage,
     committed_attempts,
@@ -50,6 +52,7 @@ from grpo.storage import (
     mark_collected,
     read_collected,
 )
+from schemas import table_file
 from schemas.manifest import MANIFEST_NAME
 
 LEASE_BEATS = 10  # a heartbeat is live for this many of its writer's beats at least, whatever min_age_s
@@ -60,12 +63,12 @@ class Garbage:
     path: str
     """An attempt folder or a file; with `files`, the committed attempt they are in (the rest stays)."""
     why: str
-    """"failed", "superseded", "temporary"; with retention also "policy" and "state"."""
+    """"failed", "superseded", "temporary", "merged" (a shard's table); with retention also "policy" and "state"."""
     bytes: int
     files: tuple[str, ...] = ()
-    """Retention: the attempt's files to remove, relative to it."""
+    """Retention and merged shards: the attempt's files to remove, relative to it."""
     note: str = ""
-    """Retention: why they go (recorded in collected.json, named by a stage that needs them)."""
+    """Retention and merged shards: why they go (recorded in collected.json, named by a stage that needs them)."""
 
 
 @dataclass(frozen=True)
@@ -341,6 +344,11 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
                 out.garbage.append(Garbage(path, "temporary", info.get("size", 0)))
             else:
                 out.held.append(Held(path, f"temporary file{{s}} newer than {span}", f"written {_span(a)} ago"))
+    merged = [t for k in range(_iterations(storage, run_id)) for t in merged_shard_tables(storage, run_id, k)]
+    for attempt, name, why in merged:  # shard tables their stage merged: its table holds the rows
+        if not _under(storage.uri(attempt).rstrip("/"), live):
+            size = listing.get(f"{attempt}/{name}", {}).get("size", 0)
+            out.garbage.append(Garbage(attempt, "merged", size, (name,), why))
     if retention is not None:
         _retention(storage, run_id, retention, listing, live, out)
     return out
@@ -399,3 +407,22 @@ def collected_summary(storage: Storage, run_id: str) -> str | None:
     parts = [f"policy of iteration {', '.join(policy)}"] if policy else []
     parts += [f"optimizer state of iteration {', '.join(state)}"] if state else []
     return f"collected by `grpo gc --retention` (each learn's collected.json): {'; '.join(parts)}"
+
+
+def merged_shard_tables(storage: Storage, run_id: str, iteration: int) -> list[tuple[str, str, str]]:
+    """(shard attempt, its table, why it may go) of each shard table of the iteration that the newest committed
+    attempt of its stage merged and that is still there: the stage's table holds the same rows, so `grpo gc`
+    collects them (the shard's manifest and summary stay, for lineage and `grpo status`)."""
+    out = []
+    for stage, dirs in shard_dirs(storage, run_id, iteration).items():
+        merged = committed_attempts(storage, stage_dir(storage, run_id, iteration, stage))
+        if not merged:
+            continue
+        inputs = load_manifest(storage, merged[-1], verify=False)[0].inputs
+        for k in range(len(dirs)):
+            ref = inputs.get(f"shard-{k}")
+            attempt = ref and next((a for a in committed_attempts(storage, dirs[k]) if storage.uri(a) == ref.uri), None)
+            name = table_file(stage)
+            if attempt and name not in read_collected(storage, attempt) and storage.exists(f"{attempt}/{name}"):
+                out.append((attempt, name, f"{MERGED_SHARD}{storage.uri(merged[-1])}"))
+    return out

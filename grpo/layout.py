@@ -93,6 +93,18 @@ SHARD_FOLDER = re.compile(r"(?P<stage>[a-z]+)-shard-(?P<shard>\d+)-of-(?P<shards
 """What `shard_stage` names."""
 
 
+def shard_dirs(storage: Storage, run_id: str, iteration: int) -> dict[str, list[str]]:
+    """{stage: its shards' folders, shard 0 first} of an iteration's sharded stages in the order they run, every
+    shard of the stage's number of shards whether tried yet or not (its folder may not exist)."""
+    idir = stage_dir(storage, run_id, iteration, STAGES[0]).rsplit("/", 1)[0]
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(idir, detail=False)]
+    except FileNotFoundError:
+        return {}
+    counts = {m["stage"]: int(m["shards"]) for m in map(SHARD_FOLDER.match, sorted(names)) if m}
+    return {s: [f"{idir}/{shard_stage(s, k, counts[s])}" for k in range(counts[s])] for s in STAGES if s in counts}
+
+
 POLICY_PREFIXES = ("policy/", "adapter/", "master.safetensors")
 """A learn attempt's policy weights: the checkpoint (full fine-tuning) or the LoRA adapters, and the
 float32 master copy of a narrower checkpoint."""

@@ -10,7 +10,7 @@ import datetime as dt
 import fsspec
 
 from grpo.errors import StageError
-from grpo.layout import stage_dir
+from grpo.layout import POLICY_PREFIXES, STATE_PREFIXES, stage_dir
 from grpo.storage import (
     Committed,
     CorruptArtifactError,
@@ -19,6 +19,7 @@ from grpo.storage import (
     committed_attempts,
     latest_committed,
     load_manifest,
+    read_collected,
 )
 
 
@@ -98,10 +99,11 @@ def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, input
             race = raced(storage, fsspec.core.strip_protocol(new) if "://" in new else new)
             if race:
                 raise StageError(race)
+            start = min(iteration, next_iteration(storage, run_id))  # an earlier iteration's learn may be stale
             raise StageError(
                 f"{stage} iteration {iteration}: input {name} is stale: {reader} was made from {old}, "
                 f"which {new} replaced; rebuild the chain with `grpo run --run {run_id} --start "
-                f"{iteration}` (it reruns only the stale stages)"
+                f"{start}` (it reruns only the stale stages)"
             )
 
 
@@ -158,3 +160,61 @@ def reference_iteration(iteration: int, every: int | None) -> int | None:
     ([None, None, 2, 2, 4, 4], 3, None)
     """
     return None if every is None or iteration < every else iteration // every * every
+
+
+def _collected_learn(storage: Storage, run_id: str, k: int) -> str | None:
+    """What `grpo gc --retention` collected of iteration k's committed learn, as a phrase ("iteration 1's policy
+    and optimizer state, which was collected ... (attempt: files)"), or None: nothing (or no learn)."""
+    attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "learn")) if k >= 0 else []
+    names = sorted(read_collected(storage, attempts[-1])) if attempts else []
+    if not names:
+        return None
+    policy = [n for n in names if n.startswith(POLICY_PREFIXES) and not n.startswith(STATE_PREFIXES)]
+    state = [n for n in names if n.startswith(STATE_PREFIXES)]
+    what = " and ".join(w for w, files in (("policy", policy), ("optimizer state", state)) if files)
+    shown = ", ".join((policy + state)[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"iteration {k}'s {what}, which was collected by `grpo gc --retention` ({storage.uri(attempts[-1])}: {shown})"
+    )
+
+
+def stuck_at(storage: Storage, run_id: str, k: int) -> str | None:
+    """Why running iteration k stops at its learn, or None: the learn is stale (or missing) and rerunning it needs
+    files of learn k-1 that gc collected. A forced stage no longer leaves a run so (dead_end); one forced before
+    that check, or behind its back, may have."""
+    learned = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))
+    if learned and not stale_attempt(storage, learned[-1]):
+        return None
+    return _collected_learn(storage, run_id, k - 1)
+
+
+def dead_end(storage: Storage, run_id: str, iteration: int, stage: str) -> str | None:
+    """Why a new attempt of `stage` of `iteration` (--force) would leave the run stuck, or None. A stage before
+    learn makes the iteration's learn stale, and rerunning that learn needs the previous learn's policy and
+    optimizer state, which `grpo gc --retention` keeps only for the newest learn (and the one `grpo run`
+    continues from). Asked before anything is written, so the run stays as it was; learn and eval read what
+    they need themselves and fail, committing nothing, where it is gone."""
+    if stage in ("learn", "eval") or iteration == 0:
+        return None
+    gone = _collected_learn(storage, run_id, iteration - 1)
+    if gone is None:
+        return None
+    return (
+        f"{stage} iteration {iteration} --force: a new attempt makes iteration {iteration}'s learn stale, and "
+        f"rerunning it needs {gone}; nothing written. The run goes on with `grpo run --run {run_id} --start "
+        f"{next_iteration(storage, run_id)}`"
+    )
+
+
+def resume_problem(storage: Storage, run_id: str, start: int) -> str | None:
+    """The line refusing `grpo run --start start` where iteration `start` cannot be rebuilt (stuck_at): every later
+    stage reads the stale chain (check_chain), so the run cannot go on; its newest policy can, in a
+    new run. None where the run can start there."""
+    gone = stuck_at(storage, run_id, start)
+    if gone is None:
+        return None
+    return (
+        f"iteration {start} is stale and rerunning its learn needs {gone}; nothing run. This run cannot go on past "
+        f"it: export its newest policy with `grpo export --run {run_id} --out DIR` and start a new run from it with "
+        "`grpo init --run NEW --set model.base_model=DIR`"
+    )

@@ -13,8 +13,9 @@ newest committed attempt and check every file's size and sha256 against it.
 
 While a writer runs, its attempt holds a `.heartbeat` it rewrites every ~30 s (Heartbeat), so that
 `grpo gc` can tell a live attempt from a dead one however long its stage writes nothing else.
-`grpo gc --retention` may later remove a committed attempt's weights and optimizer state; it lists
-them first in the attempt's `collected.json`: verification skips them, and reading one fails naming it.
+`grpo gc --retention` may later remove a committed attempt's weights and optimizer state, and `grpo gc` a
+shard's table once its stage merged it; gc lists them first in the attempt's `collected.json`: verification
+skips them, and reading one fails naming it.
 """
 
 from __future__ import annotations
@@ -269,6 +270,10 @@ def read_collected(storage: Storage, attempt_dir: str) -> dict[str, dict]:
         raise CorruptArtifactError(f"{storage.uri(path)}: not a valid {COLLECTED_NAME}: {e}") from e
 
 
+MERGED_SHARD = "shard table merged into "
+"""How the why of a shard table `grpo gc` collected begins (grpo.gc.merged_shard_tables)."""
+
+
 def mark_collected(storage: Storage, attempt_dir: str, files: dict[str, str]) -> None:
     """List {file path in the attempt: why} in its collected.json, before gc removes them."""
     records = read_collected(storage, attempt_dir)
@@ -290,6 +295,11 @@ def _collected_note(storage: Storage, path: str, known: dict[str, dict]) -> str 
     record = known[owner].get("/".join(parts[at + 1 :]))
     if record is None:
         return None
+    if record["why"].startswith(MERGED_SHARD):  # plain gc: the stage's table holds the same rows
+        return (
+            f"{storage.uri(path)} was collected by `grpo gc` at {record['at']} ({record['why']}); its rows are in "
+            "that table: read it, or remake the shard with `grpo stage ... --shard K --force`"
+        )
     return (
         f"{storage.uri(path)} was collected by `grpo gc --retention` at {record['at']} ({record['why']}); "
         "it cannot be read back: only the newest learn keeps all its files, so continue the run from there "

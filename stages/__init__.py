@@ -5,9 +5,11 @@ Every stage function has the signature `(storage, run_id, iteration, force=False
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from grpo.layout import STAGES
+from grpo.lineage import dead_end
 from stages.common import StageError
 
 # the function of each stage of grpo.layout.STAGES (the order lives there): module stages.<name>,
@@ -16,11 +18,20 @@ _FUNCTIONS = {name: f"stages.{name}:{ {'eval': 'evaluate'}.get(name, name) }" fo
 
 
 def stage_function(name: str):
-    """The function of stage `name`; unknown names list the valid ones."""
+    """The function of stage `name`; unknown names list the valid ones. Called with force=True it first refuses
+    a new attempt the run could not rebuild after (grpo.lineage.dead_end), writing nothing."""
     if name not in _FUNCTIONS:
         raise StageError(f"unknown stage {name!r}; valid stages: {', '.join(STAGES)}")
     module, attr = _FUNCTIONS[name].split(":")
-    return getattr(importlib.import_module(module), attr)
+    fn = getattr(importlib.import_module(module), attr)
+
+    @functools.wraps(fn)
+    def run(storage, run_id: str, iteration: int, force: bool = False, **kwargs):
+        if force and (stuck := dead_end(storage, run_id, iteration, name)):
+            raise StageError(stuck)
+        return fn(storage, run_id, iteration, force=force, **kwargs)
+
+    return run
 
 
 __all__ = ["STAGES", "StageError", "stage_function"]

@@ -9,8 +9,9 @@ files named in `reward.functions` are copied beside it (`reward/`).
 Everything a later stage needs is checked before run.json is written: the model's
 weights fit its config.json and its tokenizer loads, the chat template exists where the
 prompt format needs one, the datasets have their columns and every row a prompt and a
-ground truth, the reward functions import and take the right arguments. A typo fails
-here, naming the field, and leaves no run behind.
+ground truth, the reward functions import and take the right arguments, eval.dataset is not
+task.dataset, learn.lora.target_modules name layers of the model, reward.workers can all be kept
+busy. A typo fails here, naming the field, and leaves no run behind.
 
 The base manifest's summary records each dataset's fingerprint (and the rows left out by
 task.skip_invalid_rows): the run is pinned to those bytes, and a stage refuses a dataset that
@@ -20,6 +21,7 @@ changed since (grpo.data.pin). A run made before fingerprints were recorded is n
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -149,6 +151,60 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
             )
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity, as taskset and container limits set it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_reward_workers(cfg: RunConfig) -> None:
+    """reward.workers: no more than a reward shard's samples or this machine's cores can keep busy."""
+    r, rc = cfg.rollout, cfg.reward
+    per_shard = -(-r.prompts_per_iteration * r.group_size // rc.shards)
+    if rc.workers > per_shard:
+        raise ConfigError(
+            f"reward.workers={rc.workers} is more than the {per_shard} samples a reward shard scores (rollout."
+            f"prompts_per_iteration x rollout.group_size / reward.shards); the rest would idle: set reward.workers "
+            f"<= {per_shard}"
+        )
+    cores = usable_cores()
+    if rc.workers > cores:
+        raise ConfigError(
+            f"reward.workers={rc.workers} is more than the {cores} CPU core(s) this machine gives grpo: workers "
+            f"beyond them share cores, each sample runs slower against reward.timeout_s; set reward.workers <= {cores}"
+        )
+
+
+def check_held_out(datasets: dict[str, dict]) -> None:
+    """eval.dataset must not be task.dataset (the same URI or the same bytes): its prompts would be trained on."""
+    train, held = datasets.get("task.dataset"), datasets.get("eval.dataset")
+    if train and held and (train["uri"] == held["uri"] or train["fingerprint"] == held["fingerprint"]):
+        same = "is" if train["uri"] == held["uri"] else "has the same content as"
+        raise ConfigError(
+            f"eval.dataset {held['uri']} {same} task.dataset: every held-out prompt would be trained on; name a "
+            "held-out file, or unset eval.dataset to hold out eval.split_fraction of task.dataset"
+        )
+
+
+def check_lora_targets(cfg: RunConfig, model_dir: str) -> None:
+    """Each name of learn.lora.target_modules must match a layer of the model as peft matches them (the layer's
+    name, or its dotted path's end): a typo would leave that layer without an adapter, or every layer."""
+    if cfg.learn.lora is None:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):  # the modules' names without their weights
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    layers = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
+    for target in cfg.learn.lora.target_modules:
+        if not any(n == target or n.endswith("." + target) for n in layers):
+            names = sorted({n.rsplit(".", 1)[-1] for n in layers})
+            raise ConfigError(
+                f"learn.lora.target_modules: {target!r} names no linear layer of the model (its layers: "
+                f"{', '.join(names)}); list those that should get adapters"
+            )
+
+
 def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
     """(local folder of the checked base model, where it came from), inside `tmp`."""
     folder = f"{tmp}/model"
@@ -164,6 +220,7 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
     if problem:
         raise ConfigError(f"model.base_model {source}: {problem}")
     check_inputs(cfg, folder)
+    check_lora_targets(cfg, folder)
     bad = non_finite_weights(folder)
     if bad:
         raise ConfigError(f"model.base_model {source}: non-finite weights in {', '.join(bad[:3])}")
@@ -181,7 +238,9 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
             datasets = dataset_facts(cfg)
         else:
             data.pin(None)  # a new run: nothing recorded yet (a run loaded before in this process pins no more)
+            check_reward_workers(cfg)
             datasets = dataset_facts(cfg)  # before anything is written
+            check_held_out(datasets)
             prepared = prepare_base(cfg, tmp)
             write_run_json(storage, run_id, cfg)
 

@@ -27,7 +27,15 @@ from grpo.storage import Committed, StageWriter, Storage
 from schemas import ParquetWriter, table_file
 from stages import rewards
 from stages.common import StageError, load_run
-from stages.prompts import Prompts, held_out_config, iteration_prompts, policy_and_prompts, round_prompts, sampler
+from stages.prompts import (
+    Prompts,
+    held_out_config,
+    held_out_split,
+    iteration_prompts,
+    policy_and_prompts,
+    round_prompts,
+    sampler,
+)
 from stages.shards import ranges, run_sharded
 
 
@@ -232,6 +240,9 @@ def sample_rounds(
     the next iteration starts where this one's draws ended: its draw_start is this stage's committed
     draw_end (the next rollouts takes this one as its `previous` input), never in-memory state. The task
     generators' prompts are seeded by the iteration alone; round r takes the next n of that stream.
+
+    When to give up. Rounds that drew a whole epoch of a dataset without one group with signal stop the stage
+    in one line (flat_epoch): the reward looks constant there, and more rounds, or the learner, cannot help.
     """
     r, n = cfg.rollout, cfg.rollout.prompts_per_iteration
     snap, start = inputs["snapshot"], draw_start(cfg, iteration, inputs)
@@ -269,6 +280,8 @@ def sample_rounds(
                     f"rollouts {iteration} round {rounds}", min(at + r.chunk_prompts, len(p.ids)), len(p.ids), "prompts"
                 )
             kept, skipped, rounds = kept + len(p.ids), skipped + p.skipped, rounds + 1
+            if signal == 0 and (flat := flat_epoch(cfg, iteration, rounds)):
+                raise StageError(flat)
     return {
         "prompts": kept,
         "skipped_prompts": skipped,
@@ -284,6 +297,25 @@ def sample_rounds(
         "draw_end": start + rounds * n,
         "score_s": score_s,
     }
+
+
+def flat_epoch(cfg: RunConfig, iteration: int, rounds: int) -> str | None:
+    """The line that stops dynamic sampling once `rounds` rounds drew a whole epoch of task.dataset and none of
+    their groups had signal: more rounds redraw the same prompts, and no learner setting helps a reward that
+    is the same for every response; None before that (and for a task's own prompts, an endless stream)."""
+    if not cfg.task.dataset:
+        return None
+    rows, drawn = len(held_out_split(cfg)[0]), rounds * cfg.rollout.prompts_per_iteration
+    if drawn < rows:
+        return None
+    scorer = f"reward.functions {cfg.reward.functions}" if cfg.reward.functions else f"task {cfg.task.name}'s reward"
+    return (
+        f"rollouts iteration {iteration}: dynamic sampling stopped after {rounds} round(s), {drawn} prompts drawn, a "
+        f"whole epoch of task.dataset's {rows} training rows, in which no group of rollout.group_size="
+        f"{cfg.rollout.group_size} responses had unequal rewards: the reward looks constant on this dataset; check "
+        f"that {scorer} scores task.answer_column={cfg.task.answer_column!r} as meant on a few rows (else the model "
+        "solves none yet: raise rollout.group_size or rollout.temperature); nothing committed"
+    )
 
 
 def group_signal(cfg: RunConfig, pool, key: tuple, columns: dict[str, list], sizes: list[int]) -> list[bool]:

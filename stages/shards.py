@@ -19,7 +19,11 @@ from __future__ import annotations
 from typing import Callable
 
 from grpo.layout import shard_stage
-from grpo.storage import Committed, StageWriter, Storage
+from grpo.storage import (
+    Committed,
+    StageWriter,
+    Storage,
+)
 from schemas import ParquetWriter, iter_row_groups, table_file
 from stages.common import StageError, run_stage
 

@@ -140,7 +140,7 @@ def test_node_0_fails_in_one_line_and_commits_nothing_when_node_1_never_comes(st
     t0 = time.monotonic()
     message = fails_committing_nothing(storage, "lone")
     assert "node 1 of 2 never came within learn.node_timeout_s=4" in message
-    assert "grpo stage learn --run lone --iteration 0 --node-rank 1" in message
+    assert f"grpo --storage {storage.url} stage learn --run lone --iteration 0 --node-rank 1" in message
     assert time.monotonic() - t0 < 30
 
 

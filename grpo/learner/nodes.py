@@ -180,7 +180,7 @@ def lead(writer: StageWriter, args: dict, lc: LearnConfig, run_id: str, iteratio
     addr, port = node_address(), int(os.environ.get("GRPO_NODE_PORT") or free_port())
     rendezvous = {"identity": writer.identity, "addr": addr, "port": port, "nodes": lc.nodes}
     _write_json(storage, writer.path(RENDEZVOUS), {**rendezvous, "processes_per_node": lc.node_processes})
-    start = f"grpo stage learn --run {run_id} --iteration {iteration} --node-rank"
+    start = f"grpo --storage {storage.url} stage learn --run {run_id} --iteration {iteration} --node-rank"
     log.info(
         "learn iteration %d: node 0 of %d at %s:%d; the others join with `%s r`", iteration, lc.nodes, addr, port, start
     )

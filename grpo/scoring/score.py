@@ -102,6 +102,10 @@ def _score_chunk(key: tuple, timeout_s: float, max_memory_mb: int | None, items:
     for j, item in enumerate(items):
         progress[2], progress[1], progress[0] = time.monotonic(), 0, j
         out.append(score_one(scorer, *item, timeout_s, calling))
+        if max_memory_mb is not None and (out[-1][2] or "").startswith("MemoryError"):  # the cap, most likely
+            detail = out[-1][2].removeprefix("MemoryError").strip(": ")
+            said = f"MemoryError under reward.max_memory_mb={max_memory_mb}" + (f": {detail}" if detail else "")
+            out[-1] = (*out[-1][:2], said)
         if out[-1][2] is not None:
             tell([j], out[-1][2])
     progress[0] = IDLE
