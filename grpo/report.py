@@ -31,6 +31,10 @@ COLUMNS = [
     ("loss", "learn", "loss"),
     ("grad_norm", "learn", "grad_norm"),
     ("logprob_gap", "learn", "logprob_gap"),
+    ("behavior_weight_mean", "learn", "behavior_weight_mean"),
+    ("behavior_weight_max", "learn", "behavior_weight_max"),
+    ("behavior_clipped_frac", "learn", "behavior_clipped_frac"),
+    ("sampler_kl", "learn", "sampler_kl"),
     ("stop_fraction", "rollouts", "stop_fraction"),
     ("samples", "advantages", "samples"),
 ]
@@ -101,16 +105,16 @@ PLOTS = [  # (title, row keys)
 
 
 def figure_png(rows: list[dict], title: str, dpi: int = 90, best: Best | None = None) -> bytes:
-    """The PLOTS against iteration, as PNG bytes (matplotlib, no display); 12 x 6.5 inches at `dpi`; the best
-    iteration a dashed line on the held-out eval's plot. Iterations without a figure (a skipped eval) are
-    left out of that figure's line."""
+    """The PLOTS and the behaviour weights (behavior_panel) against iteration, as PNG bytes (matplotlib, no
+    display); 16 x 6.5 inches at `dpi`; the best iteration a dashed line on the held-out eval's plot. Iterations
+    without a figure (a skipped eval) are left out of that figure's line."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5), constrained_layout=True)
+    fig, axes = plt.subplots(2, 4, figsize=(16, 6.5), constrained_layout=True)
     x = [r["iteration"] for r in rows]
     for ax, (name, keys) in zip(axes.flat, PLOTS):
         if all(r.get(key) is None for r in rows for key in keys):  # the KL without a reference model
@@ -127,11 +131,32 @@ def figure_png(rows: list[dict], title: str, dpi: int = 90, best: Best | None = 
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(fontsize=8)
+    behavior_panel(axes.flat[len(PLOTS)], rows)
+    for ax in axes.flat[len(PLOTS) + 1 :]:
+        ax.axis("off")
     fig.suptitle(title)
     out = io.BytesIO()
     fig.savefig(out, format="png", dpi=dpi)
     plt.close(fig)
     return out.getvalue()
+
+
+def behavior_panel(ax, rows: list[dict]) -> None:
+    """The sampler against the learner per iteration (learn.behavior_correction, rollout.staleness): the behaviour
+    weights' mean and max, the share truncated or masked, and the sampler-to-learner k3 KL."""
+    x = [r["iteration"] for r in rows]
+    for key in ("behavior_weight_mean", "behavior_weight_max", "behavior_clipped_frac", "sampler_kl"):
+        xy = [(k, r[key]) for k, r in zip(x, rows) if r.get(key) is not None]
+        if xy:
+            ax.plot(*zip(*xy), marker="." if len(xy) < 30 else None, label=key)
+    if not any(r.get("sampler_kl") is not None for r in rows):
+        ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.set_yscale("symlog", linthresh=1e-3)  # a KL of 1e-4 beside weights near 1
+        ax.legend(fontsize=8)
+    ax.set_title("behaviour weights pi_prox / pi_sampler")
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
 
 
 def headline(rows: list[dict], best: Best | None) -> str:

@@ -4,7 +4,8 @@ The iteration's prompts (stages.prompts: the task's or the dataset's, rendered a
 to the sampler; the rollouts table keeps the rendered text, what the model saw. Generation goes
 chunk by chunk and each chunk is one Parquet row group, so memory stays bounded however many
 samples an iteration has. With rollout.min_signal_groups the stage samples in rounds until enough
-groups have signal (dynamic sampling: `sample_rounds` says how and why).
+groups have signal (dynamic sampling: `sample_rounds` says how and why). Each row records the policy that
+sampled it (policy_stamp); a snapshot of another than rollout.staleness names is refused (lineage.check_policy).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from grpo.checkpoint import content_hash, non_finite_weights
 from grpo.config import RolloutConfig, RunConfig
 from grpo.identity import section
 from grpo.layout import Salt, iteration_seed, round_seed
-from grpo.lineage import check_chain, committed_input
+from grpo.lineage import check_chain, check_policy, committed_input, frozen_version
 from grpo.progress import progress
 from grpo.sampling.base import Sample, SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
@@ -31,8 +32,14 @@ from stages.prompts import Prompts, held_out_config, iteration_prompts, policy_a
 from stages.shards import ranges, run_sharded
 
 
+def policy_stamp(storage: Storage, snap: Committed) -> dict:
+    """What every row (and the summary) records of the policy that sampled it: policy_version, the learn iteration
+    that committed it (-1: the base, grpo.lineage.policy_version), and policy_hash, its checkpoint's content hash."""
+    return {"policy_version": frozen_version(storage, snap), "policy_hash": content_hash(snap)[:16]}
+
+
 def chunk_columns(
-    run_id: str, iteration: int, p: Prompts, chunk: slice, groups: list[list[Sample]], version: str
+    run_id: str, iteration: int, p: Prompts, chunk: slice, groups: list[list[Sample]], stamp: dict
 ) -> dict[str, list]:
     """The rollouts table's columns for one chunk: a row per sample, each prompt's group together."""
     samples = [s for group in groups for s in group]
@@ -54,8 +61,7 @@ def chunk_columns(
         "finish_reason": [s.finish_reason for s in samples],
         "ground_truth": per_sample([e.ground_truth for e in p.examples[chunk]]),
         "row": per_sample([data.row_json(e) for e in p.examples[chunk]]),
-        "policy_version": [version] * n,
-    }
+    } | {k: [v] * n for k, v in stamp.items()}
 
 
 def sampling_spec(r: RolloutConfig, seed: int) -> SamplingSpec:
@@ -83,13 +89,13 @@ class Tally:
         out: ParquetWriter,
         run_id: str,
         iteration: int,
-        version: str,
+        stamp: dict,
     ) -> tuple[dict[str, list], list[list[Sample]]]:
         """Sample one chunk of prompts and write its rows to `out`: (its columns, its groups)."""
         t0 = time.perf_counter()
         groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk])
         self.generate_s += time.perf_counter() - t0
-        columns = chunk_columns(run_id, iteration, p, chunk, groups, version)
+        columns = chunk_columns(run_id, iteration, p, chunk, groups, stamp)
         out.write(columns)
         self.tokens += sum(map(len, columns["response_ids"]))
         self.stops += columns["finish_reason"].count("stop")
@@ -107,6 +113,8 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
     shards sample the same rows."""
     cfg = load_run(storage, run_id)
     snap = committed_input(storage, run_id, iteration, "snapshot")
+    stamp = policy_stamp(storage, snap)
+    check_policy(run_id, iteration, "rollouts", stamp["policy_version"], cfg.rollout.staleness)
     inputs = {"snapshot": snap}
     if cfg.rollout.min_signal_groups is not None:
         inputs.update(dynamic_inputs(storage, cfg, run_id, iteration))
@@ -128,11 +136,11 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         gen, settings = sampler(p, cfg)  # starts the engine, or wakes a warm one and reloads its weights
         engine_s = time.perf_counter() - t0
         spec = sampling_spec(r, iteration_seed(cfg.seed, iteration, Salt.SAMPLING))
-        version, tally = content_hash(snap)[:16], Tally()
+        tally = Tally()
         with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out:
             for start in range(part.start, part.stop, r.chunk_prompts):
                 chunk = slice(start, start + r.chunk_prompts)
-                tally.sample(gen, p, chunk, spec, out, run_id, iteration, version)
+                tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp)
                 progress(
                     f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""),
                     min(start + r.chunk_prompts, part.stop) - part.start,
@@ -143,7 +151,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
             "prompts": len(part),
             "skipped_prompts": p.skipped,
             **tally.rows(out.num_rows),
-            "policy_version": version,
+            **stamp,
             "engine_s": engine_s,
             "generate_s": tally.generate_s,
             "sampler": settings,
@@ -235,7 +243,7 @@ def sample_rounds(
     """
     r, n = cfg.rollout, cfg.rollout.prompts_per_iteration
     snap, start = inputs["snapshot"], draw_start(cfg, iteration, inputs)
-    version, tally = content_hash(snap)[:16], Tally()
+    stamp, tally = policy_stamp(storage, snap), Tally()
     key = scorer_key(cfg, inputs.get("base"))
     gen = settings = None
     rounds = signal = kept = skipped = 0
@@ -255,7 +263,7 @@ def sample_rounds(
             spec = sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
             for at in range(0, len(p.ids), r.chunk_prompts):
                 chunk = slice(at, at + r.chunk_prompts)
-                columns, groups = tally.sample(gen, p, chunk, spec, out, run_id, iteration, version)
+                columns, groups = tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp)
                 t0 = time.perf_counter()
                 has = group_signal(cfg, pool, key, columns, [len(g) for g in groups])
                 score_s += time.perf_counter() - t0
@@ -273,7 +281,7 @@ def sample_rounds(
         "prompts": kept,
         "skipped_prompts": skipped,
         **tally.rows(out.num_rows),
-        "policy_version": version,
+        **stamp,
         "engine_s": engine_s,
         "generate_s": tally.generate_s,
         "sampler": settings,
@@ -306,5 +314,6 @@ def merged_summary(parts: list[dict]) -> dict:
         "skipped_prompts": first["skipped_prompts"],  # of the iteration's prompts: every shard counts them all
         "stop_fraction": stops / max(samples, 1),
         "policy_version": first["policy_version"],
+        "policy_hash": first["policy_hash"],  # every shard samples the one snapshot
         "sampler": first["sampler"],
     }

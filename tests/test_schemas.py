@@ -24,7 +24,8 @@ def rollout_row(i=0):
         "finish_reason": "stop",
         "ground_truth": "1 2",
         "row": "{}",
-        "policy_version": "abc",
+        "policy_version": -1,
+        "policy_hash": "abc",
     }
 
 
