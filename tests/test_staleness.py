@@ -8,8 +8,9 @@ import pytest
 import torch
 from test_learn import F32, TINY
 
+from grpo import gc
 from grpo.checkpoint import content_hash
-from grpo.config import load_config
+from grpo.config import RetentionConfig, load_config
 from grpo.layout import STAGES, stage_dir
 from grpo.lineage import next_iteration
 from grpo.report import figure_png, iteration_rows
@@ -81,6 +82,12 @@ def test_a_stale_run_samples_what_its_staleness_names_and_refuses_any_other_sour
     assert summary["behavior_weight_max"] <= 2.0 and 0 < summary["behavior_weight_mean"]
     rows = iteration_rows(storage, "s1")  # what the tracker receives and the report draws
     assert rows[1]["sampler_kl"] == summary["sampler_kl"] and figure_png(rows, "t").startswith(b"\x89PNG")
+
+    # gc's retention keeps the policy the next iteration samples (learn 1's, for iteration 3), not only the newest
+    monkeypatch.setattr(gc, "best_iteration", lambda *a: 0)  # the best eval: not the policy the rule keeps
+    found = gc.plan(storage, "s1", min_age_s=0, retention=RetentionConfig(keep_last=1))
+    assert "iteration 1: policy (the policy iteration 3 samples)" in found.kept
+    assert not [g for g in found.garbage if g.why == "policy"]  # learn 0: the best; 2: the newest
 
     # a snapshot of iteration 2 forced from another source (learn 1's policy, what S = 0 would sample) is refused
     monkeypatch.setattr(snapshot, "policy_source", lambda storage, run_id, k, s: committed(storage, run_id, 1, "learn"))
