@@ -138,3 +138,22 @@ def test_a_stale_run_stopped_between_stages_resumes_to_the_bytes_of_an_uninterru
                 for k in range(4) for st in STAGES}  # fmt: skip
 
     assert files(storage) == files(stores["whole"])
+
+
+def test_a_stale_lora_learn_built_cold_commits_the_adapters_of_the_warm_one(tmp_path, one_thread):
+    """learn.lora with S = 1: iteration 1 samples the base, its learn continues learn 0's adapters (warm in memory);
+    forced again in a new process it builds them from learn 0's committed adapters on the base's weights."""
+    storage = open_storage((tmp_path / "s").as_uri())
+    lora = ["learn.lora={r: 2, alpha: 4}", "rollout.staleness=1", "learn.behavior_correction=tis"]
+    init_run(storage, "l", load_config(None, RUN + lora))
+    cold()
+    warm = [out["learn"] for _, out in run_warm(storage, "l", 0, 2)][1]
+    assert warm.manifest.summary["warm_learner"] is True and set(warm.manifest.inputs) >= {"base", "previous"}
+    cold()
+    again = learn.learn(storage, "l", 1, force=True)
+    assert again.manifest.summary["warm_learner"] is False and again.attempt_dir != warm.attempt_dir
+
+    def adapters(c):
+        return {f.path: f.sha256 for f in c.manifest.files if f.path.startswith("adapter/")}
+
+    assert adapters(again) == adapters(warm) and adapters(warm)
