@@ -1,7 +1,7 @@
 """A run's lineage: which committed attempt of a stage is current, whether an attempt's inputs were replaced
 since (stale), where a run resumes, which policy an iteration samples (rollout.staleness) and which iteration
-is the KL reference of another. Stages check their
-inputs here before running; `grpo run`, `grpo status` and gc ask the same questions.
+is the KL reference of another. Stages check their inputs here before running; `grpo run`, `grpo status` and gc
+ask the same questions.
 """
 
 from __future__ import annotations
@@ -186,9 +186,9 @@ def check_policy(run_id: str, iteration: int, stage: str, version: int, stalenes
             return "the base" if v < 0 else f"learn {v}'s policy"
 
         raise StageError(
-            f"{stage} iteration {iteration}: its snapshot froze {name(version)}, but rollout.staleness={staleness} "
-            f"samples {name(expected)} there; make the snapshot again with `grpo stage snapshot --run {run_id} "
-            f"--iteration {iteration} --force`"
+            f"{stage} iteration {iteration}: the policy frozen for it is {name(version)}, but "
+            f"rollout.staleness={staleness} samples {name(expected)} there; make the snapshot again with "
+            f"`grpo stage snapshot --run {run_id} --iteration {iteration} --force`"
         )
 
 

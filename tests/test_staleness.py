@@ -91,14 +91,16 @@ def test_a_stale_run_samples_what_its_staleness_names_and_refuses_any_other_sour
 
     # a snapshot of iteration 2 forced from another source (learn 1's policy, what S = 0 would sample) is refused
     monkeypatch.setattr(snapshot, "policy_source", lambda storage, run_id, k, s: committed(storage, run_id, 1, "learn"))
-    with pytest.raises(StageError, match=r"snapshot iteration 2: its snapshot froze learn 1's policy, but rollout"):
+    with pytest.raises(
+        StageError, match=r"snapshot iteration 2: the policy frozen for it is learn 1's policy, but rollout"
+    ):
         snapshot.snapshot(storage, "s1", 2, force=True)
     # committed anyway (other code): the stages that read it refuse it
     monkeypatch.setattr(snapshot, "check_policy", lambda *a: None)
     snapshot.snapshot(storage, "s1", 2, force=True)
     for stage in (rollouts.rollouts, learn.learn):
         with pytest.raises(
-            StageError, match=r"iteration 2: its snapshot froze learn 1's .*staleness=1 samples learn 0"
+            StageError, match=r"iteration 2: the policy frozen for it is learn 1's .*staleness=1 samples learn 0"
         ):
             stage(storage, "s1", 2, force=True)
 
