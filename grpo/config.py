@@ -27,8 +27,9 @@ import yaml
 from grpo.variants import (
     AdvantageMode,
     AggMode,
+    BehaviorCorrection,
+    BehaviorLevel,
     DualClipLossType,
-    ImportanceCorrection,
     KLEstimator,
     LossType,
     OldLogprobs,
@@ -166,6 +167,12 @@ class RolloutConfig:
     """With min_signal_groups: the most rounds of prompts_per_iteration prompts one iteration samples; with a
     dataset the stage stops sooner, failing in one line, once rounds drew a whole epoch without one group with
     signal (the reward looks constant)."""
+    staleness: int = 0
+    """S: iteration k samples the policy committed by learn k - 1 - S (the base while k - 1 - S < 0). 0 is
+    synchronous (the policy the previous learn just wrote); S >= 1 lets iteration k's sampling run before learn
+    k - 1 ends (one-step off-policy at S = 1), the learner correcting with learn.behavior_correction. Fixed by the
+    config, never by timing: the snapshot records which policy it froze and the rollouts which policy sampled each
+    row (`policy_version`); part of the run's identity."""
 
 
 @dataclass(frozen=True)
@@ -288,11 +295,26 @@ class LearnConfig:
     node_timeout_s: float = 600.0
     """nodes > 1: seconds node 0 waits for a node to join (and hears nothing from one that joined) and a
     node waits for node 0's rendezvous before the stage fails naming it."""
-    importance_correction: ImportanceCorrection = "none"
-    """`tis`: weigh each token's loss by min(pi_old / pi_sampler, tis_cap) (truncated importance sampling),
-    for samplers whose numerics differ from the learner's (bf16 vLLM); = grpo.core.ImportanceCorrection."""
+    behavior_correction: BehaviorCorrection = "none"
+    """Decoupled PPO (Hilton et al. 2022; AReaL's use_decoupled_loss): the clip applies to pi_theta / pi_prox, pi_prox
+    being the learner's policy before the iteration's first step (pi_old, learn.old_logprobs), and each token's
+    loss is weighed by the behaviour weight pi_prox / pi_sampler, which corrects for sampling from another policy:
+    a stale one (rollout.staleness) or other numerics (bf16 vLLM). `none`: no weight (the update of S = 0 as it
+    always was); `tis`: the weight truncated to tis_cap (truncated importance sampling, Yao et al. 2025); `mis`:
+    the weight where it lies within mis_bounds, 0 (the token or sequence masked) outside (masked importance
+    sampling); `icepop`: the same per token with icepop_bounds (IcePop, Ring-1T 2025). The learn manifest records
+    the weights' mean, max and clipped or masked share and the sampler-to-learner k3 KL (`behavior`)."""
+    behavior_level: BehaviorLevel = "token"
+    """What the behaviour weight is a ratio of (tis, mis): `token`, each token's own; `sequence`, the response's
+    (the product over its tokens); `geometric`, the geometric mean of its tokens' (exp of the mean log-ratio, as
+    verl's geometric rejection sampling). A sequence's or geometric weight applies to each of its tokens;
+    icepop is per token only."""
     tis_cap: float = 2.0
-    """Upper bound of the TIS weight."""
+    """behavior_correction=tis: the weight's upper bound C (verl uses 2, TRL 3)."""
+    mis_bounds: tuple[float, float] = (0.0, 2.0)
+    """behavior_correction=mis: [low, high], weights outside are masked (0); the default masks only above 2."""
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)
+    """behavior_correction=icepop: IcePop's two-sided band [low, high] of each token's weight."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """`bf16`: forwards and backwards under bf16 autocast; the weights and AdamW state stay float32 either
     way. `auto`: bf16 on a GPU that computes it natively, float32 elsewhere, CPUs with AMX or AVX512-BF16
@@ -511,10 +533,18 @@ def _settings(cls=None, prefix: str = "") -> list[str]:
     return out
 
 
+RENAMED = {("learn", "importance_correction"): "behavior_correction"}
+"""Settings renamed, (section, old name): new name. A run.json with the old name reads as the new one
+(grpo.identity.stored_config) and identities keep the old name (grpo.identity.section); a config that names the
+old one is refused, naming the new one."""
+
+
 def _unknown(name: str, where: str, fields: dict) -> str:
     """`unknown setting 'lr': did you mean learn.lr?`: the closest names in the same section and settings
     of that name (or close to it) in any section; else the section's valid names."""
     full = f"{where}.{name}" if where else name
+    if (where, name) in RENAMED:
+        return f"setting {full!r} is now {where}.{RENAMED[where, name]}"
     near = [f"{where}.{f}" if where else f for f in difflib.get_close_matches(name, list(fields), n=3, cutoff=0.7)]
     leaves = {s: s.rsplit(".", 1)[-1] for s in _settings()}
     near += [s for s, leaf in leaves.items() if leaf == name and s != full]
@@ -695,15 +725,18 @@ def validate(cfg: RunConfig) -> None:
         )
     if not all(0 <= b < 1 for b in lc.betas):
         raise ConfigError(f"learn.betas must each be in [0, 1), got {list(lc.betas)}")
-    if lc.old_logprobs == "sampler" and (lc.importance_correction != "none" or lc.max_logprob_gap is not None):
+    if lc.old_logprobs == "sampler" and (lc.behavior_correction != "none" or lc.max_logprob_gap is not None):
         raise ConfigError(
-            "learn.old_logprobs=sampler takes pi_old from the sampler, so learn.importance_correction and "
+            "learn.old_logprobs=sampler takes pi_old from the sampler, so learn.behavior_correction and "
             "learn.max_logprob_gap (which compare the two) must be unset"
         )
     if lc.tis_cap <= 0 or (lc.max_logprob_gap is not None and lc.max_logprob_gap <= 0):
         raise ConfigError(
             f"learn.tis_cap and learn.max_logprob_gap must be > 0, got {lc.tis_cap}, {lc.max_logprob_gap}"
         )
+    validate_behavior(lc)
+    if r.staleness < 0:
+        raise ConfigError(f"rollout.staleness must be >= 0 (0: synchronous), got {r.staleness}")
     if not 0 < r.vllm.gpu_memory_utilization <= 1:
         raise ConfigError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {r.vllm.gpu_memory_utilization}")
     if r.vllm.max_model_len is not None and r.vllm.max_model_len < 2:
@@ -736,6 +769,21 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"reward.max_memory_mb must be >= 64 or null (no cap), got {cfg.reward.max_memory_mb}")
     if lc.lr_decay_steps < 0:
         raise ConfigError(f"learn.lr_decay_steps must be >= 0 (0: constant lr), got {lc.lr_decay_steps}")
+
+
+def validate_behavior(lc: LearnConfig) -> None:
+    """learn.behavior_correction's bands: 0 <= low <= 1 <= high, low < high (a weight of 1, on-policy, is kept);
+    icepop per token only."""
+    for name, (low, high) in {"learn.mis_bounds": lc.mis_bounds, "learn.icepop_bounds": lc.icepop_bounds}.items():
+        if not 0 <= low <= 1 <= high or low == high:
+            raise ConfigError(
+                f"{name} must be [low, high] with 0 <= low <= 1 <= high and low < high, got {[low, high]}"
+            )
+    if lc.behavior_correction == "icepop" and lc.behavior_level != "token":
+        raise ConfigError(
+            f"learn.behavior_level={lc.behavior_level}: behavior_correction=icepop masks each token on its own "
+            "(use mis for a sequence or geometric level)"
+        )
 
 
 def validate_dynamic_sampling(r: RolloutConfig, lc: LearnConfig) -> None:

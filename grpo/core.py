@@ -14,9 +14,11 @@ Stanford CS336 (2025) lecture 17 / assignment 5 reference, with these departures
   folded into the reward, and is off by default (kl_coef=0) as in DAPO / Dr.GRPO.
 - aggregation offers the paper's per-sequence mean plus DAPO's token mean and
   Dr.GRPO's sum divided by a constant.
-- optional truncated importance sampling (TIS, Yao et al. 2025) reweights each token's
-  loss by min(pi_old / pi_sampler, cap) when the sampler's numerics (bf16 vLLM) differ
-  from the learner's.
+- decoupled PPO (Hilton et al. 2022; AReaL's use_decoupled_loss): the clip is to pi_old = pi_prox, the
+  learner before its first step, and each token's loss may be weighed by the behaviour weight
+  pi_prox / pi_sampler, truncated (TIS, Yao et al. 2025) or masked (MIS; IcePop's two-sided band), per
+  token, sequence or geometric mean: for a sampler that is stale (rollout.staleness) or whose numerics
+  (bf16 vLLM) differ from the learner's.
 Shapes: B responses, T response tokens (right-padded), V vocab, G groups of K.
 Variants are picked by name from small registries; unknown names raise ValueError.
 """
@@ -26,7 +28,15 @@ from typing import Callable, get_args
 import torch
 from torch import Tensor
 
-from grpo.variants import AdvantageMode, AggMode, DualClipLossType, ImportanceCorrection, KLEstimator, LossType
+from grpo.variants import (
+    AdvantageMode,
+    AggMode,
+    BehaviorCorrection,
+    BehaviorLevel,
+    DualClipLossType,
+    KLEstimator,
+    LossType,
+)
 
 
 def _lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
@@ -304,31 +314,67 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
     return kl_fn(logprobs, ref_logprobs.detach())
 
 
-# ---------------------------------------------------------------- sampler/learner mismatch
-def _tis(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
-    """min(pi_old / pi_sampler, cap) per token; (B, T) -> (B, T)."""
-    return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap)
-
-
-_CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
-    "none": lambda old_logprobs, sampler_logprobs, cap: torch.ones_like(old_logprobs),
-    "tis": _tis,
+# ---------------------------------------------------------------- behaviour correction (decoupled PPO)
+# the clip is to pi_prox (old_logprobs: the learner before the iteration's first step); the weight
+# pi_prox / pi_sampler corrects for having sampled from another policy (a stale one, other numerics)
+_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token": lambda log_ratio, mask: log_ratio,
+    "sequence": lambda log_ratio, mask: log_ratio.sum(-1, keepdim=True).expand_as(log_ratio),
+    "geometric": lambda log_ratio, mask: masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio),
 }
 
 
-def importance_weights(
-    old_logprobs: Tensor, sampler_logprobs: Tensor, mode: ImportanceCorrection, cap: float = 2.0
-) -> Tensor:
-    """Per-token weights correcting for sampling from pi_sampler instead of pi_old; no gradient.
+def _band(weight: Tensor, bounds: tuple[float, float]) -> tuple[Tensor, Tensor]:
+    """The weight (B, T) where it lies in [low, high], 0 elsewhere; and where it was masked (B, T) bool."""
+    keep = (weight >= bounds[0]) & (weight <= bounds[1])
+    return weight * keep, ~keep
 
-    old_logprobs (the learner's, of the snapshot), sampler_logprobs (the sampler's): (B, T) -> (B, T).
-    none: 1; tis: min(exp(old - sampler), cap), truncated importance sampling.
 
-    >>> lp = torch.log(torch.tensor([[0.5, 0.2]]))
-    >>> importance_weights(lp, torch.log(torch.tensor([[0.25, 0.4]])), "tis", cap=1.5)
+_BEHAVIOR: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
+    "none": lambda w, cap, mis, icepop: (torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)),
+    "tis": lambda w, cap, mis, icepop: (w.clamp(max=cap), w > cap),
+    "mis": lambda w, cap, mis, icepop: _band(w, mis),
+    "icepop": lambda w, cap, mis, icepop: _band(w, icepop),
+}
+
+
+def behavior_weights(
+    prox_logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    mask: Tensor,
+    correction: BehaviorCorrection,
+    level: BehaviorLevel = "token",
+    cap: float = 2.0,
+    mis_bounds: tuple[float, float] = (0.0, 2.0),
+    icepop_bounds: tuple[float, float] = (0.5, 5.0),
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Behaviour weights pi_prox / pi_sampler per token, corrected; no gradient.
+
+    prox_logprobs (the learner's before its first step), sampler_logprobs, mask: (B, T) -> weights (B, T) and
+    metrics over response tokens: behavior/weight_mean, behavior/weight_max, behavior/clipped_frac (truncated or
+    masked), behavior/kl (k3 of KL(pi_sampler || pi_prox), on the sampler's tokens).
+    level: the ratio of each token (token), of the response (sequence: the product over its tokens) or their
+    geometric mean (geometric), log-ratio clamped to [-20, 20]; a response's weight goes to each of its tokens.
+    none: 1; tis: min(w, cap); mis: w within mis_bounds, else 0; icepop: w within icepop_bounds, else 0.
+
+    >>> prox, sampler = torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.25, 0.4]]))
+    >>> behavior_weights(prox, sampler, torch.ones(1, 2), "tis", cap=1.5)[0]
     tensor([[1.5000, 0.5000]])
+    >>> behavior_weights(prox, sampler, torch.ones(1, 2), "icepop", icepop_bounds=(0.6, 5.0))[0]
+    tensor([[2., 0.]])
     """
-    return _lookup(_CORRECTIONS, mode, "importance correction")(old_logprobs.detach(), sampler_logprobs.detach(), cap)
+    fix = _lookup(_BEHAVIOR, correction, "behavior correction")
+    keep = mask.bool()
+    log_ratio = (prox_logprobs.detach() - sampler_logprobs.detach()).masked_fill(~keep, 0.0)  # (B, T)
+    raw = torch.exp(_lookup(_LEVELS, level, "behavior level")(log_ratio, mask).clamp(-20.0, 20.0))
+    weights, clipped = fix(raw, cap, mis_bounds, icepop_bounds)
+    metrics = {
+        "behavior/weight_mean": masked_mean(weights, keep),
+        "behavior/weight_max": weights.masked_fill(~keep, float("-inf")).max(),
+        "behavior/clipped_frac": masked_mean(clipped.float(), keep),
+        "behavior/kl": masked_mean(_k3(sampler_logprobs.detach(), prox_logprobs.detach()), keep),
+    }
+    return weights, metrics
 
 
 # ---------------------------------------------------------------- aggregation
@@ -387,14 +433,18 @@ def grpo_microbatch_step(
     dual_clip_c: float | None = None,
     max_tokens: float | None = None,
     sampler_logprobs: Tensor | None = None,
-    importance_correction: ImportanceCorrection = "none",
+    behavior_correction: BehaviorCorrection = "none",
+    behavior_level: BehaviorLevel = "token",
     tis_cap: float = 2.0,
+    mis_bounds: tuple[float, float] = (0.0, 2.0),
+    icepop_bounds: tuple[float, float] = (0.5, 5.0),
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one microbatch, scaled by 1/gradient_accumulation_steps, then .backward().
 
     logprobs, response_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards,
-    advantages: (B, 1); sampler_logprobs (B, T), needed by importance_correction "tis", which
-    weighs each token's policy-gradient loss by min(pi_old / pi_sampler, tis_cap). The loss and its
+    advantages: (B, 1); sampler_logprobs (B, T), needed by a behavior_correction other than "none", which
+    weighs each token's policy-gradient loss by behavior_weights(old_logprobs, sampler_logprobs, ...) (decoupled
+    PPO: the clip is to old_logprobs = pi_prox, the weight pi_prox / pi_sampler corrected). The loss and its
     clip_eps, clip_eps_high and dual_clip_c are policy_gradient_loss's. The KL term is added only when
     kl_coef > 0; with kl_coef == 0 a given ref_logprobs is still reported as loss/kl. Equal-size microbatches
     reproduce the full-batch gradient for the seq_* modes; token_mean becomes a
@@ -417,15 +467,19 @@ def grpo_microbatch_step(
         clip_eps_high=clip_eps_high,
         dual_clip_c=dual_clip_c,
     )
-    if importance_correction != "none":
-        weights = importance_weights(
-            _require(old_logprobs, "old_logprobs", "importance_correction"),
-            _require(sampler_logprobs, "sampler_logprobs", "importance_correction"),
-            importance_correction,
+    behavior = {}
+    if behavior_correction != "none":  # none: the loss as it always was, not multiplied by 1
+        weights, behavior = behavior_weights(
+            _require(old_logprobs, "old_logprobs", "behavior_correction"),
+            _require(sampler_logprobs, "sampler_logprobs", "behavior_correction"),
+            response_mask,
+            behavior_correction,
+            behavior_level,
             tis_cap,
+            mis_bounds,
+            icepop_bounds,
         )  # (B, T)
         pg_loss = pg_loss * weights
-        meta["is_weight"] = weights
     per_token = pg_loss  # (B, T)
     metrics = {"loss/pg": aggregate_loss(pg_loss, response_mask, agg_mode, max_tokens).detach()}
     if ref_logprobs is not None:
@@ -437,6 +491,5 @@ def grpo_microbatch_step(
     loss = loss / gradient_accumulation_steps
     loss.backward()
     metrics.update(_actor_metrics(meta, response_mask))
-    if "is_weight" in meta:
-        metrics["actor/is_weight_mean"] = masked_mean(meta["is_weight"], response_mask)
+    metrics.update(behavior)
     return loss.detach(), metrics

@@ -9,7 +9,8 @@ With retention (`grpo gc --retention`, the run's RetentionConfig): also the weig
 state of older learns, and nothing else: tables, manifests, run.json and summaries stay, so every
 iteration still answers `grpo query`. A learn's policy stays when it is among the last
 `keep_last` learns, its iteration a multiple of `keep_every`, the best by eval (eval.metric), or the next learn's
-KL reference (learn.ref_update_every); its optimizer state only in the newest learn. Before removing
+KL reference (learn.ref_update_every) or a policy the next iterations sample (rollout.staleness); its optimizer
+state only in the newest learn. Before removing
 them gc lists them in the attempt's collected.json (grpo.storage.mark_collected): verification skips
 them, a stage that needs one fails naming it.
 
@@ -38,7 +39,7 @@ import fsspec
 from grpo import report
 from grpo.config import RetentionConfig
 from grpo.layout import POLICY_PREFIXES, SHARD_FOLDER, STAGES, STATE_PREFIXES, run_dir, run_json, shard_dirs, stage_dir
-from grpo.lineage import next_iteration, reference_iteration
+from grpo.lineage import next_iteration, policy_version, reference_iteration
 from grpo.storage import (
     HEARTBEAT_NAME,
     MERGED_SHARD,
@@ -258,10 +259,14 @@ def _retention(storage: Storage, run_id: str, rules: RetentionConfig, listing: d
     whole = {n - 1: "where `grpo run` continues", newest: "the newest learn"}
     best = best_iteration(storage, run_id, sorted(learned))
     kept = kept_policies(sorted(learned), rules.keep_last, rules.keep_every, best)
-    every = json.loads(storage.read_bytes(run_json(storage, run_id)))["config"]["learn"].get("ref_update_every")
-    ref = reference_iteration(n, every)
+    config = json.loads(storage.read_bytes(run_json(storage, run_id)))["config"]
+    ref = reference_iteration(n, config["learn"].get("ref_update_every"))
     if ref is not None:  # learn.ref_update_every: the next learn's KL reference is the policy learn ref - 1 committed
         kept.setdefault(ref - 1, f"the KL reference of iteration {n}")
+    staleness = config["rollout"].get("staleness", 0)
+    for m in range(n, n + staleness + 1):  # rollout.staleness: the next snapshots freeze older learns' policies
+        if policy_version(m, staleness) >= 0:
+            kept.setdefault(policy_version(m, staleness), f"the policy iteration {m} samples")
     dropped = [f"not among the last {rules.keep_last}"] if rules.keep_last else []
     dropped += [f"not a multiple of {rules.keep_every}"] if rules.keep_every else []
     dropped += [f"not the best eval (iteration {best})" if best is not None else "no eval committed"]

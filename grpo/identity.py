@@ -9,7 +9,7 @@ made of sections read through `section`, and every field of those sections is de
 - LEFT_OUT: fields no identity covers (where processes run, shards, when evals run and how they are read).
 A new field in none of them makes every identity that reads its section fail (UndecidedSetting), and
 tests/test_identity.py fails until it is decided. CHANGED_DEFAULTS: defaults changed after runs were made
-with the old one, which such runs keep.
+with the old one, which such runs keep. A renamed field (grpo.config.RENAMED) keeps its old name in identities.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import json
 
-from grpo.config import ConfigError, RunConfig, load_config
+from grpo.config import RENAMED, ConfigError, RunConfig, load_config
 from schemas.manifest import InputRef
 
 IDENTITY_FIELDS = {
@@ -41,7 +41,7 @@ IDENTITY_FIELDS = {
     "learn": (
         "loss_type", "agg_mode", "epochs", "minibatch_size", "microbatch_size", "lr", "lr_decay_steps",
         "weight_decay", "betas", "max_grad_norm", "clip_eps", "clip_eps_high", "kl_coef", "kl_estimator",
-        "num_processes", "importance_correction", "tis_cap", "mixed_precision", "gradient_checkpointing",
+        "num_processes", "behavior_correction", "tis_cap", "mixed_precision", "gradient_checkpointing",
         "logprob_chunk", "max_logprob_gap", "lora", "sharding",
     ),
     "eval": ("n_prompts", "seed", "dataset", "split_fraction", "samples_per_prompt"),
@@ -49,10 +49,13 @@ IDENTITY_FIELDS = {
 """Per section, the fields every identity reading it has covered since runs were first committed."""
 
 ADDED_SETTINGS = {
-    "learn": (("dual_clip_c",), ("ref_update_every",), ("old_logprobs",), ("padding_free",)),
+    "learn": (
+        ("dual_clip_c",), ("ref_update_every",), ("old_logprobs",), ("padding_free",),
+        ("behavior_level", "mis_bounds", "icepop_bounds"),
+    ),
     "reward": (("overlong_buffer", "overlong_penalty"),),
-    "rollout": (("min_signal_groups", "max_sampling_rounds"),),
-}
+    "rollout": (("min_signal_groups", "max_sampling_rounds"), ("staleness",)),
+}  # fmt: skip
 """Settings added after runs were made without them, per section, in groups that act together: an identity
 leaves a group out while all of it holds its defaults (what runs did before it existed)."""
 
@@ -103,9 +106,11 @@ def section(cfg: RunConfig, name: str) -> dict:
     # a group's defaults as they were when it was added, before any later change of them (CHANGED_DEFAULTS)
     fields = dataclasses.fields(getattr(cfg, name))
     defaults = {f.name: CHANGED_DEFAULTS.get((name, f.name), (f.default,))[0] for f in fields}
+    defaults = {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}  # as to_dict writes them
     groups = ADDED_SETTINGS.get(name, ())
     idle = {k for group in groups if all(values[k] == defaults[k] for k in group) for k in group}
-    return {k: v for k, v in values.items() if k not in idle}
+    old_names = {new: old for (where, old), new in RENAMED.items() if where == name}  # a renamed field's key stays
+    return {old_names.get(k, k): v for k, v in values.items() if k not in idle}
 
 
 CHANGED_DEFAULTS = {("learn", "mixed_precision"): ("no", "auto"), ("learn", "old_logprobs"): ("recompute", "auto")}
@@ -118,9 +123,13 @@ scheduled deployment's run goes on as it started."""
 
 def stored_config(raw: dict | None) -> RunConfig:
     """A run.json's config: load_config, where a field whose default changed (CHANGED_DEFAULTS) and that the
-    stored config lacks (written before the field existed) holds the old default, which it ran with."""
+    stored config lacks (written before the field existed) holds the old default, which it ran with, and a field
+    stored under its old name (grpo.config.RENAMED) reads as the new one."""
     if isinstance(raw, dict):
         raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+        for (section, old), new in RENAMED.items():  # written before the rename
+            if isinstance(raw.get(section), dict) and old in raw[section]:
+                raw[section][new] = raw[section].pop(old)
         for (section, name), (was, _) in CHANGED_DEFAULTS.items():
             if isinstance(raw.get(section), dict):
                 raw[section].setdefault(name, was)

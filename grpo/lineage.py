@@ -1,6 +1,7 @@
 """A run's lineage: which committed attempt of a stage is current, whether an attempt's inputs were replaced
-since (stale), where a run resumes, and which iteration is the KL reference of another. Stages check their
-inputs here before running; `grpo run`, `grpo status` and gc ask the same questions.
+since (stale), where a run resumes, which policy an iteration samples (rollout.staleness) and which iteration
+is the KL reference of another. Stages check their inputs here before running; `grpo run`, `grpo status` and gc
+ask the same questions.
 """
 
 from __future__ import annotations
@@ -149,6 +150,48 @@ def next_iteration(storage: Storage, run_id: str) -> int:
     while _committed(storage, run_id, last, "learn"):
         last += 1
     return next((k for k in range(last) if not _finished(storage, run_id, k)), last)
+
+
+def policy_version(iteration: int, staleness: int) -> int:
+    """The policy iteration `iteration` samples with rollout.staleness S: the iteration of the learn that committed
+    it, k - 1 - S, or -1 for the base while that is negative. The rollouts table's `policy_version`.
+
+    >>> [policy_version(k, 1) for k in range(4)], [policy_version(k, 0) for k in range(3)], policy_version(2, 5)
+    ([-1, -1, 0, 1], [-1, 0, 1], -1)
+    """
+    return max(iteration - 1 - staleness, -1)
+
+
+def version_of(policy: Committed) -> int:
+    """The policy version of a committed policy: a learn's iteration, -1 for the base."""
+    if policy.manifest.stage not in ("learn", "base"):
+        raise StageError(f"{policy.uri}: a {policy.manifest.stage} holds no policy of its own")
+    return -1 if policy.manifest.stage == "base" else policy.manifest.iteration
+
+
+def frozen_version(storage: Storage, snapshot: Committed) -> int:
+    """The policy version a committed snapshot froze, read from its `policy` input (the policy's own manifest, not
+    what the snapshot says of it)."""
+    ref = snapshot.manifest.inputs["policy"]
+    path = fsspec.core.strip_protocol(ref.uri) if "://" in ref.uri else ref.uri
+    manifest, sha = load_manifest(storage, path, verify=False)
+    return version_of(Committed(storage, path, manifest, sha))
+
+
+def check_policy(run_id: str, iteration: int, stage: str, version: int, staleness: int) -> None:
+    """Iteration `iteration` samples exactly policy_version(iteration, staleness); a stage whose policy is another
+    (a snapshot forced from elsewhere, committed by other code) is refused, naming both."""
+    expected = policy_version(iteration, staleness)
+    if version != expected:
+
+        def name(v: int) -> str:
+            return "the base" if v < 0 else f"learn {v}'s policy"
+
+        raise StageError(
+            f"{stage} iteration {iteration}: the policy frozen for it is {name(version)}, but "
+            f"rollout.staleness={staleness} samples {name(expected)} there; make the snapshot again with "
+            f"`grpo stage snapshot --run {run_id} --iteration {iteration} --force`"
+        )
 
 
 def reference_iteration(iteration: int, every: int | None) -> int | None:

@@ -41,6 +41,10 @@ COLUMNS = [
     ("loss", "learn", "loss"),
     ("grad_norm", "learn", "grad_norm"),
     ("logprob_gap", "learn", "logprob_gap"),
+    ("behavior_weight_mean", "learn", "behavior_weight_mean"),
+    ("behavior_weight_max", "learn", "behavior_weight_max"),
+    ("behavior_clipped_frac", "learn", "behavior_clipped_frac"),
+    ("sampler_kl", "learn", "sampler_kl"),
     ("stop_fraction", "rollouts", "stop_fraction"),
     ("samples", "advantages", "samples"),
 ]
@@ -147,6 +151,11 @@ PLOTS = [  # (title, row keys); a plot with no value in any row (KL with learn.k
     ("entropy", ["entropy"]),
     ("response length (tokens)", ["response_length"]),
     ("wall time per iteration (s)", ["iteration_s", "rollouts_s", "learn_s"]),
+    # the sampler against the learner (rollout.staleness, learn.behavior_correction): weights pi_prox / pi_sampler
+    (
+        "behaviour weights, sampler KL",
+        ["behavior_weight_mean", "behavior_weight_max", "behavior_clipped_frac", "sampler_kl"],
+    ),
 ]
 COLUMNS_PER_ROW = 4
 
@@ -204,6 +213,8 @@ def figure(rows: list[dict], title: str, best: Best | None = None):
                 ax.plot(*zip(*xy), marker="." if len(xy) < 30 else None, label=key)
         if best is not None and not best.all_zero and "eval_exact_match" in keys:
             ax.axvline(best.iteration, color="gray", linestyle="--", linewidth=1, label=f"best: {best}")
+        if "sampler_kl" in keys:
+            ax.set_yscale("symlog", linthresh=1e-3)  # a KL of 1e-4 beside weights near 1
         if "kl" in keys:
             for i, k in enumerate(reference_refreshes(rows)):
                 ax.axvline(k, color="tab:red", linestyle=":", linewidth=1, label=None if i else "reference refresh")

@@ -8,5 +8,6 @@ LossType = Literal["naive", "reinforce_baseline", "grpo_clip", "gspo", "cispo"]
 DualClipLossType = Literal["grpo_clip", "gspo"]  # the losses learn.dual_clip_c bounds (clipped surrogates)
 KLEstimator = Literal["k1", "k2", "k3"]
 AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-ImportanceCorrection = Literal["none", "tis"]
+BehaviorCorrection = Literal["none", "tis", "mis", "icepop"]  # the weight pi_prox / pi_sampler: off, truncated, masked
+BehaviorLevel = Literal["token", "sequence", "geometric"]  # what that weight is a ratio of (grpo.core.behavior_weights)
 OldLogprobs = Literal["auto", "recompute", "sampler"]  # where the learner takes pi_old from (grpo.learner.OLD_LOGPROBS)

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
-from schemas.tables import SCHEMA_VERSION, SCHEMAS
+from schemas.tables import SCHEMA_VERSION, SCHEMAS, UPGRADES
 
 
 class SchemaError(ValueError):
@@ -31,9 +31,9 @@ def _with_metadata(name: str) -> pa.Schema:
     return schema_for(name).with_metadata(meta)
 
 
-def check_schema(actual: pa.Schema, name: str, where: str) -> None:
-    """Raise SchemaError naming `where` and the field if `actual` differs from table `name`."""
-    expected = schema_for(name)
+def check_schema(actual: pa.Schema, name: str, where: str, expected: pa.Schema | None = None) -> None:
+    """Raise SchemaError naming `where` and the field if `actual` differs from table `name` (or `expected`)."""
+    expected = schema_for(name) if expected is None else expected
     for field in expected:
         idx = actual.get_field_index(field.name)
         if idx < 0:
@@ -96,7 +96,8 @@ def write_parquet(
     return w.num_rows
 
 
-def _checked_file(fs: AbstractFileSystem, path: str, name: str) -> pq.ParquetFile:
+def _checked_file(fs: AbstractFileSystem, path: str, name: str):
+    """(the file checked against its schema version's declaration, the function that makes its tables current)."""
     pf = pq.ParquetFile(fs.open(path, "rb"))
     meta = pf.schema_arrow.metadata or {}
     table, version = meta.get(b"grpo.table"), meta.get(b"grpo.schema_version")
@@ -104,24 +105,40 @@ def _checked_file(fs: AbstractFileSystem, path: str, name: str) -> pq.ParquetFil
         raise SchemaError(f"{path}: holds table {table.decode()!r}, expected {name!r}")
     if version is not None and int(version) > SCHEMA_VERSION:
         raise SchemaError(f"{path}: schema version {int(version)} is newer than this code's {SCHEMA_VERSION}")
+    changed, before, upgrade = UPGRADES.get(name, (0, None, None))
+    if version is not None and int(version) < changed:  # written before the table last changed: read as it is now
+        check_schema(pf.schema_arrow, name, path, before)
+        return pf, upgrade
     check_schema(pf.schema_arrow, name, path)
-    return pf
+    return pf, None
+
+
+def _current(table: pa.Table, upgrade, columns: list[str] | None) -> pa.Table:
+    """A table read from an older file made current (all its columns were read), cut to `columns`."""
+    table = upgrade(table)
+    return table if columns is None else table.select(columns)
 
 
 def iter_row_groups(fs: AbstractFileSystem, path: str, name: str) -> Iterable[pa.Table]:
     """Stream a validated file of table `name` as it was written, row group by row group."""
-    pf = _checked_file(fs, path, name)
+    pf, upgrade = _checked_file(fs, path, name)
     for i in range(pf.num_row_groups):
-        yield pf.read_row_group(i)
+        yield pf.read_row_group(i) if upgrade is None else _current(pf.read_row_group(i), upgrade, None)
 
 
 def read_parquet(fs: AbstractFileSystem, path: str, name: str, columns: list[str] | None = None) -> pa.Table:
     """Read and validate a whole file of table `name`."""
-    return _checked_file(fs, path, name).read(columns=columns)
+    pf, upgrade = _checked_file(fs, path, name)
+    return pf.read(columns=columns) if upgrade is None else _current(pf.read(), upgrade, columns)
 
 
 def iter_batches(
     fs: AbstractFileSystem, path: str, name: str, batch_size: int = 4096, columns: list[str] | None = None
 ) -> Iterable[pa.RecordBatch]:
     """Stream a validated file of table `name` in record batches."""
-    yield from _checked_file(fs, path, name).iter_batches(batch_size=batch_size, columns=columns)
+    pf, upgrade = _checked_file(fs, path, name)
+    if upgrade is None:
+        yield from pf.iter_batches(batch_size=batch_size, columns=columns)
+        return
+    for batch in pf.iter_batches(batch_size=batch_size):
+        yield from _current(pa.Table.from_batches([batch]), upgrade, columns).to_batches()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
+SCHEMA_VERSION = 4  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
 # 3: rollouts.row (the dataset's other columns), eval.avg_at_k and eval.pass_at_k
+# 4: rollouts.policy_version is the policy that sampled the row (rollout.staleness), the checkpoint hash it held
+#    is rollouts.policy_hash; a version 3 rollouts file reads as version 4 (UPGRADES)
 
 _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
     pa.field("run_id", pa.string(), nullable=False),
@@ -42,7 +44,9 @@ ROLLOUTS = pa.schema(
         pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
         pa.field("ground_truth", pa.string(), nullable=False),
         pa.field("row", pa.string(), nullable=False),  # JSON object: the dataset row's other columns
-        pa.field("policy_version", pa.string(), nullable=False),  # snapshot identity
+        # the policy that sampled the row: the iteration of the learn that committed it, -1 for the base
+        pa.field("policy_version", pa.int32(), nullable=False),
+        pa.field("policy_hash", pa.string(), nullable=False),  # its checkpoint's content hash (16 hex digits)
     ]
 )
 
@@ -137,6 +141,34 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
     "learn_metrics": ("learn", "metrics.parquet"),
     "eval": ("eval", "eval.parquet"),
 }
+
+ROLLOUTS_V3 = pa.schema(
+    [f for f in ROLLOUTS if f.name not in ("policy_version", "policy_hash")]
+    + [pa.field("policy_version", pa.string(), nullable=False)]  # then the checkpoint hash
+)
+
+
+def rollouts_from_v3(table: pa.Table) -> pa.Table:
+    """A rollouts table of schema version 3 as version 4: its policy_version (the checkpoint hash) is policy_hash,
+    and the policy that sampled a row is the previous iteration's learn's (no run was stale then).
+
+    >>> old = pa.table({"iteration": pa.array([0, 2], pa.int32()), "policy_version": ["ab", "cd"]})
+    >>> new = rollouts_from_v3(old)
+    >>> new.column("policy_version").to_pylist(), new.column("policy_hash").to_pylist()
+    ([-1, 1], ['ab', 'cd'])
+    """
+    import pyarrow.compute as pc
+
+    at = table.schema.get_field_index("policy_version")
+    table = table.rename_columns([*table.column_names[:at], "policy_hash", *table.column_names[at + 1 :]])
+    version = pc.subtract(table.column("iteration"), pa.scalar(1, pa.int32()))
+    table = table.append_column(ROLLOUTS.field("policy_version"), version)
+    return table.select([n for n in ROLLOUTS.names if n in table.column_names])  # in the declared order
+
+
+UPGRADES = {"rollouts": (4, ROLLOUTS_V3, rollouts_from_v3)}
+"""Tables whose older files still read: table -> (the schema version that changed it, the schema before, the
+function that makes an older table the current one)."""
 
 OPTIONAL_TABLES = ("draws",)
 """Tables a stage commits only with a setting on (draws: rollout.min_signal_groups); `grpo query` skips an

@@ -78,8 +78,12 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
             if c["learn"]["sharding"] == "fsdp2":
                 c["learn"].pop("num_processes")
         if old != new:
+            changed = [
+                f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s] if old[s].get(k) != new[s][k]
+            ]
             raise StageError(
-                f"{storage.uri(path)}: run {run_id!r} exists with a different config; use a new run id (only "
+                f"{storage.uri(path)}: run {run_id!r} exists with a different config ({', '.join(changed) or 'seed'}); "
+                "use a new run id (only "
                 "tracking, retention, eval.every, eval.metric, learn.nodes, learn.processes_per_node, "
                 "learn.node_timeout_s and, with learn.sharding=fsdp2, learn.num_processes may change)"
             )

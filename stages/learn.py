@@ -7,7 +7,9 @@ metrics of every step and the old (and reference) log-probs, so an audit can rec
 loss. When the next iteration runs in the same process (flow `grpo` with `iterations` > 1) it
 takes the model, optimizer and reference from memory (`WARM`) instead, with the same result. The KL
 reference is the base model or, with learn.ref_update_every, an earlier iteration's committed snapshot
-(reference_source): a warm learner loads it when it moves, a cold one reads the same files.
+(reference_source): a warm learner loads it when it moves, a cold one reads the same files. With
+rollout.staleness S >= 1 the update still starts from learn k - 1's policy (start_policy); the rollouts came
+from learn k - 1 - S's, which learn.behavior_correction corrects for.
 
 One process runs in-process; `learn.num_processes > 1` runs the same code under torchrun (gloo on
 CPU, NCCL on GPUs; grpo/learner/launch.py), rank r taking every r-th group of each minibatch, on one machine
@@ -28,6 +30,7 @@ from grpo.checkpoint import (
     adapter_checkpoint,
     carry_checkpoint_files,
     local_checkpoint,
+    policy_folders,
     tokenizer_and_config,
     upload_folder,
 )
@@ -36,7 +39,7 @@ from grpo.identity import config_hash, section, stage_identity
 from grpo.layout import STATE_PREFIXES
 from grpo.learner import Batch, Learner, launch, nodes
 from grpo.learner.rank import new_learner, train_and_save
-from grpo.lineage import check_chain, committed_input, reference_iteration
+from grpo.lineage import check_chain, check_policy, committed_input, frozen_version, reference_iteration
 from grpo.sampling.engines import release_accelerator
 from grpo.storage import Committed, StageWriter, Storage, is_local
 from schemas import read_parquet, table_file
@@ -184,6 +187,9 @@ def learn_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int) 
     }
     if iteration > 0:
         inputs["previous"] = committed_input(storage, run_id, iteration - 1, "learn")
+    if iteration > 0 and cfg.rollout.staleness and cfg.learn.lora is not None:  # start_policy: the base's weights
+        inputs["base"] = committed_input(storage, run_id, None, "base")
+    check_policy(run_id, iteration, "learn", frozen_version(storage, inputs["snapshot"]), cfg.rollout.staleness)
     check_chain(storage, run_id, iteration, "learn", inputs)
     return inputs
 
@@ -218,12 +224,19 @@ def checkpoint_folders(storage: Storage, inputs: dict[str, Committed], tmp: str,
             if is_state_file(f.path):
                 os.makedirs(os.path.dirname(f"{state_dir}/{f.path}"), exist_ok=True)
                 storage.fs.get_file(inputs["previous"].path(f.path), f"{state_dir}/{f.path}")
-    return {
-        "policy_dir": local_checkpoint(inputs["snapshot"]),
-        "ref_dir": local_checkpoint(inputs["reference"]),
-        "state_dir": state_dir,
-        "adapter_dir": adapter_checkpoint(inputs["snapshot"]),  # LoRA: the adapters this iteration sampled with
-    }
+    policy_dir, adapter_dir = start_policy(storage, inputs)  # LoRA: the adapters learn k - 1 left
+    ref_dir = local_checkpoint(inputs["reference"])
+    return {"policy_dir": policy_dir, "ref_dir": ref_dir, "state_dir": state_dir, "adapter_dir": adapter_dir}
+
+
+def start_policy(storage: Storage, inputs: dict[str, Committed]) -> tuple[str, str | None]:
+    """(checkpoint folder, LoRA adapter folder or None) the update starts from: the policy learn k - 1 committed
+    (what its warm learner holds), read from the snapshot where the snapshot froze it (rollout.staleness 0, and
+    iteration 0: the base), else from that learn (a stale snapshot froze an older policy)."""
+    snap, previous = inputs["snapshot"], inputs.get("previous")
+    if previous is None or frozen_version(storage, snap) == previous.manifest.iteration:
+        return local_checkpoint(snap), adapter_checkpoint(snap)
+    return policy_folders(previous, inputs.get("base"))[1:]
 
 
 def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, node_rank: int = 0) -> Committed:

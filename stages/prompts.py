@@ -48,7 +48,7 @@ def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Example]:
 def round_prompts(cfg: RunConfig, iteration: int, round: int, start: int) -> list[Example]:
     """Round `round`'s prompts of `iteration` under dynamic sampling (rollout.min_signal_groups): the next
     `prompts_per_iteration` of the epoch order of a dataset, from draw `start + round * n` (`start`: the
-    iteration's first draw, stages.rollouts.draw_start), or of the task generator's stream seeded by the
+    iteration's first draw, stages.dynamic_sampling.draw_start), or of the task generator's stream seeded by the
     iteration. Round 0 of an iteration starting at draw iteration * n is iteration_prompts' list."""
     n = cfg.rollout.prompts_per_iteration
     if cfg.task.dataset:

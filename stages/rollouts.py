@@ -4,13 +4,13 @@ The iteration's prompts (stages.prompts: the task's or the dataset's, rendered a
 to the sampler; the rollouts table keeps the rendered text, what the model saw. Generation goes
 chunk by chunk and each chunk is one Parquet row group, so memory stays bounded however many
 samples an iteration has. With rollout.min_signal_groups the stage samples in rounds until enough
-groups have signal (dynamic sampling: `sample_rounds` says how and why).
+groups have signal (dynamic sampling: `sample_rounds` says how and why). Each row records the policy that
+sampled it (policy_stamp); a snapshot of another than rollout.staleness names is refused (lineage.check_policy).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 from grpo import data
@@ -18,19 +18,19 @@ from grpo.checkpoint import content_hash, non_finite_weights
 from grpo.config import RolloutConfig, RunConfig
 from grpo.identity import section
 from grpo.layout import Salt, iteration_seed, round_seed
-from grpo.lineage import check_chain, committed_input
+from grpo.lineage import check_chain, check_policy, committed_input, frozen_version
 from grpo.progress import progress
 from grpo.sampling.base import Sample, SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
-from grpo.scoring.score import score_samples, scorer_key
+from grpo.scoring.score import scorer_key
 from grpo.storage import Committed, StageWriter, Storage
 from schemas import ParquetWriter, table_file
 from stages import rewards
 from stages.common import StageError, load_run
+from stages.dynamic_sampling import draw_start, dynamic_inputs, flat_epoch, group_signal
 from stages.prompts import (
     Prompts,
     held_out_config,
-    held_out_split,
     iteration_prompts,
     policy_and_prompts,
     round_prompts,
@@ -39,8 +39,14 @@ from stages.prompts import (
 from stages.shards import ranges, run_sharded
 
 
+def policy_stamp(storage: Storage, snap: Committed) -> dict:
+    """What every row (and the summary) records of the policy that sampled it: policy_version, the learn iteration
+    that committed it (-1: the base, grpo.lineage.policy_version), and policy_hash, its checkpoint's content hash."""
+    return {"policy_version": frozen_version(storage, snap), "policy_hash": content_hash(snap)[:16]}
+
+
 def chunk_columns(
-    run_id: str, iteration: int, p: Prompts, chunk: slice, groups: list[list[Sample]], version: str
+    run_id: str, iteration: int, p: Prompts, chunk: slice, groups: list[list[Sample]], stamp: dict
 ) -> dict[str, list]:
     """The rollouts table's columns for one chunk: a row per sample, each prompt's group together."""
     samples = [s for group in groups for s in group]
@@ -62,8 +68,7 @@ def chunk_columns(
         "finish_reason": [s.finish_reason for s in samples],
         "ground_truth": per_sample([e.ground_truth for e in p.examples[chunk]]),
         "row": per_sample([data.row_json(e) for e in p.examples[chunk]]),
-        "policy_version": [version] * n,
-    }
+    } | {k: [v] * n for k, v in stamp.items()}
 
 
 def sampling_spec(r: RolloutConfig, seed: int) -> SamplingSpec:
@@ -91,13 +96,13 @@ class Tally:
         out: ParquetWriter,
         run_id: str,
         iteration: int,
-        version: str,
+        stamp: dict,
     ) -> tuple[dict[str, list], list[list[Sample]]]:
         """Sample one chunk of prompts and write its rows to `out`: (its columns, its groups)."""
         t0 = time.perf_counter()
         groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk])
         self.generate_s += time.perf_counter() - t0
-        columns = chunk_columns(run_id, iteration, p, chunk, groups, version)
+        columns = chunk_columns(run_id, iteration, p, chunk, groups, stamp)
         out.write(columns)
         self.tokens += sum(map(len, columns["response_ids"]))
         self.stops += columns["finish_reason"].count("stop")
@@ -115,6 +120,8 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
     shards sample the same rows."""
     cfg = load_run(storage, run_id)
     snap = committed_input(storage, run_id, iteration, "snapshot")
+    stamp = policy_stamp(storage, snap)
+    check_policy(run_id, iteration, "rollouts", stamp["policy_version"], cfg.rollout.staleness)
     inputs = {"snapshot": snap}
     if cfg.rollout.min_signal_groups is not None:
         inputs.update(dynamic_inputs(storage, cfg, run_id, iteration))
@@ -136,11 +143,11 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         gen, settings = sampler(p, cfg)  # starts the engine, or wakes a warm one and reloads its weights
         engine_s = time.perf_counter() - t0
         spec = sampling_spec(r, iteration_seed(cfg.seed, iteration, Salt.SAMPLING))
-        version, tally = content_hash(snap)[:16], Tally()
+        tally = Tally()
         with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out:
             for start in range(part.start, part.stop, r.chunk_prompts):
                 chunk = slice(start, start + r.chunk_prompts)
-                tally.sample(gen, p, chunk, spec, out, run_id, iteration, version)
+                tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp)
                 progress(
                     f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""),
                     min(start + r.chunk_prompts, part.stop) - part.start,
@@ -151,7 +158,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
             "prompts": len(part),
             "skipped_prompts": p.skipped,
             **tally.rows(out.num_rows),
-            "policy_version": version,
+            **stamp,
             "engine_s": engine_s,
             "generate_s": tally.generate_s,
             "sampler": settings,
@@ -196,24 +203,20 @@ def checked_prompts(snap: Committed, examples: list, cfg: RunConfig) -> Prompts:
     return p
 
 
-def dynamic_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int) -> dict[str, Committed]:
-    """Dynamic sampling's inputs beyond the snapshot: the base with reward files (the scorer), and for a
-    dataset the previous iteration's rollouts, whose committed summary says where this iteration's draws
-    start (draw_start)."""
-    inputs = {}
-    if cfg.reward.functions:
-        inputs["base"] = committed_input(storage, run_id, None, "base")
-    if cfg.task.dataset and iteration > 0:
-        inputs["previous"] = committed_input(storage, run_id, iteration - 1, "rollouts")
-    return inputs
-
-
-def draw_start(cfg: RunConfig, iteration: int, inputs: dict[str, Committed]) -> int:
-    """The epoch-order position of the iteration's first draw: iteration * prompts_per_iteration, or under
-    dynamic sampling with a dataset where the previous iteration's draws ended (its committed draw_end)."""
-    if "previous" not in inputs:
-        return iteration * cfg.rollout.prompts_per_iteration
-    return inputs["previous"].manifest.summary["draw_end"]
+def merged_summary(parts: list[dict]) -> dict:
+    """The rollouts summary of its shards'."""
+    samples = sum(s["samples"] for s in parts)
+    total = {k: sum(s[k] for s in parts) for k in ("prompts", "samples", "response_tokens", "engine_s", "generate_s")}
+    stops = sum(s["stop_fraction"] * s["samples"] for s in parts)
+    first = parts[0]
+    return {
+        **total,
+        "skipped_prompts": first["skipped_prompts"],  # of the iteration's prompts: every shard counts them all
+        "stop_fraction": stops / max(samples, 1),
+        "policy_version": first["policy_version"],
+        "policy_hash": first["policy_hash"],  # every shard samples the one snapshot
+        "sampler": first["sampler"],
+    }
 
 
 def sample_rounds(
@@ -246,7 +249,7 @@ def sample_rounds(
     """
     r, n = cfg.rollout, cfg.rollout.prompts_per_iteration
     snap, start = inputs["snapshot"], draw_start(cfg, iteration, inputs)
-    version, tally = content_hash(snap)[:16], Tally()
+    stamp, tally = policy_stamp(storage, snap), Tally()
     key = scorer_key(cfg, inputs.get("base"))
     gen = settings = None
     rounds = signal = kept = skipped = 0
@@ -266,7 +269,7 @@ def sample_rounds(
             spec = sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
             for at in range(0, len(p.ids), r.chunk_prompts):
                 chunk = slice(at, at + r.chunk_prompts)
-                columns, groups = tally.sample(gen, p, chunk, spec, out, run_id, iteration, version)
+                columns, groups = tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp)
                 t0 = time.perf_counter()
                 has = group_signal(cfg, pool, key, columns, [len(g) for g in groups])
                 score_s += time.perf_counter() - t0
@@ -286,7 +289,7 @@ def sample_rounds(
         "prompts": kept,
         "skipped_prompts": skipped,
         **tally.rows(out.num_rows),
-        "policy_version": version,
+        **stamp,
         "engine_s": engine_s,
         "generate_s": tally.generate_s,
         "sampler": settings,
@@ -296,47 +299,4 @@ def sample_rounds(
         "draw_start": start,
         "draw_end": start + rounds * n,
         "score_s": score_s,
-    }
-
-
-def flat_epoch(cfg: RunConfig, iteration: int, rounds: int) -> str | None:
-    """The line that stops dynamic sampling once `rounds` rounds drew a whole epoch of task.dataset and none of
-    their groups had signal: more rounds redraw the same prompts, and no learner setting helps a reward that
-    is the same for every response; None before that (and for a task's own prompts, an endless stream)."""
-    if not cfg.task.dataset:
-        return None
-    rows, drawn = len(held_out_split(cfg)[0]), rounds * cfg.rollout.prompts_per_iteration
-    if drawn < rows:
-        return None
-    scorer = f"reward.functions {cfg.reward.functions}" if cfg.reward.functions else f"task {cfg.task.name}'s reward"
-    return (
-        f"rollouts iteration {iteration}: dynamic sampling stopped after {rounds} round(s), {drawn} prompts drawn, a "
-        f"whole epoch of task.dataset's {rows} training rows, in which no group of rollout.group_size="
-        f"{cfg.rollout.group_size} responses had unequal rewards: the reward looks constant on this dataset; check "
-        f"that {scorer} scores task.answer_column={cfg.task.answer_column!r} as meant on a few rows (else the model "
-        "solves none yet: raise rollout.group_size or rollout.temperature); nothing committed"
-    )
-
-
-def group_signal(cfg: RunConfig, pool, key: tuple, columns: dict[str, list], sizes: list[int]) -> list[bool]:
-    """Whether each group of a chunk's rows has unequal rewards, scored as the rewards stage scores."""
-    items = list(zip(columns["response"], columns["ground_truth"], columns["prompt"], map(json.loads, columns["row"])))
-    lengths = [len(ids) for ids in columns["response_ids"]]
-    rewards = [reward for reward, _, _ in score_samples(pool, key, cfg, items, columns["finish_reason"], lengths)]
-    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return [max(rewards[a:b]) > min(rewards[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-
-def merged_summary(parts: list[dict]) -> dict:
-    """The rollouts summary of its shards'."""
-    samples = sum(s["samples"] for s in parts)
-    total = {k: sum(s[k] for s in parts) for k in ("prompts", "samples", "response_tokens", "engine_s", "generate_s")}
-    stops = sum(s["stop_fraction"] * s["samples"] for s in parts)
-    first = parts[0]
-    return {
-        **total,
-        "skipped_prompts": first["skipped_prompts"],  # of the iteration's prompts: every shard counts them all
-        "stop_fraction": stops / max(samples, 1),
-        "policy_version": first["policy_version"],
-        "sampler": first["sampler"],
     }

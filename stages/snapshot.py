@@ -1,7 +1,8 @@
 """Stage 1: freeze the policy that iteration k samples from.
 
-Iteration 0 samples from the base model, iteration k from the learner output of
-k - 1. Both are committed and immutable already, so the snapshot references
+Iteration k samples the learner output of k - 1 - S (rollout.staleness S, 0 by default: k - 1), the base model
+while that is negative (grpo.lineage.policy_version); the manifest records which (`policy_version`), and lineage
+refuses a snapshot of any other. Both are committed and immutable already, so the snapshot references
 their files (name, size, sha256, URI) instead of copying weights. A LoRA learn
 commits only its adapters: the snapshot then references the base's policy/ and
 that learn's adapter/.
@@ -10,22 +11,25 @@ that learn's adapter/.
 from __future__ import annotations
 
 from grpo.checkpoint import ADAPTER_PREFIX, CHECKPOINT_PREFIX, checkpoint_files
-from grpo.lineage import check_chain, committed_input
+from grpo.lineage import check_chain, check_policy, committed_input, policy_version, version_of
 from grpo.storage import Committed, Storage
 from schemas import FileEntry
 from stages.common import load_run, run_stage
 
 
-def policy_source(storage: Storage, run_id: str, iteration: int) -> Committed:
+def policy_source(storage: Storage, run_id: str, iteration: int, staleness: int) -> Committed:
     """The committed stage whose checkpoint (or adapters) iteration `iteration` samples from."""
-    if iteration == 0:
+    version = policy_version(iteration, staleness)
+    if version < 0:
         return committed_input(storage, run_id, None, "base")
-    return committed_input(storage, run_id, iteration - 1, "learn")
+    return committed_input(storage, run_id, version, "learn")
 
 
 def snapshot(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
-    load_run(storage, run_id)  # fails early, naming run.json, if the run does not exist
-    inputs = {"policy": policy_source(storage, run_id, iteration)}
+    cfg = load_run(storage, run_id)  # fails early, naming run.json, if the run does not exist
+    inputs = {"policy": policy_source(storage, run_id, iteration, cfg.rollout.staleness)}
+    version = version_of(inputs["policy"])
+    check_policy(run_id, iteration, "snapshot", version, cfg.rollout.staleness)
     sources = {CHECKPOINT_PREFIX: inputs["policy"]}
     if checkpoint_files(inputs["policy"], ADAPTER_PREFIX):  # LoRA: the base's weights, the learn's adapters
         inputs["base"] = committed_input(storage, run_id, None, "base")
@@ -41,6 +45,6 @@ def snapshot(storage: Storage, run_id: str, iteration: int, force: bool = False)
                         f.path, FileEntry(f.path, f.size, f.sha256, uri=f.uri or storage.uri(source.path(f.path)))
                     )
                     n_bytes += f.size
-        return {"source": inputs["policy"].uri, "bytes_referenced": n_bytes}
+        return {"source": inputs["policy"].uri, "policy_version": version, "bytes_referenced": n_bytes}
 
     return run_stage(storage, run_id, iteration, "snapshot", config={}, inputs=inputs, body=body, force=force)

@@ -37,6 +37,7 @@ VALUES = st.one_of(
     st.sampled_from(
         ["auto", "hf", "vllm", "k3", "bf16", "bfloat16", "sort", "position", "tensorboard", "none", "gspo", "cispo"]
         + ["exact_match", "avg_at_k", "pass_at_k", "reward_mean", "sampler", "recompute"]
+        + ["tis", "mis", "icepop", "token", "sequence", "geometric"]
     ),
     st.lists(st.one_of(st.integers(-5, 5), st.floats(), st.text(max_size=4)), max_size=4),
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
@@ -72,7 +73,9 @@ BESIDE = [
 ADDED += ["rollout.min_signal_groups", "rollout.max_sampling_rounds"]  # dynamic sampling
 BESIDE += [{"rollout": {"min_signal_groups": 32}}, {"rollout": {"shards": 2, "chunk_prompts": 128}}]
 ADDED += ["learn.old_logprobs"]  # pi_old from the sampler
-BESIDE += [{"learn": {"importance_correction": "tis"}}, {"learn": {"max_logprob_gap": 0.1}}]
+BESIDE += [{"learn": {"behavior_correction": "tis"}}, {"learn": {"max_logprob_gap": 0.1}}]
+ADDED += ["rollout.staleness", "learn.behavior_level", "learn.mis_bounds", "learn.icepop_bounds"]  # issue 32
+BESIDE += [{"learn": {"behavior_correction": c}} for c in ("mis", "icepop")] + [{"rollout": {"staleness": 2}}]
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -140,6 +143,15 @@ def test_added_settings_give_a_valid_config_or_a_config_error_naming_them(path, 
         (["eval.every=0"], "eval.every must be >= 1"),
         (["eval.metric=pass_at_k"], "eval.metric pass_at_k needs eval.samples_per_prompt > 1"),
         (["eval.metric=accuracy"], "eval.metric: 'accuracy' is not one of"),
+        (["rollout.staleness=2", "learn.behavior_correction=mis", "learn.behavior_level=geometric"], None),
+        (["learn.behavior_correction=icepop", "learn.icepop_bounds=[0.4, 4]"], None),
+        (["rollout.staleness=-1"], "rollout.staleness must be >= 0"),
+        (["learn.behavior_correction=icepop", "learn.behavior_level=sequence"], "learn.behavior_level=sequence"),
+        (["learn.mis_bounds=[1.5, 3]"], r"learn.mis_bounds must be \[low, high\] with 0 <= low <= 1 <= high"),
+        (["learn.icepop_bounds=[0.5]"], "learn.icepop_bounds: expected two numbers"),
+        (["learn.behavior_correction=ppo"], "learn.behavior_correction: 'ppo' is not one of"),
+        (["learn.importance_correction=tis"], "'learn.importance_correction' is now learn.behavior_correction"),
+        (["learn.old_logprobs=sampler", "learn.behavior_correction=mis"], "learn.behavior_correction"),
     ],
 )
 def test_added_settings_hand_picked(overrides, error):

@@ -677,7 +677,8 @@ def _call(entry, name):
         ),
         "kl": lambda: kl_penalty(lp, lp, name),
         "agg": lambda: aggregate_loss(lp, mask, name, max_tokens=4.0),
-        "correction": lambda: core.importance_weights(lp, lp, name),
+        "correction": lambda: core.behavior_weights(lp, lp, mask, name),
+        "level": lambda: core.behavior_weights(lp, lp, mask, "tis", name),
     }
     return calls[entry]()
 
@@ -687,7 +688,8 @@ ENTRIES = [
     ("loss", LossType),
     ("kl", KLEstimator),
     ("agg", AggMode),
-    ("correction", core.ImportanceCorrection),
+    ("correction", core.BehaviorCorrection),
+    ("level", core.BehaviorLevel),
 ]
 
 
@@ -740,7 +742,8 @@ def test_config_names_the_same_variants_as_the_math():
     learn, adv = get_type_hints(LearnConfig), get_type_hints(AdvantageConfig)
     assert get_args(learn["loss_type"]) == get_args(LossType) and get_args(learn["agg_mode"]) == get_args(AggMode)
     assert get_args(learn["kl_estimator"]) == get_args(KLEstimator) and get_args(adv["mode"]) == get_args(AdvantageMode)
-    assert get_args(learn["importance_correction"]) == get_args(core.ImportanceCorrection)
+    assert get_args(learn["behavior_correction"]) == get_args(core.BehaviorCorrection)
+    assert get_args(learn["behavior_level"]) == get_args(core.BehaviorLevel)
 
 
 def test_tis_weighs_each_token_by_the_truncated_ratio_hand_computed():
@@ -758,13 +761,15 @@ def test_tis_weighs_each_token_by_the_truncated_ratio_hand_computed():
         advantages=torch.ones(1, 1),
         old_logprobs=old,
         sampler_logprobs=sampler,
-        importance_correction="tis",
+        behavior_correction="tis",
         tis_cap=1.5,
     )
     # per-token loss -A * ratio * w = -w at ratio 1; token mean: -(1.5 + 0.5 + 1) / 3 = -1
     assert loss.item() == pytest.approx(-1.0)
     assert logp.grad[0].tolist() == pytest.approx([-0.5, -1 / 6, -1 / 3])  # d(-w * exp(lp - old))/dlp / 3
-    assert m["actor/is_weight_mean"].item() == pytest.approx(1.0)
+    assert m["behavior/weight_mean"].item() == pytest.approx(1.0)
+    assert m["behavior/weight_max"].item() == pytest.approx(1.5)
+    assert m["behavior/clipped_frac"].item() == pytest.approx(1 / 3)
     plain = old.clone().requires_grad_(True)
     loss_none, _ = grpo_microbatch_step(
         plain,
@@ -775,6 +780,89 @@ def test_tis_weighs_each_token_by_the_truncated_ratio_hand_computed():
         advantages=torch.ones(1, 1),
         old_logprobs=old,
         sampler_logprobs=sampler,
-        importance_correction="none",
+        behavior_correction="none",
     )
     assert loss_none.item() == pytest.approx(-1.0) and plain.grad[0].tolist() == pytest.approx([-1 / 3] * 3)
+
+
+# ---------------------------------------------------------------- behaviour correction (decoupled PPO)
+# two responses: token ratios pi_prox / pi_sampler of 2, 2, 0.5 and of 4 (then padding, garbage that must not leak)
+LOG_RATIO = torch.log(torch.tensor([[2.0, 2.0, 0.5], [4.0, 1e20, 1e-20]]))
+SAMPLER = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, 50.0, -50.0]])
+PROX = SAMPLER + LOG_RATIO
+BMASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+GEO = 2 ** (1 / 3)  # the first response's geometric mean ratio: (2 * 2 * 0.5) ** (1 / 3)
+
+
+@pytest.mark.parametrize(
+    "correction,level,weights,clipped",
+    [  # hand-computed; a response's weight goes to each of its tokens; clipped: masked or truncated tokens of 4
+        ("none", "token", [[1, 1, 1], [1]], 0),
+        ("tis", "token", [[1.5, 1.5, 0.5], [1.5]], 3),  # min(w, 1.5)
+        ("mis", "token", [[2, 2, 0.5], [0]], 1),  # 4 > 2: masked
+        ("icepop", "token", [[2, 2, 0], [4]], 1),  # 0.5 below the band [0.6, 5]
+        ("tis", "sequence", [[1.5, 1.5, 1.5], [1.5]], 4),  # products 2 and 4, both over 1.5
+        ("mis", "sequence", [[2, 2, 2], [0]], 1),  # 2 kept (in [0, 2]), 4 masked
+        ("tis", "geometric", [[GEO, GEO, GEO], [1.5]], 1),
+        ("mis", "geometric", [[GEO, GEO, GEO], [0]], 1),
+    ],
+)
+def test_behavior_weights_hand_computed(correction, level, weights, clipped):
+    w, m = core.behavior_weights(
+        PROX, SAMPLER, BMASK, correction, level, cap=1.5, mis_bounds=(0.0, 2.0), icepop_bounds=(0.6, 5.0)
+    )
+    flat = [x for row in weights for x in row]
+    assert w[0].tolist() == pytest.approx(weights[0]) and w[1, 0].item() == pytest.approx(weights[1][0])
+    assert m["behavior/weight_mean"].item() == pytest.approx(sum(flat) / 4)
+    assert m["behavior/weight_max"].item() == pytest.approx(max(flat))
+    assert m["behavior/clipped_frac"].item() == pytest.approx(clipped / 4)
+    k3 = [r - math.log(r) - 1 for r in (2, 2, 0.5, 4)]  # k3 of KL(sampler || prox): r = pi_prox / pi_sampler
+    assert m["behavior/kl"].item() == pytest.approx(sum(k3) / 4)
+    assert torch.isfinite(w).all()  # the padding's huge ratios never leak
+
+
+def test_behavior_weights_of_one_policy_are_one_and_its_kl_zero():
+    for level in ("token", "sequence", "geometric"):
+        w, m = core.behavior_weights(SAMPLER, SAMPLER, BMASK, "mis", level, mis_bounds=(1.0, 1.0 + 1e-6))
+        assert (w[BMASK.bool()] == 1).all() and m["behavior/clipped_frac"] == 0 and m["behavior/kl"] == 0
+
+
+def test_decoupled_loss_clips_to_pi_prox_and_weighs_by_pi_prox_over_the_sampler_hand_computed():
+    """Token 0: pi_theta / pi_prox = 1.5, clipped to 1.2 (no gradient), weight pi_prox / pi_sampler = 0.4, outside
+    IcePop's band [0.5, 5]: masked. Token 1: ratio 1, weight 3. A = 1, token mean over the 2 tokens."""
+    prox = torch.log(torch.tensor([[0.2, 0.3]]))
+    sampler = prox - torch.log(torch.tensor([[0.4, 3.0]]))
+    logp = (prox + torch.log(torch.tensor([[1.5, 1.0]]))).requires_grad_(True)
+    loss, m = grpo_microbatch_step(
+        logp,
+        torch.ones(1, 2),
+        gradient_accumulation_steps=1,
+        loss_type="grpo_clip",
+        agg_mode="token_mean",
+        advantages=torch.ones(1, 1),
+        old_logprobs=prox,
+        sampler_logprobs=sampler,
+        behavior_correction="icepop",
+    )
+    assert loss.item() == pytest.approx(-(1.2 * 0 + 1.0 * 3) / 2)
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -3 / 2])  # d(-3 * exp(lp - prox)) / dlp / 2 at ratio 1
+    assert m["actor/clip_frac"].item() == pytest.approx(0.5)  # the clip is to pi_prox, not to the sampler
+    assert m["behavior/clipped_frac"].item() == pytest.approx(0.5) and m["behavior/weight_max"].item() == 3
+
+
+def test_no_behavior_correction_is_the_uncorrected_loss_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    old, sampler = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+    mask, adv = (torch.rand(3, 5, generator=gen) > 0.3).float(), torch.randn(3, 1, generator=gen)
+    grads = []
+    for correction in ("none", None):
+        logp = (old + 0.1 * torch.randn(3, 5, generator=torch.Generator().manual_seed(1))).requires_grad_(True)
+        if correction is None:  # the loss as it was before any correction existed
+            pg, _ = policy_gradient_loss("grpo_clip", logp, response_mask=mask, advantages=adv, old_logprobs=old)
+            aggregate_loss(pg, mask, "seq_mean_token_mean").backward()
+        else:
+            grpo_microbatch_step(logp, mask, gradient_accumulation_steps=1, loss_type="grpo_clip",
+                                 agg_mode="seq_mean_token_mean", advantages=adv, old_logprobs=old,
+                                 sampler_logprobs=sampler, behavior_correction=correction)  # fmt: skip
+        grads.append(logp.grad)
+    assert torch.equal(grads[0], grads[1])

@@ -186,7 +186,7 @@ def committed_outputs(url: str, run_id: str, iterations: int) -> dict:
         c = {s: latest_committed(storage, stage_dir(storage, run_id, k, s)) for s in STAGES}
         rewards = pd.read_parquet(c["rewards"].path("rewards.parquet")).sort_values(["prompt_id", "sample_index"])
         out[k] = {
-            "policy_version": c["rollouts"].manifest.summary["policy_version"],
+            "policy_hash": c["rollouts"].manifest.summary["policy_hash"],
             "rewards": rewards["reward"].tolist(),
             "checkpoint": content_hash(c["learn"]),
             "eval": c["eval"].manifest.summary["exact_match"],
@@ -215,7 +215,7 @@ def test_warm_iterations_commit_what_cold_ones_do(prefect_api, tmp_path):
     finally:
         close_generators()
     cold, warm = committed_outputs(url, "cold", 2), committed_outputs(url, "warm", 2)
-    assert warm[1]["policy_version"] == warm[0]["checkpoint"][:16]  # iteration 1 sampled the new policy
+    assert warm[1]["policy_hash"] == warm[0]["checkpoint"][:16]  # iteration 1 sampled the new policy
     assert warm[0]["checkpoint"] != warm[1]["checkpoint"]
     # the reloaded engine samples from exactly the committed weights (the learner recomputes them)
     assert warm[1]["logprob_gap"] < 1e-4

@@ -39,3 +39,19 @@ def test_a_field_added_without_a_decision_fails_every_identity_that_reads_its_se
     assert section(cfg, "learn") == before
     changed = dataclasses.replace(cfg, learn=dataclasses.replace(cfg.learn, new_knob=0.25))
     assert section(changed, "learn")["new_knob"] == 0.25
+
+
+def test_a_renamed_setting_reads_from_an_old_run_json_and_keeps_its_old_name_in_identities():
+    """learn.importance_correction became learn.behavior_correction: a run.json that stores the old name reads as the
+    new one, and the learn section identities hash still names it as runs committed it (grpo.config.RENAMED)."""
+    stored = load_config(None).to_dict()
+    stored["learn"]["importance_correction"] = "tis"
+    del stored["learn"]["behavior_correction"]
+    cfg = identity.stored_config(stored)
+    assert cfg.learn.behavior_correction == "tis"
+    learn = section(cfg, "learn")
+    assert learn["importance_correction"] == "tis" and "behavior_correction" not in learn
+    mis = section(load_config(None, ["learn.behavior_correction=mis", "learn.behavior_level=sequence"]), "learn")
+    assert mis["importance_correction"] == "mis" and mis["behavior_level"] == "sequence"  # set: in the identity
+    assert mis["mis_bounds"] == [0.0, 2.0]  # a group acts together: its defaults come with it
+    assert "behavior_level" not in section(load_config(None), "learn")  # at their defaults: left out

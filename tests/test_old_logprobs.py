@@ -102,7 +102,7 @@ def test_auto_takes_the_samplers_log_probs_only_where_the_first_minibatch_shows_
     assert summary["logprob_gap"] == pytest.approx(out["recompute"].manifest.summary["logprob_gap"], abs=2e-3)
 
 
-@pytest.mark.parametrize("guard", ["learn.importance_correction=tis", "learn.max_logprob_gap=0.1"])
+@pytest.mark.parametrize("guard", ["learn.behavior_correction=tis", "learn.max_logprob_gap=0.1"])
 def test_sampler_log_probs_refuse_the_guards_that_compare_them_with_the_learners(guard):
     with pytest.raises(ConfigError, match="learn.old_logprobs=sampler takes pi_old from the sampler"):
         load_config(None, ["learn.old_logprobs=sampler", guard])

@@ -24,7 +24,8 @@ def rollout_row(i=0):
         "finish_reason": "stop",
         "ground_truth": "1 2",
         "row": "{}",
-        "policy_version": "abc",
+        "policy_version": -1,
+        "policy_hash": "abc",
     }
 
 
@@ -85,3 +86,26 @@ def test_streamed_row_groups(tmp_path):
 def test_unknown_table_lists_valid():
     with pytest.raises(SchemaError, match="valid tables"):
         to_table([], "nope")
+
+
+def test_a_rollouts_file_of_schema_version_3_reads_as_version_4(tmp_path):
+    """Written before rollout.staleness: its policy_version held the checkpoint hash, now policy_hash, and the
+    policy that sampled a row was the previous iteration's learn's (-1: the base)."""
+    from schemas.tables import ROLLOUTS_V3
+
+    rows = [rollout_row(i) | {"iteration": i} for i in range(3)]
+    for row in rows:
+        row["policy_version"] = row.pop("policy_hash")
+    old = pa.Table.from_pylist(rows, schema=ROLLOUTS_V3)
+    path = str(tmp_path / "v3.parquet")
+    pq.write_table(old.replace_schema_metadata({b"grpo.table": b"rollouts", b"grpo.schema_version": b"3"}), path)
+    table = read_parquet(FS, path, "rollouts")
+    assert table.schema.equals(SCHEMAS["rollouts"])
+    assert table.column("policy_version").to_pylist() == [-1, 0, 1]
+    assert table.column("policy_hash").to_pylist() == ["abc"] * 3
+    assert read_parquet(FS, path, "rollouts", columns=["policy_version"]).column_names == ["policy_version"]
+    batches = list(iter_batches(FS, path, "rollouts", batch_size=2, columns=["iteration", "policy_version"]))
+    assert [b.column(1).to_pylist() for b in batches] == [[-1, 0], [1]]
+    with pytest.raises(SchemaError, match="policy_version"):  # a version 4 file still holds to version 4
+        pq.write_table(old.replace_schema_metadata({b"grpo.table": b"rollouts", b"grpo.schema_version": b"4"}), path)
+        read_parquet(FS, path, "rollouts")

@@ -568,7 +568,7 @@ def test_a_sampler_serving_stale_weights_trips_max_logprob_gap_and_tis_trains_th
     ):
         stage_function("learn")(storage, "t", 1)
     close_generators()  # a fresh sampler loads the base weights, then (still patched) keeps them
-    make_run(storage, "tis", extra=["learn.importance_correction=tis", "learn.tis_cap=2", "learn.lr=1e-2"])
+    make_run(storage, "tis", extra=["learn.behavior_correction=tis", "learn.tis_cap=2", "learn.lr=1e-2"])
     run_iteration(storage, "tis", 0)
     for s in STAGES[:4]:
         stage_function(s)(storage, "tis", 1)

@@ -68,8 +68,11 @@ def minibatch_step(
             dual_clip_c=lcfg.dual_clip_c,
             max_tokens=max_tokens,
             sampler_logprobs=batch.sampler_logprobs[mb],
-            importance_correction=lcfg.importance_correction,
+            behavior_correction=lcfg.behavior_correction,
+            behavior_level=lcfg.behavior_level,
             tis_cap=lcfg.tis_cap,
+            mis_bounds=lcfg.mis_bounds,
+            icepop_bounds=lcfg.icepop_bounds,
         )
         metrics["loss/total"] = loss.detach() * accum
         metrics["actor/entropy"] = core.masked_mean(entropy, mask)
@@ -133,6 +136,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     score_s, update_s = time.perf_counter() - t0, 0.0
     mask = batch.response_mask
     gap = None if scores.pending is not None else sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap)
+    behavior = None if scores.pending is not None else behavior_summary(batch, scores, lcfg)
     model.train()
 
     accum = max(1, lcfg.minibatch_size // world // lcfg.microbatch_size)
@@ -157,6 +161,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
                     score_s, t0 = score_s + settled_s, t0 + settled_s  # scoring time, not the update's
                 measured = checked if source["source"] == "sampler" else None  # auto took the sampler's
                 gap = sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap, measured)
+                behavior = behavior_summary(batch, scores, lcfg)
             if not all(math.isfinite(v) for v in m.values()):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
             grad_norm = learner.clip_grad_norm(lcfg.max_grad_norm)
@@ -194,6 +199,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "entropy": sum(r["entropy"] for r in rows) / len(rows) if rows else None,  # mean over the steps
         "grad_norm": last.get("grad_norm"),
         "logprob_gap": gap,
+        **(behavior or {}),
         "old_logprobs": source,
         "world_size": world,
         "precision": learner.precision,
@@ -205,6 +211,27 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         scores.old_logprobs.float().cpu(), None if scores.ref_logprobs is None else scores.ref_logprobs.float().cpu()
     )
     return Update(summary, rows, cpu)
+
+
+def behavior_summary(batch: Batch, scores: Scores, lcfg: LearnConfig) -> dict[str, float]:
+    """The iteration's behaviour weights pi_prox / pi_sampler (learn.behavior_correction) over every response token
+    of the batch, once pi_prox (the old log-probs) is known: no step changes them. behavior_weight_mean and
+    _max, behavior_clipped_frac (truncated or masked), sampler_kl (k3 of KL(pi_sampler || pi_prox)); with
+    correction none the weights are 1 and the KL still measures how far the sampler was."""
+    with torch.no_grad():
+        _, m = core.behavior_weights(
+            scores.old_logprobs.float(),
+            batch.sampler_logprobs.float(),
+            batch.response_mask,
+            lcfg.behavior_correction,
+            lcfg.behavior_level,
+            lcfg.tis_cap,
+            lcfg.mis_bounds,
+            lcfg.icepop_bounds,
+        )
+    names = {"weight_mean": "behavior_weight_mean", "weight_max": "behavior_weight_max"}
+    names |= {"clipped_frac": "behavior_clipped_frac", "kl": "sampler_kl"}
+    return {names[k.split("/")[1]]: float(v) for k, v in m.items()}
 
 
 def _check_weights(learner: Learner, batch: Batch, iteration: int, steps: int) -> None:
