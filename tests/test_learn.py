@@ -309,12 +309,14 @@ def test_each_loss_variant_trains(storage, extra):
 
 
 def test_learn_doctests():
+    """The reference's iteration (grpo.lineage) and the learner's precision, by their doctests."""
     import doctest
 
-    import stages.learn
+    import grpo.learner.precision
+    import grpo.lineage
 
-    result = doctest.testmod(stages.learn)
-    assert result.attempted >= 1 and result.failed == 0
+    results = [doctest.testmod(m) for m in (grpo.lineage, grpo.learner.precision)]
+    assert sum(r.attempted for r in results) >= 2 and not any(r.failed for r in results)
 
 
 def test_settings_added_later_leave_existing_stage_identities_alone():
