@@ -156,7 +156,8 @@ def chunked_token_logprobs(
     log-probs (B, T) and, with_entropy, the entropy (B, T) as a metric (no gradient). Only one
     chunk's float32 (chunk, V) logits exist at a time: under autograd each chunk's logits are
     recomputed in the backward pass (activation checkpointing) instead of kept, so memory holds
-    the hidden states, not (B, T, V). Same values and gradients as the unchunked form.
+    the hidden states, not (B, T, V). A chunk's logits give its log-probs and entropy together (one LM head
+    matmul a chunk in the forward). Same values and gradients as the unchunked form.
     """
     b, t, h = hidden.shape
     flat, flat_labels = hidden.reshape(b * t, h), labels.reshape(b * t)
@@ -165,19 +166,22 @@ def chunked_token_logprobs(
         if torch.is_grad_enabled() and x.requires_grad:
             from torch.utils.checkpoint import checkpoint
 
-            logps.append(checkpoint(_chunk_logprobs, x, project, y, use_reentrant=False))
+            logp, entropy = checkpoint(_chunk_logprobs, x, project, y, with_entropy, use_reentrant=False)
         else:
-            logps.append(_chunk_logprobs(x, project, y))
-        if with_entropy:
-            with torch.no_grad():
-                entropies.append(token_entropy(project(x.detach())[None])[0])
+            logp, entropy = _chunk_logprobs(x, project, y, with_entropy)
+        logps.append(logp)
+        entropies.append(entropy)
     logp = torch.cat(logps).reshape(b, t)
     return logp, torch.cat(entropies).reshape(b, t) if with_entropy else None
 
 
-def _chunk_logprobs(x: Tensor, project: Callable[[Tensor], Tensor], labels: Tensor) -> Tensor:
-    """(n, H) hidden states -> (n,) log-probs of labels."""
-    return token_logprobs(project(x)[None], labels[None])[0]
+def _chunk_logprobs(
+    x: Tensor, project: Callable[[Tensor], Tensor], labels: Tensor, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """(n, H) hidden states -> (n,) log-probs of labels and, with_entropy, (n,) entropies (no gradient)."""
+    logits = project(x)[None]  # (1, n, V)
+    entropy = token_entropy(logits.detach())[0] if with_entropy else None
+    return token_logprobs(logits, labels[None])[0], entropy
 
 
 # ---------------------------------------------------------------- policy-gradient losses

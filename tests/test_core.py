@@ -198,6 +198,21 @@ def test_chunked_logprobs_equal_full_logits_values_and_gradients(chunk):
     assert not chunked_token_logprobs(hidden, head, labels, chunk, with_entropy=True)[1].requires_grad
 
 
+def test_chunked_logprobs_and_entropy_take_one_lm_head_matmul_a_chunk():
+    """With entropy, each chunk's logits give both figures: the head runs once a chunk in the forward (and once
+    more in backward, recomputing them), not twice."""
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(6, 11, bias=False)
+    calls = []
+    head = lambda x: calls.append(len(x)) or linear(x)  # noqa: E731
+    hidden = torch.randn(3, 4, 6, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 4), generator=g)
+    logp, _ = chunked_token_logprobs(hidden, head, labels, 5, with_entropy=True)
+    assert calls == [5, 5, 2]  # 12 positions in chunks of 5
+    logp.sum().backward()
+    assert calls == [5, 5, 2, 2, 5, 5]  # the backward recomputes each chunk's logits once (last chunk first)
+
+
 def test_token_logprobs_upcast_half_precision():
     logits = torch.randn(1, 2, 5).to(torch.bfloat16)
     assert token_logprobs(logits, torch.zeros(1, 2, dtype=torch.long)).dtype == torch.float32
