@@ -10,6 +10,9 @@ grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
 grpo report --run demo                       # report.png and report.md in the run folder
 grpo export --run demo --out ./demo-policy   # the newest policy as an HF folder (LoRA merged)
 grpo export --run demo --best ./demo-best    # the best by eval.metric (or --iteration k, --latest)
+grpo fork --from demo --at 3 --run demo-gspo --set learn.loss_type=gspo   # iterations 0-2 by reference
+grpo rescore --run demo --iterations 0:4 --set reward.truncated_reward=-1  # rewards again, no sampling
+grpo delete --run demo-gspo --yes           # a run no other run references
 """
 
 from __future__ import annotations
@@ -172,6 +175,7 @@ def cmd_demo(args, storage):
 
 
 def cmd_status(args, storage):
+    from grpo.fork import fork_of
     from grpo.gc import collected_summary, running_attempts
     from grpo.lineage import stale_attempt
     from stages.common import check_datasets, load_run
@@ -181,6 +185,11 @@ def cmd_status(args, storage):
     while list_attempts(storage, stage_dir(storage, args.run, last + 1, "snapshot")):  # tried after a stale one
         last += 1
     running = running_attempts(storage, args.run)
+    if fork := fork_of(storage, args.run):
+        print(
+            f"run {args.run}: a fork of run {fork['parent']} at iteration {fork['at']} (its base and iterations "
+            f"before {fork['at']} are {fork['parent']}'s by reference)"
+        )
     print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in STAGES))
     corrupt = []
     for k in range(last + 1):
@@ -200,6 +209,8 @@ def cmd_status(args, storage):
                 if done and stale_attempt(storage, done[-1])
                 else "skipped"
                 if done and s == "eval" and load_manifest(storage, done[-1], verify=False)[0].summary.get("skipped")
+                else "ref"
+                if done and load_manifest(storage, done[-1], verify=False)[0].origin is not None
                 else "ok"
             )
             cells.append(
@@ -211,7 +222,8 @@ def cmd_status(args, storage):
     print(
         "(xN: committed attempts; +Nr: attempts running now (a recent heartbeat); +Nf: attempts that failed or "
         "stopped beating; stale: made from inputs a newer attempt replaced; corrupt, with --verify: files "
-        "changed after the commit; skipped: an eval eval.every did not run)"
+        "changed after the commit; skipped: an eval eval.every did not run; ref: another run's attempt taken "
+        "by reference, `grpo fork`)"
     )
     if best := best_iteration(storage, args.run):
         print(f"best so far: {best}; export it: {grpo_command(args.storage)} export --run {args.run} --best --out DIR")
@@ -258,6 +270,68 @@ def cmd_gc(args, storage):
         print(f"removed {len(found.garbage)} item(s), {total:.1f} MB")
     else:
         print(f"{len(found.garbage)} item(s), {total:.1f} MB; nothing removed (dry run): add --delete to remove them")
+
+
+def cmd_fork(args, storage):
+    from grpo.fork import fork_run
+
+    forked = fork_run(storage, args.parent, args.at, args.run, args.set)
+    print(
+        f"run {args.run}: a fork of run {args.parent} at iteration {args.at}: {forked.attempts} committed attempts "
+        f"of {args.parent} taken by reference ({forked.bytes_referenced / 1e6:.1f} MB, none copied)\n"
+        f"next: {grpo_command(args.storage)} run --run {args.run} --iterations N   # iterations {args.at}.., "
+        f"each stage with {args.parent}'s config and inputs taken by reference, the others run"
+    )
+
+
+def _iterations_range(text: str) -> tuple[int, int]:
+    """'A:B' (both included) or 'K'."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give A:B (iterations A to B, both included) or K")
+    return int(parts[0]), int(parts[-1])
+
+
+def cmd_rescore(args, storage):
+    from grpo.lineage import next_iteration
+    from stages.common import load_run
+    from stages.rescore import changes, rescore, rescore_run_id
+
+    load_run(storage, args.run)
+    first, last = args.iterations if args.iterations else (0, next_iteration(storage, args.run) - 1)
+    fork = args.as_run or rescore_run_id(args.run, first, last, args.set)
+    rescore(storage, args.run, first, last, args.set, fork)
+    table = changes(storage, fork, first, last)
+    print(f"{'iteration':>9}  {'samples changed':>15}  {'reward before':>13}  {'after':>7}  {'groups flipped':>14}")
+    for row in table.itertuples():
+        print(
+            f"{row.iteration:>9}  {row.samples_changed:>7} of {row.samples:<5}  {row.reward_before:>13.4f}  "
+            f"{row.reward_after:>7.4f}  {row.groups_flipped:>14}"
+        )
+    for row in table.itertuples():
+        changed, flipped = list(row.changed if row.changed is not None else []), row.flipped
+        if changed:
+            more = f" ... and {len(changed) - 5} more" if len(changed) > 5 else ""
+            print(f"iteration {row.iteration}: reward changed (prompt/sample: before -> after): "
+                  f"{', '.join(changed[:5])}{more}")  # fmt: skip
+        if flipped is not None and len(flipped):
+            groups = ", ".join(map(str, flipped))
+            print(f"iteration {row.iteration}: advantage sign flipped in groups (prompt_id) {groups}")
+    print(
+        f"rescored into run {fork} (a fork of {args.run}; no rollouts written); per sample: "
+        f'{grpo_command(args.storage)} query --run {fork} "SELECT * FROM rescore WHERE reward_changed"'
+    )
+
+
+def cmd_delete(args, storage):
+    from grpo.gc import delete_run, run_files
+
+    files, size = run_files(storage, args.run)
+    if not args.yes:
+        print(f"run {args.run}: {files} files, {size / 1e6:.1f} MB; nothing removed (dry run): add --yes to delete it")
+        return
+    delete_run(storage, args.run)
+    print(f"run {args.run}: deleted ({files} files, {size / 1e6:.1f} MB); `grpo gc` of its parent may now free more")
 
 
 def cmd_export(args, storage):
@@ -390,6 +464,26 @@ def parser() -> argparse.ArgumentParser:
         "(retention.keep_last, retention.keep_every; the best eval is kept) do not keep; never tables",
     )
     sp.set_defaults(fn=cmd_gc)
+    sp = sub.add_parser("fork", help="a new run from another's committed iterations, by reference, with new settings")
+    sp.add_argument("--from", dest="parent", required=True, help="the run to fork")
+    sp.add_argument(
+        "--at", type=int, required=True, help="the first iteration of the fork's own (before it: the parent's)"
+    )
+    sp.add_argument("--run", required=True, help="the new run's id")
+    sp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    sp.set_defaults(fn=cmd_fork)
+    sp = sub.add_parser("rescore", help="score a run's committed rollouts again with another reward, in a fork")
+    sp.add_argument("--run", required=True)
+    sp.add_argument(
+        "--iterations", type=_iterations_range, help="A:B, both included, or K (default: every finished iteration)"
+    )
+    sp.add_argument("--set", action="append", default=[], metavar="reward.FIELD=VALUE")
+    sp.add_argument("--as", dest="as_run", help="the fork's run id (default RUN-rescore-A-B-<hash of --set>)")
+    sp.set_defaults(fn=cmd_rescore)
+    sp = sub.add_parser("delete", help="remove a run that no other run (a fork) references")
+    sp.add_argument("--run", required=True)
+    sp.add_argument("--yes", action="store_true", help="delete it (default: only say what it holds)")
+    sp.set_defaults(fn=cmd_delete)
     sp = sub.add_parser("export", help="write a policy as a self-contained HF folder (LoRA adapters merged)")
     sp.add_argument("--run", required=True)
     sp.add_argument("dir", nargs="?", help="a new local folder or fsspec URL (or --out DIR)")

@@ -60,13 +60,14 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     skips stay)."""
     path = run_json(storage, run_id)
     if storage.exists(path):
-        old, new = stored_config(json.loads(storage.read_bytes(path)).get("config")).to_dict(), cfg.to_dict()
+        raw = json.loads(storage.read_bytes(path))
+        old, new = stored_config(raw.get("config")).to_dict(), cfg.to_dict()
         for (section, name), (was, now) in CHANGED_DEFAULTS.items():  # the run keeps the default it began with
             if old[section][name] == was and new[section][name] == now:
                 new[section][name] = was
         if old == new:
             return
-        data_ = json.dumps({"run_id": run_id, "config": new}, indent=1, sort_keys=True).encode()
+        data_ = json.dumps({**raw, "run_id": run_id, "config": new}, indent=1, sort_keys=True).encode()  # a fork's too
         for c in (old, new):  # defaults of newer fields filled in
             c.pop("tracking"), c.pop("retention")
             for name in LEARN_PLACEMENT:
