@@ -254,12 +254,12 @@ def fork_run(storage: Storage, parent: str, at: int, run_id: str, overrides: lis
     return Forked(run_id, parent, at, len(history), n_bytes)
 
 
-def referenced_by(storage: Storage, run_id: str) -> dict[str, str]:
-    """{uri under run `run_id`: the other run that references it}: the files, inputs and origins that the
+def referenced_by(storage: Storage, run_id: str) -> dict[str, set[str]]:
+    """{uri under run `run_id`: the other runs that reference it}: the files, inputs and origins that the
     committed manifests of every other run name there (forks, and forks of forks: a fork's reference names the
     file where it lives). gc keeps them, and `grpo delete` refuses the run while any exist."""
     prefix = storage.uri(run_dir(storage, run_id)).rstrip("/") + "/"
-    out: dict[str, str] = {}
+    out: dict[str, set[str]] = {}
     for other in run_ids(storage):
         if other == run_id or fork_of(storage, other) is None:
             continue
@@ -272,5 +272,7 @@ def referenced_by(storage: Storage, run_id: str) -> dict[str, str]:
                 continue
             uris = [f.uri for f in manifest.files if f.uri] + [r.uri for r in manifest.inputs.values()]
             uris += [manifest.origin.uri] if manifest.origin else []
-            out.update({u.rstrip("/"): other for u in uris if u.startswith(prefix)})
+            for u in uris:
+                if u.startswith(prefix):
+                    out.setdefault(u.rstrip("/"), set()).add(other)
     return out

@@ -290,7 +290,7 @@ def _retention(
         here = [f for f in manifest.files if f.uri is None and f"{attempt}/{f.path}" in listing]
         shared = [f for f in here if storage.uri(f"{attempt}/{f.path}") in forks]
         if shared:
-            runs = sorted({forks[storage.uri(f"{attempt}/{f.path}")] for f in shared})
+            runs = sorted({r for f in shared for r in forks[storage.uri(f"{attempt}/{f.path}")]})
             out.kept.append(f"iteration {k}: {len(shared)} file(s) run {', '.join(runs)} references (a fork)")
             here = [f for f in here if f not in shared]
         state = [f for f in here if f.path.startswith(STATE_PREFIXES)]
@@ -349,8 +349,9 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
         since = age([listing.get(f"{newer}/{MANIFEST_NAME}", {})])
         if _under(uri, live):
             out.held.append(Held(path, "superseded attempt{s} read by a live attempt", "superseded, still read"))
-        elif shared := sorted({run for u, run in forks.items() if u == uri or u.startswith(uri + "/")}):
-            out.held.append(Held(path, "superseded attempt{s} a fork references", f"referenced by run {shared[0]}"))
+        elif shared := sorted({r for u, runs in forks.items() if u == uri or u.startswith(uri + "/") for r in runs}):
+            note = f"referenced by run {', '.join(shared)}"
+            out.held.append(Held(path, "superseded attempt{s} a fork references", note))
         elif _under(uri, used):
             continue  # the current chain reads it: not garbage
         elif since < min_age_s:
@@ -432,7 +433,7 @@ def run_files(storage: Storage, run_id: str) -> tuple[int, int]:
     if not storage.exists(run_json(storage, run_id)):
         raise StageError(no_such_run(storage, run_id))
     if forks := referenced_by(storage, run_id):
-        runs = sorted(set(forks.values()))
+        runs = sorted(set().union(*forks.values()))
         raise StageError(
             f"run {run_id}: run {', '.join(runs)} references {len(forks)} of its files or attempts (a fork); "
             f"delete {'it' if len(runs) == 1 else 'them'} first (`grpo delete --run {runs[0]}`)"
