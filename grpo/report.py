@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from grpo.config import load_config
 from grpo.errors import StageError
+from grpo.fork import fork_of
 from grpo.layout import run_dir, run_json, stage_dir
 from grpo.query import iterations
 from grpo.storage import NotCommittedError, Storage, committed_attempts, latest_committed, load_manifest
@@ -167,6 +168,13 @@ def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) 
     storage.write_bytes_atomic(  # replaced whole: a reader or a crash never sees half a file
         png, figure_png(rows, f"run {run_id}: iterations {rows[0]['iteration']}..{rows[-1]['iteration']}", best=best)
     )
-    text = f"# Run {run_id}\n\n{headline(rows, best)}\n\n![progress](report.png)\n\n{markdown_table(rows)}\n"
+    fork = fork_of(storage, run_id)
+    lineage = (
+        f"A fork of run {fork['parent']} at iteration {fork['at']}: iterations before {fork['at']} are "
+        f"{fork['parent']}'s, by reference (`grpo fork`).\n\n"
+        if fork
+        else ""
+    )
+    text = f"# Run {run_id}\n\n{lineage}{headline(rows, best)}\n\n![progress](report.png)\n\n{markdown_table(rows)}\n"
     storage.write_bytes_atomic(md, text.encode())
     return storage.uri(png), storage.uri(md)

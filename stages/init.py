@@ -33,8 +33,10 @@ from grpo.checkpoint import (
     upload_folder,
 )
 from grpo.config import ConfigError, RunConfig, load_config_file
+from grpo.fork import fork_of
 from grpo.identity import CHANGED_DEFAULTS, EVAL_READING, LEARN_PLACEMENT, section, stored_config
 from grpo.layout import run_dir, run_json
+from grpo.lineage import committed_input
 from grpo.storage import Committed, Storage, is_local
 from grpo.tasks import functions, generates, get_task
 from grpo.tiny_model import build_for_task
@@ -174,6 +176,9 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
 def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False) -> Committed:
     """Check the run's inputs, write run.json and commit the base model under `runs/<run_id>/base`."""
     exists = storage.exists(run_json(storage, run_id))
+    if exists and fork_of(storage, run_id) is not None:  # a fork's base is its parent's, by reference (grpo.fork)
+        write_run_json(storage, run_id, cfg)  # only checks the config, or takes a change of tracking, retention, ...
+        return committed_input(storage, run_id, None, "base")
     with tempfile.TemporaryDirectory() as tmp:
         prepared = None
         if exists:

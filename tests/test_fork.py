@@ -99,6 +99,13 @@ def test_a_fork_at_3_with_gspo_trains_learn_3_on_the_parents_samples_by_referenc
     assert rc == 0 and "a fork of run p at iteration 3" in out
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()[:1] in [["2"], ["3"]]}
     assert rows["2"] == ["ref", "x1"] * 6 and rows["3"] == ["ref", "x1"] * 4 + ["ok", "x1"] * 2
+    rc, out, _ = cli(storage, capsys, "report", "--run", "g")
+    assert (
+        rc == 0
+        and "A fork of run p at iteration 3" in storage.read_bytes(f"{run_dir(storage, 'g')}/report.md").decode()
+    )
+    assert cli(storage, capsys, "init", "--run", "g")[0] == 0  # finishing an init keeps the fork's base, by reference
+    assert len(storage.fs.ls(stage_dir(storage, "g", None, "base"))) == 1 and fork_of(storage, "g")["parent"] == "p"
 
 
 def test_a_fork_with_another_reward_reruns_rewards_and_what_follows(history):
