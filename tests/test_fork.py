@@ -16,7 +16,9 @@ from grpo.identity import lineage_identity, stage_identity
 from grpo.layout import STAGES, run_dir, run_ids, stage_dir
 from grpo.query import query
 from grpo.storage import file_path, latest_committed, open_storage
+from grpo.tracking import track
 from schemas.manifest import InputRef, Manifest
+from stages.common import load_run
 from stages.iteration import run_warm
 
 
@@ -243,3 +245,22 @@ def test_gc_keeps_every_file_forks_reference_and_deleting_them_frees_it(tmp_path
         assert "optimizer.pt" in gone and ("policy/model.safetensors" in gone) == (k != best), (k, best, gone)
         assert storage.exists(f"{learn.attempt_dir}/policy/model.safetensors") == (k == best)
     assert len(storage.fs.ls(stage_dir(storage, "p", 1, "eval"))) == 1
+
+
+def test_a_fork_is_a_tracker_run_of_its_own_tagged_with_its_parent_and_fork_point(history, tmp_path):
+    import mlflow
+
+    storage, uri = history, f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sets = ["--set", "tracking.backend=mlflow", "--set", f"tracking.uri={uri}"]
+    assert main(["--storage", storage.url, "fork", "--from", "p", "--at", "2", "--run", "t", *sets]) == 0
+    assert track(storage, "t", load_run(storage, "t")) == [0, 1]  # the iterations it holds, as its own
+    client = mlflow.tracking.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("grpo-flow").experiment_id])
+    assert {k: v for k, v in run.data.tags.items() if k.startswith("grpo.")} == {
+        "grpo.run_id": "t",
+        "grpo.parent": "p",
+        "grpo.fork_at": "2",
+    }
+    got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward_mean"))
+    want = [current(storage, "p", k, "advantages").manifest.summary["reward_mean"] for k in (0, 1)]
+    assert [k for k, _ in got] == [0, 1] and [v for _, v in got] == pytest.approx(want)
