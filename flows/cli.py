@@ -374,9 +374,9 @@ def export_source(storage, run_id: str, k: int):
 
 
 def cmd_report(args, storage):
-    from grpo.report import write_report
+    from grpo.report import write_compare, write_report
 
-    png, md = write_report(storage, args.run)
+    png, md = write_compare(storage, args.run, args.compare) if args.compare else write_report(storage, args.run)
     print(f"{png}\n{md}")
 
 
@@ -386,7 +386,7 @@ def cmd_query(args, storage):
     from grpo.query import query
 
     try:
-        df = query(storage, args.run, args.sql, verify=not args.no_verify)
+        df = query(storage, args.run[0], args.sql, verify=not args.no_verify, others=tuple(args.run[1:]))
     except duckdb.Error as e:
         raise StageError(f"query failed: {e}") from e
     print(df.to_string(index=False) if len(df) else f"(no rows; columns: {', '.join(df.columns)})")
@@ -495,6 +495,12 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("report", help="plot a run's progress: report.png and report.md in its folder")
     sp.add_argument("--run", required=True)
+    sp.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="RUN",
+        help="overlay these runs' curves on the run's (a parent and its forks): compare.png and compare.md",
+    )
     sp.set_defaults(fn=cmd_report)
     sp = sub.add_parser(
         "query",
@@ -502,7 +508,12 @@ def parser() -> argparse.ArgumentParser:
         description="views: rollouts, rewards, advantages, logprobs, learn_metrics, eval "
         "(newest committed attempt of each iteration; see grpo/query.py)",
     )
-    sp.add_argument("--run", required=True)
+    sp.add_argument(
+        "--run",
+        required=True,
+        action="append",
+        help="the run; again for more runs: their views as <run>.<view>, all of them as runs.<view> (a run column)",
+    )
     sp.add_argument("sql", help='e.g. "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"')
     sp.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files read")
     sp.set_defaults(fn=cmd_query)

@@ -105,6 +105,18 @@ def figure_png(rows: list[dict], title: str, dpi: int = 90, best: Best | None = 
     """The PLOTS against iteration, as PNG bytes (matplotlib, no display); 12 x 6.5 inches at `dpi`; the best
     iteration a dashed line on the held-out eval's plot. Iterations without a figure (a skipped eval) are
     left out of that figure's line."""
+    return _figure({"": rows}, title, dpi, best=best)
+
+
+def compare_png(runs: dict[str, list[dict]], title: str, forks: dict[str, int], dpi: int = 90) -> bytes:
+    """figure_png with one line per run (and figure) in each plot, overlaid (`grpo report --compare`); a fork's
+    fork point (`forks`: {run: iteration}) a dotted line."""
+    return _figure(runs, title, dpi, forks=forks)
+
+
+def _figure(
+    runs: dict[str, list[dict]], title: str, dpi: int, best: Best | None = None, forks: dict[str, int] | None = None
+) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,21 +124,26 @@ def figure_png(rows: list[dict], title: str, dpi: int = 90, best: Best | None = 
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(2, 3, figsize=(12, 6.5), constrained_layout=True)
-    x = [r["iteration"] for r in rows]
     for ax, (name, keys) in zip(axes.flat, PLOTS):
-        if all(r.get(key) is None for r in rows for key in keys):  # the KL without a reference model
+        if all(
+            r.get(key) is None for rows in runs.values() for r in rows for key in keys
+        ):  # the KL without a reference
             ax.text(0.5, 0.5, "not measured\n(learn.kl_coef = 0)", ha="center", va="center", transform=ax.transAxes)
-        for key in keys:
-            xy = [(k, r[key]) for k, r in zip(x, rows) if r.get(key) is not None]
-            if xy:
-                ax.plot(*zip(*xy), marker="." if len(xy) < 30 else None, label=key)
+        for run, rows in runs.items():
+            for key in keys:
+                xy = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+                label = " ".join(x for x in (run, key if len(keys) > 1 or not run else "") if x)
+                if xy:
+                    ax.plot(*zip(*xy), marker="." if len(xy) < 30 else None, label=label)
         if best is not None and "eval_exact_match" in keys:
             ax.axvline(best.iteration, color="gray", linestyle="--", linewidth=1, label=f"best: {best}")
+        for at in (forks or {}).values():
+            ax.axvline(at, color="gray", linestyle=":", linewidth=1)
         ax.set_title(name)
         ax.set_xlabel("iteration")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
         ax.grid(alpha=0.3)
-        if len(keys) > 1:
+        if (len(keys) > 1 or len(runs) > 1) and ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(title)
     out = io.BytesIO()
@@ -177,4 +194,25 @@ def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) 
     )
     text = f"# Run {run_id}\n\n{lineage}{headline(rows, best)}\n\n![progress](report.png)\n\n{markdown_table(rows)}\n"
     storage.write_bytes_atomic(md, text.encode())
+    return storage.uri(png), storage.uri(md)
+
+
+def write_compare(storage: Storage, run_id: str, others: list[str]) -> tuple[str, str]:
+    """`grpo report --run A --compare B C`: compare.png (every run's curves overlaid, a fork's fork point
+    dotted) and compare.md (each run's last figures and best iteration) in run A's folder; returns their URIs."""
+    runs = {r: iteration_rows(storage, r) for r in dict.fromkeys([run_id, *others])}
+    if empty := [r for r, rows in runs.items() if not rows]:
+        raise StageError(
+            f"run {empty[0]}: no iteration has a committed eval yet; run one (`grpo run --run {empty[0]}`)"
+        )
+    forks = {r: f["at"] for r in runs if (f := fork_of(storage, r)) is not None}
+    rdir = run_dir(storage, run_id)
+    png, md = f"{rdir}/compare.png", f"{rdir}/compare.md"
+    storage.write_bytes_atomic(png, compare_png(runs, f"runs {', '.join(runs)}", forks))
+    lines = [f"# Runs {', '.join(runs)}", "", "![compare](compare.png)", ""]
+    for r, rows in runs.items():
+        best = best_iteration(storage, r, [row["iteration"] for row in rows])
+        lineage = f" (a fork of {fork_of(storage, r)['parent']} at iteration {forks[r]})" if r in forks else ""
+        lines += [f"- {r}{lineage}: {headline(rows, best)}"]
+    storage.write_bytes_atomic(md, ("\n".join(lines) + "\n").encode())
     return storage.uri(png), storage.uri(md)

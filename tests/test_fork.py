@@ -264,3 +264,24 @@ def test_a_fork_is_a_tracker_run_of_its_own_tagged_with_its_parent_and_fork_poin
     got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward_mean"))
     want = [current(storage, "p", k, "advantages").manifest.summary["reward_mean"] for k in (0, 1)]
     assert [k for k, _ in got] == [0, 1] and [v for _, v in got] == pytest.approx(want)
+
+
+def test_query_and_report_address_a_parent_and_its_fork_together(history, capsys):
+    storage = history
+    assert cli(storage, capsys, "fork", "--from", "p", "--at", "4", "--run", "q", "--set", "learn.lr=1e-3")[0] == 0
+    sql = "SELECT run, iteration, avg(reward) AS r, count(*) AS n FROM runs.rewards GROUP BY ALL ORDER BY 1, 2"
+    rc, out, err = cli(storage, capsys, "query", "--run", "p", "--run", "q", sql)
+    assert rc == 0, err
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("p", str(k)) for k in range(5)] + [("q", str(k)) for k in range(4)]
+    assert [r[2:] for r in rows if r[0] == "q"] == [r[2:] for r in rows if r[0] == "p"][:4]  # the same samples
+    rc, out, _ = cli(storage, capsys, "query", "--run", "p", "--run", "q", 'SELECT count(*) AS n FROM "q".advantages')
+    assert rc == 0 and out.split()[1:] == [str(4 * 64)]
+    rc, _, err = cli(storage, capsys, "query", "--run", "p", "--run", "runs", "SELECT 1")
+    assert rc == 2 and "run runs: a schema of that name is taken" in err
+
+    rc, out, _ = cli(storage, capsys, "report", "--run", "p", "--compare", "q")
+    assert rc == 0
+    assert storage.read_bytes(f"{run_dir(storage, 'p')}/compare.png").startswith(b"\x89PNG")
+    md = storage.read_bytes(f"{run_dir(storage, 'p')}/compare.md").decode()
+    assert "- p: 5 iterations" in md and "- q (a fork of p at iteration 4): 4 iterations" in md
