@@ -315,7 +315,9 @@ def cmd_rescore(args, storage):
             print(f"iteration {row.iteration}: reward changed (prompt/sample: before -> after): "
                   f"{', '.join(changed[:5])}{more}")  # fmt: skip
         if flipped is not None and len(flipped):
-            groups = ", ".join(map(str, flipped))
+            groups = ", ".join(map(str, flipped[:20])) + (
+                f" ... and {len(flipped) - 20} more" if len(flipped) > 20 else ""
+            )
             print(f"iteration {row.iteration}: advantage sign flipped in groups (prompt_id) {groups}")
     print(
         f"rescored into run {fork} (a fork of {args.run}; no rollouts written); per sample: "
