@@ -291,14 +291,14 @@ def _retention(
         shared = [f for f in here if storage.uri(f"{attempt}/{f.path}") in forks]
         if shared:
             runs = sorted({r for f in shared for r in forks[storage.uri(f"{attempt}/{f.path}")]})
-            out.kept.append(f"iteration {k}: {len(shared)} file(s) run {', '.join(runs)} references (a fork)")
+            out.kept.append(f"iteration {k}: {len(shared)} file(s) referenced by run {', '.join(runs)} (a fork)")
             here = [f for f in here if f not in shared]
         state = [f for f in here if f.path.startswith(STATE_PREFIXES)]
         policy = [f for f in here if f.path.startswith(POLICY_PREFIXES) and f not in state]
         if state:
             why = f"optimizer state of iteration {k}: only the newest learn ({newest}) keeps it"
             out.garbage.append(Garbage(attempt, "state", sum(f.size for f in state), tuple(f.path for f in state), why))
-        if k in kept:
+        if k in kept and (policy or not shared):  # a policy a fork keeps whole is said so above
             out.kept.append(f"iteration {k}: policy ({kept[k]})")
         elif policy:
             why = f"policy of iteration {k}: " + ", ".join(dropped)

@@ -219,7 +219,7 @@ def test_gc_keeps_every_file_forks_reference_and_deleting_them_frees_it(tmp_path
     needed = referenced()
     assert any("/runs/p/iter-0000/learn/" in u and u.endswith("optimizer.pt") for u in needed)
     rc, out, _ = cli(storage, capsys, "gc", "--run", "p", "--retention", "--delete", "--older-than-s", "0")
-    assert rc == 0 and "run f, g references (a fork)" in out and "referenced by run f" in out, out
+    assert rc == 0 and "file(s) referenced by run f, g (a fork)" in out and "referenced by run f" in out, out
     assert all(storage.exists(u.removeprefix("file://")) for u in needed)
     for run in ("f", "g"):
         rc, out, _ = cli(storage, capsys, "status", "--run", run, "--verify")
