@@ -31,7 +31,7 @@ from pathlib import Path
 
 from grpo.config import ConfigError, load_config_file
 from grpo.errors import describe
-from grpo.layout import SHARDED, STAGES, run_dir, stage_dir
+from grpo.layout import SHARDED, STAGES, run_dir, run_ids, stage_dir
 from grpo.lineage import next_iteration
 from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
@@ -190,6 +190,9 @@ def cmd_status(args, storage):
             f"run {args.run}: a fork of run {fork['parent']} at iteration {fork['at']} (its base and iterations "
             f"before {fork['at']} are {fork['parent']}'s by reference)"
         )
+    forks = [f"{r} (at {f['at']})" for r in run_ids(storage) if (f := fork_of(storage, r)) and f["parent"] == args.run]
+    if forks:
+        print(f"forked by: {', '.join(forks)}")
     print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in STAGES))
     corrupt = []
     for k in range(last + 1):

@@ -101,6 +101,8 @@ def test_a_fork_at_3_with_gspo_trains_learn_3_on_the_parents_samples_by_referenc
     assert rc == 0 and "a fork of run p at iteration 3" in out
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()[:1] in [["2"], ["3"]]}
     assert rows["2"] == ["ref", "x1"] * 6 and rows["3"] == ["ref", "x1"] * 4 + ["ok", "x1"] * 2
+    rc, out, _ = cli(storage, capsys, "status", "--run", "p")
+    assert rc == 0 and "g (at 3)" in next(line for line in out.splitlines() if line.startswith("forked by: "))
     rc, out, _ = cli(storage, capsys, "report", "--run", "g")
     assert (
         rc == 0
