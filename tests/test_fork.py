@@ -287,3 +287,28 @@ def test_query_and_report_address_a_parent_and_its_fork_together(history, capsys
     assert storage.read_bytes(f"{run_dir(storage, 'p')}/compare.png").startswith(b"\x89PNG")
     md = storage.read_bytes(f"{run_dir(storage, 'p')}/compare.md").decode()
     assert "- p: 5 iterations" in md and "- q (a fork of p at iteration 4): 4 iterations" in md
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_on_s3_a_fork_references_its_parents_objects_and_gc_keeps_them_until_it_is_deleted(
+    s3_env, s3_prefix, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage(s3_prefix)
+    make_run(storage, "p")
+    for _ in run_warm(storage, "p", 0, 2):
+        pass
+    assert cli(storage, capsys, "fork", "--from", "p", "--at", "1", "--run", "f", "--set", "learn.lr=1e-3")[0] == 0
+    assert cli(storage, capsys, "run", "--run", "f", "--iterations", "1")[0] == 0
+    for s in ("snapshot", "rollouts", "rewards", "advantages"):
+        assert current(storage, "f", 1, s).manifest.origin == current(storage, "p", 1, s).ref(), s
+    assert current(storage, "f", 1, "learn").manifest.origin is None
+    state = f"{current(storage, 'p', 0, 'learn').attempt_dir}/optimizer.pt"  # only the newest learn keeps it
+    assert cli(storage, capsys, "gc", "--run", "p", "--retention", "--delete", "--older-than-s", "0")[0] == 0
+    assert storage.exists(state)  # f's learn 0 is p's, and f's learn 1 continued from its optimizer state
+    rc, out, _ = cli(storage, capsys, "status", "--run", "f", "--verify")
+    assert rc == 0 and "corrupt" not in out.split("(xN")[0]
+    assert cli(storage, capsys, "delete", "--run", "f", "--yes")[0] == 0
+    assert cli(storage, capsys, "gc", "--run", "p", "--retention", "--delete", "--older-than-s", "0")[0] == 0
+    assert not storage.exists(state)
