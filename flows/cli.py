@@ -11,6 +11,9 @@ grpo report --run demo                       # report.png and report.md in the r
 grpo export --run demo                       # the newest policy as an HF folder under the run (LoRA merged)
 grpo export --run demo --best ./demo-best    # the best by eval.metric, into a folder named (or --iteration k)
 grpo k8s render [--stage learn]              # each stage's Kubernetes Job from deploy/kubernetes, as YAML
+grpo fork --from demo --at 3 --run demo-gspo --set learn.loss_type=gspo   # iterations 0-2 by reference
+grpo rescore --run demo --iterations 0:4 --set reward.truncated_reward=-1  # rewards again, no sampling
+grpo delete --run demo-gspo --yes           # a run no other run references
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 from flows.kubernetes import PREFECT_FILE
 from grpo.config import ConfigError, load_config_file
 from grpo.errors import describe
-from grpo.layout import SHARDED, STAGES, export_dir, run_dir, shard_dirs, stage_dir
+from grpo.layout import SHARDED, STAGES, export_dir, run_dir, run_ids, shard_dirs, stage_dir
 from grpo.lineage import next_iteration, resume_problem, stale_attempt
 from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
@@ -206,6 +209,7 @@ def first_reaching(storage, run_id: str, target: float) -> tuple[int, float] | N
 
 
 def cmd_status(args, storage):
+    from grpo.fork import fork_of
     from grpo.gc import collected_summary, running_attempts
     from stages.common import check_datasets
 
@@ -214,6 +218,14 @@ def cmd_status(args, storage):
     while list_attempts(storage, stage_dir(storage, args.run, last + 1, "snapshot")):  # tried after a stale one
         last += 1
     running = running_attempts(storage, args.run)
+    if fork := fork_of(storage, args.run):
+        print(
+            f"run {args.run}: a fork of run {fork['parent']} at iteration {fork['at']} (its base and iterations "
+            f"before {fork['at']} are {fork['parent']}'s by reference)"
+        )
+    forks = [f"{r} (at {f['at']})" for r in run_ids(storage) if (f := fork_of(storage, r)) and f["parent"] == args.run]
+    if forks:
+        print(f"forked by: {', '.join(forks)}")
     print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in STAGES))
     corrupt, shard_lines, stale_from = [], [], None
     for k in range(last + 1):
@@ -233,7 +245,7 @@ def cmd_status(args, storage):
         "(xN: committed attempts; +Nr: attempts running now (a recent heartbeat); +Nf: attempts that failed or "
         "stopped beating; stale: made from inputs a newer attempt replaced, or after a stale learn; corrupt, with "
         "--verify: files changed after the commit; skipped: an eval eval.every did not run; shards: each shard's "
-        "attempts, k of rollout.shards or reward.shards)"
+        "attempts, k of rollout.shards or reward.shards; ref: another run's attempt taken by reference, `grpo fork`)"
     )
     if (best := best_iteration(storage, args.run)) and not best.all_zero:  # all 0: none is better than another
         print(f"best so far: {best}; export it: {grpo_command(args.storage)} export --run {args.run} --best")
@@ -266,8 +278,9 @@ def shard_line(storage, run_id: str, k: int, running: set[str], verify: bool, af
 
 def stage_cell(storage, d: str, running: set[str], verify: bool, after_stale: bool) -> tuple[str, str]:
     """(`grpo status`'s cell of the stage folder `d`, the state of its newest committed attempt: ok, stale, corrupt
-    (with `verify`), skipped, or '' when none committed). `after_stale`: the folder is of an iteration after one
-    whose learn is stale, so whatever it committed descends from that learn and is stale too."""
+    (with `verify`), skipped, ref (a fork's attempt taken by reference), or '' when none committed).
+    `after_stale`: the folder is of an iteration after one whose learn is stale, so whatever it committed
+    descends from that learn and is stale too."""
     tried, done = list_attempts(storage, d), committed_attempts(storage, d)
     live = sum(f"{d}/{a}" in running for a in tried)
     if live and not done:
@@ -282,6 +295,8 @@ def stage_cell(storage, d: str, running: set[str], verify: bool, after_stale: bo
         if after_stale or stale_attempt(storage, done[-1])
         else "skipped"
         if d.endswith("/eval") and load_manifest(storage, done[-1], verify=False)[0].summary.get("skipped")
+        else "ref"
+        if load_manifest(storage, done[-1], verify=False)[0].origin is not None
         else "ok"
     )
     return f"{state} x{len(done)}{failed}", state
@@ -318,6 +333,70 @@ def cmd_gc(args, storage):
         print(f"removed {len(found.garbage)} item(s), {total:.1f} MB")
     else:
         print(f"{len(found.garbage)} item(s), {total:.1f} MB; nothing removed (dry run): add --delete to remove them")
+
+
+def cmd_fork(args, storage):
+    from grpo.fork import fork_run
+
+    forked = fork_run(storage, args.parent, args.at, args.run, args.set)
+    print(
+        f"run {args.run}: a fork of run {args.parent} at iteration {args.at}: {forked.attempts} committed attempts "
+        f"of {args.parent} taken by reference ({forked.bytes_referenced / 1e6:.1f} MB, none copied)\n"
+        f"next: {grpo_command(args.storage)} run --run {args.run} --iterations N   # iterations {args.at}.., "
+        f"each stage with {args.parent}'s config and inputs taken by reference, the others run"
+    )
+
+
+def _iterations_range(text: str) -> tuple[int, int]:
+    """'A:B' (both included) or 'K'."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give A:B (iterations A to B, both included) or K")
+    return int(parts[0]), int(parts[-1])
+
+
+def cmd_rescore(args, storage):
+    from grpo.lineage import next_iteration
+    from stages.common import load_run
+    from stages.rescore import changes, rescore, rescore_run_id
+
+    load_run(storage, args.run)
+    first, last = args.iterations if args.iterations else (0, next_iteration(storage, args.run) - 1)
+    fork = args.as_run or rescore_run_id(args.run, first, last, args.set)
+    rescore(storage, args.run, first, last, args.set, fork)
+    table = changes(storage, fork, first, last)
+    print(f"{'iteration':>9}  {'samples changed':>15}  {'reward before':>13}  {'after':>7}  {'groups flipped':>14}")
+    for row in table.itertuples():
+        print(
+            f"{row.iteration:>9}  {row.samples_changed:>7} of {row.samples:<5}  {row.reward_before:>13.4f}  "
+            f"{row.reward_after:>7.4f}  {row.groups_flipped:>14}"
+        )
+    for row in table.itertuples():
+        changed, flipped = list(row.changed if row.changed is not None else []), row.flipped
+        if changed:
+            more = f" ... and {len(changed) - 5} more" if len(changed) > 5 else ""
+            print(f"iteration {row.iteration}: reward changed (prompt/sample: before -> after): "
+                  f"{', '.join(changed[:5])}{more}")  # fmt: skip
+        if flipped is not None and len(flipped):
+            groups = ", ".join(map(str, flipped[:20])) + (
+                f" ... and {len(flipped) - 20} more" if len(flipped) > 20 else ""
+            )
+            print(f"iteration {row.iteration}: advantage sign flipped in groups (prompt_id) {groups}")
+    print(
+        f"rescored into run {fork} (a fork of {args.run}; no rollouts written); per sample: "
+        f'{grpo_command(args.storage)} query --run {fork} "SELECT * FROM rescore WHERE reward_changed"'
+    )
+
+
+def cmd_delete(args, storage):
+    from grpo.gc import delete_run, run_files
+
+    files, size = run_files(storage, args.run)
+    if not args.yes:
+        print(f"run {args.run}: {files} files, {size / 1e6:.1f} MB; nothing removed (dry run): add --yes to delete it")
+        return
+    delete_run(storage, args.run)
+    print(f"run {args.run}: deleted ({files} files, {size / 1e6:.1f} MB); `grpo gc` of its parent may now free more")
 
 
 def cmd_export(args, storage):
@@ -399,9 +478,9 @@ def export_source(storage, run_id: str, k: int):
 
 
 def cmd_report(args, storage):
-    from grpo.report import write_report
+    from grpo.report import write_compare, write_report
 
-    png, md = write_report(storage, args.run)
+    png, md = write_compare(storage, args.run, args.compare) if args.compare else write_report(storage, args.run)
     print(f"{png}\n{md}")
 
 
@@ -428,7 +507,7 @@ def cmd_query(args, storage):
     from grpo.query import query
 
     try:
-        df = query(storage, args.run, args.sql, verify=not args.no_verify)
+        df = query(storage, args.run[0], args.sql, verify=not args.no_verify, others=tuple(args.run[1:]))
     except duckdb.Error as e:
         raise StageError(f"query failed: {e}") from e
     print(df.to_string(index=False) if len(df) else f"(no rows; columns: {', '.join(df.columns)})")
@@ -506,6 +585,26 @@ def parser() -> argparse.ArgumentParser:
         "(retention.keep_last, retention.keep_every; the best eval is kept) do not keep; never tables",
     )
     sp.set_defaults(fn=cmd_gc)
+    sp = sub.add_parser("fork", help="a new run from another's committed iterations, by reference, with new settings")
+    sp.add_argument("--from", dest="parent", required=True, help="the run to fork")
+    sp.add_argument(
+        "--at", type=int, required=True, help="the first iteration of the fork's own (before it: the parent's)"
+    )
+    sp.add_argument("--run", required=True, help="the new run's id")
+    sp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    sp.set_defaults(fn=cmd_fork)
+    sp = sub.add_parser("rescore", help="score a run's committed rollouts again with another reward, in a fork")
+    sp.add_argument("--run", required=True)
+    sp.add_argument(
+        "--iterations", type=_iterations_range, help="A:B, both included, or K (default: every finished iteration)"
+    )
+    sp.add_argument("--set", action="append", default=[], metavar="reward.FIELD=VALUE")
+    sp.add_argument("--as", dest="as_run", help="the fork's run id (default RUN-rescore-A-B-<hash of --set>)")
+    sp.set_defaults(fn=cmd_rescore)
+    sp = sub.add_parser("delete", help="remove a run that no other run (a fork) references")
+    sp.add_argument("--run", required=True)
+    sp.add_argument("--yes", action="store_true", help="delete it (default: only say what it holds)")
+    sp.set_defaults(fn=cmd_delete)
     sp = sub.add_parser("export", help="write a policy as a self-contained HF folder (LoRA adapters merged)")
     sp.add_argument("--run", required=True)
     sp.add_argument(
@@ -521,6 +620,12 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("report", help="plot a run's progress: report.png and report.md in its folder")
     sp.add_argument("--run", required=True)
+    sp.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="RUN",
+        help="overlay these runs' curves on the run's (a parent and its forks): compare.png and compare.md",
+    )
     sp.set_defaults(fn=cmd_report)
     sp = sub.add_parser("k8s", help="Kubernetes: see the Jobs the deploy/kubernetes work pools create")
     k8s = sp.add_subparsers(dest="k8s_command", required=True)
@@ -543,7 +648,12 @@ def parser() -> argparse.ArgumentParser:
         description="views: rollouts, rewards, advantages, logprobs, learn_metrics, eval "
         "(newest committed attempt of each iteration; see grpo/query.py)",
     )
-    sp.add_argument("--run", required=True)
+    sp.add_argument(
+        "--run",
+        required=True,
+        action="append",
+        help="the run; again for more runs: their views as <run>.<view>, all of them as runs.<view> (a run column)",
+    )
     sp.add_argument("sql", help='e.g. "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"')
     sp.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files read")
     sp.set_defaults(fn=cmd_query)

@@ -20,6 +20,9 @@ LEASE_BEATS beats ago), anything written or superseded less than `min_age_s` ago
 a live attempt reads (its heartbeat lists its inputs). File ages are taken by the storage's own
 clock (storage_clock), so a storage clock behind this machine's does not age them.
 
+Never removed: what another run references (a fork: grpo.fork.referenced_by), superseded attempts and
+retention's files alike; `grpo delete --run FORK` removes a fork, and the next gc may free them.
+
 The newest learn (and the one `grpo run` continues from, where a stale chain resumes earlier) keeps
 everything: the run resumes, reruns its newest eval and the next iteration's stages. Older
 iterations cannot rerun their learn (its previous optimizer state is gone).
@@ -38,7 +41,19 @@ import fsspec
 
 from grpo import report
 from grpo.config import RetentionConfig
-from grpo.layout import POLICY_PREFIXES, SHARD_FOLDER, STAGES, STATE_PREFIXES, run_dir, run_json, shard_dirs, stage_dir
+from grpo.errors import StageError
+from grpo.fork import referenced_by
+from grpo.layout import (
+    POLICY_PREFIXES,
+    SHARD_FOLDER,
+    STAGES,
+    STATE_PREFIXES,
+    no_such_run,
+    run_dir,
+    run_json,
+    shard_dirs,
+    stage_dir,
+)
 from grpo.lineage import next_iteration, policy_version, reference_iteration
 from grpo.storage import (
     HEARTBEAT_NAME,
@@ -244,8 +259,11 @@ def best_iteration(storage: Storage, run_id: str, iterations: list[int]) -> int 
     return None if best is None else best.iteration
 
 
-def _retention(storage: Storage, run_id: str, rules: RetentionConfig, listing: dict, live: set[str], out: Plan):
-    """Add to `out` the policies and optimizer states of older learns that `rules` do not keep."""
+def _retention(
+    storage: Storage, run_id: str, rules: RetentionConfig, listing: dict, live: set[str], out: Plan, forks: dict
+):
+    """Add to `out` the policies and optimizer states of older learns that `rules` do not keep, less the files
+    that other runs reference (`forks`: grpo.fork.referenced_by)."""
     learned = {}
     for k in range(_iterations(storage, run_id)):
         attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))
@@ -279,12 +297,17 @@ def _retention(storage: Storage, run_id: str, rules: RetentionConfig, listing: d
             continue
         manifest, _ = load_manifest(storage, attempt, verify=False)
         here = [f for f in manifest.files if f.uri is None and f"{attempt}/{f.path}" in listing]
+        shared = [f for f in here if storage.uri(f"{attempt}/{f.path}") in forks]
+        if shared:
+            runs = sorted({r for f in shared for r in forks[storage.uri(f"{attempt}/{f.path}")]})
+            out.kept.append(f"iteration {k}: {len(shared)} file(s) referenced by run {', '.join(runs)} (a fork)")
+            here = [f for f in here if f not in shared]
         state = [f for f in here if f.path.startswith(STATE_PREFIXES)]
         policy = [f for f in here if f.path.startswith(POLICY_PREFIXES) and f not in state]
         if state:
             why = f"optimizer state of iteration {k}: only the newest learn ({newest}) keeps it"
             out.garbage.append(Garbage(attempt, "state", sum(f.size for f in state), tuple(f.path for f in state), why))
-        if k in kept:
+        if k in kept and (policy or not shared):  # a policy a fork keeps whole is said so above
             out.kept.append(f"iteration {k}: policy ({kept[k]})")
         elif policy:
             why = f"policy of iteration {k}: " + ", ".join(dropped)
@@ -324,6 +347,7 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
             else:
                 out.held.append(Held(path, f"attempt{{s}} newer than {span}", f"uncommitted, written {_span(a)} ago"))
     live = _read_by_live(storage, beats)
+    forks = referenced_by(storage, run_id)  # what other runs (forks) reference here: never garbage
     used = set(live)  # uris that kept manifests or live attempts read or reference
     for path in kept:
         manifest, _ = load_manifest(storage, path, verify=False)
@@ -334,6 +358,9 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
         since = age([listing.get(f"{newer}/{MANIFEST_NAME}", {})])
         if _under(uri, live):
             out.held.append(Held(path, "superseded attempt{s} read by a live attempt", "superseded, still read"))
+        elif shared := sorted({r for u, runs in forks.items() if u == uri or u.startswith(uri + "/") for r in runs}):
+            note = f"referenced by run {', '.join(shared)}"
+            out.held.append(Held(path, "superseded attempt{s} a fork references", note))
         elif _under(uri, used):
             continue  # the current chain reads it: not garbage
         elif since < min_age_s:
@@ -355,7 +382,7 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
             size = listing.get(f"{attempt}/{name}", {}).get("size", 0)
             out.garbage.append(Garbage(attempt, "merged", size, (name,), why))
     if retention is not None:
-        _retention(storage, run_id, retention, listing, live, out)
+        _retention(storage, run_id, retention, listing, live, out, forks)
     return out
 
 
@@ -431,3 +458,27 @@ def merged_shard_tables(storage: Storage, run_id: str, iteration: int) -> list[t
             if attempt and name not in read_collected(storage, attempt) and storage.exists(f"{attempt}/{name}"):
                 out.append((attempt, name, f"{MERGED_SHARD}{storage.uri(merged[-1])}"))
     return out
+
+
+def run_files(storage: Storage, run_id: str) -> tuple[int, int]:
+    """(files, bytes) a run's folder holds; refused in one line while another run (a fork) references any of
+    them or a stage of the run is running."""
+    if not storage.exists(run_json(storage, run_id)):
+        raise StageError(no_such_run(storage, run_id))
+    if forks := referenced_by(storage, run_id):
+        runs = sorted(set().union(*forks.values()))
+        raise StageError(
+            f"run {run_id}: run {', '.join(runs)} references {len(forks)} of its files or attempts (a fork); "
+            f"delete {'it' if len(runs) == 1 else 'them'} first (`grpo delete --run {runs[0]}`)"
+        )
+    if running := running_attempts(storage, run_id):
+        raise StageError(f"run {run_id}: {len(running)} stage(s) running now ({sorted(running)[0]}); stop them first")
+    found = storage.fs.find(run_dir(storage, run_id), detail=True)
+    return len(found), sum(i.get("size", 0) for i in found.values())
+
+
+def delete_run(storage: Storage, run_id: str) -> None:
+    """Remove a run's folder, run.json first (the run is gone for every reader at once); see run_files."""
+    run_files(storage, run_id)
+    storage.fs.rm_file(run_json(storage, run_id))
+    storage.fs.rm(run_dir(storage, run_id), recursive=True)

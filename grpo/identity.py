@@ -152,3 +152,14 @@ def stage_identity(run_id: str, iteration: int | None, stage: str, cfg_hash: str
         "inputs": {k: v.manifest_sha256 for k, v in sorted(inputs.items())},
     }
     return config_hash(key)
+
+
+def lineage_identity(iteration: int | None, stage: str, cfg_hash: str, origins: dict[str, str]) -> str:
+    """What a stage computes, whichever run computes it: stage_identity without the run id, each input named by
+    the manifest sha256 of its origin (the attempt first committed with its files: a fork's attempt that takes
+    its parent's by reference stands for that attempt). A fork reuses, by reference, the attempt of its parent
+    (or an earlier ancestor) at the same iteration and stage whose lineage identity equals its own (grpo.fork):
+    same config section, same inputs, so the same output. stage_identity keeps the run id, so the stages a
+    run committed stay its own and every committed identity is unchanged."""
+    key = {"iteration": iteration, "stage": stage, "config_hash": cfg_hash, "inputs": dict(sorted(origins.items()))}
+    return config_hash(key)

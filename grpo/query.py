@@ -9,7 +9,16 @@ files of a crashed attempt, or the rows of an older attempt beside a forced
 rerun. The files read are hash-checked against their manifest by default.
 
 Views: rollouts, rewards, advantages, logprobs, learn_metrics, eval; columns as
-declared in `schemas/tables.py`. A view with nothing committed is empty, not missing.
+declared in `schemas/tables.py`. A view with nothing committed is empty, not missing. In a fork
+(`grpo fork`, `grpo rescore`) the parent's views too, as `parent.rewards` and so on, and `rescore`
+(RESCORE_VIEW): per sample of the iterations both runs share, the reward and advantage before and after.
+
+    grpo query --run r1-fix "SELECT iteration, count(*) FILTER (WHERE reward_changed) FROM rescore GROUP BY 1"
+
+Several runs at once (`--run` again): each further run's views in a schema of its name, and all of them in
+`runs.<view>` with a `run` column:
+
+    grpo query --run r1 --run r1-gspo "SELECT run, iteration, avg(reward) FROM runs.rewards GROUP BY ALL ORDER BY 2"
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from grpo.errors import LayoutError
+from grpo.fork import fork_of, origin
 from grpo.layout import no_such_run, run_dir, run_json, stage_dir
 from grpo.storage import (
     Committed,
@@ -99,30 +109,93 @@ def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def connect(storage: Storage, run_id: str, verify: bool = True) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with one view per table over the committed files."""
+def connect(
+    storage: Storage, run_id: str, verify: bool = True, others: tuple[str, ...] = ()
+) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with one view per table over the committed files; in a fork (grpo.fork)
+    also the parent's, as `parent.<view>`, and `rescore` over both. With `others` (more runs: a parent and its
+    forks), each one's views in a schema named after it (`"demo-gspo".rewards`), and every run's rows in
+    `runs.<view>` with a `run` column."""
     import duckdb
 
-    files = committed_files(storage, run_id, verify=verify)
+    others = tuple(r for r in dict.fromkeys(others) if r != run_id)
+    if clash := [r for r in others if r.lower() in RESERVED]:
+        raise LayoutError(f"run {clash[0]}: a schema of that name is taken ({', '.join(RESERVED)}); query it as --run")
     con = duckdb.connect()
     if not is_local(storage.fs):
         con.register_filesystem(storage.fs)  # no httpfs needed: DuckDB reads through s3fs
-    con.execute("CREATE SCHEMA _empty")
-    for view, uris in files.items():
-        if uris:
-            paths = ", ".join(_sql_str(_duckdb_path(storage, u)) for u in uris)
-            con.execute(f'CREATE VIEW "{view}" AS SELECT * FROM read_parquet([{paths}])')
-        else:  # typed and empty, so `SELECT count(*) FROM rollouts` is 0 rather than an error
-            con.register("_arrow", SCHEMAS[view].empty_table())
-            con.execute(f'CREATE TABLE _empty."{view}" AS SELECT * FROM _arrow')
-            con.unregister("_arrow")
-            con.execute(f'CREATE VIEW "{view}" AS SELECT * FROM _empty."{view}"')
+    _create_views(con, storage, run_id, verify, "main")
+    fork = fork_of(storage, run_id)
+    if fork is not None:
+        con.execute("CREATE SCHEMA parent")
+        _create_views(con, storage, fork["parent"], verify, "parent")
+        shared = shared_rollouts(storage, run_id, fork["parent"])
+        where = f"a.iteration IN ({', '.join(map(str, shared))})" if shared else "FALSE"
+        con.execute(RESCORE_VIEW.format(where=where))
+    for other in others:
+        con.execute(f"CREATE SCHEMA {_ident(other)}")
+        _create_views(con, storage, other, verify, other)
+    if others:
+        con.execute("CREATE SCHEMA runs")
+        schemas = {run_id: "main", **{r: r for r in others}}
+        for view in VIEWS:
+            parts = [f'SELECT {_sql_str(r)} AS run, * FROM {_ident(s)}."{view}"' for r, s in schemas.items()]
+            con.execute(f'CREATE VIEW runs."{view}" AS ' + " UNION ALL BY NAME ".join(parts))
     return con
 
 
-def query(storage: Storage, run_id: str, sql: str, verify: bool = True) -> pd.DataFrame:
-    """Run `sql` over the views of `run_id`; duckdb.Error on bad SQL."""
-    con = connect(storage, run_id, verify=verify)
+RESERVED = ("main", "parent", "runs")
+"""Schemas of a connection: a run of these names is queried as the first --run only."""
+
+
+def _ident(name: str) -> str:
+    """`name` as a DuckDB identifier, quoted (a run id may hold '-', '.', quotes)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+RESCORE_VIEW = """CREATE VIEW rescore AS
+SELECT a.iteration, a.prompt_id, a.sample_index,
+       p.reward AS reward_before, a.reward AS reward_after,
+       p.advantage AS advantage_before, a.advantage AS advantage_after,
+       a.reward IS DISTINCT FROM p.reward AS reward_changed,
+       sign(a.advantage) * sign(p.advantage) < 0 AS advantage_flipped
+FROM main.advantages a JOIN parent.advantages p USING (iteration, prompt_id, sample_index)
+WHERE {where}"""
+"""A fork's samples beside its parent's, in the iterations whose rollouts both runs share (the same committed
+file: a rescore, `grpo rescore`, or a fork's iterations before it diverged): each sample's reward and advantage
+in the parent (before) and the fork (after), whether the reward changed and whether the advantage's sign
+flipped (positive to negative or back; a zero advantage flips nothing)."""
+
+
+def shared_rollouts(storage: Storage, run_id: str, parent: str) -> list[int]:
+    """The iterations whose newest committed rollouts are the same in both runs (one's taken by reference)."""
+    out = []
+    for k in sorted(set(iterations(storage, run_id)) & set(iterations(storage, parent))):
+        a, b = (_newest(storage, stage_dir(storage, r, k, "rollouts")) for r in (run_id, parent))
+        if a is not None and b is not None and origin(a) == origin(b):
+            out.append(k)
+    return out
+
+
+def _create_views(con, storage: Storage, run_id: str, verify: bool, schema: str) -> None:
+    """One view per table of `run_id` in `schema` (main: unqualified) over its committed files."""
+    files = committed_files(storage, run_id, verify=verify)
+    into, empty = _ident(schema), _ident(f"_empty_{schema}")
+    con.execute(f"CREATE SCHEMA {empty}")
+    for view, uris in files.items():
+        if uris:
+            paths = ", ".join(_sql_str(_duckdb_path(storage, u)) for u in uris)
+            con.execute(f'CREATE VIEW {into}."{view}" AS SELECT * FROM read_parquet([{paths}])')
+        else:  # typed and empty, so `SELECT count(*) FROM rollouts` is 0 rather than an error
+            con.register("_arrow", SCHEMAS[view].empty_table())
+            con.execute(f'CREATE TABLE {empty}."{view}" AS SELECT * FROM _arrow')
+            con.unregister("_arrow")
+            con.execute(f'CREATE VIEW {into}."{view}" AS SELECT * FROM {empty}."{view}"')
+
+
+def query(storage: Storage, run_id: str, sql: str, verify: bool = True, others: tuple[str, ...] = ()) -> pd.DataFrame:
+    """Run `sql` over the views of `run_id` (and of `others`: connect); duckdb.Error on bad SQL."""
+    con = connect(storage, run_id, verify=verify, others=others)
     try:
         return con.execute(sql).df()
     finally:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from grpo.config import load_config
 from grpo.errors import StageError
+from grpo.fork import fork_of
 from grpo.layout import STAGES, run_dir, run_json, stage_dir
 from grpo.query import iterations
 from grpo.storage import (
@@ -178,46 +179,64 @@ def shown_plots(rows: list[dict]) -> list[tuple[str, list[str]]]:
 
 def figure_png(rows: list[dict], title: str, dpi: int = 90, best: Best | None = None) -> bytes:
     """The report's figure (`figure`) as PNG bytes at `dpi`."""
+    return _png(figure(rows, title, best), dpi)
+
+
+def compare_png(runs: dict[str, list[dict]], title: str, forks: dict[str, int], dpi: int = 90) -> bytes:
+    """The figure with one line per run (and figure) in each plot, overlaid (`grpo report --compare`); a fork's
+    fork point (`forks`: {run: iteration}) a dotted line."""
+    return _png(figure(runs, title, forks=forks), dpi)
+
+
+def _png(fig, dpi: int) -> bytes:
     from matplotlib import pyplot as plt
 
-    fig = figure(rows, title, best)
     out = io.BytesIO()
     fig.savefig(out, format="png", dpi=dpi)
     plt.close(fig)
     return out.getvalue()
 
 
-def figure(rows: list[dict], title: str, best: Best | None = None):
+def figure(
+    runs: list[dict] | dict[str, list[dict]], title: str, best: Best | None = None, forks: dict[str, int] | None = None
+):
     """The PLOTS against iteration, a matplotlib Figure (no display; close it with pyplot.close), 4 plots a row,
-    every x axis spanning the same iterations (an eval under eval.every has points on some of them); the best
-    iteration a dashed line on the held-out eval's plot unless every eval scored 0, reference refreshes dotted lines
-    on the KL's. Iterations without a figure (a skipped eval) are left out of that figure's line."""
+    every x axis spanning the same iterations (an eval under eval.every has points on some of them); `runs`: one
+    run's rows, or {run: rows} overlaid. The best iteration a dashed line on the held-out eval's plot unless every
+    eval scored 0, reference refreshes dotted lines on the KL's (one run), fork points dotted lines. Iterations
+    without a figure (a skipped eval) are left out of that figure's line."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    plots = shown_plots(rows)
+    runs = {"": runs} if isinstance(runs, list) else runs
+    every = [r for rows in runs.values() for r in rows]
+    plots = shown_plots(every)
     nrows = -(-len(plots) // COLUMNS_PER_ROW)
     fig, axes = plt.subplots(
         nrows, COLUMNS_PER_ROW, figsize=(16, 3.2 * nrows + 0.4), constrained_layout=True, squeeze=False
     )
-    x = [r["iteration"] for r in rows]
+    x = [r["iteration"] for r in every]
     for ax in axes.flat[len(plots) :]:
         ax.set_visible(False)
     for ax, (name, keys) in zip(axes.flat, plots):
-        for key in keys:
-            xy = [(k, r[key]) for k, r in zip(x, rows) if r.get(key) is not None]
-            if xy:
-                ax.plot(*zip(*xy), marker="." if len(xy) < 30 else None, label=key)
+        for run, rows in runs.items():
+            for key in keys:
+                xy = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+                label = " ".join(part for part in (run, key if len(keys) > 1 or not run else "") if part)
+                if xy:
+                    ax.plot(*zip(*xy), marker="." if len(xy) < 30 else None, label=label)
         if best is not None and not best.all_zero and "eval_exact_match" in keys:
             ax.axvline(best.iteration, color="gray", linestyle="--", linewidth=1, label=f"best: {best}")
         if "sampler_kl" in keys:
             ax.set_yscale("symlog", linthresh=1e-3)  # a KL of 1e-4 beside weights near 1
-        if "kl" in keys:
-            for i, k in enumerate(reference_refreshes(rows)):
+        if "kl" in keys and len(runs) == 1:
+            for i, k in enumerate(reference_refreshes(every)):
                 ax.axvline(k, color="tab:red", linestyle=":", linewidth=1, label=None if i else "reference refresh")
+        for at in (forks or {}).values():
+            ax.axvline(at, color="gray", linestyle=":", linewidth=1)
         ax.set_title(name)
         ax.set_xlabel("iteration")
         ax.set_xlim(min(x) - 0.5, max(x) + 0.5)  # the same span on every plot
@@ -279,6 +298,34 @@ def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) 
     storage.write_bytes_atomic(  # replaced whole: a reader or a crash never sees half a file
         png, figure_png(rows, f"run {run_id}: iterations {rows[0]['iteration']}..{rows[-1]['iteration']}", best=best)
     )
-    text = f"# Run {run_id}\n\n{headline(rows, best)}\n\n![progress](report.png)\n\n{markdown_table(rows)}\n"
+    fork = fork_of(storage, run_id)
+    lineage = (
+        f"A fork of run {fork['parent']} at iteration {fork['at']}: iterations before {fork['at']} are "
+        f"{fork['parent']}'s, by reference (`grpo fork`).\n\n"
+        if fork
+        else ""
+    )
+    text = f"# Run {run_id}\n\n{lineage}{headline(rows, best)}\n\n![progress](report.png)\n\n{markdown_table(rows)}\n"
     storage.write_bytes_atomic(md, text.encode())
+    return storage.uri(png), storage.uri(md)
+
+
+def write_compare(storage: Storage, run_id: str, others: list[str]) -> tuple[str, str]:
+    """`grpo report --run A --compare B C`: compare.png (every run's curves overlaid, a fork's fork point
+    dotted) and compare.md (each run's last figures and best iteration) in run A's folder; returns their URIs."""
+    runs = {r: iteration_rows(storage, r) for r in dict.fromkeys([run_id, *others])}
+    if empty := [r for r, rows in runs.items() if not rows]:
+        raise StageError(
+            f"run {empty[0]}: no iteration has a committed eval yet; run one (`grpo run --run {empty[0]}`)"
+        )
+    forks = {r: f["at"] for r in runs if (f := fork_of(storage, r)) is not None}
+    rdir = run_dir(storage, run_id)
+    png, md = f"{rdir}/compare.png", f"{rdir}/compare.md"
+    storage.write_bytes_atomic(png, compare_png(runs, f"runs {', '.join(runs)}", forks))
+    lines = [f"# Runs {', '.join(runs)}", "", "![compare](compare.png)", ""]
+    for r, rows in runs.items():
+        best = best_iteration(storage, r, [row["iteration"] for row in rows])
+        lineage = f" (a fork of {fork_of(storage, r)['parent']} at iteration {forks[r]})" if r in forks else ""
+        lines += [f"- {r}{lineage}: {headline(rows, best)}"]
+    storage.write_bytes_atomic(md, ("\n".join(lines) + "\n").encode())
     return storage.uri(png), storage.uri(md)

@@ -455,8 +455,10 @@ class StageWriter:
         stage: str,
         config: dict,
         inputs: dict[str, InputRef],
+        origin: InputRef | None = None,
     ):
         self.storage, self.stage_dir = storage, stage_dir
+        self.origin = origin  # a fork's attempt that takes another run's by reference (grpo.fork)
         self.run_id, self.iteration, self.stage = run_id, iteration, stage
         self.config, self.inputs = config, inputs
         self.config_hash = config_hash(config)
@@ -542,6 +544,7 @@ class StageWriter:
             started_at=self.started_at,
             committed_at=_now(),
             summary=summary or {},
+            origin=self.origin,
         )
         data = manifest.to_json()
         self._check_attempt()  # hashing a large checkpoint takes a while: still there?

@@ -49,9 +49,16 @@ class Manifest:
     summary: dict = field(default_factory=dict)
     """Small stats for people and dashboards (counts, reward mean, loss, ...)."""
     manifest_version: int = MANIFEST_VERSION
+    origin: InputRef | None = None
+    """Set on an attempt that takes another run's committed attempt by reference (a fork, grpo.fork): the
+    attempt first committed with these files, config and summary (through any chain of forks). Left out of
+    the JSON when None, so every other manifest reads as it always did."""
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+        raw = asdict(self)
+        if raw["origin"] is None:
+            del raw["origin"]
+        return json.dumps(raw, indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "Manifest":
@@ -62,6 +69,8 @@ class Manifest:
                 raise ValueError(f"manifest_version {version!r}, this code reads {MANIFEST_VERSION}")
             raw["files"] = [FileEntry(**f) for f in raw["files"]]
             raw["inputs"] = {k: InputRef(**v) for k, v in raw["inputs"].items()}
+            if raw.get("origin") is not None:
+                raw["origin"] = InputRef(**raw["origin"])
             return cls(**raw)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"{where}: not a valid manifest: {e}") from e

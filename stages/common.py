@@ -2,7 +2,8 @@
 
 Where things live: grpo.layout. A stage's identity is (run, iteration, stage, config hash, input manifests):
 running it again with the same identity returns the committed manifest; `force`
-writes a new attempt beside the old one.
+writes a new attempt beside the old one. In a fork (grpo.fork), an ancestor's attempt at the same iteration
+and stage with the same config and inputs is taken by reference instead of running the stage.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable
 from grpo import data
 from grpo.config import ConfigError, RunConfig
 from grpo.errors import StageError
+from grpo.fork import reuse
 from grpo.identity import config_hash, stage_identity, stored_config
 from grpo.layout import no_such_run, run_json, stage_dir
 from grpo.lineage import note_committed, raced
@@ -83,6 +85,8 @@ def run_stage(
     if not force:
         identity = stage_identity(run_id, iteration, stage, config_hash(config), writer_args["inputs"])
         found = find_committed(storage, sdir, identity)
+        if found is None:  # a fork: an ancestor's attempt with the same config and inputs, by reference
+            found = reuse(storage, run_id, iteration, stage, config, inputs)
         if found is not None:
             log.info("%s iteration %s: reused committed %s", stage, iteration, found.uri)
             return found

@@ -35,8 +35,10 @@ from grpo.checkpoint import (
     upload_folder,
 )
 from grpo.config import ConfigError, RunConfig, load_config_file
+from grpo.fork import fork_of
 from grpo.identity import CHANGED_DEFAULTS, EVAL_READING, LEARN_PLACEMENT, section, stored_config
 from grpo.layout import run_dir, run_json
+from grpo.lineage import committed_input
 from grpo.storage import Committed, Storage, is_local
 from grpo.tasks import functions, generates, get_task
 from grpo.tiny_model import build_for_task
@@ -62,13 +64,14 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     skips stay)."""
     path = run_json(storage, run_id)
     if storage.exists(path):
-        old, new = stored_config(json.loads(storage.read_bytes(path)).get("config")).to_dict(), cfg.to_dict()
+        raw = json.loads(storage.read_bytes(path))
+        old, new = stored_config(raw.get("config")).to_dict(), cfg.to_dict()
         for (section, name), (was, now) in CHANGED_DEFAULTS.items():  # the run keeps the default it began with
             if old[section][name] == was and new[section][name] == now:
                 new[section][name] = was
         if old == new:
             return
-        data_ = json.dumps({"run_id": run_id, "config": new}, indent=1, sort_keys=True).encode()
+        data_ = json.dumps({**raw, "run_id": run_id, "config": new}, indent=1, sort_keys=True).encode()  # a fork's too
         for c in (old, new):  # defaults of newer fields filled in
             c.pop("tracking"), c.pop("retention")
             for name in LEARN_PLACEMENT:
@@ -234,6 +237,9 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
 def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False) -> Committed:
     """Check the run's inputs, write run.json and commit the base model under `runs/<run_id>/base`."""
     exists = storage.exists(run_json(storage, run_id))
+    if exists and fork_of(storage, run_id) is not None:  # a fork's base is its parent's, by reference (grpo.fork)
+        write_run_json(storage, run_id, cfg)  # only checks the config, or takes a change of tracking, retention, ...
+        return committed_input(storage, run_id, None, "base")
     with tempfile.TemporaryDirectory() as tmp:
         prepared = None
         if exists:

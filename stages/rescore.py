@@ -1,0 +1,92 @@
+"""Rescore: the committed rollouts of a run's iterations scored again with a changed reward, in a fork, without
+sampling. `grpo rescore` goes through here.
+
+The fork (grpo.fork) is made at the iteration after the last one rescored, so every stage up to it is the
+parent's by reference; then the rewards and advantages of the rescored iterations run with the fork's config and
+supersede the referenced ones (its learns of those iterations, trained on the old rewards, then show as stale:
+`grpo run` on the fork would retrain from the first rescored iteration). What changed is the `rescore` view
+of `grpo query` on the fork (grpo.query.RESCORE_VIEW).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from grpo.config import ConfigError
+from grpo.fork import fork_config, fork_run
+from grpo.identity import config_hash
+from grpo.lineage import next_iteration
+from grpo.query import query
+from grpo.scoring.pool import WARM_POOLS
+from grpo.storage import Storage
+from stages import advantages as advantages_stage
+from stages import rewards as rewards_stage
+from stages.common import StageError
+
+RESCORE_SETTINGS = ("reward.", "task.params", "advantage.")
+"""What a rescore may change: how samples are scored and their advantages computed."""
+
+
+def rescore_run_id(parent: str, first: int, last: int, overrides: list[str]) -> str:
+    """The fork a rescore makes unless named: the same rescore again finds it (and reuses its stages).
+
+    >>> rescore_run_id("demo", 0, 4, ["reward.truncated_reward=-1"])
+    'demo-rescore-0-4-b4001306'
+    """
+    return f"{parent}-rescore-{first}-{last}-{config_hash(sorted(overrides))[:8]}"
+
+
+def check_rescore(storage: Storage, parent: str, first: int, last: int, overrides: list[str]) -> None:
+    """Refuse, in one line and before anything is written, settings a rescore cannot change, iterations the
+    parent has not finished, and settings that change nothing the rewards or advantages read."""
+    if not overrides:
+        raise ConfigError("--set: name the reward settings to rescore with (reward.*, task.params, advantage.*)")
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if not key.startswith(RESCORE_SETTINGS):
+            raise ConfigError(
+                f"--set {key}: a rescore changes only how samples are scored (reward.*, task.params, advantage.*); "
+                "fork the run to change anything else (`grpo fork`)"
+            )
+    before, after = fork_config(storage, parent, overrides)
+    if first < 0 or last < first:
+        raise StageError(f"--iterations {first}:{last}: give A:B with 0 <= A <= B (both rescored)")
+    done = next_iteration(storage, parent)
+    if last >= done:
+        raise StageError(
+            f"--iterations {first}:{last}: run {parent} has finished iterations 0..{done - 1} only "
+            f"(`grpo status --run {parent}`)"
+        )
+    read = (rewards_stage.stage_config, advantages_stage.stage_config)
+    if all(f(before) == f(after) for f in read):
+        raise ConfigError(f"--set {' '.join(overrides)}: changes nothing the rewards or advantages of {parent} read")
+
+
+def rescore(storage: Storage, parent: str, first: int, last: int, overrides: list[str], run_id: str) -> None:
+    """Fork `parent` into `run_id` at `last + 1` with `overrides`, then score iterations first..last again
+    (rewards and advantages; no rollouts are written)."""
+    check_rescore(storage, parent, first, last, overrides)
+    fork_run(storage, parent, last + 1, run_id, overrides)
+    with WARM_POOLS.keep():  # one reward worker pool for every iteration
+        for k in range(first, last + 1):
+            rewards_stage.rewards(storage, run_id, k)
+            advantages_stage.advantages(storage, run_id, k)
+
+
+def changes(storage: Storage, run_id: str, first: int, last: int) -> pd.DataFrame:
+    """Per rescored iteration: samples whose reward changed, the reward mean before and after, the groups
+    (prompts) whose advantage flipped sign in at least one sample, and the first few of each."""
+    return query(
+        storage,
+        run_id,
+        f"""SELECT iteration,
+                   count(*) FILTER (WHERE reward_changed) AS samples_changed,
+                   count(*) AS samples,
+                   avg(reward_before) AS reward_before,
+                   avg(reward_after) AS reward_after,
+                   count(DISTINCT prompt_id) FILTER (WHERE advantage_flipped) AS groups_flipped,
+                   list(DISTINCT prompt_id ORDER BY prompt_id) FILTER (WHERE advantage_flipped) AS flipped,
+                   list(printf('%d/%d: %.3g -> %.3g', prompt_id, sample_index, reward_before, reward_after)
+                        ORDER BY prompt_id, sample_index) FILTER (WHERE reward_changed) AS changed
+            FROM rescore WHERE iteration BETWEEN {int(first)} AND {int(last)} GROUP BY 1 ORDER BY 1""",
+    )
