@@ -189,7 +189,9 @@ def test_rescore_reports_changed_rewards_and_flipped_groups_and_writes_no_rollou
             "_manifest.json"
         ]
     rc, out, _ = cli(storage, capsys, "status", "--run", "r")
-    assert rc == 0 and out.count("stale x1") == 10  # learn and eval 0-4 were trained on the old rewards
+    # learn and eval 0 were trained on the old rewards, and every stage of 1-4 descends from such a learn (the
+    # rescored rewards of 1-4 score samples of policies the old rewards trained): 2 + 4 x 6 stale cells
+    assert rc == 0 and out.count("stale x") == 26 and out.count("ok x2") == 2
 
     attempts = sorted(p for p in storage.fs.find(run_dir(storage, "r")) if p.endswith("_manifest.json"))
     rc, again, _ = cli(storage, capsys, *args)  # the same rescore again: every stage reused
