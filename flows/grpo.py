@@ -58,7 +58,9 @@ def grpo(
     last iteration's committed URIs. `config_path`/`overrides` create the run if it does not
     exist; `storage_url` defaults to $GRPO_STORAGE or ./storage; `force_stage` reruns that
     stage of the first iteration (and so every later stage). `placement` ({stage: work pool})
-    runs those stages as flow runs of deployment `grpo-stage/<pool>` (flows/placement.py), the rest here.
+    runs those stages as flow runs of deployment `grpo-stage/<pool>` (flows/placement.py), the rest here. With
+    rollout.staleness >= 1 and learn on a pool of its own, iteration k+1 samples (and iteration k's eval runs)
+    while learn k runs: which policy samples which rows is fixed by the config, not by this overlap.
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
@@ -68,22 +70,33 @@ def grpo(
             check_placement(placement)
             ok(create_run(storage.url, run_id, config_path, overrides or []))
             first, cfg = resolve_iteration(storage, run_id, iteration), load_run(storage, run_id)
+            behind = None  # an iteration whose learn runs on its pool while the next one samples (staleness)
             for k in range(first, first + iterations):
                 force, last = force_stage if k == first else None, k == first + iterations - 1
                 stage = Placement(placement, storage, run_id, k, cfg, force, last)  # runs a stage, here or placed
-                policy = stage("snapshot", None)
-                samples = stage("rollouts", policy)
-                scores = stage("rewards", samples)
-                advs = stage("advantages", scores)
-                new_policy = stage("learn", advs)
-                report = stage("eval", new_policy)
-                progress.add()
-                warm.loaded()  # pool, learner, engine: kept for the next iteration
-                track(storage, run_id, cfg)
+                uris = sample(stage)  # snapshot -> rollouts -> rewards -> advantages
+                if behind:
+                    behind.learned()  # learn k-1 ends: iteration k sampled meanwhile
+                learning = stage.learn(uris)  # learn k, where it is placed
+                ended = [behind] if behind else []  # eval k-1 runs beside learn k
+                behind = learning if stage.overlaps and not last else None
+                for done in ended + ([] if behind else [learning]):
+                    uris = done.evaluate()
+                    progress.add()
+                    warm.loaded()  # pool, learner, engine: kept for the next iteration
+                    track(storage, run_id, cfg)
     except Exception as e:  # a stage's one line, a bad setting or a storage error no retry mends: the run's end
         return failed(e, storage.url)
-    stages = ("snapshot", "rollouts", "rewards", "advantages", "learn", "eval")
-    return dict(zip(stages, (policy, samples, scores, advs, new_policy, report)))
+    return uris
+
+
+def sample(stage: Placement) -> dict[str, str]:
+    """One iteration's samples, scored and normalized: the committed URIs of snapshot (learn k-1-S's policy, the
+    base before it), rollouts, rewards and advantages."""
+    policy = stage("snapshot", None)
+    samples = stage("rollouts", policy)
+    scores = stage("rewards", samples)
+    return {"snapshot": policy, "rollouts": samples, "rewards": scores, "advantages": stage("advantages", scores)}
 
 
 def resolve_iteration(storage: Storage, run_id: str, iteration: int | str) -> int:

@@ -5,6 +5,7 @@ iteration's stages and waits for them, reading each result from storage."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from prefect import flow
 from prefect.states import Failed, State
@@ -75,6 +76,9 @@ class Placement:
         self.force = {name: name == force_stage for name in STAGES}
         self.shards = {"rollouts": cfg.rollout.shards, "rewards": cfg.reward.shards}
         self.nodes = cfg.learn.nodes
+        # rollout.staleness >= 1 with learn on a pool of its own: iteration k+1 samples while learn k runs (never
+        # in one process, whose sampler and learner share the warm engines and the accelerator)
+        self.overlaps = cfg.rollout.staleness >= 1 and self.placement.get("learn") is not None
 
     def __call__(self, stage: str, upstream: str | None) -> str:
         """Run (or reuse) `stage` where it is placed: its committed URI; a failure raises FailedRun (`ok`)."""
@@ -90,13 +94,27 @@ class Placement:
         pool, n = self.placement.get(stage), self.shards.get(stage, 1)
         if n > 1:
             return self.sharded(stage, upstream, pool, n)
+        waiting = self.start(stage, upstream)
+        return waiting() if waiting else None
+
+    def start(self, stage: str, upstream: str | None) -> Callable[[], str | State] | None:
+        """Start an unsharded placed stage and return what waits for it: a flow run on its pool, or a task run of the
+        stage workers; learn on learn.nodes machines one a node, node 0 (the stage, which commits) first, all at
+        once (the pool's concurrency limit must let them run, one a machine). None for a stage run here."""
+        pool = self.placement.get(stage)
         if pool is None:
             return None
-        if stage == "learn" and self.nodes > 1:
-            return self.learn_nodes(pool, upstream, self.nodes)
+        nodes = range(self.nodes if stage == "learn" else 1)
         if pool == WARM_WORKERS:
-            return self.wait_tasks(stage, [self.delay(stage, upstream, None)], upstream)
-        return self.wait_flow_runs(stage, [self.flow_run(pool, stage, upstream, None)], upstream)
+            futures = [self.delay(stage, upstream, None, r) for r in nodes]
+            return lambda: self.wait_tasks(stage, futures, upstream)
+        runs = [self.flow_run(pool, stage, upstream, None, r) for r in nodes]
+        return lambda: self.wait_flow_runs(stage, runs, upstream)
+
+    def learn(self, uris: dict[str, str]) -> Learning:
+        """Start the iteration's learn on `uris` (snapshot to advantages) where it is placed (here: run it now)."""
+        waiting = self.start("learn", uris["advantages"]) or (lambda: self.here("learn", uris["advantages"]))
+        return Learning(self, uris, waiting)
 
     def sharded(self, stage: str, upstream: str | None, pool: str | None, n: int) -> str | State:
         """Every shard as its own task run: here one after the other, on the pool as concurrent flow runs
@@ -116,16 +134,6 @@ class Placement:
         if isinstance(done, State):
             return done
         return TASKS[stage](self.url, self.run_id, self.k, upstream)  # reuses the shards: merges them
-
-    def learn_nodes(self, pool: str, upstream: str | None, nodes: int) -> str | State:
-        """learn on learn.nodes machines: node 0 (the stage, which commits) and nodes 1..n-1 at once, each a
-        flow run on the pool (whose concurrency limit must let n run, one per machine) or a task run on the
-        stage workers; node 0's line comes first when they fail."""
-        if pool == WARM_WORKERS:
-            return self.wait_tasks("learn", [self.delay("learn", upstream, None, r) for r in range(nodes)], upstream)
-        return self.wait_flow_runs(
-            "learn", [self.flow_run(pool, "learn", upstream, None, r) for r in range(nodes)], upstream
-        )
 
     def flow_run(self, pool: str, stage: str, upstream: str | None, shard: int | None, node_rank: int = 0):
         """A flow run of the stage (or one shard, or one node of learn) on `pool`, scheduled; the caller waits
@@ -206,3 +214,21 @@ class Placement:
 def committed_uri(storage: Storage, run_id: str, iteration: int, stage: str, upstream: str | None) -> str:
     """The URI of the newest committed attempt of a stage, which must have read `upstream`."""
     return checked_uri(latest_committed(storage, stage_dir(storage, run_id, iteration, stage)), upstream)
+
+
+class Learning:
+    """An iteration from its learn on: the learn, started where it is placed, waited for; then its eval."""
+
+    def __init__(self, stage: Placement, uris: dict[str, str], waiting: Callable[[], str | State]):
+        self.stage, self.uris, self.waiting = stage, dict(uris), waiting
+
+    def learned(self) -> str:
+        """The committed learn's URI, once it ended (FailedRun with its line if it failed)."""
+        if "learn" not in self.uris:
+            self.uris["learn"] = ok(self.waiting())
+        return self.uris["learn"]
+
+    def evaluate(self) -> dict[str, str]:
+        """The eval of the learned policy; the iteration's committed URIs, stage by stage."""
+        self.uris["eval"] = self.stage("eval", self.learned())
+        return self.uris
