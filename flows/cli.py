@@ -8,6 +8,7 @@ grpo demo                                    # init + train the tiny sort model 
 grpo status --run demo
 grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
 grpo report --run demo                       # report.png and report.md in the run folder
+grpo timeline --run demo                     # each iteration's stages against time (timeline.png)
 grpo export --run demo                       # the newest policy as an HF folder under the run (LoRA merged)
 grpo export --run demo --best ./demo-best    # the best by eval.metric, into a folder named (or --iteration k)
 grpo k8s render [--stage learn]              # each stage's Kubernetes Job from deploy/kubernetes, as YAML
@@ -484,6 +485,18 @@ def cmd_report(args, storage):
     print(f"{png}\n{md}")
 
 
+def cmd_timeline(args, storage):
+    from grpo.report import write_timeline
+
+    png, rows = write_timeline(storage, args.run)
+    print(f"{'iteration':>9}  {'stage':>10}  {'start s':>8}  {'end s':>8}  {'seconds':>8}")
+    for r in rows:
+        print(
+            f"{r['iteration']:>9}  {r['stage']:>10}  {r['start']:>8.1f}  {r['end']:>8.1f}  {r['end'] - r['start']:>8.1f}"
+        )
+    print(png)
+
+
 def cmd_k8s_render(args, storage):
     from flows import kubernetes as k8s
 
@@ -627,6 +640,11 @@ def parser() -> argparse.ArgumentParser:
         help="overlay these runs' curves on the run's (a parent and its forks): compare.png and compare.md",
     )
     sp.set_defaults(fn=cmd_report)
+    sp = sub.add_parser(
+        "timeline", help="each iteration's stages against time (timeline.png): where sampling and learning overlap"
+    )
+    sp.add_argument("--run", required=True)
+    sp.set_defaults(fn=cmd_timeline)
     sp = sub.add_parser("k8s", help="Kubernetes: see the Jobs the deploy/kubernetes work pools create")
     k8s = sp.add_subparsers(dest="k8s_command", required=True)
     sp = k8s.add_parser(

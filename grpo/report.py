@@ -329,3 +329,76 @@ def write_compare(storage: Storage, run_id: str, others: list[str]) -> tuple[str
         lines += [f"- {r}{lineage}: {headline(rows, best)}"]
     storage.write_bytes_atomic(md, ("\n".join(lines) + "\n").encode())
     return storage.uri(png), storage.uri(md)
+
+
+SAMPLER_SIDE = ("snapshot", "rollouts", "rewards", "advantages", "eval")  # the stages that sample or score
+
+
+def stage_times(storage: Storage, run_id: str) -> list[dict]:
+    """The timeline of a run from its manifests: per iteration and stage (the newest committed attempt), its start
+    and commit in seconds since the run's first stage started, in start order. Attempts taken by reference
+    (a fork's) are left out: they ran in another run."""
+    out = []
+    for k in iterations(storage, run_id):
+        for stage in STAGES:
+            attempts = committed_attempts(storage, stage_dir(storage, run_id, k, stage))
+            manifest = load_manifest(storage, attempts[-1], verify=False)[0] if attempts else None
+            if manifest is None or manifest.origin is not None or manifest.summary.get("skipped"):
+                continue
+            start, end = (dt.datetime.fromisoformat(t) for t in (manifest.started_at, manifest.committed_at))
+            out.append({"iteration": k, "stage": stage, "start": start, "end": end})
+    if not out:
+        return []
+    zero = min(r["start"] for r in out)
+    rows = [r | {"start": (r["start"] - zero).total_seconds(), "end": (r["end"] - zero).total_seconds()} for r in out]
+    return sorted(rows, key=lambda r: (r["start"], r["iteration"]))
+
+
+def overlaps(rows: list[dict]) -> list[int]:
+    """Iterations k whose learn ran while iteration k+1 sampled (rollout.staleness, learn placed on its own).
+
+    >>> rows = [{"iteration": 0, "stage": "learn", "start": 5, "end": 9}, {"iteration": 1, "stage": "rollouts",
+    ...         "start": 6, "end": 8}, {"iteration": 1, "stage": "learn", "start": 9, "end": 12}]
+    >>> overlaps(rows)
+    [0]
+    """
+    learn = {r["iteration"]: r for r in rows if r["stage"] == "learn"}
+    sampled = {r["iteration"]: r for r in rows if r["stage"] == "rollouts"}
+    return [k for k, r in sorted(learn.items()) if k + 1 in sampled and sampled[k + 1]["start"] < r["end"]]
+
+
+def timeline_png(rows: list[dict], title: str, dpi: int = 90) -> bytes:
+    """A bar per stage attempt on a lane per stage against wall-clock seconds, labelled with its iteration: where
+    the sampling side (snapshot to advantages, eval) and the learner overlap, and where each lane idles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    lanes = [s for s in STAGES if any(r["stage"] == s for r in rows)]
+    fig, ax = plt.subplots(figsize=(12, 0.5 * len(lanes) + 1.2), constrained_layout=True)
+    for r in rows:
+        y = lanes.index(r["stage"])
+        color = "tab:orange" if r["stage"] == "learn" else "tab:blue" if r["stage"] in SAMPLER_SIDE else "gray"
+        ax.broken_barh([(r["start"], max(r["end"] - r["start"], 1e-3))], (y - 0.4, 0.8), color=color, alpha=0.8)
+        ax.text(r["start"], y, str(r["iteration"]), va="center", fontsize=7)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first stage started")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title)
+    return _png(fig, dpi)
+
+
+def write_timeline(storage: Storage, run_id: str) -> tuple[str, list[dict]]:
+    """timeline.png in the run folder (`grpo timeline`); returns its URI and the rows."""
+    rows = stage_times(storage, run_id)
+    if not rows:
+        raise StageError(f"run {run_id}: no stage has committed yet; run one (`grpo run --run {run_id}`)")
+    png = f"{run_dir(storage, run_id)}/timeline.png"
+    overlapped = overlaps(rows)
+    title = f"run {run_id}: stages against time" + (
+        f"; learn beside the next sampling at {overlapped}" * bool(overlapped)
+    )
+    storage.write_bytes_atomic(png, timeline_png(rows, title))
+    return storage.uri(png), rows

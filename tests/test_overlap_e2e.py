@@ -12,8 +12,10 @@ import pandas as pd
 import pytest
 from test_stages import TINY
 
-from grpo.layout import stage_dir
+from flows.cli import main
+from grpo.layout import run_dir, stage_dir
 from grpo.procs import stop_group
+from grpo.report import overlaps, stage_times
 from grpo.storage import latest_committed, open_storage
 from stages.common import load_run
 from stages.init import init_run
@@ -65,14 +67,10 @@ def test_stale_iterations_sample_while_the_placed_learner_runs_and_commit_what_i
     storage = open_storage(store)
     assert json.loads(out.stdout.strip().splitlines()[-1])["eval"].startswith(store)  # the last iteration's URIs
 
-    # iteration k+1 sampled while learn k ran: its rollouts began before learn k committed
-    overlapped = [
-        k
-        for k in range(ITERATIONS - 1)
-        if when(committed(storage, "a", k + 1, "rollouts"), "started_at")
-        < when(committed(storage, "a", k, "learn"), "committed_at")
-    ]
-    assert overlapped, "no iteration sampled while the previous learn ran"
+    # iteration k+1 sampled while learn k ran: its rollouts began before learn k committed; `grpo timeline` shows it
+    assert overlaps(stage_times(storage, "a")), "no iteration sampled while the previous learn ran"
+    assert main(["--storage", store, "timeline", "--run", "a"]) == 0
+    assert storage.exists(f"{run_dir(storage, 'a')}/timeline.png")
     # at most one learn at a time: learn k+1 began after learn k committed
     for k in range(ITERATIONS - 1):
         assert when(committed(storage, "a", k + 1, "learn"), "started_at") >= when(
