@@ -491,9 +491,8 @@ def cmd_timeline(args, storage):
     png, rows = write_timeline(storage, args.run)
     print(f"{'iteration':>9}  {'stage':>10}  {'start s':>8}  {'end s':>8}  {'seconds':>8}")
     for r in rows:
-        print(
-            f"{r['iteration']:>9}  {r['stage']:>10}  {r['start']:>8.1f}  {r['end']:>8.1f}  {r['end'] - r['start']:>8.1f}"
-        )
+        seconds = r["end"] - r["start"]
+        print(f"{r['iteration']:>9}  {r['stage']:>10}  {r['start']:>8.1f}  {r['end']:>8.1f}  {seconds:>8.1f}")
     print(png)
 
 
