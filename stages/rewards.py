@@ -61,7 +61,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
         allowed = allowed_errors(cfg.reward.max_error_fraction, len(rows))
         keys = ["run_id", "iteration", "prompt_id", "sample_index"]
         with (
-            WARM_POOLS.pool(cfg.reward.workers) as pool,
+            WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool,
             ParquetWriter(storage.fs, writer.path(table_file("rewards")), "rewards") as out,
         ):
             key = scorer_key(cfg, inputs.get("base"))
