@@ -1,7 +1,9 @@
 """The supervised process pool reward functions run in: each worker has its own pipe, process sentinel and a
 shared progress record (sample, function, since when), so the parent sees a death the moment it happens and
 names it, kills a sample past its alarm and replaces only that worker; what workers print goes to a file per
-worker. Workers start without the stage's credentials, whose values are redacted from what they send back and
+worker. Each worker is its own process group and (Linux) a subreaper: what a job starts and leaves running is
+killed as the job ends and counted (`left_running`), as is what a killed worker's job started. Workers start
+without the stage's credentials, whose values are redacted from what they send back and
 print (grpo/scoring/secrets.py). `WARM_POOLS` keeps pools between a warm run's stages. What a job does:
 grpo/scoring/score.py.
 """
@@ -16,11 +18,13 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any, Sequence
 
+from grpo.procs import become_subreaper, kill_descendants
 from grpo.scoring import secrets
 
 log = logging.getLogger("grpo.scoring")
@@ -65,6 +69,8 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
     global _PROGRESS, _CONN
     _worker_init()
     secrets.remove_credentials(pass_env)
+    os.setpgid(0, 0)  # its own process group, and (Linux) every process its jobs start stays below it
+    become_subreaper()
     _PROGRESS, _CONN = progress, conn
     _mapped_at_start()  # what reward.max_memory_mb is counted from
     os.dup2(out, 1)
@@ -79,8 +85,9 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
         try:
             job = conn.recv()
         except EOFError:
-            return
+            job = None
         if job is None:
+            _end_leftovers()
             return
         fn, args = job
         try:
@@ -88,7 +95,25 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
         except Exception as e:  # noqa: BLE001 (said to the parent; SystemExit ends the worker, as asked)
             reply = ("failed", f"{type(e).__name__}: {e}")
         sys.stdout.flush()
+        if left := _end_leftovers():
+            conn.send(("left", left))
         conn.send(reply)
+
+
+def _end_leftovers() -> int:
+    """Kill what this worker's job started and left running (a subreaper, it finds them however they
+    detached), reap them; returns how many there were."""
+    left = kill_descendants(os.getpid(), group=True)
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:  # the killed (and what had exited unwaited for) leave no zombie
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                if not left:
+                    break
+                time.sleep(0.01)
+        except ChildProcessError:
+            break
+    return left
 
 
 def progress_record() -> Any:
@@ -164,6 +189,7 @@ class RewardPool:
         self.workers: list[_Worker] = []
         self.pass_env = tuple(pass_env)
         self.secrets: dict[str, str] = {}  # value -> name of each credential kept from the workers
+        self.left_running = 0  # processes its jobs left running (killed), since the pool started
         self.printed, self.printed_head = 0, b""  # what workers printed since the last log, its first bytes
         try:
             for _ in range(workers):
@@ -223,6 +249,9 @@ class RewardPool:
             try:
                 while w.job is not None and w.conn.poll():
                     kind, payload = w.conn.recv()
+                    if kind == "left":  # what the job left running, killed as it ended
+                        self.left_running += payload
+                        continue
                     events.append((w, job, kind, secrets.redact(payload, self.secrets)))
                     if kind != "erred":
                         w.job = None
@@ -254,6 +283,8 @@ class RewardPool:
         return how
 
     def _retire(self, w: _Worker) -> str:
+        # what its job started first: once the worker is gone they would be init's (or their group's alone)
+        self.left_running += kill_descendants(w.process.pid, group=True)
         w.process.kill()  # SIGKILL: a hung worker ignores the rest; a dead one is not signalled again
         w.process.join()
         self._collect(w)
@@ -284,9 +315,13 @@ class RewardPool:
         self.printed, self.printed_head = 0, b""
 
     def terminate(self) -> None:
-        """Kill every worker and wait for it (nothing a reward function holds needs cleaning up)."""
+        """Kill every worker, and what its jobs started, and wait for it (nothing a reward function holds needs
+        cleaning up)."""
+        before = self.left_running
         while self.workers:
             self._retire(self.workers.pop())
+        if self.left_running > before:
+            log.warning("reward functions left %d processes running at close; killed", self.left_running - before)
 
     def __enter__(self) -> RewardPool:
         return self
