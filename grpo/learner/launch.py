@@ -127,8 +127,8 @@ def run_distributed(
         Path(f.name).unlink(missing_ok=True)
     if proc.returncode != 0:
         why = f" ({cause[-1][:300]})" if cause else ""
-        # torchrun SIGTERMs the survivors of a rank killed otherwise: that rank is the news
-        first = {r: line for r, line in killed.items() if "SIGTERM" not in line} or killed
+        # torchrun SIGTERMs the survivors of a failed rank: a SIGTERM is news only where no rank said why
+        first = {r: line for r, line in killed.items() if "SIGTERM" not in line} or ({} if cause else killed)
         if first:  # the others' errors (a peer's closed connection) follow from it
             ranks = "; ".join(f"rank {r} was killed: {line}" for r, line in sorted(first.items()))
             why = f": {ranks}" + (f"; then {cause[-1][:200]}" if cause else "")

@@ -81,23 +81,27 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
         except OSError:
             pass
     sys.stdout = sys.stderr = open(1, "w", closefd=False, errors="backslashreplace")
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            job = None
-        if job is None:
-            _end_leftovers()
-            return
-        fn, args = job
-        try:
-            reply = ("done", fn(*args))
-        except Exception as e:  # noqa: BLE001 (said to the parent; SystemExit ends the worker, as asked)
-            reply = ("failed", f"{type(e).__name__}: {e}")
-        sys.stdout.flush()
-        if left := _end_leftovers():
-            conn.send(("left", left))
-        conn.send(reply)
+    try:
+        while (job := _next_job(conn)) is not None:
+            fn, args = job
+            try:
+                reply = ("done", fn(*args))
+            except Exception as e:  # noqa: BLE001 (said to the parent; SystemExit ends the worker, as asked)
+                reply = ("failed", f"{type(e).__name__}: {e}")
+            sys.stdout.flush()
+            if left := _end_leftovers():
+                conn.send(("left", left))
+            conn.send(reply)
+    finally:  # asked to stop, the parent gone (EOF, a broken pipe), a SystemExit: nothing left behind
+        _end_leftovers()
+
+
+def _next_job(conn):
+    """The next (fn, args) from the parent; None when asked to stop or the parent is gone."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return None
 
 
 def _end_leftovers() -> int:
