@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from test_stages import TINY
 
-from grpo.config import RewardConfig, load_config
+from grpo.config import ConfigError, RewardConfig, load_config
 from grpo.errors import LayoutError, StageError
 from grpo.layout import run_dir, stage_dir
 from grpo.scoring.pool import RewardPool
@@ -440,3 +440,8 @@ def test_a_worker_holds_no_credential_in_its_environment_block(tmp_path):
     env = {**os.environ, "AWS_SECRET_ACCESS_KEY": SECRET, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "(None, False, True)", done.stdout + done.stderr[-2000:]
+
+
+def test_pass_env_takes_variable_names():
+    with pytest.raises(ConfigError, match=r"^reward.pass_env lists environment variable names .* got \['AWS_\*'\]"):
+        load_config(None, ["reward.pass_env=[AWS_*]"])

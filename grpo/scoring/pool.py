@@ -312,7 +312,7 @@ class RewardPool:
         """Log what the workers printed since the last call, once, cut to _PRINTED_KEEP bytes."""
         if not self.printed:
             return
-        text = secrets.redact(self.printed_head.decode(errors="backslashreplace"), self.secrets)
+        text = secrets.redact_cut(self.printed_head.decode(errors="backslashreplace"), self.secrets)
         more = self.printed - len(self.printed_head)
         note = f"\n[... {more} more bytes not shown]" if more > 0 else ""
         log.warning("reward functions printed %d bytes:\n%s%s", self.printed, text, note)

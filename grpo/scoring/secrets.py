@@ -72,11 +72,27 @@ def redact(obj: Any, secrets: Mapping[str, str]) -> Any:
         return obj
     if isinstance(obj, bytes):
         return redact(obj.decode(errors="backslashreplace"), secrets).encode()
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(redact(x, secrets) for x in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(redact(x, secrets) for x in obj)
     if isinstance(obj, dict):
         return {redact(k, secrets): redact(v, secrets) for k, v in obj.items()}
     return obj
+
+
+def redact_cut(text: str, secrets: Mapping[str, str]) -> str:
+    """redact(text), and a secret's first characters where `text` was cut short in its middle.
+
+    >>> redact_cut("key: abcdefg", {"abcdefgh1": "MY_KEY"})
+    'key: <MY_KEY redacted>'
+    """
+    text = redact(text, secrets)
+    for value, name in secrets.items():
+        for k in range(min(len(value) - 1, len(text)), 3, -1):
+            if text.endswith(value[:k]):
+                return text[:-k] + f"<{name} redacted>"
+    return text
 
 
 def remove_credentials(pass_env: Iterable[str] = ()) -> list[str]:
