@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import json
 import math
+import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -240,6 +241,11 @@ class RewardConfig:
     """Memory a reward worker process may take beyond what it inherits when forked, in MiB (RLIMIT_AS set to
     its size at start plus this); a function that exceeds it fails that sample with a MemoryError instead
     of taking the machine. None: no cap."""
+    pass_env: list[str] = field(default_factory=list)
+    """Names of credential variables reward functions may read (e.g. [OPENAI_API_KEY] for a judge): workers
+    start without every AWS_*, *_TOKEN, *_KEY, *SECRET*, *PASSWORD* (grpo/scoring/secrets.py) but these, and
+    the values of the rest are redacted from errors, component names and printed output. Not part of the
+    stage's identity."""
     shards: int = 1
     """Split the samples into this many ranges, each scored by its own task run (on its own worker where the
     stage is placed) and committed on its own, so a failed shard reruns alone; the stage commits their rows
@@ -262,6 +268,12 @@ class RewardConfig:
             raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {self.max_error_fraction}")
         if self.max_memory_mb is not None and self.max_memory_mb < 64:
             raise ConfigError(f"reward.max_memory_mb must be >= 64 or null (no cap), got {self.max_memory_mb}")
+        bad_env = [n for n in self.pass_env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(n))]
+        if bad_env:
+            raise ConfigError(
+                f"reward.pass_env lists environment variable names (letters, digits, _), got {bad_env}; name each "
+                "variable a reward function may read, e.g. reward.pass_env=[OPENAI_API_KEY]"
+            )
 
 
 @dataclass(frozen=True)

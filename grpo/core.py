@@ -13,7 +13,8 @@ Stanford CS336 (2025) lecture 17 / assignment 5 reference, with these departures
 - the KL to the reference is added to the per-token loss (DeepSeekMath eq. 3), not
   folded into the reward, and is off by default (kl_coef=0) as in DAPO / Dr.GRPO.
 - aggregation offers the paper's per-sequence mean plus DAPO's token mean and
-  Dr.GRPO's sum divided by a constant.
+  Dr.GRPO's sum divided by a constant; under gradient accumulation the token mean divides by
+  the whole minibatch's tokens (as verl's global token count), not each microbatch's.
 - decoupled PPO (Hilton et al. 2022; AReaL's use_decoupled_loss): the clip is to pi_old = pi_prox, the
   learner before its first step, and each token's loss may be weighed by the behaviour weight
   pi_prox / pi_sampler, truncated (TIS, Yao et al. 2025) or masked (MIS; IcePop's two-sided band), per
@@ -388,22 +389,39 @@ def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, max_tokens: float | Non
     return masked_normalize(loss, mask, max_tokens, dim=-1).mean()
 
 
-_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float | None], Tensor]] = {
+def _token_mean(loss: Tensor, mask: Tensor, max_tokens: float | None, tokens: float | Tensor | None) -> Tensor:
+    """Masked sum / tokens (default: the mask's own token count); (B, T) -> scalar."""
+    return masked_mean(loss, mask) if tokens is None else masked_normalize(loss, mask, tokens)
+
+
+_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float | None, float | Tensor | None], Tensor]] = {
     # every response token weighs the same, so long answers weigh more (DAPO)
-    "token_mean": lambda loss, mask, max_tokens: masked_mean(loss, mask),
+    "token_mean": _token_mean,
     # every sequence weighs the same (GRPO paper, CS336 default)
-    "seq_mean_token_mean": lambda loss, mask, max_tokens: masked_mean(loss, mask, dim=-1).mean(),
+    "seq_mean_token_mean": lambda loss, mask, max_tokens, tokens: masked_mean(loss, mask, dim=-1).mean(),
     # constant divisor removes the length bias of the per-sequence mean (Dr.GRPO)
-    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+    "seq_mean_token_sum_norm": lambda loss, mask, max_tokens, tokens: _seq_mean_token_sum_norm(loss, mask, max_tokens),
 }
 
 
-def aggregate_loss(per_token_loss: Tensor, mask: Tensor, mode: AggMode, max_tokens: float | None = None) -> Tensor:
+def aggregate_loss(
+    per_token_loss: Tensor,
+    mask: Tensor,
+    mode: AggMode,
+    max_tokens: float | None = None,
+    token_normalizer: float | Tensor | None = None,
+) -> Tensor:
     """Reduce a per-token loss (B, T) over response tokens (mask (B, T)) to a scalar.
 
-    max_tokens is the constant divisor of 'seq_mean_token_sum_norm' (required there).
+    max_tokens is the constant divisor of 'seq_mean_token_sum_norm' (required there). token_normalizer is
+    what 'token_mean' divides the masked sum by instead of the mask's own token count (a scalar); the
+    other modes ignore it.
+
+    >>> loss, mask = torch.tensor([[1.0, 2.0, 9.0]]), torch.tensor([[1, 1, 0]])
+    >>> aggregate_loss(loss, mask, "token_mean").item(), aggregate_loss(loss, mask, "token_mean", None, 6.0).item()
+    (1.5, 0.5)
     """
-    return _lookup(_AGGREGATIONS, mode, "agg mode")(per_token_loss, mask, max_tokens)
+    return _lookup(_AGGREGATIONS, mode, "agg mode")(per_token_loss, mask, max_tokens, token_normalizer)
 
 
 # ---------------------------------------------------------------- train step
@@ -436,6 +454,7 @@ def grpo_microbatch_step(
     clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
     max_tokens: float | None = None,
+    token_normalizer: float | Tensor | None = None,
     sampler_logprobs: Tensor | None = None,
     behavior_correction: BehaviorCorrection = "none",
     behavior_level: BehaviorLevel = "token",
@@ -451,8 +470,11 @@ def grpo_microbatch_step(
     PPO: the clip is to old_logprobs = pi_prox, the weight pi_prox / pi_sampler corrected). The loss and its
     clip_eps, clip_eps_high and dual_clip_c are policy_gradient_loss's. The KL term is added only when
     kl_coef > 0; with kl_coef == 0 a given ref_logprobs is still reported as loss/kl. Equal-size microbatches
-    reproduce the full-batch gradient for the seq_* modes; token_mean becomes a
-    mean of per-microbatch token means.
+    reproduce the full-batch gradient for the seq_* modes (each sequence weighs 1 / (B x steps)). token_mean
+    divides the microbatch's token sum by token_normalizer: given the minibatch's response tokens (every
+    microbatch's, every rank's) / (gradient_accumulation_steps x ranks averaging their gradients), every token
+    of the minibatch weighs 1 / its tokens, as DAPO's token mean asks, however unequal the microbatches; left
+    None, each microbatch's own token mean, which weighs a token 1 / (steps x tokens of its microbatch).
     Returns the scaled loss (scalar, detached) and detached metrics; loss/pg and
     loss/kl are the unscaled microbatch values.
     """
@@ -485,13 +507,14 @@ def grpo_microbatch_step(
         )  # (B, T)
         pg_loss = pg_loss * weights
     per_token = pg_loss  # (B, T)
-    metrics = {"loss/pg": aggregate_loss(pg_loss, response_mask, agg_mode, max_tokens).detach()}
+    norms = (max_tokens, token_normalizer)
+    metrics = {"loss/pg": aggregate_loss(pg_loss, response_mask, agg_mode, *norms).detach()}
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)  # (B, T)
-        metrics["loss/kl"] = aggregate_loss(kl, response_mask, agg_mode, max_tokens).detach()
+        metrics["loss/kl"] = aggregate_loss(kl, response_mask, agg_mode, *norms).detach()
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
-    loss = aggregate_loss(per_token, response_mask, agg_mode, max_tokens)
+    loss = aggregate_loss(per_token, response_mask, agg_mode, *norms)
     loss = loss / gradient_accumulation_steps
     loss.backward()
     metrics.update(_actor_metrics(meta, response_mask))

@@ -70,7 +70,7 @@ LEFT_OUT = {
     "learn": LEARN_PLACEMENT,
     "eval": EVAL_READING,
     "rollout": ("shards",),  # 1 and N shards sample the same rows
-    "reward": ("shards",),  # and score them alike
+    "reward": ("shards", "pass_env"),  # and score them alike; which credentials reward code may read
     "tracking": ("backend", "uri", "project", "dir"),
     "retention": ("keep_last", "keep_every"),
 }

@@ -81,7 +81,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
         responses = decode_responses(p.tokenizer, [s.response_ids for s in flat], p.eos_ids)
         owner = list(range(len(greedy))) + [i for i, group in enumerate(sampled) for _ in group]
         items = [(r, p.examples[i].ground_truth, p.texts[i], p.examples[i].row or {}) for r, i in zip(responses, owner)]
-        with WARM_POOLS.pool(cfg.reward.workers) as pool:
+        with WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool:
             scored = score_batch(pool, scorer_key(cfg, inputs.get("base")), cfg.reward, items)
         correct = [exact_match(c) if err is None else 0.0 for _, c, err in scored]
         n = len(greedy)

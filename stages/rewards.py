@@ -14,7 +14,8 @@ function that ignores its alarm or a worker that dies (os._exit, a signal, the O
 recorded in the `error` column with reward 0, naming the function; a hung or dead worker is
 replaced at once; and the stage fails (committing nothing) as soon as more than
 `max_error_fraction` of its samples erred. What reward functions print goes to a file per worker:
-the log shows its first few KB once per scoring. A mean reward that is not finite (rewards whose
+the log shows its first few KB once per scoring. Processes a function leaves running are killed as its job
+ends, logged and counted (`processes_left`), not an error. A mean reward that is not finite (rewards whose
 sum overflows float64) is refused, naming the function.
 """
 
@@ -61,10 +62,10 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
         allowed = allowed_errors(cfg.reward.max_error_fraction, len(rows))
         keys = ["run_id", "iteration", "prompt_id", "sample_index"]
         with (
-            WARM_POOLS.pool(cfg.reward.workers) as pool,
+            WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool,
             ParquetWriter(storage.fs, writer.path(table_file("rewards")), "rewards") as out,
         ):
-            key = scorer_key(cfg, inputs.get("base"))
+            key, left_before = scorer_key(cfg, inputs.get("base")), pool.left_running
             for batch in batches_in(path, rows):
                 finish = batch.column("finish_reason").to_pylist()
                 lengths = pc.list_value_length(batch.column("response_ids")).to_pylist()
@@ -79,6 +80,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
                 n_err += sum(e is not None for _, _, e in scored)
                 total += sum(cols["reward"])
                 biggest = max([biggest] + [(r, c) for r, c, _ in scored], key=lambda rc: abs(rc[0]))
+            left = pool.left_running - left_before  # processes the functions left running (killed; logged)
         if n == 0:
             raise StageError(f"{rollouts.uri}: rollouts.parquet has no rows")
         if n_err / n > cfg.reward.max_error_fraction:
@@ -93,7 +95,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
                 f"rewards: the mean reward is {total / n} (the rewards' sum overflows float64): {source} "
                 f"returned {biggest[0]:.3g}; scale its rewards down (nothing was committed)"
             )
-        return {"samples": n, "errors": n_err, "reward_mean": total / n}
+        return {"samples": n, "errors": n_err, "reward_mean": total / n, "processes_left": left}
 
     def batches_in(path: str, rows: range):
         """The rollouts' record batches of rows `rows` (at most 8192 rows each)."""
@@ -132,4 +134,5 @@ def merged_summary(parts: list[dict]) -> dict:
     """The rewards summary of its shards'."""
     samples = sum(s["samples"] for s in parts)
     mean = sum(s["reward_mean"] * s["samples"] for s in parts) / samples
-    return {"samples": samples, "errors": sum(s["errors"] for s in parts), "reward_mean": mean}
+    left = sum(s.get("processes_left", 0) for s in parts)
+    return {"samples": samples, "errors": sum(s["errors"] for s in parts), "reward_mean": mean, "processes_left": left}

@@ -255,7 +255,7 @@ def sample_rounds(
     rounds = signal = kept = skipped = 0
     engine_s = score_s = 0.0
     with (
-        WARM_POOLS.pool(cfg.reward.workers) as pool,  # forked before the sampler starts
+        WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool,  # forked before the sampler starts
         ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out,
         ParquetWriter(storage.fs, writer.path(table_file("draws")), "draws") as draws,
     ):

@@ -530,6 +530,20 @@ def test_seq_mean_token_sum_norm_weights_tokens_by_constant():
     torch.testing.assert_close(_token_weights("seq_mean_token_sum_norm"), AGG_MASK / 8.0)
 
 
+def test_token_mean_over_microbatches_weighs_every_token_of_the_minibatch_alike():
+    """Microbatches of 9 and 7 tokens (issue 35's hand check): divided by the minibatch's tokens per
+    microbatch (16 / 2) and accumulated over 2 steps, every token weighs 1/16; each microbatch's own token
+    mean weighed them 1/18 and 1/14, less a token for the microbatch of longer responses."""
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+    halves = (slice(0, 2), slice(2, 4))
+    for normalizer, weights in [(8.0, [1 / 16, 1 / 16]), (None, [1 / 18, 1 / 14])]:
+        loss = torch.zeros(4, 5, requires_grad=True)
+        for s in halves:
+            (aggregate_loss(loss[s], mask[s], "token_mean", token_normalizer=normalizer) / 2).backward()
+        expected = torch.cat([mask[s] * w for s, w in zip(halves, weights)]).float()
+        torch.testing.assert_close(loss.grad, expected)
+
+
 def test_sum_norm_requires_max_tokens():
     with pytest.raises(ValueError, match="max_tokens"):
         aggregate_loss(AGG_LOSS, AGG_MASK, "seq_mean_token_sum_norm")
@@ -556,8 +570,10 @@ STEP_KW = dict(loss_type="grpo_clip", agg_mode="seq_mean_token_mean", kl_coef=0.
 
 
 @pytest.mark.parametrize("loss_type", ["grpo_clip", "gspo", "cispo"])
-@pytest.mark.parametrize("agg_mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("agg_mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean"])
 def test_two_microbatches_match_full_batch_gradient(agg_mode, loss_type):
+    """Microbatches of 7 and 5 response tokens; token_mean divides by the minibatch's tokens per microbatch
+    (the seq_* modes ignore token_normalizer)."""
     d = _batch()
     kw = {**STEP_KW, "agg_mode": agg_mode, "max_tokens": 5.0, "loss_type": loss_type}
 
@@ -572,6 +588,7 @@ def test_two_microbatches_match_full_batch_gradient(agg_mode, loss_type):
                 advantages=d["advantages"][s],
                 old_logprobs=d["old_logprobs"][s],
                 ref_logprobs=d["ref_logprobs"][s],
+                token_normalizer=d["mask"].sum() / steps,
                 **kw,
             )
             total += loss.item()

@@ -1,5 +1,8 @@
 """The learner's shared-prompt forward, its grouped batches and the reference it skips."""
 
+import contextlib
+import dataclasses
+
 import pandas as pd
 import pytest
 import torch
@@ -8,7 +11,8 @@ from safetensors.torch import load_file
 from grpo import core
 from grpo.config import load_config
 from grpo.layout import stage_dir
-from grpo.learner import Batch, PolicyLM, forward_logprobs
+from grpo.learner import Batch, PolicyLM, Scores, forward_logprobs
+from grpo.learner.loop import minibatch_step
 from grpo.storage import StageWriter, latest_committed, open_storage
 from schemas import read_parquet, write_parquet
 from stages import StageError, stage_function
@@ -236,6 +240,51 @@ def test_microbatches_of_the_longest_responses_together_give_the_one_microbatch_
     assert len({len(x) for x in lengths.to_pylist()}) > 1  # responses of several lengths to group
     d8, d32 = (update(storage, f"mb{n}", out[n]) for n in (8, 32))
     assert d32.norm() > 1e-3 and (d8 - d32).norm() / d32.norm() < 1e-5, ((d8 - d32).norm() / d32.norm()).item()
+
+
+def test_token_mean_microbatches_of_unequal_tokens_give_the_one_microbatch_update(storage):
+    """DAPO's token mean under gradient accumulation: every token of the minibatch weighs 1 / its tokens, not
+    1 / (steps x tokens of its microbatch), which gave the microbatches of long responses less weight a token
+    (0.18 of the update apart before). After AdamW the float32 floor is that of the per-sequence modes (1e-5);
+    the gradient itself agrees to 1e-6 (the next test)."""
+    out = {}
+    for n in (8, 32):
+        make_run(storage, f"tm{n}", extra=[f"learn.microbatch_size={n}", "learn.agg_mode=token_mean", F32])
+        out[n] = stage_function("learn")(storage, f"tm{n}", 0)
+    d8, d32 = (update(storage, f"tm{n}", out[n]) for n in (8, 32))
+    assert d32.norm() > 1e-3 and (d8 - d32).norm() / d32.norm() < 1e-5, ((d8 - d32).norm() / d32.norm()).item()
+
+
+def test_token_mean_gradient_of_unequal_microbatches_and_ranks_is_the_minibatch_token_mean(storage, lm):
+    """The gradient a minibatch accumulates (before AdamW) in microbatches of unequal tokens, or in two ranks'
+    halves averaged as DDP does, is its one-microbatch token-mean gradient within 1e-6 in float32."""
+    make_run(storage, "g", extra=["learn.agg_mode=token_mean", "learn.kl_coef=0.1"])
+    ro, ad = (latest_committed(storage, stage_dir(storage, "g", 0, s)) for s in ("rollouts", "advantages"))
+    batch = load_batch(storage, ro, ad, pad_id=0, group_size=4)
+    model, groups = PolicyLM(lm), torch.arange(8)  # one minibatch of 32 samples
+    scores = Scores(batch.sampler_logprobs, batch.sampler_logprobs - 0.1)
+    n_tok = float(batch.response_mask[batch.rows(groups)].sum())
+
+    def grad(microbatch_size: int, world: int) -> torch.Tensor:
+        lcfg = load_config(None, TINY + ["learn.agg_mode=token_mean", "learn.kl_coef=0.1"]).learn
+        lcfg = dataclasses.replace(lcfg, microbatch_size=microbatch_size)
+        accum = 32 // world // microbatch_size
+        total = None
+        for rank in range(world):  # DDP: the mean of the ranks' gradients
+            lm.zero_grad()
+            args = (lcfg, accum, 128, contextlib.nullcontext, n_tok / (accum * world))
+            minibatch_step(model, batch, scores, groups[rank::world], *args)
+            g = torch.cat([p.grad.flatten() for p in lm.parameters()]) / world
+            total = g if total is None else total + g
+        return total
+
+    longest = batch.response_mask[batch.rows(groups)].sum(1).view(8, -1).amax(1)
+    in_order = groups[longest.argsort(descending=True, stable=True)]  # as minibatch_step groups them
+    assert len({int(batch.response_mask[batch.rows(mb)].sum()) for mb in in_order.split(2)}) > 1
+    one = grad(32, 1)
+    for microbatch_size, world in [(8, 1), (8, 2), (16, 2)]:
+        other = grad(microbatch_size, world)
+        assert (other - one).norm() / one.norm() < 1e-6, (microbatch_size, world, ((other - one).norm() / one.norm()))
 
 
 def test_packed_responses_give_the_update_of_one_row_per_response(storage, monkeypatch):

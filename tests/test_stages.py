@@ -383,9 +383,11 @@ def test_lr_decays_over_the_run_across_iterations(storage):
     assert lrs == pytest.approx([0.004 * (1 - s / 8) for s in range(8)])
 
 
-def test_two_processes_give_the_same_update_as_one(storage):
+@pytest.mark.parametrize("agg_mode", ["seq_mean_token_mean", "token_mean"])
+def test_two_processes_give_the_same_update_as_one(storage, agg_mode):
+    """token_mean: each rank's tokens differ, and the minibatch's token count divides them all (grpo.core)."""
     for run_id, nproc in [("one", 1), ("two", 2)]:
-        make_run(storage, run_id, extra=[f"learn.num_processes={nproc}", F32])
+        make_run(storage, run_id, extra=[f"learn.num_processes={nproc}", f"learn.agg_mode={agg_mode}", F32])
         for s in ["snapshot", "rollouts", "rewards", "advantages", "learn"]:
             stage_function(s)(storage, run_id, 0)
     one = latest_committed(storage, stage_dir(storage, "one", 0, "learn"))

@@ -3,12 +3,17 @@ without end; finite rewards whose sums overflow; half-written side files; two pr
 one stage; run ids that hide what they say."""
 
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import pandas as pd
 import pytest
 from test_stages import TINY
 
-from grpo.config import RewardConfig, load_config
+from grpo.config import ConfigError, RewardConfig, load_config
 from grpo.errors import LayoutError, StageError
 from grpo.layout import run_dir, stage_dir
 from grpo.scoring.pool import RewardPool
@@ -18,6 +23,8 @@ from grpo.tasks import functions
 from stages import stage_function
 from stages.common import run_stage
 from stages.init import init_run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FUNCTIONS = """
 import os, signal, time
@@ -361,3 +368,81 @@ def test_the_flow_names_a_failed_stage_once(tmp_path, monkeypatch):
     monkeypatch.setattr(flows.tasks, "stage_function", lambda name: fails)
     state = flows.tasks.run_stage("rewards", (tmp_path / "store").as_uri(), "t", 3, None, False)
     assert state.message == "rewards iteration 3: input rollouts is stale: ...; rebuild the chain"
+
+
+# ---------------------------------------------------------------- secrets kept from reward code
+
+SECRET = "swordfish-0123456789abcdef"  # what AWS_SECRET_ACCESS_KEY holds in these tests
+
+LEAK = """
+import itertools, os
+
+_n = itertools.count()
+
+def leak(response, ground_truth, prompt):
+    seen = os.environ.get("AWS_SECRET_ACCESS_KEY", "absent")
+    copied = open(os.environ["TRUST_LEAK_FILE"]).read()  # a copy the fork inherited (memory, /proc/PPID/environ)
+    judge = os.environ.get("JUDGE_API_KEY", "absent")
+    print(f"printed env={seen} copy={copied}")
+    if next(_n) == 0:
+        raise KeyError(f"env={seen} copy={copied}")
+    return {"total": 1.0, f"env={seen}": 0.0, f"copy={copied}": 0.0, f"judge={judge}": 0.0}
+"""
+
+
+def test_reward_code_never_sees_credentials_and_what_it_leaks_is_redacted(tmp_path, monkeypatch, caplog):
+    """A reward function that reads the stage's credentials: os.environ has none of them (reward.pass_env
+    passes one through); the secret it got anyway reaches neither the committed table (error, component
+    names) nor the log (printed output)."""
+    (tmp_path / "leak.py").write_text(LEAK)
+    (tmp_path / "secret").write_text(SECRET)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("JUDGE_API_KEY", "judge-key-passed-on")
+    monkeypatch.setenv("TRUST_LEAK_FILE", str(tmp_path / "secret"))
+    storage = open_storage((tmp_path / "store").as_uri())
+    extra = [
+        "rollout.prompts_per_iteration=4",
+        "learn.minibatch_size=16",
+        "learn.microbatch_size=16",
+        f"reward.functions=[{tmp_path / 'leak.py'}:leak]",
+        "reward.max_error_fraction=0.5",
+        "reward.pass_env=[JUDGE_API_KEY]",
+    ]
+    init_run(storage, "s", load_config(None, TINY + extra))
+    stage_function("snapshot")(storage, "s", 0)
+    stage_function("rollouts")(storage, "s", 0)
+    caplog.set_level(logging.INFO)
+    out = stage_function("rewards")(storage, "s", 0)
+    assert out.manifest.summary["errors"] == 1
+    table = pd.read_parquet(storage.uri(out.path("rewards.parquet")))
+    errors = [e for e in table.error if isinstance(e, str)]
+    names = {k for comps in table.components for k, _ in comps}
+    redacted = "<AWS_SECRET_ACCESS_KEY redacted>"
+    assert errors == [f"KeyError: 'env=absent copy={redacted}'"], errors
+    assert {"env=absent", f"copy={redacted}", "judge=judge-key-passed-on"} <= names, names
+    assert SECRET not in repr(table.to_dict()) and SECRET not in caplog.text
+    assert f"printed env=absent copy={redacted}" in caplog.text
+
+
+def test_a_worker_holds_no_credential_in_its_environment_block(tmp_path):
+    """/proc/self/environ shows the environment a process was started with: a worker blanks its credentials
+    there too (the stage's were in it, as a real stage's are)."""
+    script = tmp_path / "look.py"
+    script.write_text(
+        "import os\n"
+        "from grpo.scoring.pool import RewardPool\n"
+        "def look():\n"
+        "    block = open('/proc/self/environ', 'rb').read()\n"
+        f"    return os.environ.get('AWS_SECRET_ACCESS_KEY'), {SECRET!r}.encode() in block, b'PATH=' in block\n"
+        "if __name__ == '__main__':\n"
+        "    with RewardPool(1) as pool:\n"
+        "        print(pool.apply(look))\n"
+    )
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": SECRET, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "(None, False, True)", done.stdout + done.stderr[-2000:]
+
+
+def test_pass_env_takes_variable_names():
+    with pytest.raises(ConfigError, match=r"^reward.pass_env lists environment variable names .* got \['AWS_\*'\]"):
+        load_config(None, ["reward.pass_env=[AWS_*]"])

@@ -3,6 +3,9 @@ GPUs), each running `grpo.learner.rank`, the same update code as one process run
 
 stages/learn.py writes the arguments (config, batch, checkpoint folders, output folder) to a file, calls
 `run_distributed`, and commits what rank 0 and the others wrote once every process has exited cleanly.
+On Linux torchrun dies with the process that started it and every rank with torchrun (PR_SET_PDEATHSIG), so
+a stage killed by SIGKILL leaves no learner behind holding a GPU; a rank killed by a signal is named in the
+error, not only the network error its peers saw.
 With learn.nodes > 1 this machine is one node of several (`Rendezvous`); grpo/learner/nodes.py has them meet.
 """
 
@@ -13,6 +16,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +29,7 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.errors import StageError
-from grpo.procs import free_port, stop_group
+from grpo.procs import free_port, stop_group, tied_to_this_process
 from grpo.progress import TO_STDOUT, relay
 
 log = logging.getLogger("grpo.learner")
@@ -38,6 +42,10 @@ WORKER_ENV_DEFAULTS = {
     "MALLOC_MMAP_THRESHOLD_": "131072",
 }
 """The learner processes' environment where this one does not set these."""
+
+
+LAUNCHER_PID = "GRPO_LEARNER_LAUNCHER_PID"
+"""The environment variable that tells a rank which process (torchrun) it must not outlive."""
 
 
 class LearnersExited(StageError):
@@ -89,7 +97,7 @@ def run_distributed(
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(args, f)
     where = rendezvous.torchrun_args() if rendezvous else ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *where]
+    cmd = [sys.executable, "-m", "grpo.learner.launch", f"--nproc_per_node={nproc}", *where]  # torchrun
     proc = subprocess.Popen(
         [*cmd, "-m", "grpo.learner.rank", f.name],
         stdout=subprocess.PIPE,
@@ -97,10 +105,12 @@ def run_distributed(
         text=True,
         env={**WORKER_ENV_DEFAULTS, **os.environ, TO_STDOUT: "1"},
         start_new_session=True,  # stop_group ends torchrun and its workers together
+        preexec_fn=tied_to_this_process(signal.SIGTERM),  # this process killed: torchrun stops its ranks
     )
     tail: collections.deque[str] = collections.deque(maxlen=20)
     cause: list[str] = []  # the last exception line a worker printed
-    reader = threading.Thread(target=_forward, args=(proc, tail, cause), daemon=True)
+    killed: dict[int, str] = {}  # rank -> torchrun's line on the signal that ended it
+    reader = threading.Thread(target=_forward, args=(proc, tail, cause, killed), daemon=True)
     reader.start()
     try:
         while proc.poll() is None:
@@ -117,6 +127,11 @@ def run_distributed(
         Path(f.name).unlink(missing_ok=True)
     if proc.returncode != 0:
         why = f" ({cause[-1][:300]})" if cause else ""
+        # torchrun SIGTERMs the survivors of a failed rank: a SIGTERM is news only where no rank said why
+        first = {r: line for r, line in killed.items() if "SIGTERM" not in line} or ({} if cause else killed)
+        if first:  # the others' errors (a peer's closed connection) follow from it
+            ranks = "; ".join(f"rank {r} was killed: {line}" for r, line in sorted(first.items()))
+            why = f": {ranks}" + (f"; then {cause[-1][:200]}" if cause else "")
         raise LearnersExited(f"learn under torchrun exited with {proc.returncode}{why}:\n{''.join(tail)}")
     summary = Path(args["summary"])
     return json.loads(summary.read_text()) if summary.exists() else None
@@ -126,7 +141,17 @@ def run_distributed(
 EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b(?::.*)?$")
 
 
-def _forward(proc: subprocess.Popen, tail: collections.deque, cause: list[str]) -> None:
+# torchrun's failure report of a rank (torch.distributed.elastic.multiprocessing.errors):
+#   rank      : 1 (local_rank: 1)
+#   exitcode  : -9 (pid: 4242) (SIGKILL)
+#   traceback : Signal 9 (SIGKILL) received by PID 4242
+FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\b")
+SIGNAL_EXIT = re.compile(r"^\s*exitcode\s*:\s*-(\d+)\b")
+SIGNAL_TRACEBACK = re.compile(r"^\s*traceback\s*:\s*(Signal \d+ .*received by PID \d+)")
+
+
+def _forward(proc: subprocess.Popen, tail: collections.deque, cause: list[str], killed: dict[int, str]) -> None:
+    rank, signalled = None, None
     for line in proc.stdout:
         if relay(line):  # rank 0's progress
             continue
@@ -134,3 +159,31 @@ def _forward(proc: subprocess.Popen, tail: collections.deque, cause: list[str]) 
         tail.append(line)
         if EXCEPTION_LINE.match(line.strip()) and "ChildFailedError" not in line:
             cause.append(line.strip())
+        if m := FAILED_RANK.match(line):
+            rank, signalled = int(m[1]), None
+        elif (m := SIGNAL_EXIT.match(line)) and rank is not None:
+            signalled = _signal_name(int(m[1]))
+            killed.setdefault(rank, f"{signalled} (exitcode -{m[1]})")
+        elif (m := SIGNAL_TRACEBACK.match(line)) and rank is not None and signalled:
+            killed[rank] = m[1]  # "Signal 9 (SIGKILL) received by PID 4242"
+
+
+def _signal_name(number: int) -> str:
+    """SIGKILL for 9; "signal 99" for a number no signal has."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def torchrun_main() -> None:
+    """torchrun, with its pid in its ranks' environment (LAUNCHER_PID) so that each dies with it
+    (grpo.learner.rank); `python -m grpo.learner.launch` takes torchrun's arguments."""
+    os.environ[LAUNCHER_PID] = str(os.getpid())
+    from torch.distributed.run import main
+
+    main()
+
+
+if __name__ == "__main__":
+    torchrun_main()

@@ -8,7 +8,8 @@ metrics.
    over microbatches, loss = clipped policy gradient + kl_coef * KL (grpo.core), grad-norm
    clipping, AdamW with lr optionally decayed over the run's steps.
 Rank r of a multi-process run (torchrun) takes every r-th group of each minibatch; DDP's
-gradient average then equals the one-process gradient for the per-sequence aggregation modes.
+gradient average then equals the one-process gradient: every rank's microbatches hold as many sequences
+(the per-sequence modes), and token_mean divides by the whole minibatch's tokens (grpo.core).
 """
 
 from __future__ import annotations
@@ -35,9 +36,18 @@ log = logging.getLogger("grpo.learner")
 
 
 def minibatch_step(
-    model, batch: Batch, scores: Scores, groups: Tensor, lcfg: LearnConfig, accum: int, max_tokens: int, autocast
+    model,
+    batch: Batch,
+    scores: Scores,
+    groups: Tensor,
+    lcfg: LearnConfig,
+    accum: int,
+    max_tokens: int,
+    autocast,
+    token_normalizer: float,
 ) -> dict[str, float]:
-    """Forward/backward over this rank's `groups` in microbatches. Returns metrics: the extremes
+    """Forward/backward over this rank's `groups` in microbatches; token_normalizer is token_mean's divisor
+    of each microbatch's token sum (grpo.core.grpo_microbatch_step). Returns metrics: the extremes
     (`*_max`, `*_min`) over microbatches, the rest summed / accum."""
     totals: dict[str, float] = {}
     # longest responses together: each microbatch's forward pads only to its own longest (forward_logprobs)
@@ -67,6 +77,7 @@ def minibatch_step(
             clip_eps_high=lcfg.clip_eps_high,
             dual_clip_c=lcfg.dual_clip_c,
             max_tokens=max_tokens,
+            token_normalizer=token_normalizer,
             sampler_logprobs=batch.sampler_logprobs[mb],
             behavior_correction=lcfg.behavior_correction,
             behavior_level=lcfg.behavior_level,
@@ -148,9 +159,16 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         for start in range(0, n_groups - per_step + 1, per_step):
             groups = order[start : start + per_step]
             t0 = time.perf_counter()
+            n_tok = int(mask[batch.rows(groups)].sum())  # the whole minibatch's, every rank's
+            # DAPO's token mean of the minibatch: each microbatch's token sum / the minibatch's tokens per
+            # microbatch, which the 1/accum scale and the ranks' gradient mean turn into / n_tok. Every rank
+            # holds the whole batch, so each counts n_tok itself (verl all-reduces its global token count)
+            per_microbatch = max(1, n_tok) / (accum * world)
             m = reduce_across_ranks(
                 acc,
-                minibatch_step(model, batch, scores, groups[rank::world], lcfg, accum, max_tokens, learner.autocast),
+                minibatch_step(
+                    model, batch, scores, groups[rank::world], lcfg, accum, max_tokens, learner.autocast, per_microbatch
+                ),
             )
             if scores.pending is not None:  # every old log-prob known now: check the sampler's before a step
                 checked, scores = scores.pending, _fill_pending(acc, scores)
@@ -173,7 +191,6 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
             opt.step()
             opt.zero_grad(set_to_none=True)
             update_s += time.perf_counter() - t0
-            n_tok = int(mask[batch.rows(groups)].sum())
             rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tok, gap))
             step += 1
             if acc.is_main_process:

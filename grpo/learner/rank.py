@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -17,8 +18,10 @@ import torch
 from grpo.config import RunConfig, load_config
 from grpo.layout import Salt, iteration_seed
 from grpo.learner.batch import Batch, Scores
+from grpo.learner.launch import LAUNCHER_PID
 from grpo.learner.loop import train
 from grpo.learner.state import Learner
+from grpo.procs import die_with_parent
 from schemas import table_file, write_parquet
 from schemas.tables import FLOAT_LISTS
 
@@ -74,7 +77,10 @@ def train_and_save(learner: Learner, run_id: str, iteration: int, batch: Batch, 
 
 
 def worker_main(args_path: str) -> None:
-    """A torchrun rank: the arguments grpo.learner.launch.learner_args wrote, then the code one process runs."""
+    """A torchrun rank: the arguments grpo.learner.launch.learner_args wrote, then the code one process runs;
+    it dies with its torchrun (grpo.learner.launch.torchrun_main), killed however."""
+    if launcher := os.environ.get(LAUNCHER_PID):
+        die_with_parent(signal.SIGKILL, int(launcher))
     args = json.loads(Path(args_path).read_text())
     cfg = load_config(args["config"])
     batch = torch.load(args["batch"], weights_only=False)

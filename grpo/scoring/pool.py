@@ -1,7 +1,11 @@
 """The supervised process pool reward functions run in: each worker has its own pipe, process sentinel and a
 shared progress record (sample, function, since when), so the parent sees a death the moment it happens and
 names it, kills a sample past its alarm and replaces only that worker; what workers print goes to a file per
-worker. `WARM_POOLS` keeps pools between a warm run's stages. What a job does: grpo/scoring/score.py.
+worker. Each worker is its own process group and (Linux) a subreaper: what a job starts and leaves running is
+killed as the job ends and counted (`left_running`), as is what a killed worker's job started. Workers start
+without the stage's credentials, whose values are redacted from what they send back and
+print (grpo/scoring/secrets.py). `WARM_POOLS` keeps pools between a warm run's stages. What a job does:
+grpo/scoring/score.py.
 """
 
 from __future__ import annotations
@@ -14,10 +18,14 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import connection
-from typing import Any
+from typing import Any, Sequence
+
+from grpo.procs import become_subreaper, kill_descendants
+from grpo.scoring import secrets
 
 log = logging.getLogger("grpo.scoring")
 
@@ -49,16 +57,20 @@ def _worker_init() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
-def _worker_main(conn, progress, out: int) -> None:
+def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
     """A worker: runs the (fn, args) jobs `conn` brings, answers ("done", result) or ("failed", error
     line); meanwhile a job may tell the parent of samples that erred (`_tell`).
 
+    It starts without the stage's credentials (grpo/scoring/secrets.py; `pass_env` names those it keeps).
     Its stdout and stderr go to the file `out`, which the parent reads and empties after each job. It
     closes the parent's ends of the other workers' pipes, so that when the parent dies every worker
     reads EOF and ends.
     """
     global _PROGRESS, _CONN
     _worker_init()
+    secrets.remove_credentials(pass_env)
+    os.setpgid(0, 0)  # its own process group, and (Linux) every process its jobs start stays below it
+    become_subreaper()
     _PROGRESS, _CONN = progress, conn
     _mapped_at_start()  # what reward.max_memory_mb is counted from
     os.dup2(out, 1)
@@ -69,20 +81,43 @@ def _worker_main(conn, progress, out: int) -> None:
         except OSError:
             pass
     sys.stdout = sys.stderr = open(1, "w", closefd=False, errors="backslashreplace")
-    while True:
+    try:
+        while (job := _next_job(conn)) is not None:
+            fn, args = job
+            try:
+                reply = ("done", fn(*args))
+            except Exception as e:  # noqa: BLE001 (said to the parent; SystemExit ends the worker, as asked)
+                reply = ("failed", f"{type(e).__name__}: {e}")
+            sys.stdout.flush()
+            if left := _end_leftovers():
+                conn.send(("left", left))
+            conn.send(reply)
+    finally:  # asked to stop, the parent gone (EOF, a broken pipe), a SystemExit: nothing left behind
+        _end_leftovers()
+
+
+def _next_job(conn):
+    """The next (fn, args) from the parent; None when asked to stop or the parent is gone."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return None
+
+
+def _end_leftovers() -> int:
+    """Kill what this worker's job started and left running (a subreaper, it finds them however they
+    detached), reap them; returns how many there were."""
+    left = kill_descendants(os.getpid(), group=True)
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:  # the killed (and what had exited unwaited for) leave no zombie
         try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        fn, args = job
-        try:
-            reply = ("done", fn(*args))
-        except Exception as e:  # noqa: BLE001 (said to the parent; SystemExit ends the worker, as asked)
-            reply = ("failed", f"{type(e).__name__}: {e}")
-        sys.stdout.flush()
-        conn.send(reply)
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                if not left:
+                    break
+                time.sleep(0.01)
+        except ChildProcessError:
+            break
+    return left
 
 
 def progress_record() -> Any:
@@ -150,10 +185,15 @@ class _Worker:
 
 
 class RewardPool:
-    """Worker processes forked from this one, each watched by the parent (see the note above)."""
+    """Worker processes forked from this one, each watched by the parent (see the note above); they start
+    without this process's credentials but those named in `pass_env` (reward.pass_env), and what they
+    answer or print reaches the caller and the log with the values of the others redacted."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, pass_env: tuple[str, ...] = ()):
         self.workers: list[_Worker] = []
+        self.pass_env = tuple(pass_env)
+        self.secrets: dict[str, str] = {}  # value -> name of each credential kept from the workers
+        self.left_running = 0  # processes its jobs left running (killed), since the pool started
         self.printed, self.printed_head = 0, b""  # what workers printed since the last log, its first bytes
         try:
             for _ in range(workers):
@@ -166,6 +206,7 @@ class RewardPool:
         """A new worker; SIGTERM stays blocked from the fork until `_worker_init` restored its default
         action (a worker stopped as it starts would otherwise handle it the parent's way and live on)."""
         ctx = mp.get_context("fork")
+        self.secrets = {**self.secrets, **secrets.secret_values(os.environ, self.pass_env)}
         parent, child = ctx.Pipe()
         progress = ctx.RawArray("d", [IDLE, 0.0, 0.0])
         out = _output_file()
@@ -175,7 +216,7 @@ class RewardPool:
                 stream.flush()
             except (AttributeError, OSError, ValueError):
                 pass
-        process = ctx.Process(target=_worker_main, args=(child, progress, out), daemon=True)
+        process = ctx.Process(target=_worker_main, args=(child, progress, out, self.pass_env), daemon=True)
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             process.start()
@@ -212,7 +253,10 @@ class RewardPool:
             try:
                 while w.job is not None and w.conn.poll():
                     kind, payload = w.conn.recv()
-                    events.append((w, job, kind, payload))
+                    if kind == "left":  # what the job left running, killed as it ended
+                        self.left_running += payload
+                        continue
+                    events.append((w, job, kind, secrets.redact(payload, self.secrets)))
                     if kind != "erred":
                         w.job = None
                         self._collect(w)
@@ -243,6 +287,8 @@ class RewardPool:
         return how
 
     def _retire(self, w: _Worker) -> str:
+        # what its job started first: once the worker is gone they would be init's (or their group's alone)
+        self.left_running += kill_descendants(w.process.pid, group=True)
         w.process.kill()  # SIGKILL: a hung worker ignores the rest; a dead one is not signalled again
         w.process.join()
         self._collect(w)
@@ -266,16 +312,20 @@ class RewardPool:
         """Log what the workers printed since the last call, once, cut to _PRINTED_KEEP bytes."""
         if not self.printed:
             return
-        text = self.printed_head.decode(errors="backslashreplace")
+        text = secrets.redact_cut(self.printed_head.decode(errors="backslashreplace"), self.secrets)
         more = self.printed - len(self.printed_head)
         note = f"\n[... {more} more bytes not shown]" if more > 0 else ""
         log.warning("reward functions printed %d bytes:\n%s%s", self.printed, text, note)
         self.printed, self.printed_head = 0, b""
 
     def terminate(self) -> None:
-        """Kill every worker and wait for it (nothing a reward function holds needs cleaning up)."""
+        """Kill every worker, and what its jobs started, and wait for it (nothing a reward function holds needs
+        cleaning up)."""
+        before = self.left_running
         while self.workers:
             self._retire(self.workers.pop())
+        if self.left_running > before:
+            log.warning("reward functions left %d processes running at close; killed", self.left_running - before)
 
     def __enter__(self) -> RewardPool:
         return self
@@ -293,8 +343,8 @@ def _output_file() -> int:
     return fd
 
 
-def _fork_pool(workers: int) -> RewardPool:
-    return RewardPool(workers)
+def _fork_pool(workers: int, pass_env: tuple[str, ...] = ()) -> RewardPool:
+    return RewardPool(workers, pass_env)
 
 
 class _WarmPools:
@@ -319,17 +369,19 @@ class _WarmPools:
                 self._pools.popitem()[1].terminate()
 
     @contextmanager
-    def pool(self, workers: int):
+    def pool(self, workers: int, pass_env: Sequence[str] = ()):
+        """A pool of `workers` processes keeping the credentials `pass_env` names (reward.pass_env)."""
+        key = (workers, tuple(pass_env))
         if not self.active:
-            with _fork_pool(workers) as pool:
+            with _fork_pool(*key) as pool:
                 yield pool
             return
-        if workers not in self._pools:
-            self._pools[workers] = _fork_pool(workers)
+        if key not in self._pools:
+            self._pools[key] = _fork_pool(*key)
         try:
-            yield self._pools[workers]
+            yield self._pools[key]
         except BaseException:  # a hung or broken worker must not serve the next stage
-            self._pools.pop(workers).terminate()
+            self._pools.pop(key).terminate()
             raise
 
 

@@ -7,6 +7,7 @@ of samples erred; then the reward shaping of grpo/scoring/shaping.py. The reward
 from __future__ import annotations
 
 import json
+import logging
 import math
 import signal
 import time
@@ -19,6 +20,8 @@ from grpo.scoring.pool import IDLE, LOADING, RewardPool, cap_memory, progress_re
 from grpo.scoring.shaping import overlong, truncated
 from grpo.storage import Committed
 from grpo.tasks import functions
+
+log = logging.getLogger("grpo.scoring")
 
 _JOBS_PER_WORKER = 4  # a batch is split into about this many pool jobs per worker
 
@@ -140,6 +143,7 @@ def score_batch(
     results: list = [None] * len(items)
     erred: dict[int, str] = {}  # sample -> its error, as soon as a worker tells it (a rescored sample once)
     names = function_names(key)
+    left_before = pool.left_running
 
     def lost(job: list[int], where: int, error: str) -> None:  # sample job[where] erred; the rest go back
         results[job[where]] = (0.0, {}, error)
@@ -191,6 +195,12 @@ def score_batch(
                 )
     finally:
         pool.log_printed()
+        if left := pool.left_running - left_before:  # not an error: the rewards stand, the processes are gone
+            log.warning(
+                "reward function %s left %d processes running; they were killed as their jobs ended",
+                ", ".join(names),
+                left,
+            )
     return results
 
 
