@@ -13,6 +13,7 @@ import ctypes
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -43,10 +44,12 @@ class Generator(Protocol):
     adapter_dir: str | None
 
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None, progress=None
     ) -> list[list[Sample]]:
         """prompts: token ids (bos included) -> per prompt, spec.n samples of at most its budget
-        (default spec.max_tokens) tokens; every eos id of the checkpoint (`stop_token_ids`) stops."""
+        (default spec.max_tokens) tokens; every eos id of the checkpoint (`stop_token_ids`) stops.
+        progress: called with the number of prompts whose samples have all ended, as they end; it sees
+        the sampling, never changes it."""
         ...
 
     def load_weights(self, model_dir: str) -> None:
@@ -89,7 +92,7 @@ class HFGenerator:
 
     @torch.no_grad()
     def _batch(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int], rng: torch.Generator
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int], rng: torch.Generator, progress=None
     ) -> list[list[Sample]]:
         pad = pad_token_id(self.tokenizer)
         width, dev = max(map(len, prompts)), self.device
@@ -125,6 +128,8 @@ class HFGenerator:
                 ended |= ~done & self._stop_strings_seen(tokens, spec.stop)
             length[ended], done, stopped = t + 1, done | ended, stopped | ended
             done |= limit == t + 1  # out of budget: "length" (length stays at the budget)
+            if progress is not None:
+                progress(int(done.view(-1, spec.n).all(1).sum()))  # prompts whose n samples all ended
             if done.all():
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
@@ -149,14 +154,15 @@ class HFGenerator:
         return torch.tensor([any(s in self.tokenizer.decode(r) for s in stop) for r in rows], device=self.device)
 
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None, progress=None
     ) -> list[list[Sample]]:
         rng = torch.Generator(self.device).manual_seed(spec.seed)
         budgets = budgets or [spec.max_tokens] * len(prompts)
         step = max(1, self.batch_size // spec.n)
         out: list[list[Sample]] = []
         for i in range(0, len(prompts), step):
-            out += self._batch(prompts[i : i + step], spec, budgets[i : i + step], rng)
+            batch_progress = None if progress is None else lambda k, i=i: progress(i + k)
+            out += self._batch(prompts[i : i + step], spec, budgets[i : i + step], rng, batch_progress)
         return out
 
     def load_weights(self, model_dir: str) -> None:
@@ -233,7 +239,7 @@ class VLLMGenerator:
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, use_tqdm_on_load=False, **batch, **engine)
 
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None, progress=None
     ) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -262,8 +268,9 @@ class VLLMGenerator:
             from vllm.lora.request import LoRARequest
 
             lora = LoRARequest(f"policy-{self._lora_id}", self._lora_id, self.adapter_dir)
+        bar = False if progress is None else _FinishedRequests.factory(progress)  # one generate call either way
         outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=lora
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=bar, lora_request=lora
         )
         _return_freed_heap()
         return [[self._sample(c) for c in o.outputs] for o in outs]
@@ -336,6 +343,33 @@ class VLLMGenerator:
 
             gc.collect()
             torch.cuda.empty_cache()
+
+
+class _FinishedRequests:
+    """What vLLM's offline loop takes for its tqdm bar (`LLM.generate(use_tqdm=factory)`): counts the requests
+    (prompts, each with its n samples) that finished and calls progress(count) as each does; prints nothing."""
+
+    def __init__(self, progress):
+        self.progress, self.requests, self.n, self.postfix, self.t0 = progress, 0, 0, "", time.monotonic()
+
+    @classmethod
+    def factory(cls, progress):
+        # vLLM also wraps the prompts it renders in a bar (an iterable, nothing to report): passed through
+        return lambda iterable=None, **_: iterable if iterable is not None else cls(progress)
+
+    @property
+    def format_dict(self) -> dict:
+        return {"elapsed": max(time.monotonic() - self.t0, 1e-9)}
+
+    def update(self, n: int = 1) -> None:  # once per finished request, n = its samples
+        self.n, self.requests = self.n + n, self.requests + 1
+        self.progress(self.requests)
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # what vLLM stacks into one layer

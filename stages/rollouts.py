@@ -18,7 +18,7 @@ from grpo.checkpoint import content_hash, non_finite_weights
 from grpo.config import RolloutConfig, RunConfig, identity_section
 from grpo.generation import Sample, SamplingSpec, decode_responses
 from grpo.layout import Salt, iteration_seed, round_seed
-from grpo.progress import progress
+from grpo.progress import Progress
 from grpo.storage import Committed, StageWriter, Storage
 from schemas import ParquetWriter, table_file
 from stages import rewards
@@ -81,10 +81,12 @@ class Tally:
         run_id: str,
         iteration: int,
         version: str,
+        progress=None,
     ) -> tuple[dict[str, list], list[list[Sample]]]:
-        """Sample one chunk of prompts and write its rows to `out`: (its columns, its groups)."""
+        """Sample one chunk of prompts and write its rows to `out`: (its columns, its groups); `progress(k)` as
+        the chunk's first k prompts' samples end (the sampler's, which it never changes)."""
         t0 = time.perf_counter()
-        groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk])
+        groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk], progress)
         self.generate_s += time.perf_counter() - t0
         columns = chunk_columns(run_id, iteration, p, chunk, groups, version)
         out.write(columns)
@@ -126,16 +128,12 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         engine_s = time.perf_counter() - t0
         spec = sampling_spec(r, iteration_seed(cfg.seed, iteration, Salt.SAMPLING))
         version, tally = content_hash(snap)[:16], Tally()
+        report = Progress(f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""), len(part), "prompts")
         with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out:
             for start in range(part.start, part.stop, r.chunk_prompts):
-                chunk = slice(start, start + r.chunk_prompts)
-                tally.sample(gen, p, chunk, spec, out, run_id, iteration, version)
-                progress(
-                    f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""),
-                    min(start + r.chunk_prompts, part.stop) - part.start,
-                    len(part),
-                    "prompts",
-                )
+                chunk, at = slice(start, start + r.chunk_prompts), start - part.start
+                tally.sample(gen, p, chunk, spec, out, run_id, iteration, version, lambda k, at=at: report.part(at + k))
+                report(min(start + r.chunk_prompts, part.stop) - part.start)
         return {
             "prompts": len(part),
             "skipped_prompts": p.skipped,
@@ -251,9 +249,11 @@ def sample_rounds(
                 gen, settings = sampler(p, cfg)
                 engine_s = time.perf_counter() - t0
             spec = sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
+            report = Progress(f"rollouts {iteration} round {rounds}", len(p.ids), "prompts")
             for at in range(0, len(p.ids), r.chunk_prompts):
                 chunk = slice(at, at + r.chunk_prompts)
-                columns, groups = tally.sample(gen, p, chunk, spec, out, run_id, iteration, version)
+                part = lambda k, at=at: report.part(at + k)  # noqa: E731
+                columns, groups = tally.sample(gen, p, chunk, spec, out, run_id, iteration, version, part)
                 t0 = time.perf_counter()
                 has = group_signal(cfg, pool, key, columns, [len(g) for g in groups])
                 score_s += time.perf_counter() - t0
@@ -263,9 +263,7 @@ def sample_rounds(
                     | {"round": [rounds] * len(ids), "signal": has}
                 )
                 signal += sum(has)
-                progress(
-                    f"rollouts {iteration} round {rounds}", min(at + r.chunk_prompts, len(p.ids)), len(p.ids), "prompts"
-                )
+                report(min(at + r.chunk_prompts, len(p.ids)))
             kept, skipped, rounds = kept + len(p.ids), skipped + p.skipped, rounds + 1
     return {
         "prompts": kept,
