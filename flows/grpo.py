@@ -40,6 +40,7 @@ from grpo.layout import STAGES, StageName, stage_dir
 from grpo.quiet import HarmlessFilter, quiet_libraries
 from grpo.report import best_iteration, figure_png, headline, iteration_rows, markdown_table, write_report
 from grpo.storage import ArtifactError, latest_committed, open_storage
+from grpo.threads import SHARED_MACHINE, apply_threads
 from grpo.tracking import track
 from schemas import SchemaError
 from stages import stage_function
@@ -50,7 +51,21 @@ from stages.iteration import next_iteration, warm_state
 FORWARDED_LOGGERS = ("grpo", "vllm")
 
 
-@flow(name="grpo", flow_run_name="{run_id}")
+def flow_run_label() -> str:
+    """flow_run_name of grpo: the run and its iterations, `p1-3` (one) or `p1-3..12` (warm); the run id alone
+    where storage cannot say which is next (the flow body then fails with its one line)."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    try:
+        first = resolve_iteration(open_storage(p.get("storage_url")).url, p["run_id"], p.get("iteration", "next"))
+    except Exception:
+        return p["run_id"]
+    last = first + p.get("iterations", 1) - 1
+    return f"{p['run_id']}-{first}" + (f"..{last}" if last > first else "")
+
+
+@flow(name="grpo", flow_run_name=flow_run_label)
 def grpo(
     run_id: str = "demo",
     iteration: int | Literal["next"] = "next",
@@ -71,6 +86,7 @@ def grpo(
     stage of the first iteration (and so every later stage). `placement` ({stage: work pool})
     runs those stages as flow runs of deployment `grpo-stage/<pool>` (`placed`), the rest here.
     """
+    apply_threads()  # GRPO_THREADS (grpo/threads.py)
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     unknown = sorted(set(placement or {}) - set(STAGES))
@@ -258,6 +274,7 @@ def stage_flow(
     """One stage of one iteration (or one shard of it, or one node of learn), run by a worker of the pool it is
     placed on (deployment `grpo-stage/<pool>`); the same task, retries included, as in the flow `grpo`. Its
     result is the committed manifest in storage: the orchestrating flow reads it there, no result storage needed."""
+    apply_threads(SHARED_MACHINE)  # GRPO_THREADS, else half the cores: the pools' stages may share a machine
     with stage_logs_to_prefect():
         args = (storage_url, run_id, iteration) + ((upstream,) if stage != "snapshot" else ())
         node = {"node_rank": node_rank} if node_rank else {}
