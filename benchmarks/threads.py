@@ -22,6 +22,7 @@ from timing import machine
 
 from grpo.config import load_config
 from grpo.layout import stage_dir
+from grpo.quiet import quiet_libraries
 from grpo.storage import latest_committed, open_storage
 from stages import stage_function
 from stages.init import init_run
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--set", action="append", default=[])
     args = p.parse_args()
+    quiet_libraries()
     print(f"machine: {machine()}; load average now {os.getloadavg()[0]:.1f}", flush=True)
     url = Path(tempfile.mkdtemp(prefix="grpo-threads-")).as_uri()
     storage = open_storage(url)
