@@ -29,11 +29,13 @@ import torch
 from timing import machine
 
 from grpo.config import load_config
+from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
 from grpo.sampling.base import SamplingSpec, decode_responses, stop_token_ids
 from grpo.sampling.hf import HFGenerator
 from grpo.storage import open_storage
 from grpo.tasks.math import math_reward
+from grpo.threads import apply_threads
 from grpo.tiny_model import build_chat_model
 from stages.init import init_run
 from stages.iteration import run_warm
@@ -85,7 +87,8 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: in
         a = tok(solution(r, wrong) + "<|im_end|>", add_special_tokens=False)["input_ids"]
         examples.append((p, a))
     model.train()
-    for _ in range(steps):
+    t0 = shown = time.time()
+    for step in range(steps):
         batch = rng.sample(examples, 32)
         width = max(len(p) + len(a) for p, a in batch)
         ids = torch.full((len(batch), width), tok.pad_token_id)
@@ -98,6 +101,14 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: in
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if time.time() - shown >= 20 or step + 1 == steps:  # a line every 20 s: the estimate from the pace so far
+            per_step = (time.time() - t0) / (step + 1)
+            print(
+                f"warm start: step {step + 1}/{steps}, loss {loss.item():.3f}, {per_step:.2f} s a step, "
+                f"~{per_step * (steps - step - 1) / 60:.1f} min left",
+                flush=True,
+            )
+            shown = time.time()
     model.save_pretrained(model_dir)
 
 
@@ -131,6 +142,8 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     args = p.parse_args()
     quiet_libraries()  # no progress bars between the table's lines
+    show_in_terminal()  # in a terminal, where each stage is (rollouts 3: 32/64 prompts) on one line of stderr
+    apply_threads()  # GRPO_THREADS, else torch's one thread a core
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     print(f"machine: {machine()}; {gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     work = Path(args.dir or tempfile.mkdtemp(prefix="grpo-chat-math-"))
@@ -192,7 +205,10 @@ def main() -> None:
     )
     storage = open_storage(str(work / "storage"))
     init_run(storage, "chat-math", cfg)
-    print(f"{'iter':>4} {'reward':>7} {'accuracy':>8} {'seconds':>8} {'tokens':>8} {'steps':>6} {'rounds':>6}")
+    print(
+        f"{'iter':>4} {'reward':>7} {'accuracy':>8} {'seconds':>8} {'tokens':>8} {'steps':>6} {'rounds':>6} "
+        f"{'min left':>8}"
+    )
     start = t = time.time()
     tokens = steps = 0  # sampled response tokens and AdamW steps so far: compare variants at equal cost
     for k, out in run_warm(storage, "chat-math", 0, args.iterations):
@@ -201,7 +217,8 @@ def main() -> None:
         print(
             f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} "
             f"{out['eval'].manifest.summary['exact_match']:>8.3f} {time.time() - t:>8.1f} "
-            f"{tokens:>8} {steps:>6} {rollouts.get('rounds', 1):>6}",
+            f"{tokens:>8} {steps:>6} {rollouts.get('rounds', 1):>6} "
+            f"{(time.time() - start) / (k + 1) * (args.iterations - k - 1) / 60:>8.1f}",  # at the pace so far
             flush=True,
         )
         t = time.time()

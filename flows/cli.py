@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from flows.kubernetes import PREFECT_FILE
+from grpo import threads
 from grpo.config import ConfigError, load_config_file
 from grpo.errors import describe
 from grpo.layout import SHARDED, STAGES, export_dir, run_dir, run_ids, shard_dirs, stage_dir
@@ -538,6 +539,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--storage", help="storage URL (default $GRPO_STORAGE or ./storage)")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument(
+        "--threads",
+        help="torch's CPU threads in this process and the grpo processes it starts: N, or cores/K for K processes "
+        "sharing the machine (default $GRPO_THREADS, else torch's: one per core)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_config(sp):
@@ -688,6 +694,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # -v prints the progress records as log lines
         show_in_terminal()
     try:
+        if args.threads:
+            os.environ[threads.ENV] = args.threads
+        threads.apply_threads()
         args.fn(args, open_storage(args.storage))
     except BrokenPipeError:  # `grpo query ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush

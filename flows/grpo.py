@@ -34,12 +34,27 @@ from flows.tasks import create_run, failed, ok
 from grpo.layout import StageName
 from grpo.lineage import next_iteration
 from grpo.storage import Storage, open_storage
+from grpo.threads import apply_threads
 from grpo.tracking import track
 from stages.common import load_run
 from stages.iteration import warm_state
 
 
-@flow(name="grpo", flow_run_name="{run_id}")
+def flow_run_label() -> str:
+    """flow_run_name of grpo: the run and its iterations, `p1-3` (one) or `p1-3..12` (warm); the run id alone
+    where storage cannot say which is next (the flow body then fails with its one line)."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    try:
+        first = resolve_iteration(open_storage(p.get("storage_url")).url, p["run_id"], p.get("iteration", "next"))
+    except Exception:
+        return p["run_id"]
+    last = first + p.get("iterations", 1) - 1
+    return f"{p['run_id']}-{first}" + (f"..{last}" if last > first else "")
+
+
+@flow(name="grpo", flow_run_name=flow_run_label)
 def grpo(
     run_id: str = "demo",
     iteration: int | Literal["next"] = "next",
@@ -62,6 +77,8 @@ def grpo(
     rollout.staleness >= 1 and learn on a pool of its own, iteration k+1 samples (and iteration k's eval runs)
     while learn k runs: which policy samples which rows is fixed by the config, not by this overlap.
     """
+    apply_threads()  # GRPO_THREADS (grpo/threads.py)
+    apply_threads()  # GRPO_THREADS (grpo/threads.py)
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     storage = open_storage(storage_url)
@@ -97,6 +114,20 @@ def sample(stage: Placement) -> dict[str, str]:
     samples = stage("rollouts", policy)
     scores = stage("rewards", samples)
     return {"snapshot": policy, "rollouts": samples, "rewards": scores, "advantages": stage("advantages", scores)}
+
+
+def flow_run_label() -> str:
+    """flow_run_name of grpo: the run and its iterations, `p1-3` (one) or `p1-3..12` (warm); the run id alone
+    where storage cannot say which is next (the flow body then fails with its one line)."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    try:
+        first = resolve_iteration(open_storage(p.get("storage_url")), p["run_id"], p.get("iteration", "next"))
+    except Exception:
+        return p["run_id"]
+    last = first + p.get("iterations", 1) - 1
+    return f"{p['run_id']}-{first}" + (f"..{last}" if last > first else "")
 
 
 def resolve_iteration(storage: Storage, run_id: str, iteration: int | str) -> int:

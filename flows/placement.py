@@ -15,6 +15,7 @@ from flows.tasks import TASKS, checked_uri, failure_line, ok
 from grpo.config import ConfigError, RunConfig
 from grpo.layout import STAGES, StageName, stage_dir
 from grpo.storage import Storage, latest_committed
+from grpo.threads import SHARED_MACHINE, apply_threads
 
 WARM_WORKERS = "warm"  # a placement that sends the stage to a long-lived stage worker, not a work pool
 
@@ -43,6 +44,7 @@ def stage_flow(
     """One stage of one iteration (or one shard of it, or one node of learn), run by a worker of the pool it is
     placed on (deployment `grpo-stage/<pool>`); the same task, retries included, as in the flow `grpo`. Its
     result is the committed manifest in storage: the orchestrating flow reads it there, no result storage needed."""
+    apply_threads(SHARED_MACHINE)  # GRPO_THREADS, else half the cores: the pools' stages may share a machine
     with stage_logs_to_prefect():
         args = (storage_url, run_id, iteration) + ((upstream,) if stage != "snapshot" else ())
         node = {"node_rank": node_rank} if node_rank else {}

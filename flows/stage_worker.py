@@ -8,24 +8,36 @@ The flow `grpo` sends a stage placed on `warm` (`placement={"rollouts": "warm", 
 worker serves it (`Task.delay`) and waits; the stage commits to storage as everywhere else, and the
 flow reads its manifest there. Prefect hands a task run's parameters to the worker through result
 storage: on one machine the default local folder; across machines set PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK
-(or PREFECT_LOCAL_STORAGE_PATH on a shared mount) to a store both sides reach.
+(or PREFECT_LOCAL_STORAGE_PATH on a shared mount) to a store both sides reach. A worker runs torch on half
+the machine's cores unless told otherwise (`--threads`, GRPO_THREADS: grpo/threads.py), as two share one
+in the README's layout.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from prefect.task_worker import serve
 
 from flows.logs import stage_logs_to_prefect
 from flows.tasks import TASKS
+from grpo import threads
 from stages.iteration import warm_state
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m flows.stage_worker", description=__doc__.split("\n")[0])
     p.add_argument("stages", nargs="+", choices=sorted(TASKS), help="the stages this machine runs")
+    p.add_argument(
+        "--threads",
+        default=os.environ.get(threads.ENV, threads.SHARED_MACHINE),
+        help="torch's CPU threads: N, or cores/K for K processes sharing the machine (default $GRPO_THREADS, else "
+        f"{threads.SHARED_MACHINE}: this worker and another on one machine)",
+    )
     args = p.parse_args(argv)
+    os.environ[threads.ENV] = args.threads
+    threads.apply_threads()  # before any stage: its tasks run in this process
     # one task at a time: a stage owns the machine's accelerator while it runs
     with stage_logs_to_prefect(), warm_state():
         serve(*(TASKS[s] for s in dict.fromkeys(args.stages)), limit=1)

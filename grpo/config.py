@@ -161,7 +161,8 @@ class RolloutConfig:
     """Longer prompts are skipped (counted in the manifest summary as `skipped_prompts`); prompts that
     leave no room for a response within the model's context are skipped too. None: no limit of its own."""
     chunk_prompts: int = 512
-    """Prompts generated and written per Parquet row group; bounds memory."""
+    """Prompts generated and written per Parquet row group; bounds memory. Each chunk's sampler call is seeded
+    from the stage's seed alone, so another chunk size samples other rows (as another seed would)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings (backend `vllm`), recorded in the rollouts and eval manifests."""
     keep_engine: bool = True
@@ -172,7 +173,9 @@ class RolloutConfig:
     """Split the iteration's prompts into this many ranges of whole `chunk_prompts` chunks, each sampled by its
     own task run (on its own worker where the stage is placed) and committed on its own, so a failed shard
     reruns alone; the stage commits their rows merged, the same rows as one shard (seeds go by chunk). At
-    most the iteration's number of chunks. Not part of the stage's identity."""
+    most the iteration's number of chunks: with the default chunk_prompts (512) and 256 prompts there is one,
+    so N shards need chunk_prompts <= prompts_per_iteration / N (a new chunk size samples other rows, since
+    each chunk is seeded on its own). Not part of the stage's identity; may change for an existing run."""
     min_signal_groups: int | None = None
     """Dynamic sampling (DAPO): while fewer than this many of the iteration's groups have unequal rewards, the
     rollouts stage draws the next prompts_per_iteration prompts and samples them, up to max_sampling_rounds
@@ -250,7 +253,8 @@ class RewardConfig:
     """Split the samples into this many ranges, each scored by its own task run (on its own worker where the
     stage is placed) and committed on its own, so a failed shard reruns alone; the stage commits their rows
     merged, the same as one shard. Each shard holds `max_error_fraction` on its own. At most the iteration's
-    samples (rollout.prompts_per_iteration x rollout.group_size). Not part of the stage's identity."""
+    samples (rollout.prompts_per_iteration x rollout.group_size). Not part of the stage's identity; may change for
+    an existing run."""
 
     def check(self) -> None:
         if self.weights is not None and len(self.weights) != len(self.functions):
@@ -327,7 +331,9 @@ class LearnConfig:
     minibatch_size: int = 256
     """Samples per optimizer step: minibatch_size / group_size prompts with all their samples."""
     microbatch_size: int = 256
-    """Samples per forward/backward (a multiple of group_size); gradients accumulate to the minibatch."""
+    """Samples per forward/backward of one process (a multiple of group_size); gradients accumulate to the
+    minibatch. A process runs at most its share of a minibatch, minibatch_size / num_processes: a larger value
+    is cut to that (`process_microbatch`), so the default fits any num_processes that splits the minibatch."""
     lr: float = 1.5e-3
     """AdamW learning rate."""
     lr_decay_steps: int = 500
@@ -428,6 +434,11 @@ class LearnConfig:
     """How learn.num_processes processes split the model: `ddp` (each holds all of it, gradients averaged)
     or `fsdp2` (parameters, gradients and optimizer state sharded per decoder layer with torch's
     fully_shard; optimizer and master state saved per rank through torch Distributed Checkpoint)."""
+
+    @property
+    def process_microbatch(self) -> int:
+        """Samples per forward/backward of one process: microbatch_size, at most its share of a minibatch."""
+        return min(self.microbatch_size, self.minibatch_size // self.num_processes)
 
     @property
     def node_processes(self) -> int:
@@ -855,7 +866,12 @@ def validate_batches(r: RolloutConfig, lc: LearnConfig) -> None:
             f"{r.group_size} = {batch}) must be divisible by "
             f"learn.minibatch_size ({lc.minibatch_size})"
         )
-    if lc.minibatch_size % (lc.microbatch_size * lc.num_processes):
+    if lc.minibatch_size % (r.group_size * lc.num_processes):
+        raise ConfigError(
+            f"learn.minibatch_size ({lc.minibatch_size}) must be divisible by rollout.group_size x "
+            f"learn.num_processes ({r.group_size} x {lc.num_processes}): each process takes whole groups"
+        )
+    if lc.minibatch_size % (lc.process_microbatch * lc.num_processes):
         raise ConfigError(
             f"learn.minibatch_size ({lc.minibatch_size}) must be divisible by "
             f"learn.microbatch_size x learn.num_processes ({lc.microbatch_size} x {lc.num_processes})"

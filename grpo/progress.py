@@ -1,6 +1,7 @@
 """Progress inside a stage, for people watching: `rollouts 3: 128/256 prompts`, `learn 3: step 5/16`.
 
-A stage calls `progress(...)` after each piece of long work; that is a log record on `grpo.progress`
+A stage calls `progress(...)` after each piece of long work (or a `Progress` as its parts end, at most every
+few seconds: the rollouts stage's prompts as their samples end inside a chunk); that is a log record on `grpo.progress`
 (INFO), so `-v` and Prefect's run log show it as lines like any other. `grpo` in a terminal shows it
 as one line on stderr, rewritten in place and erased when the work is done (`TerminalLine`); piped
 or redirected output gets none of it. A learner process under torchrun prints it to its stdout with
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import TextIO
 
 log = logging.getLogger("grpo.progress")
@@ -26,6 +28,34 @@ def progress(what: str, done: int, total: int, unit: str = "") -> None:
         print(PREFIX + text, flush=True)
     else:
         log.info(text, extra={"progress_done": done >= total})
+
+
+class Progress:
+    """progress() of one piece of work of `total` units: `report(done)` at the end of each part, always shown;
+    `report.part(done)` as units end within a part, shown at most every `every_s` seconds (a sampler calls it
+    at every decoding step).
+
+    >>> report = Progress("rollouts 3", 256, "prompts", every_s=60)
+    >>> report.part(5), report.part(9), report(128), report.shown
+    (None, None, None, 128)
+    """
+
+    def __init__(self, what: str, total: int, unit: str = "", every_s: float = 2.0):
+        self.what, self.total, self.unit, self.every_s = what, total, unit, every_s
+        self.shown, self.at = 0, time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        progress(self.what, done, self.total, self.unit)
+        self.shown, self.at = done, time.monotonic()
+
+    def part(self, done: int) -> None:
+        if done > self.shown and time.monotonic() - self.at >= self.every_s:
+            self(done)
+
+    def end(self) -> None:
+        """The work is done: said (and a terminal's line erased) where a part was shown, else nothing."""
+        if 0 < self.shown < self.total:
+            self(self.total)
 
 
 def relay(line: str) -> bool:

@@ -16,6 +16,7 @@ from grpo.config import RunConfig
 from grpo.identity import section
 from grpo.layout import stage_dir
 from grpo.lineage import check_chain, committed_input
+from grpo.progress import Progress
 from grpo.sampling.base import SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
@@ -57,9 +58,12 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)
         t1 = time.perf_counter()
+        report = Progress(f"eval {iteration}", len(p.ids) * (1 if k == 1 else 2), "prompts")  # greedy, then k samples
         greedy = [
             g[0]
-            for g in gen.generate(p.ids, SamplingSpec(n=1, temperature=0.0, stop=tuple(cfg.rollout.stop)), p.budgets)
+            for g in gen.generate(
+                p.ids, SamplingSpec(n=1, temperature=0.0, stop=tuple(cfg.rollout.stop)), p.budgets, report.part
+            )
         ]
         sampled = (
             []
@@ -74,8 +78,10 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
                     seed=cfg.eval.seed,
                 ),
                 p.budgets,
+                lambda done: report.part(len(p.ids) + done),
             )
         )
+        report.end()
         engine_s, generate_s = t1 - t0, time.perf_counter() - t1
         flat = greedy + [s for group in sampled for s in group]
         responses = decode_responses(p.tokenizer, [s.response_ids for s in flat], p.eos_ids)

@@ -19,7 +19,7 @@ from grpo.config import RolloutConfig, RunConfig
 from grpo.identity import section
 from grpo.layout import Salt, iteration_seed, round_seed
 from grpo.lineage import check_chain, check_policy, committed_input, frozen_version
-from grpo.progress import progress
+from grpo.progress import Progress
 from grpo.sampling.base import Sample, SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
@@ -97,10 +97,12 @@ class Tally:
         run_id: str,
         iteration: int,
         stamp: dict,
+        progress=None,
     ) -> tuple[dict[str, list], list[list[Sample]]]:
-        """Sample one chunk of prompts and write its rows to `out`: (its columns, its groups)."""
+        """Sample one chunk of prompts and write its rows to `out`: (its columns, its groups); `progress(k)` as
+        the chunk's first k prompts' samples end (the sampler's, which it never changes)."""
         t0 = time.perf_counter()
-        groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk])
+        groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk], progress)
         self.generate_s += time.perf_counter() - t0
         columns = chunk_columns(run_id, iteration, p, chunk, groups, stamp)
         out.write(columns)
@@ -144,16 +146,12 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         engine_s = time.perf_counter() - t0
         spec = sampling_spec(r, iteration_seed(cfg.seed, iteration, Salt.SAMPLING))
         tally = Tally()
+        report = Progress(f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""), len(part), "prompts")
         with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out:
             for start in range(part.start, part.stop, r.chunk_prompts):
-                chunk = slice(start, start + r.chunk_prompts)
-                tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp)
-                progress(
-                    f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""),
-                    min(start + r.chunk_prompts, part.stop) - part.start,
-                    len(part),
-                    "prompts",
-                )
+                chunk, at = slice(start, start + r.chunk_prompts), start - part.start
+                tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp, lambda k, at=at: report.part(at + k))
+                report(min(start + r.chunk_prompts, part.stop) - part.start)
         return {
             "prompts": len(part),
             "skipped_prompts": p.skipped,
@@ -267,9 +265,11 @@ def sample_rounds(
                 gen, settings = sampler(p, cfg)
                 engine_s = time.perf_counter() - t0
             spec = sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
+            report = Progress(f"rollouts {iteration} round {rounds}", len(p.ids), "prompts")
             for at in range(0, len(p.ids), r.chunk_prompts):
                 chunk = slice(at, at + r.chunk_prompts)
-                columns, groups = tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp)
+                part = lambda k, at=at: report.part(at + k)  # noqa: E731
+                columns, groups = tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp, part)
                 t0 = time.perf_counter()
                 has = group_signal(cfg, pool, key, columns, [len(g) for g in groups])
                 score_s += time.perf_counter() - t0
@@ -279,9 +279,7 @@ def sample_rounds(
                     | {"round": [rounds] * len(ids), "signal": has}
                 )
                 signal += sum(has)
-                progress(
-                    f"rollouts {iteration} round {rounds}", min(at + r.chunk_prompts, len(p.ids)), len(p.ids), "prompts"
-                )
+                report(min(at + r.chunk_prompts, len(p.ids)))
             kept, skipped, rounds = kept + len(p.ids), skipped + p.skipped, rounds + 1
             if signal == 0 and (flat := flat_epoch(cfg, iteration, rounds)):
                 raise StageError(flat)

@@ -97,7 +97,7 @@ def test_progress_shows_in_a_terminal_and_never_in_a_pipe(tmp_path):
     assert code == 0 and out.strip() == f"the policy of iteration 1 of run t: {exported}", err
     load = (  # as README.md shows it
         "from transformers import pipeline; "
-        "print(pipeline('text-generation', 'store/runs/t/exports/iter-0001')('sort 3 1 4 1 5 :', max_new_tokens=6))"
+        "print(pipeline('text-generation', 'store/runs/t/exports/iter-0001')('sort 3 1 4 1 5 :', max_new_tokens=5))"
     )
     proc = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "generated_text" in proc.stdout, proc.stderr[-2000:]

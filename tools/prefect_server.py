@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from grpo.procs import free_port, stop_group, tail
+from tools.prefect_logging import SETTINGS_PATH
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
@@ -129,6 +130,8 @@ def prefect_server(home: Path, timeout: float = 180):
         "PREFECT_SERVER_API_PORT": str(port),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",  # no client analytics (and no first-run notice)
+        "PREFECT_LOGGING_SETTINGS_PATH": SETTINGS_PATH,  # SQLite's retried "database is locked": one line
         "PREFECT_UI_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_CLI_COLORS": "false",

@@ -53,7 +53,7 @@ def minibatch_step(
     # longest responses together: each microbatch's forward pads only to its own longest (forward_logprobs)
     longest = batch.response_mask[batch.rows(groups)].sum(1).view(len(groups), -1).amax(1)
     groups = groups[longest.argsort(descending=True, stable=True)]
-    for mb_groups in groups.split(max(1, lcfg.microbatch_size // batch.group_size)):
+    for mb_groups in groups.split(max(1, lcfg.process_microbatch // batch.group_size)):
         mb = batch.rows(mb_groups)
         mask = batch.response_mask[mb]
         with autocast():
@@ -133,7 +133,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     cfg, lcfg, acc, model, opt = learner.cfg, learner.cfg.learn, learner.acc, learner.model, learner.opt
     torch.manual_seed(torch_seed)
     batch = batch.to(acc.device)
-    g, chunk = batch.group_size, max(1, lcfg.microbatch_size // batch.group_size)
+    g, chunk = batch.group_size, max(1, lcfg.process_microbatch // batch.group_size)
     # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
     n_groups, world, rank = len(batch.prompt_ids), acc.num_processes, acc.process_index
     per_step = lcfg.minibatch_size // g
@@ -150,7 +150,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     behavior = None if scores.pending is not None else behavior_summary(batch, scores, lcfg)
     model.train()
 
-    accum = max(1, lcfg.minibatch_size // world // lcfg.microbatch_size)
+    accum = max(1, lcfg.minibatch_size // world // lcfg.process_microbatch)
     max_tokens = cfg.rollout.max_tokens  # Dr.GRPO's constant divisor: the response budget
     rows, step = [], 0
     for epoch in range(lcfg.epochs):

@@ -22,6 +22,7 @@ from grpo.learner.launch import LAUNCHER_PID
 from grpo.learner.loop import train
 from grpo.learner.state import Learner
 from grpo.procs import die_with_parent
+from grpo.threads import cpu_watch
 from schemas import table_file, write_parquet
 from schemas.tables import FLOAT_LISTS
 
@@ -61,7 +62,9 @@ def logprob_columns(run_id: str, iteration: int, batch: Batch, scores: Scores) -
 def train_and_save(learner: Learner, run_id: str, iteration: int, batch: Batch, out_dir: str) -> dict:
     """`grpo.learner.train`, then (main process) policy/, optimizer.pt, rng.pt, metrics and log-probs
     into the local folder out_dir. Returns the summary."""
-    update = train(learner, run_id, iteration, batch, iteration_seed(learner.cfg.seed, iteration, Salt.LEARNER_TORCH))
+    seed = iteration_seed(learner.cfg.seed, iteration, Salt.LEARNER_TORCH)
+    with cpu_watch(f"learn {iteration}", on=learner.acc.device.type == "cpu") as cpu:  # threads, a busy machine
+        update = train(learner, run_id, iteration, batch, seed)
     learner.save(out_dir)  # every process: under fsdp2 each writes its shards
     if learner.acc.is_main_process:
         disk = fsspec.filesystem("file")  # out_dir is a local folder whatever the storage
@@ -73,7 +76,7 @@ def train_and_save(learner: Learner, run_id: str, iteration: int, batch: Batch, 
             logprob_columns(run_id, iteration, batch, update.scores),
         )
     learner.acc.wait_for_everyone()
-    return update.summary
+    return {**update.summary, **cpu}
 
 
 def worker_main(args_path: str) -> None:

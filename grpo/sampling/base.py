@@ -32,10 +32,12 @@ class Generator(Protocol):
     adapter_dir: str | None
 
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None, progress=None
     ) -> list[list[Sample]]:
         """prompts: token ids (bos included) -> per prompt, spec.n samples of at most its budget
-        (default spec.max_tokens) tokens; every eos id of the checkpoint (`stop_token_ids`) stops."""
+        (default spec.max_tokens) tokens; every eos id of the checkpoint (`stop_token_ids`) stops.
+        progress: called with the number of prompts whose samples have all ended, as they end; it sees
+        the sampling, never changes it."""
         ...
 
     def load_weights(self, model_dir: str) -> None:

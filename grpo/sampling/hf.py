@@ -30,7 +30,7 @@ class HFGenerator:
 
     @torch.no_grad()
     def _batch(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int], rng: torch.Generator
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int], rng: torch.Generator, progress=None
     ) -> list[list[Sample]]:
         pad = pad_token_id(self.tokenizer)
         width, dev = max(map(len, prompts)), self.device
@@ -66,6 +66,8 @@ class HFGenerator:
                 ended |= ~done & self._stop_strings_seen(tokens, spec.stop)
             length[ended], done, stopped = t + 1, done | ended, stopped | ended
             done |= limit == t + 1  # out of budget: "length" (length stays at the budget)
+            if progress is not None:
+                progress(int(done.view(-1, spec.n).all(1).sum()))  # prompts whose n samples all ended
             if done.all():
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
@@ -90,14 +92,15 @@ class HFGenerator:
         return torch.tensor([any(s in self.tokenizer.decode(r) for s in stop) for r in rows], device=self.device)
 
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None, progress=None
     ) -> list[list[Sample]]:
         rng = torch.Generator(self.device).manual_seed(spec.seed)
         budgets = budgets or [spec.max_tokens] * len(prompts)
         step = max(1, self.batch_size // spec.n)
         out: list[list[Sample]] = []
         for i in range(0, len(prompts), step):
-            out += self._batch(prompts[i : i + step], spec, budgets[i : i + step], rng)
+            batch_progress = None if progress is None else lambda k, i=i: progress(i + k)
+            out += self._batch(prompts[i : i + step], spec, budgets[i : i + step], rng, batch_progress)
         return out
 
     def load_weights(self, model_dir: str) -> None:

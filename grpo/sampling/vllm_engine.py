@@ -7,6 +7,7 @@ import ctypes
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ class VLLMGenerator:
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, use_tqdm_on_load=False, **batch, **engine)
 
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None
+        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None, progress=None
     ) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -68,8 +69,9 @@ class VLLMGenerator:
             from vllm.lora.request import LoRARequest
 
             lora = LoRARequest(f"policy-{self._lora_id}", self._lora_id, self.adapter_dir)
+        bar = False if progress is None else _FinishedRequests.factory(progress)  # one generate call either way
         outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=lora
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=bar, lora_request=lora
         )
         _return_freed_heap()
         return [[self._sample(c) for c in o.outputs] for o in outs]
@@ -203,3 +205,30 @@ def _retie_lm_head(worker) -> None:
     if getattr(model.config, "tie_word_embeddings", False) and embed is not None:
         model.lm_head.tie_weights(embed)
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+class _FinishedRequests:
+    """What vLLM's offline loop takes for its tqdm bar (`LLM.generate(use_tqdm=factory)`): counts the requests
+    (prompts, each with its n samples) that finished and calls progress(count) as each does; prints nothing."""
+
+    def __init__(self, progress):
+        self.progress, self.requests, self.n, self.postfix, self.t0 = progress, 0, 0, "", time.monotonic()
+
+    @classmethod
+    def factory(cls, progress):
+        # vLLM also wraps the prompts it renders in a bar (an iterable, nothing to report): passed through
+        return lambda iterable=None, **_: iterable if iterable is not None else cls(progress)
+
+    @property
+    def format_dict(self) -> dict:
+        return {"elapsed": max(time.monotonic() - self.t0, 1e-9)}
+
+    def update(self, n: int = 1) -> None:  # once per finished request, n = its samples
+        self.n, self.requests = self.n + n, self.requests + 1
+        self.progress(self.requests)
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
