@@ -47,7 +47,7 @@ def flow_run_label() -> str:
 
     p = flow_run.parameters
     try:
-        first = resolve_iteration(open_storage(p.get("storage_url")).url, p["run_id"], p.get("iteration", "next"))
+        first = resolve_iteration(open_storage(p.get("storage_url")), p["run_id"], p.get("iteration", "next"))
     except Exception:
         return p["run_id"]
     last = first + p.get("iterations", 1) - 1
@@ -114,20 +114,6 @@ def sample(stage: Placement) -> dict[str, str]:
     samples = stage("rollouts", policy)
     scores = stage("rewards", samples)
     return {"snapshot": policy, "rollouts": samples, "rewards": scores, "advantages": stage("advantages", scores)}
-
-
-def flow_run_label() -> str:
-    """flow_run_name of grpo: the run and its iterations, `p1-3` (one) or `p1-3..12` (warm); the run id alone
-    where storage cannot say which is next (the flow body then fails with its one line)."""
-    from prefect.runtime import flow_run
-
-    p = flow_run.parameters
-    try:
-        first = resolve_iteration(open_storage(p.get("storage_url")), p["run_id"], p.get("iteration", "next"))
-    except Exception:
-        return p["run_id"]
-    last = first + p.get("iterations", 1) - 1
-    return f"{p['run_id']}-{first}" + (f"..{last}" if last > first else "")
 
 
 def resolve_iteration(storage: Storage, run_id: str, iteration: int | str) -> int:

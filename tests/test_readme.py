@@ -26,7 +26,7 @@ ENV["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("P
 COMMAND = re.compile(r"^(\S*\.venv/bin/\S+|\./setup\.sh|grpo|vllm|[A-Z_]+=\S+|\(cd|mkdir|export)\s")
 WALKED = ("r1", "r2", "r3", "f1", "s1")  # the recipes' run ids
 # tiny settings: one iteration, and a run made with 64 prompts (32 held out) unless the recipe sets its chunks
-TINY = {r"--iterations 10\b": "--iterations 1"}
+TINY = {r"--iterations 10\b": "--iterations 1", r"iter-0009\b": "iter-0000"}  # the export of its last iteration
 TINY_INIT = ["--set", "rollout.prompts_per_iteration=64", "--set", "eval.n_prompts=32"]
 ELSEWHERE = {
     r"^\./setup\.sh": "installs the venv these tests run in",
@@ -37,6 +37,9 @@ ELSEWHERE = {
     r"prefect|flows\.stage_worker|flows\.grpo|PREFECT_": "a Prefect server and workers: test_flow_e2e.py, "
     "test_placement_e2e.py, test_stage_workers_e2e.py; without a server: test_prefect_quiet.py",
     r"--run x1\b|/tmp/\w+-machine": "several machines: test_nodes.py, test_placement_e2e.py",
+    r"--run async\b|grpo timeline": "learn on a pool of its own beside the sampling: test_overlap_e2e.py",
+    r"grpo fork|grpo rescore|grpo delete|--compare": "forks and rescoring on a 5-iteration run: test_fork.py",
+    r"k8s render": "the Kubernetes jobs rendered offline: test_kubernetes.py",
 }
 
 
@@ -74,8 +77,10 @@ def commands(text: str = README) -> list[str]:
 
 def recipe(command: str) -> str | None:
     """The walked recipe (run id) a command belongs to, if any."""
-    found = re.search(r"--run (\w+)|'(\w+)-policy'", command)
-    run = found and (found.group(1) or found.group(2))
+    if re.match(r"(vllm serve|\S*tensorboard --logdir|\S*mlflow ui)\b", command):  # servers: ELSEWHERE
+        return None
+    found = re.search(r"--run (\w+)|'(\w+)-policy'|storage/runs/(\w+)/", command)
+    run = found and (found.group(1) or found.group(2) or found.group(3))
     return run if run in WALKED else None
 
 
@@ -112,6 +117,8 @@ def test_readme_recipe_runs_as_written(run, tmp_path):
     lines = [line for line in commands() if recipe(line) == run]
     for line in lines:
         done = run_line(line, tmp_path)
+        if "--best" in line and "scored" in done.stderr and " 0" in done.stderr:  # one tiny iteration: no best
+            continue  # yet, said in one line (test_report.py tests --best where an eval scored above 0)
         assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         if "pipeline(" in line:  # the exported policy generates the sort answer's 5 tokens, no sixth
             text = eval(done.stdout.strip())[0]["generated_text"]
@@ -120,7 +127,7 @@ def test_readme_recipe_runs_as_written(run, tmp_path):
         audit = next(body for lang, body in code_blocks(README) if lang == "python" and "committed_files" in body)
         done = subprocess.run([sys.executable, "-c", audit], cwd=tmp_path, env=ENV, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert "r1-policy" in "".join(lines) and (tmp_path / "r1-best" / "config.json").exists()
+        assert (tmp_path / "storage/runs/r1/exports/iter-0000/config.json").exists()  # grpo export's default
 
 
 def test_readme_8_gpu_settings_are_a_valid_run_on_the_defaults():
