@@ -106,9 +106,11 @@ def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, input
 
 
 def committed_input(storage: Storage, run_id: str, iteration: int | None, stage: str) -> Committed:
-    """The newest committed output of `stage`, verified; a clear error says what to run."""
+    """The newest committed output of `stage`; a clear error says what to run. Its files are checked as
+    they are read (Committed.read_path, grpo.checkpoint), only those: a snapshot reads manifests alone, a
+    sampler the policy and not the optimizer state."""
     try:
-        return latest_committed(storage, stage_dir(storage, run_id, iteration, stage))
+        return latest_committed(storage, stage_dir(storage, run_id, iteration, stage), verify="read")
     except CorruptArtifactError as e:
         if stage == "base":
             raise StageError(
