@@ -406,7 +406,8 @@ def parser() -> argparse.ArgumentParser:
         "query",
         help="DuckDB SQL over the committed tables of a run",
         description="views: rollouts, rewards, advantages, logprobs, learn_metrics, eval "
-        "(newest committed attempt of each iteration; see grpo/query.py)",
+        "(newest committed attempt of each iteration; see grpo/query.py), and io (bytes and seconds each "
+        "committed stage moved through storage, from its manifest)",
     )
     sp.add_argument("--run", required=True)
     sp.add_argument("sql", help='e.g. "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"')

@@ -10,6 +10,10 @@ rerun. The files read are hash-checked against their manifest by default.
 
 Views: rollouts, rewards, advantages, logprobs, learn_metrics, eval; columns as
 declared in `schemas/tables.py`. A view with nothing committed is empty, not missing.
+And `io`, from the manifests: what each committed stage moved through storage (its `io` record, one
+row per stage and iteration, the base's iteration null):
+
+    grpo query --run r1 "SELECT stage, sum(read_bytes + download_bytes) AS bytes_in FROM io GROUP BY 1"
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from grpo.storage import (
     latest_committed,
     verify_files,
 )
+from grpo.transfer import IoCounts
 from schemas.tables import OPTIONAL_TABLES, SCHEMAS, TABLE_FILES
 
 if TYPE_CHECKING:  # imported where used: training imports this module (grpo.report) and needs no DuckDB
@@ -67,6 +72,27 @@ def committed_files(storage: Storage, run_id: str, verify: bool = True) -> dict[
             if newest[stage] is not None:
                 out[view].append(storage.uri(_committed_file(newest[stage], name, verify)))
     return out
+
+
+IO_COLUMNS = ["iteration", "stage", "attempt", *(f.name for f in dataclasses.fields(IoCounts))]
+
+
+def io_rows(storage: Storage, run_id: str) -> pd.DataFrame:
+    """The `io` view: per committed stage (the base, and each stage and shard of each iteration: the newest
+    attempt), its manifest's io record; the counts of a manifest written before the record existed are null."""
+    rows, rdir = [], run_dir(storage, run_id)
+    folders = [(None, f"{rdir}/base")] + [(k, f"{rdir}/iter-{k:04d}") for k in iterations(storage, run_id)]
+    for k, folder in folders:
+        sdirs = [folder] if k is None else sorted(storage.fs.ls(folder, detail=False))
+        for sdir in sdirs:
+            try:
+                found = latest_committed(storage, sdir.rstrip("/"), verify=False)
+            except NotCommittedError:
+                continue
+            io = found.manifest.io or {}
+            name = found.attempt_dir.rsplit("/", 1)[-1]
+            rows.append({"iteration": k, "stage": found.manifest.stage, "attempt": name, **io})
+    return pd.DataFrame(rows, columns=IO_COLUMNS).astype({"iteration": "Int64"})
 
 
 def _newest(storage: Storage, sdir: str) -> Committed | None:
@@ -117,6 +143,8 @@ def connect(storage: Storage, run_id: str, verify: bool = True) -> duckdb.DuckDB
             con.execute(f'CREATE TABLE _empty."{view}" AS SELECT * FROM _arrow')
             con.unregister("_arrow")
             con.execute(f'CREATE VIEW "{view}" AS SELECT * FROM _empty."{view}"')
+    con.register("_io", io_rows(storage, run_id))
+    con.execute('CREATE VIEW "io" AS SELECT * FROM _io')
     return con
 
 
