@@ -33,7 +33,15 @@ from grpo.lineage import next_iteration
 from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
 from grpo.report import best_iteration
-from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, open_storage
+from grpo.storage import (
+    ArtifactError,
+    Storage,
+    committed_attempts,
+    list_attempts,
+    load_manifest,
+    open_storage,
+    rehashing,
+)
 from schemas import SchemaError
 from stages import StageError, stage_function
 from stages.iteration import run_warm
@@ -228,9 +236,10 @@ def cmd_status(args, storage):
 
 
 def _corrupt(storage: Storage, attempt_dir: str) -> bool:
-    """Whether a committed attempt's files no longer match its manifest (size or sha256)."""
+    """Whether a committed attempt's files no longer match its manifest (size or sha256), every file hashed."""
     try:
-        load_manifest(storage, attempt_dir, verify=True)
+        with rehashing():
+            load_manifest(storage, attempt_dir, verify=True)
     except ArtifactError:
         return True
     return False

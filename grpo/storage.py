@@ -23,6 +23,8 @@ them first in the attempt's `collected.json`: verification skips them, and readi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime as dt
 import functools
 import hashlib
@@ -38,6 +40,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import fsspec
 from fsspec import AbstractFileSystem
@@ -191,10 +194,24 @@ def _remember(key: str, stamp: tuple, digest: str) -> None:
     STAMPS.put(key, stamp, digest)
 
 
+_REHASH: contextvars.ContextVar[bool] = contextvars.ContextVar("grpo_rehash", default=False)
+
+
+@contextlib.contextmanager
+def rehashing() -> Iterator[None]:
+    """Every file verified in the block is hashed, whatever this machine hashed before (`grpo status --verify`:
+    a disk that changes bytes and keeps their stamp is caught too)."""
+    token = _REHASH.set(True)
+    try:
+        yield
+    finally:
+        _REHASH.reset(token)
+
+
 def _known(fs: AbstractFileSystem, path: str) -> tuple[tuple | None, int, str | None]:
     """(stamp, size, the sha256 hashed on this machine while the stamp held, or None); FileNotFoundError."""
     stamp, size = _stamp(fs, path)
-    if stamp is None:
+    if stamp is None or _REHASH.get():
         return stamp, size, None
     key = _where(fs, path)
     known = _HASHED.get(key)

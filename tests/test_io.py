@@ -18,7 +18,7 @@ from grpo.config import load_config
 from grpo.layout import STAGES, stage_dir
 from grpo.query import query
 from grpo.report import write_report
-from grpo.storage import committed_attempts, latest_committed, open_storage
+from grpo.storage import StageWriter, committed_attempts, latest_committed, load_manifest, open_storage, rehashing
 from grpo.transfer import counting_io
 from stages.init import init_run
 from stages.iteration import run_iteration
@@ -180,3 +180,20 @@ def test_a_changed_committed_byte_fails_every_stage_that_reads_it_in_one_line(tm
         assert code == 2 and err.count("\n") == 1, (name, err)
         assert weights.name in err and "changed after its commit" in err, (name, err)
     assert stage("snapshot", 1) == (0, "")  # manifests only: the new snapshot references the same files
+
+
+def test_status_verify_hashes_again_what_this_machine_hashed_before(tmp_path, monkeypatch):
+    """`grpo status --verify` (storage.rehashing) hashes every file, even one the stamp cache vouches for."""
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage((tmp_path / "store").as_uri())
+    w = StageWriter(storage, storage.path("s"), run_id="r", iteration=0, stage="s", config={}, inputs={})
+    storage.fs.pipe_file(w.path("x.bin"), b"abc" * 1000)
+    c = w.commit()
+    hashed = []
+    real = grpo.storage.sha256_file
+    monkeypatch.setattr(grpo.storage, "sha256_file", lambda fs, p: hashed.append(p) or real(fs, p))
+    load_manifest(storage, c.attempt_dir, verify=True)
+    assert hashed == []  # hashed as it was written
+    with rehashing():
+        load_manifest(storage, c.attempt_dir, verify=True)
+    assert hashed == [c.path("x.bin")]
