@@ -197,3 +197,23 @@ def test_status_verify_hashes_again_what_this_machine_hashed_before(tmp_path, mo
     with rehashing():
         load_manifest(storage, c.attempt_dir, verify=True)
     assert hashed == [c.path("x.bin")]
+
+
+@pytest.mark.s3
+def test_a_lora_run_hashes_the_base_once_per_machine(s3_env, s3_prefix, tmp_path, monkeypatch):
+    """LoRA on S3, each stage as if in a new process on the same machine (nothing hashed in memory, the learner
+    not kept warm): the base's weights, hashed by the commit that uploaded them, are never hashed again."""
+    from stages import stage_function
+
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage(s3_prefix)
+    base = init_run(storage, "t", load_config(None, TINY + ["learn.lora={r: 2, alpha: 4}"]))
+    weights = own_bytes(base, "policy/")
+    assert base.manifest.io["hash_bytes"] >= weights
+    for k in range(2):
+        for name in STAGES:
+            grpo.storage._HASHED.clear()
+            stages.learn.WARM.take(None)
+            c = stage_function(name)(storage, "t", k)
+            assert c.manifest.io["hash_bytes"] < weights, (k, name, c.manifest.io)
+            assert c.manifest.io["download_bytes"] < weights or (k, name) == (0, "rollouts"), (k, name)
