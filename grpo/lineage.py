@@ -5,6 +5,7 @@ inputs here before running; `grpo run`, `grpo status` and gc ask the same questi
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 
 import fsspec
@@ -16,6 +17,7 @@ from grpo.storage import (
     CorruptArtifactError,
     NotCommittedError,
     Storage,
+    collected_files,
     committed_attempts,
     latest_committed,
     load_manifest,
@@ -110,7 +112,8 @@ def committed_input(storage: Storage, run_id: str, iteration: int | None, stage:
     they are read (Committed.read_path, grpo.checkpoint), only those: a snapshot reads manifests alone, a
     sampler the policy and not the optimizer state."""
     try:
-        return latest_committed(storage, stage_dir(storage, run_id, iteration, stage), verify="read")
+        found = latest_committed(storage, stage_dir(storage, run_id, iteration, stage), verify=False)
+        return dataclasses.replace(found, collected=collected_files(storage, found.attempt_dir, found.manifest))
     except CorruptArtifactError as e:
         if stage == "base":
             raise StageError(

@@ -457,17 +457,13 @@ class Committed:
         return InputRef(uri=self.uri, manifest_sha256=self.manifest_sha256)
 
 
-def latest_committed(storage: Storage, stage_dir: str, verify: bool | str = True) -> Committed:
-    """The newest committed attempt of a stage; uncommitted attempts are never read. `verify`: True checks
-    every file; "read" none yet (each reader checks the files it reads, Committed.read_path), but knows
-    which ones gc collected; False neither."""
+def latest_committed(storage: Storage, stage_dir: str, verify: bool = True) -> Committed:
+    """The newest committed attempt of a stage; uncommitted attempts are never read. With `verify`, every
+    file is checked (a stage checks only what it reads: lineage.committed_input)."""
     attempts = committed_attempts(storage, stage_dir)
     if attempts:
         manifest, sha = load_manifest(storage, attempts[-1], verify=False)
-        if verify == "read":
-            collected = collected_files(storage, attempts[-1], manifest)
-        else:
-            collected = verify_files(storage, attempts[-1], manifest) if verify else {}
+        collected = verify_files(storage, attempts[-1], manifest) if verify else {}
         return Committed(storage, attempts[-1], manifest, sha, collected)
     raise NotCommittedError(f"{storage.uri(stage_dir)}: no committed attempt")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from grpo.query import query
 from grpo.report import write_report
 from grpo.storage import StageWriter, committed_attempts, latest_committed, load_manifest, open_storage, rehashing
 from grpo.transfer import counting_io
+from schemas import MANIFEST_NAME
 from stages.init import init_run
 from stages.iteration import run_iteration
 
@@ -217,3 +219,24 @@ def test_a_lora_run_hashes_the_base_once_per_machine(s3_env, s3_prefix, tmp_path
             c = stage_function(name)(storage, "t", k)
             assert c.manifest.io["hash_bytes"] < weights, (k, name, c.manifest.io)
             assert c.manifest.io["download_bytes"] < weights or (k, name) == (0, "rollouts"), (k, name)
+
+
+def test_a_manifest_of_version_1_reads_with_no_io_record(tmp_path):
+    """Manifests written before the io record (version 1) still read; their io is None, null in the io view."""
+    storage = open_storage((tmp_path / "store").as_uri())
+    with counting_io() as io:
+        w = StageWriter(storage, storage.path("s"), run_id="r", iteration=0, stage="s", config={}, inputs={})
+        storage.fs.pipe_file(w.path("x.bin"), b"abc")
+        c = w.commit(io=io)
+    assert c.manifest.manifest_version == 2 and c.manifest.io["write_bytes"] == 3
+    path = f"{c.attempt_dir}/{MANIFEST_NAME}"
+    raw = json.loads(storage.read_bytes(path))
+    del raw["io"]
+    raw["manifest_version"] = 1
+    storage.fs.pipe_file(path, json.dumps(raw).encode())
+    old, _ = load_manifest(storage, c.attempt_dir)
+    assert old.io is None and old.manifest_version == 1 and old.files == c.manifest.files
+    raw["manifest_version"] = 3
+    storage.fs.pipe_file(path, json.dumps(raw).encode())
+    with pytest.raises(grpo.storage.CorruptArtifactError, match="manifest_version 3"):
+        load_manifest(storage, c.attempt_dir)
