@@ -287,9 +287,12 @@ _CLASSES: dict[type, type] = {}
 
 
 def counted_class(cls: type) -> type:
-    """`cls` with Counted mixed in (one class per filesystem class)."""
+    """`cls` with Counted mixed in (one class per filesystem class). Its instances are cached in the same dict
+    as `cls`'s (under their own keys): clearing `cls`'s cache (new credentials) clears them too."""
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Counted{cls.__name__}", (Counted, cls), {"__module__": __name__})
+        counted = type(f"Counted{cls.__name__}", (Counted, cls), {"__module__": __name__})
+        counted._cache = cls._cache
+        _CLASSES[cls] = counted
     return _CLASSES[cls]
 
 
