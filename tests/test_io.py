@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -72,6 +73,8 @@ def test_a_tiny_runs_io_counts_match_the_files_it_moved(s3_env, s3_prefix, tmp_p
     assert written > policy and learn["upload_bytes"] == written and learn["hash_bytes"] == written
     assert learn["read_bytes"] < 0.2 * policy  # tables and manifests; its upload is never read back
     assert learn["download_bytes"] == 0  # the snapshot and the reference are the base, cached already
+    for f in c["learn"].manifest.files:  # uploaded in parallel, each under its own name: hashed from storage here
+        assert hashlib.sha256(storage.read_bytes(c["learn"].path(f.path))).hexdigest() == f.sha256, f.path
 
     ev = c["eval"].manifest.io
     assert ev["download_bytes"] == own_bytes(c["learn"], "policy/")  # the new policy, not the optimizer state
