@@ -208,7 +208,8 @@ def download_verified(committed: Committed, dests: dict[str, str]) -> None:
         settle(local)  # dated back: its stamp is trusted at once, and any later write changes it
         entry = entries[name]
         if not verified[name]:
-            check_entry(entry, committed.storage.uri(paths[name]), os.path.getsize(local), sha256_local(local))
+            where, size = committed.storage.uri(paths[name]), os.path.getsize(local)
+            check_entry(committed.storage, committed.manifest, entry, where, size, sha256_local(local))
             remember_digest(fs, paths[name], entry.sha256)
 
 

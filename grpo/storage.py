@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -45,6 +46,7 @@ from typing import Iterator
 import fsspec
 from fsspec import AbstractFileSystem
 
+from grpo.errors import StageError
 from grpo.identity import config_hash, stage_identity
 from grpo.transfer import STAMPS, IoCounts, count_io, counted_fs, uncounted, written_digest
 from schemas.manifest import MANIFEST_NAME, FileEntry, InputRef, Manifest
@@ -64,8 +66,9 @@ class NotCommittedError(ArtifactError):
     pass
 
 
-class CorruptArtifactError(ArtifactError):
-    pass
+class CorruptArtifactError(ArtifactError, StageError):
+    """A committed file's bytes are not its manifest's: the stage reading it fails in one line, as on any
+    input it refuses (a StageError), saying what to remake."""
 
 
 class CollectedError(ArtifactError):
@@ -383,20 +386,34 @@ def collected_files(storage: Storage, attempt_dir: str, manifest: Manifest) -> d
     return collected
 
 
-def damaged(where: str, what: str) -> str:
-    """The one-line error of a committed file whose bytes are not the manifest's."""
+def _remake(storage: Storage, manifest: Manifest, entry: FileEntry) -> str:
+    """What to do about a damaged file of `manifest`: remake the stage whose attempt holds it (a referenced
+    file: the input it came from), in words for the one-line error."""
+    owner = manifest
+    for ref in manifest.inputs.values() if entry.uri else ():
+        if entry.uri.startswith(ref.uri.rstrip("/") + "/"):
+            path = fsspec.core.strip_protocol(ref.uri) if "://" in ref.uri else ref.uri
+            owner = load_manifest(storage, path, verify=False)[0]
+    if owner.iteration is None:
+        return f"the run's {owner.stage} model changed after its commit; restore its files or make a new run"
+    stage, shard = owner.stage, ""
+    if match := re.match(r"(?P<stage>\w+)-shard-(?P<shard>\d+)-of-\d+$", stage):
+        stage, shard = match["stage"], f" --shard {match['shard']}"
     return (
-        f"{where}: {what}: the committed file changed after its commit; rerun the stage that made it with "
-        "--force (`grpo stage <stage> --run R --iteration K --force`; the damaged attempt stays for inspection)"
+        f"the committed {owner.stage} changed after its commit; make a new attempt with `grpo stage {stage} "
+        f"--run {owner.run_id} --iteration {owner.iteration}{shard} --force` (the damaged one stays for inspection)"
     )
 
 
-def check_entry(entry: FileEntry, where: str, size: int, digest: str) -> None:
-    """CorruptArtifactError, one line, when (size, digest) are not the manifest entry's."""
+def check_entry(storage: Storage, manifest: Manifest, entry: FileEntry, where: str, size: int, digest: str) -> None:
+    """CorruptArtifactError, one line saying what to rerun, when (size, digest) are not the manifest entry's."""
     if size != entry.size:
-        raise CorruptArtifactError(damaged(where, f"size {size} != manifest's {entry.size}"))
-    if digest != entry.sha256:
-        raise CorruptArtifactError(damaged(where, f"sha256 {digest[:12]}… != manifest's {entry.sha256[:12]}…"))
+        what = f"size {size} != manifest's {entry.size}"
+    elif digest != entry.sha256:
+        what = f"sha256 {digest[:12]}… != manifest's {entry.sha256[:12]}…"
+    else:
+        return
+    raise CorruptArtifactError(f"{where}: {what}: {_remake(storage, manifest, entry)}")
 
 
 def verify_files(
@@ -419,7 +436,7 @@ def verify_files(
                 collected[entry.path] = note
                 continue
             raise CorruptArtifactError(f"{where}: listed in the manifest but missing") from None
-        check_entry(entry, where, size, digest)
+        check_entry(storage, manifest, entry, where, size, digest)
     return collected
 
 
