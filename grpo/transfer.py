@@ -177,7 +177,7 @@ class _CountedFile:
 
     def __init__(self, f, path: str, mode: str):
         self._f, self._path = f, path
-        self._hash = hashlib.sha256() if "w" in mode else None  # a seek or an append gives it up
+        self._hash = hashlib.sha256() if "w" in mode else None  # an append, or a write after a seek, gives it up
         self._size, self._hash_s = 0, 0.0
 
     def __getattr__(self, name):
@@ -196,6 +196,8 @@ class _CountedFile:
         return n
 
     def write(self, data) -> int:
+        if self._hash is not None and self._f.tell() != self._size:
+            self._hash = None  # bytes written out of order (a seek): the commit hashes the file instead
         t0 = time.perf_counter()
         n = self._f.write(data)
         t1 = time.perf_counter()
@@ -206,11 +208,6 @@ class _CountedFile:
         count_io("write", n if isinstance(n, int) else len(data), t1 - t0)
         self._hash_s += t2 - t1
         return n
-
-    def seek(self, *args):
-        if self._hash is not None and self._f.tell() != self._size:
-            self._hash = None  # bytes written out of order: the commit hashes the file instead
-        return self._f.seek(*args)
 
     def close(self) -> None:
         t0 = time.perf_counter()

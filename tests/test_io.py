@@ -243,3 +243,17 @@ def test_a_manifest_of_version_1_reads_with_no_io_record(tmp_path):
     storage.fs.pipe_file(path, json.dumps(raw).encode())
     with pytest.raises(grpo.storage.CorruptArtifactError, match="manifest_version 3"):
         load_manifest(storage, c.attempt_dir)
+
+
+def test_a_file_written_out_of_order_is_hashed_at_the_commit(tmp_path):
+    """A write after a seek back gives up the hash taken on the way: the commit hashes the file as it is."""
+    storage = open_storage((tmp_path / "store").as_uri())
+    w = StageWriter(storage, storage.path("s"), run_id="r", iteration=0, stage="s", config={}, inputs={})
+    with storage.fs.open(w.path("x.bin"), "wb") as f:  # as many bytes sent as the file holds: 7
+        f.write(b"aaaa")
+        f.seek(6)
+        f.write(b"c")
+        f.seek(0)
+        f.write(b"xx")
+    c = w.commit()
+    assert c.manifest.file("x.bin").sha256 == hashlib.sha256(b"xxaa\0\0c").hexdigest()
