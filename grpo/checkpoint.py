@@ -177,7 +177,11 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).symlink_to(path)
     else:
-        download_verified(committed, {prefix + name: str(tmp / name) for name in files})
+        try:
+            download_verified(committed, {prefix + name: str(tmp / name) for name in files})
+        except BaseException:  # a damaged file, a dropped connection: no half folder left in the cache
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     try:
         tmp.rename(target)
     except OSError:  # another process made it first
