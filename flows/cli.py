@@ -50,6 +50,7 @@ from grpo.storage import (
     list_attempts,
     load_manifest,
     open_storage,
+    rehashing,
     url_to_fs,
 )
 from schemas import SchemaError
@@ -305,9 +306,10 @@ def stage_cell(storage, d: str, running: set[str], verify: bool, after_stale: bo
 
 
 def _corrupt(storage: Storage, attempt_dir: str) -> bool:
-    """Whether a committed attempt's files no longer match its manifest (size or sha256)."""
+    """Whether a committed attempt's files no longer match its manifest (size or sha256), every file hashed."""
     try:
-        load_manifest(storage, attempt_dir, verify=True)
+        with rehashing():
+            load_manifest(storage, attempt_dir, verify=True)
     except ArtifactError:
         return True
     return False
@@ -669,7 +671,8 @@ def parser() -> argparse.ArgumentParser:
         "query",
         help="DuckDB SQL over the committed tables of a run",
         description="views: rollouts, rewards, advantages, logprobs, learn_metrics, eval "
-        "(newest committed attempt of each iteration; see grpo/query.py)",
+        "(newest committed attempt of each iteration; see grpo/query.py), and io (bytes and seconds each "
+        "committed stage moved through storage, from its manifest)",
     )
     sp.add_argument(
         "--run",

@@ -215,7 +215,8 @@ class Placement:
 
 def committed_uri(storage: Storage, run_id: str, iteration: int, stage: str, upstream: str | None) -> str:
     """The URI of the newest committed attempt of a stage, which must have read `upstream`."""
-    return checked_uri(latest_committed(storage, stage_dir(storage, run_id, iteration, stage)), upstream)
+    committed = latest_committed(storage, stage_dir(storage, run_id, iteration, stage), verify=False)  # readers check
+    return checked_uri(committed, upstream)
 
 
 class Learning:

@@ -2,7 +2,9 @@
 
 transformers and vLLM load from a local folder. For a committed checkpoint on a
 local disk that folder is made of symlinks (no copy); on S3 the files are
-downloaded once into a cache keyed by the manifest's hash.
+downloaded once into a cache keyed by the manifest's hash, several at once.
+Either way each file is checked against its manifest entry as it is read, and
+not hashed again on this machine while its stamp holds (grpo.storage.file_digest).
 """
 
 from __future__ import annotations
@@ -16,7 +18,23 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
-from grpo.storage import Committed, StageWriter, file_digest, is_local, url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from grpo.storage import (
+    CollectedError,
+    Committed,
+    CorruptArtifactError,
+    StageWriter,
+    check_entry,
+    file_digest,
+    is_local,
+    known_digest,
+    remember_digest,
+    settle,
+    url_to_fs,
+    verify_files,
+)
+from grpo.transfer import cache_root, get_files, put_files, sha256_local
 
 CHECKPOINT_PREFIX = "policy/"
 ADAPTER_PREFIX = "adapter/"  # a LoRA policy: peft adapter files on top of the checkpoint under policy/
@@ -112,15 +130,11 @@ def checkpoint_dtype(model_dir: str | Path):
     return getattr(torch, checkpoint_dtype_name(model_dir))
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-flow"))
-
-
 def upload_folder(writer: StageWriter, local_dir: str | Path, prefix: str = CHECKPOINT_PREFIX) -> None:
-    """Copy every file of `local_dir` into the attempt under `prefix`."""
-    for p in sorted(Path(local_dir).rglob("*")):
-        if p.is_file():
-            writer.storage.fs.put_file(str(p), writer.path(prefix + p.relative_to(local_dir).as_posix()))
+    """Copy every file of `local_dir` into the attempt under `prefix`, several at once, each hashed from its
+    local copy on the way (the commit lists them without reading them back)."""
+    files = [p for p in sorted(Path(local_dir).rglob("*")) if p.is_file()]
+    put_files(writer.storage.fs, [(str(p), writer.path(prefix + p.relative_to(local_dir).as_posix())) for p in files])
 
 
 def checkpoint_files(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> dict[str, str]:
@@ -137,7 +151,9 @@ def content_hash(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> str:
 
 
 def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> str:
-    """A local folder holding the checkpoint files of `committed` (verified by the reader)."""
+    """A local folder holding the checkpoint files of `committed` under `prefix`, each checked against its
+    manifest entry (CorruptArtifactError or CollectedError in one line): symlinks into a local storage, or
+    on S3 a download (once a machine, the cached copy checked at each use)."""
     files = checkpoint_files(committed, prefix)
     if not files:
         raise FileNotFoundError(f"{committed.uri}: manifest lists no checkpoint files under {prefix!r}")
@@ -145,6 +161,10 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
     key = content_hash(committed, prefix)
     if is_local(fs):  # links point into this storage: key on where they point too
         key = hashlib.sha256((key + repr(sorted(files.items()))).encode()).hexdigest()
+        only = {prefix + name for name in files}
+        collected = verify_files(committed.storage, committed.attempt_dir, committed.manifest, only=only)
+        if collected:
+            raise CollectedError(next(iter(collected.values())))
     target = cache_root() / "checkpoints" / key[:32]
     if target.exists() and (is_local(fs) or _cache_intact(committed, target, prefix)):
         return str(target)
@@ -152,18 +172,49 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
         shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    for name, path in files.items():
-        dest = tmp / name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if is_local(fs):
-            dest.symlink_to(path)
-        else:
-            fs.get_file(path, str(dest))
+    if is_local(fs):
+        for name, path in files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).symlink_to(path)
+    else:
+        try:
+            download_verified(committed, {prefix + name: str(tmp / name) for name in files})
+        except BaseException:  # a damaged file, a dropped connection: no half folder left in the cache
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     try:
         tmp.rename(target)
     except OSError:  # another process made it first
         shutil.rmtree(tmp, ignore_errors=True)
+        return str(target)
+    if not is_local(fs):  # the copies are the manifest's bytes: _cache_intact need not hash them again
+        disk = LocalFileSystem()
+        for f in committed.manifest.files:
+            if f.path.startswith(prefix):
+                remember_digest(disk, str(target / f.path[len(prefix) :]), f.sha256)
     return str(target)
+
+
+def download_verified(committed: Committed, dests: dict[str, str]) -> None:
+    """Download files of `committed` ({manifest path: local file}) at once, then check each copy against its
+    manifest entry: hashed, unless this machine verified the same object (size, ETag) before."""
+    fs, entries = committed.storage.fs, {f.path: f for f in committed.manifest.files}
+    paths = {name: committed.path(name) for name in dests}  # CollectedError for a file gc collected
+    verified = {}
+    for name, path in paths.items():
+        try:
+            size, digest = known_digest(fs, path)
+        except FileNotFoundError:
+            raise CorruptArtifactError(f"{committed.storage.uri(path)}: listed in the manifest but missing") from None
+        verified[name] = (size, digest) == (entries[name].size, entries[name].sha256)
+    get_files(fs, [(paths[name], local) for name, local in dests.items()])
+    for name, local in dests.items():
+        settle(local)  # dated back: its stamp is trusted at once, and any later write changes it
+        entry = entries[name]
+        if not verified[name]:
+            where, size = committed.storage.uri(paths[name]), os.path.getsize(local)
+            check_entry(committed.storage, committed.manifest, entry, where, size, sha256_local(local))
+            remember_digest(fs, paths[name], entry.sha256)
 
 
 def adapter_checkpoint(committed: Committed) -> str | None:
@@ -186,8 +237,6 @@ def policy_folders(policy: Committed, base: Committed | None = None) -> tuple[Co
 def _cache_intact(committed: Committed, target: Path, prefix: str) -> bool:
     """Whether a downloaded checkpoint folder still holds exactly the manifest's bytes (size and
     sha256; a file this process hashed before is trusted while its size, times and inode hold)."""
-    from fsspec.implementations.local import LocalFileSystem
-
     disk = LocalFileSystem()
     for f in committed.manifest.files:
         if f.path.startswith(prefix):

@@ -6,6 +6,7 @@ ask the same questions.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 
 import fsspec
@@ -17,6 +18,7 @@ from grpo.storage import (
     CorruptArtifactError,
     NotCommittedError,
     Storage,
+    collected_files,
     committed_attempts,
     latest_committed,
     load_manifest,
@@ -109,9 +111,12 @@ def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, input
 
 
 def committed_input(storage: Storage, run_id: str, iteration: int | None, stage: str) -> Committed:
-    """The newest committed output of `stage`, verified; a clear error says what to run."""
+    """The newest committed output of `stage`; a clear error says what to run. Its files are checked as
+    they are read (Committed.read_path, grpo.checkpoint), only those: a snapshot reads manifests alone, a
+    sampler the policy and not the optimizer state."""
     try:
-        return latest_committed(storage, stage_dir(storage, run_id, iteration, stage))
+        found = latest_committed(storage, stage_dir(storage, run_id, iteration, stage), verify=False)
+        return dataclasses.replace(found, collected=collected_files(storage, found.attempt_dir, found.manifest))
     except CorruptArtifactError as e:
         if stage == "base":
             raise StageError(

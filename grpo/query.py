@@ -19,6 +19,11 @@ Several runs at once (`--run` again): each further run's views in a schema of it
 `runs.<view>` with a `run` column:
 
     grpo query --run r1 --run r1-gspo "SELECT run, iteration, avg(reward) FROM runs.rewards GROUP BY ALL ORDER BY 2"
+
+And `io`, from the manifests: what each committed stage moved through storage (its `io` record, one
+row per stage and iteration, the base's iteration null):
+
+    grpo query --run r1 "SELECT stage, sum(read_bytes + download_bytes) AS bytes_in FROM io GROUP BY 1"
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from grpo.storage import (
     latest_committed,
     verify_files,
 )
+from grpo.transfer import IoCounts
 from schemas.tables import OPTIONAL_TABLES, SCHEMAS, TABLE_FILES
 
 if TYPE_CHECKING:  # imported where used: training imports this module (grpo.report) and needs no DuckDB
@@ -77,6 +83,27 @@ def committed_files(storage: Storage, run_id: str, verify: bool = True) -> dict[
             if newest[stage] is not None:
                 out[view].append(storage.uri(_committed_file(newest[stage], name, verify)))
     return out
+
+
+IO_COLUMNS = ["iteration", "stage", "attempt", *(f.name for f in dataclasses.fields(IoCounts))]
+
+
+def io_rows(storage: Storage, run_id: str) -> pd.DataFrame:
+    """The `io` view: per committed stage (the base, and each stage and shard of each iteration: the newest
+    attempt), its manifest's io record; the counts of a manifest written before the record existed are null."""
+    rows, rdir = [], run_dir(storage, run_id)
+    folders = [(None, f"{rdir}/base")] + [(k, f"{rdir}/iter-{k:04d}") for k in iterations(storage, run_id)]
+    for k, folder in folders:
+        sdirs = [folder] if k is None else sorted(storage.fs.ls(folder, detail=False))
+        for sdir in sdirs:
+            try:
+                found = latest_committed(storage, sdir.rstrip("/"), verify=False)
+            except NotCommittedError:
+                continue
+            io = found.manifest.io or {}
+            name = found.attempt_dir.rsplit("/", 1)[-1]
+            rows.append({"iteration": k, "stage": found.manifest.stage, "attempt": name, **io})
+    return pd.DataFrame(rows, columns=IO_COLUMNS).astype({"iteration": "Int64"})
 
 
 def _newest(storage: Storage, sdir: str) -> Committed | None:
@@ -125,6 +152,8 @@ def connect(
     if not is_local(storage.fs):
         con.register_filesystem(storage.fs)  # no httpfs needed: DuckDB reads through s3fs
     _create_views(con, storage, run_id, verify, "main")
+    con.register("_io", io_rows(storage, run_id))
+    con.execute('CREATE VIEW "io" AS SELECT * FROM _io')
     fork = fork_of(storage, run_id)
     if fork is not None:
         con.execute("CREATE SCHEMA parent")

@@ -1,7 +1,7 @@
 """A run's progress, one row per committed iteration, read from the committed manifests: what
 `grpo report` plots, the flow's progress artifact shows and experiment trackers receive.
 
-    grpo report --run demo     # report.png and report.md in the run folder
+    grpo report --run demo     # report.png, io.png (bytes per stage) and report.md in the run folder
 
 Each iteration's figures come from the newest committed attempt of each stage, so a resumed or
 rerun iteration has one row with the values that were committed, whoever ran it.
@@ -19,7 +19,7 @@ from grpo.config import load_config
 from grpo.errors import StageError
 from grpo.fork import fork_of
 from grpo.layout import STAGES, run_dir, run_json, stage_dir
-from grpo.query import iterations
+from grpo.query import io_rows, iterations
 from grpo.storage import (
     Committed,
     NotCommittedError,
@@ -248,6 +248,37 @@ def figure(
     return fig
 
 
+def io_png(storage: Storage, run_id: str, dpi: int = 90) -> bytes | None:
+    """Bytes each stage moved through storage per iteration (read + downloaded + written + uploaded, from
+    its manifest's io record), a line per stage on a log scale, and the bytes hashed in all; PNG bytes, None
+    when no manifest has an io record."""
+    counts = io_rows(storage, run_id).dropna(subset=["read_bytes", "iteration"])
+    if counts.empty:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    counts["moved"] = counts[["read_bytes", "download_bytes", "write_bytes", "upload_bytes"]].sum(axis=1)
+    counts["stage"] = counts["stage"].str.replace(r"-shard-.*", "", regex=True)  # a sharded stage: shards summed
+    moved = counts.pivot_table(index="iteration", columns="stage", values="moved", aggfunc="sum")
+    fig, ax = plt.subplots(figsize=(12, 4), constrained_layout=True)
+    for stage in moved.columns:
+        ax.plot(moved.index, moved[stage], marker=".", label=stage)
+    hashed = counts.groupby("iteration")["hash_bytes"].sum()
+    ax.plot(hashed.index, hashed.values, "k--", linewidth=1, label="hashed, all stages")
+    ax.set(yscale="log", xlabel="iteration", ylabel="bytes", title="bytes through storage per stage (manifests' io)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=4)
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=dpi)
+    plt.close(fig)
+    return out.getvalue()
+
+
 def headline(rows: list[dict], best: Best | None) -> str:
     """`N iterations; at iteration k: mean reward r, held-out exact match e (of iteration j, the last evaluated).
     Best so far: iteration b (exact_match 0.81).`"""
@@ -306,6 +337,9 @@ def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) 
         else ""
     )
     text = f"# Run {run_id}\n\n{lineage}{headline(rows, best)}\n\n![progress](report.png)\n\n{markdown_table(rows)}\n"
+    if (moved := io_png(storage, run_id)) is not None:  # bytes per stage per iteration, from the manifests
+        storage.write_bytes_atomic(f"{rdir}/io.png", moved)
+        text += "\n![bytes through storage per stage](io.png)\n"
     storage.write_bytes_atomic(md, text.encode())
     return storage.uri(png), storage.uri(md)
 

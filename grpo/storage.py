@@ -9,7 +9,11 @@ A stage folder holds attempts: `<stage>/attempt-0001-3fa2c1/`. A writer always
 opens a fresh attempt folder, so committed files are never written over; the
 attempt is committed once its `_manifest.json` exists, and that file is written
 last (a single object PUT on S3, a rename on a local disk). Readers take the
-newest committed attempt and check every file's size and sha256 against it.
+newest committed attempt and check the size and sha256 of each file they read
+against it (`Committed.read_path`, `verify_files`); a commit hashes its files as
+they are written (grpo.transfer), and a file hashed once on this machine is not
+hashed again while its stamp holds (`file_digest`). Every byte moved through the
+storage's filesystem is counted into the attempt's `io` record (grpo.transfer).
 
 While a writer runs, its attempt holds a `.heartbeat` it rewrites every ~30 s (Heartbeat), so that
 `grpo gc` can tell a live attempt from a dead one however long its stage writes nothing else.
@@ -20,12 +24,15 @@ skips them, and reading one fails naming it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime as dt
 import functools
 import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -35,11 +42,14 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import fsspec
 from fsspec import AbstractFileSystem
 
+from grpo.errors import StageError
 from grpo.identity import config_hash, stage_identity
+from grpo.transfer import STAMPS, IoCounts, count_io, counted_fs, uncounted, written_digest
 from schemas.manifest import MANIFEST_NAME, FileEntry, InputRef, Manifest
 
 DEFAULT_STORAGE = "storage"
@@ -57,8 +67,9 @@ class NotCommittedError(ArtifactError):
     pass
 
 
-class CorruptArtifactError(ArtifactError):
-    pass
+class CorruptArtifactError(ArtifactError, StageError):
+    """A committed file's bytes are not its manifest's: the stage reading it fails in one line, as on any
+    input it refuses (a StageError), saying what to remake."""
 
 
 class CollectedError(ArtifactError):
@@ -129,16 +140,19 @@ def open_storage(url: str | None = None) -> Storage:
     protocol = url.split("://", 1)[0]
     opts = _s3_options() if protocol in ("s3", "s3a") else {}
     fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs = counted_fs(fs)  # every byte it moves counts into the open io record
     if is_local(fs):
         fs.makedirs(root, exist_ok=True)
     return Storage(fs=fs, root=root, url=url)
 
 
 def sha256_file(fs: AbstractFileSystem, path: str) -> str:
-    h = hashlib.sha256()
+    h, n, t0 = hashlib.sha256(), 0, time.perf_counter()
     with fs.open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
+            n += len(chunk)
+    count_io("hash", n, time.perf_counter() - t0)
     return h.hexdigest()
 
 
@@ -168,22 +182,85 @@ def _stamp(fs: AbstractFileSystem, path: str) -> tuple[tuple | None, int]:
     return ((info["size"], etag) if etag else None), info["size"]
 
 
+def _where(fs: AbstractFileSystem, path: str) -> str:
+    """A file's key in the hash caches: its path, and on S3 the endpoint too."""
+    if is_local(fs):
+        return path
+    endpoint = (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url", "")
+    return f"{fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol}://{endpoint}|{path}"
+
+
+def _remember(key: str, stamp: tuple, digest: str) -> None:
+    _HASHED[key] = stamp, digest
+    _HASHED.move_to_end(key)
+    while len(_HASHED) > _HASHED_MAX:
+        _HASHED.popitem(last=False)
+    STAMPS.put(key, stamp, digest)
+
+
+_REHASH: contextvars.ContextVar[bool] = contextvars.ContextVar("grpo_rehash", default=False)
+
+
+@contextlib.contextmanager
+def rehashing() -> Iterator[None]:
+    """Every file verified in the block is hashed, whatever this machine hashed before (`grpo status --verify`:
+    a disk that changes bytes and keeps their stamp is caught too)."""
+    token = _REHASH.set(True)
+    try:
+        yield
+    finally:
+        _REHASH.reset(token)
+
+
+def _known(fs: AbstractFileSystem, path: str) -> tuple[tuple | None, int, str | None]:
+    """(stamp, size, the sha256 hashed on this machine while the stamp held, or None); FileNotFoundError."""
+    stamp, size = _stamp(fs, path)
+    if stamp is None or _REHASH.get():
+        return stamp, size, None
+    key = _where(fs, path)
+    known = _HASHED.get(key)
+    if known is not None and known[0] == stamp:
+        return stamp, size, known[1]
+    digest = STAMPS.get(key, stamp)  # hashed by another process on this machine
+    if digest is not None:
+        _HASHED[key] = stamp, digest
+    return stamp, size, digest
+
+
+def known_digest(fs: AbstractFileSystem, path: str) -> tuple[int, str | None]:
+    """(size, sha256 hashed on this machine while the file's stamp held, or None); FileNotFoundError."""
+    _, size, digest = _known(fs, path)
+    return size, digest
+
+
+def settle(path: str) -> None:
+    """Date a local file this process has finished writing back by 10 s, so that its stamp is trusted at
+    once (a file just written is "racy", see _stamp); any later write dates it now again, and its ctime
+    changes either way."""
+    past = time.time_ns() - 10_000_000_000
+    os.utime(path, ns=(past, past))
+
+
+def remember_digest(fs: AbstractFileSystem, path: str, digest: str) -> None:
+    """Record the sha256 of a file whose bytes are known (hashed as written, or a verified download)."""
+    stamp, _ = _stamp(fs, path)
+    if stamp is not None:
+        _remember(_where(fs, path), stamp, digest)
+
+
 def file_digest(fs: AbstractFileSystem, path: str) -> tuple[int, str]:
     """(size, sha256) of a file; raises FileNotFoundError.
 
-    A file this process hashed before is not read again while its stamp is unchanged: a warm run
-    verifies the same checkpoint in several stages, and each re-read of a large model costs seconds.
+    A file hashed on this machine before, by this process or another (grpo.transfer.StampCache), is not
+    read again while its stamp is unchanged: a run verifies the same checkpoint in several stages and
+    processes, and each re-read of a large model costs seconds.
     """
-    stamp, size = _stamp(fs, path)
-    known = _HASHED.get(path)
-    if stamp is not None and known is not None and known[0] == stamp:
-        return size, known[1]
+    stamp, size, digest = _known(fs, path)
+    if digest is not None:
+        return size, digest
     digest = sha256_file(fs, path)
     if stamp is not None:
-        _HASHED[path] = stamp, digest
-        _HASHED.move_to_end(path)
-        while len(_HASHED) > _HASHED_MAX:
-            _HASHED.popitem(last=False)
+        _remember(_where(fs, path), stamp, digest)
     return size, digest
 
 
@@ -307,11 +384,58 @@ def _collected_note(storage: Storage, path: str, known: dict[str, dict]) -> str 
     )
 
 
-def verify_files(storage: Storage, attempt_dir: str, manifest: Manifest) -> dict[str, str]:
-    """Check every file's size and sha256 against the manifest. Returns {manifest path: one-line error}
-    of the files `grpo gc --retention` collected: skipped here, refused by Committed.path."""
+def collected_files(storage: Storage, attempt_dir: str, manifest: Manifest) -> dict[str, str]:
+    """{manifest path: one-line error} of the listed files `grpo gc --retention` collected, from the
+    collected.json of the attempts holding them (no file is read or hashed)."""
     collected, known = {}, {}
     for entry in manifest.files:
+        path = file_path(storage, attempt_dir, entry)
+        note = _collected_note(storage, path, known)
+        if note is not None:
+            collected[entry.path] = note
+    return collected
+
+
+def _remake(storage: Storage, manifest: Manifest, entry: FileEntry) -> str:
+    """What to do about a damaged file of `manifest`: remake the stage whose attempt holds it (a referenced
+    file: the input it came from), in words for the one-line error."""
+    owner = manifest
+    for ref in manifest.inputs.values() if entry.uri else ():
+        if entry.uri.startswith(ref.uri.rstrip("/") + "/"):
+            path = fsspec.core.strip_protocol(ref.uri) if "://" in ref.uri else ref.uri
+            owner = load_manifest(storage, path, verify=False)[0]
+    if owner.iteration is None:
+        return f"the run's {owner.stage} model changed after its commit; restore its files or make a new run"
+    stage, shard = owner.stage, ""
+    if match := re.match(r"(?P<stage>\w+)-shard-(?P<shard>\d+)-of-\d+$", stage):
+        stage, shard = match["stage"], f" --shard {match['shard']}"
+    return (
+        f"the committed {owner.stage} changed after its commit; make a new attempt with `grpo stage {stage} "
+        f"--run {owner.run_id} --iteration {owner.iteration}{shard} --force` (the damaged one stays for inspection)"
+    )
+
+
+def check_entry(storage: Storage, manifest: Manifest, entry: FileEntry, where: str, size: int, digest: str) -> None:
+    """CorruptArtifactError, one line saying what to rerun, when (size, digest) are not the manifest entry's."""
+    if size != entry.size:
+        what = f"size {size} != manifest's {entry.size}"
+    elif digest != entry.sha256:
+        what = f"sha256 {digest[:12]}… != manifest's {entry.sha256[:12]}…"
+    else:
+        return
+    raise CorruptArtifactError(f"{where}: {what}: {_remake(storage, manifest, entry)}")
+
+
+def verify_files(
+    storage: Storage, attempt_dir: str, manifest: Manifest, only: set[str] | None = None
+) -> dict[str, str]:
+    """Check the size and sha256 of every file (of `only`, manifest paths, when given) against the
+    manifest. Returns {manifest path: one-line error} of the files `grpo gc --retention` collected:
+    skipped here, refused by Committed.path."""
+    collected, known = {}, {}
+    for entry in manifest.files:
+        if only is not None and entry.path not in only:
+            continue
         path = file_path(storage, attempt_dir, entry)
         where = storage.uri(path)
         try:
@@ -322,10 +446,7 @@ def verify_files(storage: Storage, attempt_dir: str, manifest: Manifest) -> dict
                 collected[entry.path] = note
                 continue
             raise CorruptArtifactError(f"{where}: listed in the manifest but missing") from None
-        if size != entry.size:
-            raise CorruptArtifactError(f"{where}: size {size} != manifest's {entry.size}")
-        if digest != entry.sha256:
-            raise CorruptArtifactError(f"{where}: sha256 {digest[:12]}… != manifest's {entry.sha256[:12]}…")
+        check_entry(storage, manifest, entry, where, size, digest)
     return collected
 
 
@@ -346,6 +467,15 @@ class Committed:
             raise CollectedError(self.collected[name])
         return file_path(self.storage, self.attempt_dir, self.manifest.file(name))
 
+    def read_path(self, name: str) -> str:
+        """Storage path of a listed file about to be read, its size and sha256 checked first (not hashed
+        again while its stamp holds); CorruptArtifactError or CollectedError in one line."""
+        path = self.path(name)
+        collected = verify_files(self.storage, self.attempt_dir, self.manifest, only={name})
+        if name in collected:
+            raise CollectedError(collected[name])
+        return path
+
     @property
     def uri(self) -> str:
         return self.storage.uri(self.attempt_dir)
@@ -355,7 +485,8 @@ class Committed:
 
 
 def latest_committed(storage: Storage, stage_dir: str, verify: bool = True) -> Committed:
-    """The newest committed attempt of a stage; uncommitted attempts are never read."""
+    """The newest committed attempt of a stage; uncommitted attempts are never read. With `verify`, every
+    file is checked (a stage checks only what it reads: lineage.committed_input)."""
     attempts = committed_attempts(storage, stage_dir)
     if attempts:
         manifest, sha = load_manifest(storage, attempts[-1], verify=False)
@@ -400,7 +531,8 @@ class Heartbeat:
 
     def _write(self, **extra) -> None:
         data = json.dumps({**self.info, "beat_at": time.time(), **extra}, sort_keys=True).encode()
-        self.storage.write_bytes_atomic(self.path, data)
+        with uncounted():  # bookkeeping, not the stage's data
+            self.storage.write_bytes_atomic(self.path, data)
 
     def _run(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -514,22 +646,35 @@ class StageWriter:
         self._referenced.append(FileEntry(path=name, size=entry.size, sha256=entry.sha256, uri=entry.uri))
 
     def _own_files(self) -> list[FileEntry]:
+        """The attempt's files with their sha256: as hashed while this process wrote them (grpo.transfer),
+        else (a file written in place on a local disk, or by another process) hashed now."""
         fs = self.storage.fs
-        found = fs.find(self.attempt_dir) if fs.exists(self.attempt_dir) else []
+        found = fs.find(self.attempt_dir, detail=True) if fs.exists(self.attempt_dir) else {}
         entries = []
         for p in sorted(found):
             rel = p[len(self.attempt_dir) + 1 :]
             if rel in (MANIFEST_NAME, HEARTBEAT_NAME) or ".tmp-" in rel:
                 continue
-            size, digest = file_digest(fs, p)
+            size = found[p]["size"]
+            digest = written_digest(p, size)
+            if is_local(fs):  # done writing: a reader on this machine trusts what the commit hashed
+                settle(p)
+            if digest is None:
+                if is_local(fs):  # written in place (a learner's torch.save): not seen by the counters
+                    count_io("write", size, 0.0)
+                size, digest = file_digest(fs, p)
+            else:
+                remember_digest(fs, p, digest)  # a reader on this machine need not hash it again
             entries.append(FileEntry(path=rel, size=size, sha256=digest, uri=None))
         return entries
 
-    def commit(self, summary: dict | None = None) -> Committed:
-        """Hash every file written, then write the manifest last (the heartbeat beats on meanwhile)."""
+    def commit(self, summary: dict | None = None, io: IoCounts | None = None) -> Committed:
+        """List every file written with its hash, then write the manifest last (the heartbeat beats on
+        meanwhile); `io`, what the attempt moved (its own manifest left out), is recorded in it."""
         if self._committed:
             raise ArtifactError(f"{self.storage.uri(self.attempt_dir)}: already committed")
         self._check_attempt()
+        files = self._own_files() + self._referenced
         manifest = Manifest(
             stage=self.stage,
             run_id=self.run_id,
@@ -539,12 +684,13 @@ class StageWriter:
             config=self.config,
             config_hash=self.config_hash,
             inputs=self.inputs,
-            files=self._own_files() + self._referenced,
+            files=files,
             code_version=code_version(),
             started_at=self.started_at,
             committed_at=_now(),
             summary=summary or {},
             origin=self.origin,
+            io=None if io is None else io.record(),
         )
         data = manifest.to_json()
         self._check_attempt()  # hashing a large checkpoint takes a while: still there?

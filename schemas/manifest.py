@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: before the `io` record
 MANIFEST_NAME = "_manifest.json"
 
 
@@ -48,6 +49,9 @@ class Manifest:
     committed_at: str
     summary: dict = field(default_factory=dict)
     """Small stats for people and dashboards (counts, reward mean, loss, ...)."""
+    io: dict | None = None
+    """What the attempt moved through storage, measured (grpo.storage.IoCounts: bytes and seconds read,
+    downloaded, hashed, written, uploaded; the manifest itself left out); None in a version 1 manifest."""
     manifest_version: int = MANIFEST_VERSION
     origin: InputRef | None = None
     """Set on an attempt that takes another run's committed attempt by reference (a fork, grpo.fork): the
@@ -65,8 +69,8 @@ class Manifest:
         try:
             raw = json.loads(data)
             version = raw.get("manifest_version")
-            if version != MANIFEST_VERSION:
-                raise ValueError(f"manifest_version {version!r}, this code reads {MANIFEST_VERSION}")
+            if version not in READABLE_VERSIONS:
+                raise ValueError(f"manifest_version {version!r}, this code reads {READABLE_VERSIONS}")
             raw["files"] = [FileEntry(**f) for f in raw["files"]]
             raw["inputs"] = {k: InputRef(**v) for k, v in raw["inputs"].items()}
             if raw.get("origin") is not None:

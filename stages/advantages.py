@@ -23,9 +23,10 @@ from grpo.lineage import check_chain, committed_input
 from grpo.storage import Committed, Storage
 from grpo.tasks.functions import reward_source
 from schemas import read_parquet, table_file, write_parquet
-from stages.common import StageError, load_run, run_stage
+from stages.common import StageError, load_run, measured, run_stage
 
 
+@measured
 def advantages(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)
     rewards_in = committed_input(storage, run_id, iteration, "rewards")
@@ -36,7 +37,7 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
     def body(writer):
         table = read_parquet(
             storage.fs,
-            rewards_in.path(table_file("rewards")),
+            rewards_in.read_path(table_file("rewards")),
             "rewards",
             columns=["run_id", "iteration", "prompt_id", "sample_index", "reward"],
         )

@@ -9,6 +9,7 @@ and stage with the same config and inputs is taken by reference instead of runni
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -23,6 +24,7 @@ from grpo.layout import no_such_run, run_json, stage_dir
 from grpo.lineage import note_committed, raced
 from grpo.storage import Committed, StageWriter, Storage, committed_attempts, find_committed, load_manifest
 from grpo.tasks import Example
+from grpo.transfer import counting_io
 
 log = logging.getLogger("grpo.stages")
 
@@ -62,6 +64,19 @@ def gpu_memory() -> dict[str, float]:
     return {"gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "gpu_used_gib": (total - free) / 2**30}
 
 
+def measured(stage_fn: Callable[..., Committed]) -> Callable[..., Committed]:
+    """A stage function whose reads of its inputs count into the `io` of the attempt it commits: everything
+    moved through storage from its call to its commit (run_stage; a sharded stage's first commit takes
+    the reads before it, each later commit what it moved since the one before)."""
+
+    @functools.wraps(stage_fn)
+    def stage(*args, **kwargs) -> Committed:
+        with counting_io():
+            return stage_fn(*args, **kwargs)
+
+    return stage
+
+
 def run_stage(
     storage: Storage,
     run_id: str,
@@ -77,6 +92,7 @@ def run_stage(
 
     `body(writer)` writes its files through `writer.path(name)` and returns the summary.
     If it raises, nothing is committed and readers keep seeing the previous attempt.
+    The manifest's `io` is what the stage moved through storage (see `measured`).
     """
     writer_args = dict(
         run_id=run_id, iteration=iteration, stage=stage, config=config, inputs={k: v.ref() for k, v in inputs.items()}
@@ -84,7 +100,7 @@ def run_stage(
     sdir = stage_dir(storage, run_id, iteration, stage)
     if not force:
         identity = stage_identity(run_id, iteration, stage, config_hash(config), writer_args["inputs"])
-        found = find_committed(storage, sdir, identity)
+        found = find_committed(storage, sdir, identity, verify=False)  # its readers check what they read
         if found is None:  # a fork: an ancestor's attempt with the same config and inputs, by reference
             found = reuse(storage, run_id, iteration, stage, config, inputs)
         if found is not None:
@@ -95,14 +111,16 @@ def run_stage(
     torch = sys.modules.get("torch")  # not imported yet: nothing on a GPU yet either
     if torch is not None and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with writer:  # its heartbeat tells `grpo gc` the attempt is live until the commit (or the failure)
+    # its heartbeat tells `grpo gc` the attempt is live until the commit (or the failure)
+    with writer, counting_io(reuse=True) as io:
         summary = {**body(writer), **gpu_memory()}
         if not force:  # another process committed this very stage while this one ran: ours would supersede it
             found = find_committed(storage, sdir, writer.identity, verify=False)
             race = found and raced(storage, found.attempt_dir)
             if race:
                 raise StageError(race)
-        committed = writer.commit(summary=summary)
+        committed = writer.commit(summary=summary, io=io)
+        io.reset()  # a next commit in the same stage call (a sharded stage's merge) counts from here
         note_committed(committed.attempt_dir)
     log.info("%s iteration %s: committed %s %s", stage, iteration, committed.uri, summary)
     return committed

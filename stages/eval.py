@@ -22,7 +22,7 @@ from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
 from grpo.storage import Committed, Storage, committed_attempts, latest_committed
 from schemas import table_file, write_parquet
-from stages.common import load_run, run_stage
+from stages.common import load_run, measured, run_stage
 from stages.prompts import eval_prompts, held_out_config, policy_and_prompts, sampler
 
 
@@ -41,6 +41,7 @@ def due(iteration: int, every: int, last: bool) -> bool:
     return last or (iteration + 1) % every == 0
 
 
+@measured
 def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False, last: bool = True) -> Committed:
     """The held-out eval of iteration k's policy; where it is not due (eval.every, `last`: whether k is the last
     iteration its caller runs; a forced eval is always due), a skipped eval instead (see `skip`)."""

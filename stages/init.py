@@ -48,6 +48,7 @@ from stages.common import (
     dataset_facts,
     load_run,
     log,
+    measured,
     pin_datasets,
     run_datasets,
     run_stage,
@@ -236,6 +237,7 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
     return folder, source
 
 
+@measured
 def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False) -> Committed:
     """Check the run's inputs, write run.json and commit the base model under `runs/<run_id>/base`."""
     exists = storage.exists(run_json(storage, run_id))

@@ -29,6 +29,7 @@ import torch
 from grpo.checkpoint import (
     adapter_checkpoint,
     carry_checkpoint_files,
+    download_verified,
     local_checkpoint,
     policy_folders,
     tokenizer_and_config,
@@ -43,7 +44,7 @@ from grpo.lineage import check_chain, check_policy, committed_input, frozen_vers
 from grpo.sampling.engines import release_accelerator
 from grpo.storage import Committed, StageWriter, Storage, is_local
 from schemas import read_parquet, table_file
-from stages.common import StageError, load_run, run_stage
+from stages.common import StageError, load_run, measured, run_stage
 
 KEYS = ["prompt_id", "sample_index"]
 
@@ -72,12 +73,15 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
     """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups, whole."""
     ro = read_parquet(
         storage.fs,
-        rollouts_in.path(table_file("rollouts")),
+        rollouts_in.read_path(table_file("rollouts")),
         "rollouts",
         columns=KEYS + ["prompt_ids", "response_ids", "sampler_logprobs"],
     )
     ad = read_parquet(
-        storage.fs, adv_in.path(table_file("advantages")), "advantages", columns=KEYS + ["advantage", "reward", "kept"]
+        storage.fs,
+        adv_in.read_path(table_file("advantages")),
+        "advantages",
+        columns=KEYS + ["advantage", "reward", "kept"],
     )
     kept = ad.column("kept").to_numpy()
     ad_pid, ad_idx = (ad.column(c).to_numpy()[kept] for c in KEYS)
@@ -215,15 +219,13 @@ def read_batch(storage: Storage, cfg: RunConfig, inputs: dict[str, Committed]) -
 
 def checkpoint_folders(storage: Storage, inputs: dict[str, Committed], tmp: str, state: bool) -> dict[str, str | None]:
     """The local folders a Learner is built from (new_learner's arguments); with `state`, the previous
-    learn's optimizer state, rng and master weights downloaded into `tmp`."""
+    learn's optimizer state, rng and master weights downloaded into `tmp` (checked against its manifest)."""
     state_dir = None
     if "previous" in inputs and state:
         state_dir = f"{tmp}/state"
         os.makedirs(state_dir)
-        for f in inputs["previous"].manifest.files:
-            if is_state_file(f.path):
-                os.makedirs(os.path.dirname(f"{state_dir}/{f.path}"), exist_ok=True)
-                storage.fs.get_file(inputs["previous"].path(f.path), f"{state_dir}/{f.path}")
+        names = [f.path for f in inputs["previous"].manifest.files if is_state_file(f.path)]
+        download_verified(inputs["previous"], {name: f"{state_dir}/{name}" for name in names})
     policy_dir, adapter_dir = start_policy(storage, inputs)  # LoRA: the adapters learn k - 1 left
     ref_dir = local_checkpoint(inputs["reference"])
     return {"policy_dir": policy_dir, "ref_dir": ref_dir, "state_dir": state_dir, "adapter_dir": adapter_dir}
@@ -239,6 +241,7 @@ def start_policy(storage: Storage, inputs: dict[str, Committed]) -> tuple[str, s
     return policy_folders(previous, inputs.get("base"))[1:]
 
 
+@measured
 def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, node_rank: int = 0) -> Committed:
     """The stage; with learn.nodes > 1 this is node 0, and `node_rank` r >= 1 joins it as node r
     (grpo.learner.nodes)."""

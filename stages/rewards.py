@@ -36,12 +36,13 @@ from grpo.scoring.score import allowed_errors, batch_items, score_samples, score
 from grpo.storage import Committed, Storage
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, table_file
-from stages.common import StageError, load_run
+from stages.common import StageError, load_run, measured
 from stages.shards import ranges, run_sharded
 
 log = logging.getLogger("grpo.stages")
 
 
+@measured
 def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, shard: int | None = None) -> Committed:
     """Score every sample; with reward.shards > 1, shard `shard` alone or every shard then their rows
     merged (stages.shards). A sample's reward depends on that sample alone, so 1 and N shards score the
@@ -55,6 +56,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
     path = rollouts.path(table_file("rollouts"))
 
     def score(writer, shard_k: int = 0) -> dict:
+        rollouts.read_path(table_file("rollouts"))  # its size and sha256 checked before any row is read
         with storage.fs.open(path, "rb") as f:
             rows = ranges(pq.ParquetFile(f).metadata.num_rows, cfg.reward.shards)[shard_k]
         n = n_err = 0

@@ -26,7 +26,7 @@ from grpo.scoring.score import scorer_key
 from grpo.storage import Committed, StageWriter, Storage
 from schemas import ParquetWriter, table_file
 from stages import rewards
-from stages.common import StageError, load_run
+from stages.common import StageError, load_run, measured
 from stages.dynamic_sampling import draw_start, dynamic_inputs, flat_epoch, group_signal
 from stages.prompts import (
     Prompts,
@@ -115,6 +115,7 @@ class Tally:
         return {"samples": samples, "response_tokens": self.tokens, "stop_fraction": self.stops / max(samples, 1)}
 
 
+@measured
 def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False, shard: int | None = None) -> Committed:
     """Sample the iteration's prompts; with rollout.shards > 1, shard `shard` alone or every shard then
     their rows merged (stages.shards). A shard is whole chunks and every chunk draws its seeds as it would

@@ -83,7 +83,7 @@ def run_sharded(
     def merge(writer: StageWriter) -> dict:
         with ParquetWriter(storage.fs, writer.path(table_file(stage)), stage) as out:
             for part in done:  # row group by row group: memory stays bounded however big the stage
-                for group in iter_row_groups(storage.fs, part.path(table_file(stage)), stage):
+                for group in iter_row_groups(storage.fs, part.read_path(table_file(stage)), stage):
                     out.write(group)
         return {**merge_summary([part.manifest.summary for part in done]), "shards": shards}
 

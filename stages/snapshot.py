@@ -14,7 +14,7 @@ from grpo.checkpoint import ADAPTER_PREFIX, CHECKPOINT_PREFIX, checkpoint_files
 from grpo.lineage import check_chain, check_policy, committed_input, policy_version, version_of
 from grpo.storage import Committed, Storage
 from schemas import FileEntry
-from stages.common import load_run, run_stage
+from stages.common import load_run, measured, run_stage
 
 
 def policy_source(storage: Storage, run_id: str, iteration: int, staleness: int) -> Committed:
@@ -25,6 +25,7 @@ def policy_source(storage: Storage, run_id: str, iteration: int, staleness: int)
     return committed_input(storage, run_id, version, "learn")
 
 
+@measured
 def snapshot(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)  # fails early, naming run.json, if the run does not exist
     inputs = {"policy": policy_source(storage, run_id, iteration, cfg.rollout.staleness)}

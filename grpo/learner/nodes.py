@@ -296,7 +296,8 @@ def join(
     """Node r >= 1: find node 0's live attempt of this identity, run this node's processes to its address,
     upload what they wrote, report, and return the attempt once node 0 committed it. `prepare(tmp,
     out_dir)` reads the inputs as node 0 does and returns launch.learner_args'."""
-    if not force and (done := find_committed(storage, stage_dir(storage, run_id, iteration, "learn"), identity)):
+    sdir = stage_dir(storage, run_id, iteration, "learn")
+    if not force and (done := find_committed(storage, sdir, identity, verify=False)):
         log.info("learn iteration %d: node %d: already committed %s", iteration, node_rank, done.uri)
         return done
     attempt, found = find_rendezvous(storage, run_id, iteration, node_rank, identity, lc)
