@@ -434,3 +434,27 @@ def test_reference_refresh_a_cold_resume_equals_the_warm_run_and_gc_keeps_the_re
     assert cold.attempt_dir != outs[2].attempt_dir and not cold.manifest.summary["warm_learner"]
     files = lambda c: sorted((f.path, f.sha256) for f in c.manifest.files)  # noqa: E731
     assert files(cold) == files(outs[2])
+
+
+def test_a_minibatch_reads_its_metrics_to_the_host_once_not_per_microbatch(storage, monkeypatch):
+    """The microbatch loop leaves every metric on the device (no float() or .item() of a tensor, each a host sync
+    on a GPU) and reads them all at once after it; the update and metrics are the ones of before."""
+    import grpo.learner.loop as loop
+
+    real, calls, reads = loop.minibatch_step, [], []
+
+    def counted(*args, **kwargs):
+        before = len(reads)
+        out = real(*args, **kwargs)
+        calls.append(len(reads) - before)
+        return out
+
+    for name in ("__float__", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, o=original: reads.append(1) or o(self, *a))
+    monkeypatch.setattr(loop, "minibatch_step", counted)
+    make_run(storage, "sync", extra=["learn.microbatch_size=8", F32])  # 4 microbatches a minibatch
+    out = stage_function("learn")(storage, "sync", 0)
+    assert calls and all(c == 0 for c in calls), calls
+    metrics = pd.read_parquet(out.path("metrics.parquet"))
+    assert len(metrics) == len(calls) and metrics.loss.notna().all() and (metrics.ratio_max >= metrics.ratio_min).all()

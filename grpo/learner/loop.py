@@ -48,17 +48,21 @@ def minibatch_step(
 ) -> dict[str, float]:
     """Forward/backward over this rank's `groups` in microbatches; token_normalizer is token_mean's divisor
     of each microbatch's token sum (grpo.core.grpo_microbatch_step). Returns metrics: the extremes
-    (`*_max`, `*_min`) over microbatches, the rest summed / accum."""
-    totals: dict[str, float] = {}
+    (`*_max`, `*_min`) over microbatches, the rest summed / accum. No host sync inside the loop: the metrics
+    stay on the device in float64 (as Python floats would add them) and come to the host once, at the end."""
+    totals: dict[str, Tensor] = {}
+    n = max(1, lcfg.process_microbatch // batch.group_size)  # groups a microbatch
     # longest responses together: each microbatch's forward pads only to its own longest (forward_logprobs)
     longest = batch.response_mask[batch.rows(groups)].sum(1).view(len(groups), -1).amax(1)
     groups = groups[longest.argsort(descending=True, stable=True)]
-    for mb_groups in groups.split(max(1, lcfg.process_microbatch // batch.group_size)):
+    # where pi_old is still pending (the first minibatch), read on the host once a step, not a microbatch
+    pending = None if scores.pending is None else (scores.pending.cpu(), groups.cpu().split(n))
+    for i, mb_groups in enumerate(groups.split(n)):
         mb = batch.rows(mb_groups)
         mask = batch.response_mask[mb]
         with autocast():
             logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
-        if scores.pending is not None and bool(scores.pending[mb].all()):  # pi_old = pi_theta, before any step
+        if pending is not None and bool(pending[0][batch.rows(pending[1][i])].all()):  # pi_old = pi_theta, no step yet
             scores.old_logprobs[mb] = logp.detach().to(scores.old_logprobs.dtype)
         ref = scores.ref_logprobs
         loss, metrics = core.grpo_microbatch_step(
@@ -88,12 +92,16 @@ def minibatch_step(
         metrics["loss/total"] = loss.detach() * accum
         metrics["actor/entropy"] = core.masked_mean(entropy, mask)
         for k, v in metrics.items():
+            v = torch.as_tensor(v).detach().double()
             reduce = _EXTREMES.get(k.rsplit("_", 1)[-1])
-            totals[k] = reduce(totals.get(k, float(v)), float(v)) if reduce else totals.get(k, 0.0) + float(v) / accum
-    return totals
+            totals[k] = reduce(totals.get(k, v), v) if reduce else totals.get(k, 0.0) + v / accum
+    if not totals:
+        return {}
+    device = next(iter(totals.values())).device
+    return dict(zip(totals, torch.stack([t.to(device) for t in totals.values()]).tolist()))  # the one sync
 
 
-_EXTREMES = {"max": max, "min": min}  # metric key suffix -> how microbatches (and ranks) combine
+_EXTREMES = {"max": torch.maximum, "min": torch.minimum}  # metric key suffix -> how microbatches combine
 
 
 def reduce_across_ranks(acc, metrics: dict[str, float]) -> dict[str, float]:
