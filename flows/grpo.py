@@ -78,7 +78,6 @@ def grpo(
     while learn k runs: which policy samples which rows is fixed by the config, not by this overlap.
     """
     apply_threads()  # GRPO_THREADS (grpo/threads.py)
-    apply_threads()  # GRPO_THREADS (grpo/threads.py)
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     storage = open_storage(storage_url)
