@@ -46,10 +46,28 @@ def stage_flow(
     result is the committed manifest in storage: the orchestrating flow reads it there, no result storage needed."""
     apply_threads(SHARED_MACHINE)  # GRPO_THREADS, else half the cores: the pools' stages may share a machine
     with stage_logs_to_prefect():
-        args = (storage_url, run_id, iteration) + ((upstream,) if stage != "snapshot" else ())
-        node = {"node_rank": node_rank} if node_rank else {}
-        node |= {"last": last} if stage == "eval" else {}
-        return TASKS[stage](*args, force=force, **({} if shard is None else {"shard": shard}), **node)
+        args, kwargs = task_arguments(stage, storage_url, run_id, iteration, upstream, force, shard, node_rank, last)
+        return TASKS[stage](*args, **kwargs)
+
+
+def task_arguments(
+    stage: str,
+    storage_url: str,
+    run_id: str,
+    iteration: int,
+    upstream: str | None,
+    force: bool,
+    shard: int | None = None,
+    node_rank: int = 0,
+    last: bool = True,
+) -> tuple[tuple, dict]:
+    """(args, kwargs) of stage `stage`'s task (flows/tasks.py): snapshot takes no upstream, only a sharded stage a
+    shard, only learn on several nodes a node rank, only eval `last`."""
+    args = (storage_url, run_id, iteration) + ((upstream,) if stage != "snapshot" else ())
+    kwargs = (
+        {"force": force} | ({} if shard is None else {"shard": shard}) | ({"node_rank": node_rank} if node_rank else {})
+    )
+    return args, kwargs | ({"last": last} if stage == "eval" else {})
 
 
 def check_placement(placement: dict[str, str] | None) -> None:
@@ -88,8 +106,8 @@ class Placement:
 
     def here(self, stage: str, upstream: str | None) -> str | State:
         """The stage's task in this flow run."""
-        args = (self.url, self.run_id, self.k) + ((upstream,) if stage != "snapshot" else ())
-        return TASKS[stage](*args, force=self.force[stage], **({"last": self.last} if stage == "eval" else {}))
+        args, kwargs = task_arguments(stage, self.url, self.run_id, self.k, upstream, self.force[stage], last=self.last)
+        return TASKS[stage](*args, **kwargs)
 
     def placed(self, stage: str, upstream: str | None) -> str | State | None:
         """A placed or sharded stage run where it belongs (what its task would return); None for one run here."""
@@ -123,9 +141,9 @@ class Placement:
         (each on whichever worker takes it), or by the stage workers; then the shards merged here (reading
         them from storage). A failed shard fails the stage once all have ended; the others stay committed."""
         if pool is None:
-            args = (self.url, self.run_id, self.k, upstream)
             for k in range(n):
-                done = TASKS[stage](*args, force=self.force[stage], shard=k)
+                args, kwargs = task_arguments(stage, self.url, self.run_id, self.k, upstream, self.force[stage], k)
+                done = TASKS[stage](*args, **kwargs)
                 if isinstance(done, State):
                     return done
         elif pool == WARM_WORKERS:
@@ -184,10 +202,11 @@ class Placement:
     def delay(self, stage: str, upstream: str | None, shard: int | None, node_rank: int = 0):
         """The stage's task (or one shard's, or one node's of learn) sent to the long-lived stage workers that
         serve it (flows/stage_worker.py)."""
-        args = (self.url, self.run_id, self.k) + ((upstream,) if stage != "snapshot" else ())
-        extra = ({} if shard is None else {"shard": shard}) | ({"node_rank": node_rank} if node_rank else {})
-        extra |= {"last": self.last} if stage == "eval" else {}
-        return TASKS[stage].delay(*args, force=self.force[stage], **extra)
+        force = self.force[stage]
+        args, kwargs = task_arguments(
+            stage, self.url, self.run_id, self.k, upstream, force, shard, node_rank, self.last
+        )
+        return TASKS[stage].delay(*args, **kwargs)
 
     def wait_tasks(self, stage: str, futures: list, upstream: str | None, shards: bool = False) -> str | State:
         for future in futures:

@@ -4,23 +4,20 @@ stage after stage in one process: which policy sampled which rows is fixed by th
 
 import datetime as dt
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_stage_workers_e2e import run_beside_workers
 from test_stages import TINY
 
 from flows.cli import main
 from grpo.layout import run_dir, stage_dir
-from grpo.procs import stop_group
 from grpo.report import overlaps, stage_times
 from grpo.storage import latest_committed, open_storage
 from stages.common import load_run
 from stages.init import init_run
 from stages.iteration import run_iteration
-from tools.prefect_server import prefect_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -39,33 +36,10 @@ def when(c, key: str) -> dt.datetime:
 
 def test_stale_iterations_sample_while_the_placed_learner_runs_and_commit_what_in_order_ones_do(tmp_path):
     store = (tmp_path / "store").as_uri()
-    with prefect_server(tmp_path / "prefect") as server:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "flows.stage_worker", "learn"],  # the learner's machine
-            cwd=REPO,
-            env=server.env,
-            stdout=open(tmp_path / "worker.log", "wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            code = "import json, sys; from flows.grpo import grpo; print(json.dumps(grpo(**json.loads(sys.argv[1]))))"
-            params = {"run_id": "a", "overrides": OVERRIDES, "storage_url": store, "iterations": ITERATIONS}
-            params["placement"] = {"learn": "warm"}
-            out = subprocess.run(
-                [sys.executable, "-c", code, json.dumps(params)],
-                cwd=REPO,
-                env=server.env,
-                capture_output=True,
-                text=True,
-                timeout=900,
-            )
-            log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
-            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + log
-        finally:
-            stop_group(worker)
+    params = {"run_id": "a", "overrides": OVERRIDES, "storage_url": store, "iterations": ITERATIONS}
+    out = run_beside_workers(tmp_path, [["learn"]], params | {"placement": {"learn": "warm"}})  # the learner's machine
     storage = open_storage(store)
-    assert json.loads(out.stdout.strip().splitlines()[-1])["eval"].startswith(store)  # the last iteration's URIs
+    assert json.loads(out.strip().splitlines()[-1])["eval"].startswith(store)  # the last iteration's URIs
 
     # iteration k+1 sampled while learn k ran: its rollouts began before learn k committed; `grpo timeline` shows it
     assert overlaps(stage_times(storage, "a")), "no iteration sampled while the previous learn ran"

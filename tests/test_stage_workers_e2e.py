@@ -31,10 +31,12 @@ WARM = {s: "warm" for s in ("snapshot", "rollouts", "rewards", "advantages", "le
 TABLES = {"rollouts": "rollouts.parquet", "rewards": "rewards.parquet", "advantages": "advantages.parquet"}
 
 
-def test_flow_on_warm_stage_workers_commits_what_one_process_does_and_keeps_the_learner(tmp_path):
-    store = (tmp_path / "store").as_uri()
+def run_beside_workers(tmp_path, workers: list[list[str]], params: dict) -> str:
+    """The flow `grpo(**params)` in a process of its own, beside a stage worker serving each list of `workers`, all on
+    a Prefect server started here; the flow's stdout (its last line: the returned URIs as JSON). Every process it
+    started is stopped."""
     with prefect_server(tmp_path / "prefect") as server:
-        workers = [
+        procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "flows.stage_worker", *stages],
                 cwd=REPO,
@@ -43,11 +45,10 @@ def test_flow_on_warm_stage_workers_commits_what_one_process_does_and_keeps_the_
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-            for i, stages in enumerate(WORKERS)
+            for i, stages in enumerate(workers)
         ]
         try:
             code = "import json, sys; from flows.grpo import grpo; print(json.dumps(grpo(**json.loads(sys.argv[1]))))"
-            params = {"run_id": "w", "overrides": OVERRIDES, "storage_url": store, "iterations": 2, "placement": WARM}
             out = subprocess.run(
                 [sys.executable, "-c", code, json.dumps(params)],
                 cwd=REPO,
@@ -57,12 +58,19 @@ def test_flow_on_warm_stage_workers_commits_what_one_process_does_and_keeps_the_
                 timeout=900,
             )
             logs = "\n".join(
-                (tmp_path / f"worker-{i}.log").read_text(errors="replace")[-3000:] for i in range(len(WORKERS))
+                (tmp_path / f"worker-{i}.log").read_text(errors="replace")[-3000:] for i in range(len(workers))
             )
             assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + logs
         finally:
-            for w in workers:
+            for w in procs:
                 stop_group(w)
+    return out.stdout
+
+
+def test_flow_on_warm_stage_workers_commits_what_one_process_does_and_keeps_the_learner(tmp_path):
+    store = (tmp_path / "store").as_uri()
+    params = {"run_id": "w", "overrides": OVERRIDES, "storage_url": store, "iterations": 2, "placement": WARM}
+    run_beside_workers(tmp_path, WORKERS, params)
     storage = open_storage(store)
     learn = [latest_committed(storage, stage_dir(storage, "w", k, "learn")) for k in (0, 1)]
     assert [c.manifest.summary["warm_learner"] for c in learn] == [False, True]  # kept by the worker
