@@ -334,6 +334,13 @@ class LearnConfig:
     """Samples per forward/backward of one process (a multiple of group_size); gradients accumulate to the
     minibatch. A process runs at most its share of a minibatch, minibatch_size / num_processes: a larger value
     is cut to that (`process_microbatch`), so the default fits any num_processes that splits the minibatch."""
+    microbatch_tokens: int | None = None
+    """A token budget per forward/backward instead of microbatch_size samples: each process's share of a minibatch,
+    whole groups longest first, goes into microbatches of as many groups as fit it, a group counting its prompt
+    once and its responses' tokens (what its forward computes, responses packed as padding_free packs them), so a
+    GPU sees large, dense matmuls; every process runs as many microbatches (the most any needs). The update is
+    that of fixed-size microbatches (token_mean over the minibatch's tokens, the per-sequence modes over its
+    sequences); a group larger than the budget fails the learn, naming its size. None: microbatch_size."""
     lr: float = 1.5e-3
     """AdamW learning rate."""
     lr_decay_steps: int = 500
@@ -449,6 +456,11 @@ class LearnConfig:
         for name in ("epochs", "minibatch_size", "microbatch_size", "num_processes", "logprob_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"learn.{name} must be >= 1, got {getattr(self, name)}")
+        if self.microbatch_tokens is not None and self.microbatch_tokens < 1:
+            raise ConfigError(
+                f"learn.microbatch_tokens must be >= 1 (tokens a forward/backward) or null (microbatch_size samples), "
+                f"got {self.microbatch_tokens}"
+            )
         if self.clip_eps <= 0 or self.lr <= 0 or self.kl_coef < 0:
             raise ConfigError("learn.clip_eps and learn.lr must be > 0 and learn.kl_coef >= 0")
         if self.clip_eps_high is not None and self.clip_eps_high <= 0:

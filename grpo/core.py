@@ -383,24 +383,33 @@ def behavior_weights(
 
 
 # ---------------------------------------------------------------- aggregation
-def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, max_tokens: float | None) -> Tensor:
+def _seq_mean(per_sequence: Tensor, sequences: float | None) -> Tensor:
+    """(B,) -> scalar: the mean, or the sum / sequences (a microbatch's share of its minibatch's sequences)."""
+    return per_sequence.mean() if sequences is None else per_sequence.sum() / sequences
+
+
+def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, max_tokens: float | None, sequences: float | None) -> Tensor:
     """Per-sequence masked sum / max_tokens, mean over sequences; (B, T) -> scalar."""
     max_tokens = _require(max_tokens, "max_tokens", "agg mode 'seq_mean_token_sum_norm'")
-    return masked_normalize(loss, mask, max_tokens, dim=-1).mean()
+    return _seq_mean(masked_normalize(loss, mask, max_tokens, dim=-1), sequences)
 
 
-def _token_mean(loss: Tensor, mask: Tensor, max_tokens: float | None, tokens: float | Tensor | None) -> Tensor:
+def _token_mean(loss: Tensor, mask: Tensor, max_tokens: float | None, tokens: float | Tensor | None, seqs) -> Tensor:
     """Masked sum / tokens (default: the mask's own token count); (B, T) -> scalar."""
     return masked_mean(loss, mask) if tokens is None else masked_normalize(loss, mask, tokens)
 
 
-_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float | None, float | Tensor | None], Tensor]] = {
+_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float | None, float | Tensor | None, float | None], Tensor]] = {
     # every response token weighs the same, so long answers weigh more (DAPO)
     "token_mean": _token_mean,
     # every sequence weighs the same (GRPO paper, CS336 default)
-    "seq_mean_token_mean": lambda loss, mask, max_tokens, tokens: masked_mean(loss, mask, dim=-1).mean(),
+    "seq_mean_token_mean": lambda loss, mask, max_tokens, tokens, seqs: _seq_mean(
+        masked_mean(loss, mask, dim=-1), seqs
+    ),
     # constant divisor removes the length bias of the per-sequence mean (Dr.GRPO)
-    "seq_mean_token_sum_norm": lambda loss, mask, max_tokens, tokens: _seq_mean_token_sum_norm(loss, mask, max_tokens),
+    "seq_mean_token_sum_norm": lambda loss, mask, max_tokens, tokens, seqs: _seq_mean_token_sum_norm(
+        loss, mask, max_tokens, seqs
+    ),
 }
 
 
@@ -410,18 +419,23 @@ def aggregate_loss(
     mode: AggMode,
     max_tokens: float | None = None,
     token_normalizer: float | Tensor | None = None,
+    sequence_normalizer: float | None = None,
 ) -> Tensor:
     """Reduce a per-token loss (B, T) over response tokens (mask (B, T)) to a scalar.
 
     max_tokens is the constant divisor of 'seq_mean_token_sum_norm' (required there). token_normalizer is
-    what 'token_mean' divides the masked sum by instead of the mask's own token count (a scalar); the
-    other modes ignore it.
+    what 'token_mean' divides the masked sum by instead of the mask's own token count (a scalar);
+    sequence_normalizer what the per-sequence modes divide their sum over sequences by instead of B (microbatches
+    of unequal sizes: learn.microbatch_tokens). Each mode ignores the other's.
 
     >>> loss, mask = torch.tensor([[1.0, 2.0, 9.0]]), torch.tensor([[1, 1, 0]])
     >>> aggregate_loss(loss, mask, "token_mean").item(), aggregate_loss(loss, mask, "token_mean", None, 6.0).item()
     (1.5, 0.5)
+    >>> aggregate_loss(loss, mask, "seq_mean_token_mean", sequence_normalizer=3.0).item()
+    0.5
     """
-    return _lookup(_AGGREGATIONS, mode, "agg mode")(per_token_loss, mask, max_tokens, token_normalizer)
+    fn = _lookup(_AGGREGATIONS, mode, "agg mode")
+    return fn(per_token_loss, mask, max_tokens, token_normalizer, sequence_normalizer)
 
 
 # ---------------------------------------------------------------- train step
@@ -455,6 +469,7 @@ def grpo_microbatch_step(
     dual_clip_c: float | None = None,
     max_tokens: float | None = None,
     token_normalizer: float | Tensor | None = None,
+    sequence_normalizer: float | None = None,
     sampler_logprobs: Tensor | None = None,
     behavior_correction: BehaviorCorrection = "none",
     behavior_level: BehaviorLevel = "token",
@@ -474,7 +489,9 @@ def grpo_microbatch_step(
     divides the microbatch's token sum by token_normalizer: given the minibatch's response tokens (every
     microbatch's, every rank's) / (gradient_accumulation_steps x ranks averaging their gradients), every token
     of the minibatch weighs 1 / its tokens, as DAPO's token mean asks, however unequal the microbatches; left
-    None, each microbatch's own token mean, which weighs a token 1 / (steps x tokens of its microbatch).
+    None, each microbatch's own token mean, which weighs a token 1 / (steps x tokens of its microbatch). The
+    per-sequence modes divide the microbatch's sequence sum by sequence_normalizer where given (the process's
+    minibatch sequences / gradient_accumulation_steps: microbatches of unequal sizes), else by its B.
     Returns the scaled loss (scalar, detached) and detached metrics; loss/pg and
     loss/kl are the unscaled microbatch values.
     """
@@ -507,7 +524,7 @@ def grpo_microbatch_step(
         )  # (B, T)
         pg_loss = pg_loss * weights
     per_token = pg_loss  # (B, T)
-    norms = (max_tokens, token_normalizer)
+    norms = (max_tokens, token_normalizer, sequence_normalizer)
     metrics = {"loss/pg": aggregate_loss(pg_loss, response_mask, agg_mode, *norms).detach()}
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)  # (B, T)

@@ -12,7 +12,7 @@ from grpo import core
 from grpo.config import load_config
 from grpo.layout import stage_dir
 from grpo.learner import Batch, PolicyLM, Scores, forward_logprobs
-from grpo.learner.loop import minibatch_step
+from grpo.learner.loop import group_tokens, minibatch_step, split_microbatches
 from grpo.storage import StageWriter, latest_committed, open_storage
 from schemas import read_parquet, write_parquet
 from stages import StageError, stage_function
@@ -255,25 +255,34 @@ def test_token_mean_microbatches_of_unequal_tokens_give_the_one_microbatch_updat
     assert d32.norm() > 1e-3 and (d8 - d32).norm() / d32.norm() < 1e-5, ((d8 - d32).norm() / d32.norm()).item()
 
 
-def test_token_mean_gradient_of_unequal_microbatches_and_ranks_is_the_minibatch_token_mean(storage, lm):
-    """The gradient a minibatch accumulates (before AdamW) in microbatches of unequal tokens, or in two ranks'
-    halves averaged as DDP does, is its one-microbatch token-mean gradient within 1e-6 in float32."""
-    make_run(storage, "g", extra=["learn.agg_mode=token_mean", "learn.kl_coef=0.1"])
+@pytest.mark.parametrize("agg_mode", ["token_mean", "seq_mean_token_mean"])
+def test_gradient_of_unequal_microbatches_and_ranks_is_the_minibatch_mean(storage, lm, agg_mode):
+    """The gradient a minibatch accumulates (before AdamW) in microbatches of unequal tokens, in microbatches of
+    unequal sizes (learn.microbatch_tokens, each rank as many), or in two ranks' halves averaged as DDP does, is
+    its one-microbatch gradient within 1e-6 in float32: token_mean's over the minibatch's tokens, the
+    per-sequence mean's over its sequences."""
+    make_run(storage, "g", extra=[f"learn.agg_mode={agg_mode}", "learn.kl_coef=0.1"])
     ro, ad = (latest_committed(storage, stage_dir(storage, "g", 0, s)) for s in ("rollouts", "advantages"))
     batch = load_batch(storage, ro, ad, pad_id=0, group_size=4)
     model, groups = PolicyLM(lm), torch.arange(8)  # one minibatch of 32 samples
     scores = Scores(batch.sampler_logprobs, batch.sampler_logprobs - 0.1)
     n_tok = float(batch.response_mask[batch.rows(groups)].sum())
+    tokens = sorted(group_tokens(batch)[groups].tolist())
+    sizes = []
 
-    def grad(microbatch_size: int, world: int) -> torch.Tensor:
-        lcfg = load_config(None, TINY + ["learn.agg_mode=token_mean", "learn.kl_coef=0.1"]).learn
-        lcfg = dataclasses.replace(lcfg, microbatch_size=microbatch_size)
-        accum = 32 // world // microbatch_size
+    def grad(microbatch_size: int, world: int, budget: int | None = None) -> torch.Tensor:
+        lcfg = load_config(None, TINY + [f"learn.agg_mode={agg_mode}", "learn.kl_coef=0.1"]).learn
+        lcfg = dataclasses.replace(lcfg, microbatch_size=microbatch_size, microbatch_tokens=budget)
+        plan = split_microbatches(batch, groups, lcfg, world)
+        accum = len(plan[0])
+        assert all(len(mbs) == accum for mbs in plan) and sorted(torch.cat(sum(plan, [])).tolist()) == list(range(8))
+        sizes.append([len(mb) for mbs in plan for mb in mbs])
+        sequences = None if budget is None else 32 / world / accum
         total = None
         for rank in range(world):  # DDP: the mean of the ranks' gradients
             lm.zero_grad()
-            args = (lcfg, accum, 128, contextlib.nullcontext, n_tok / (accum * world))
-            minibatch_step(model, batch, scores, groups[rank::world], *args)
+            args = (lcfg, accum, 128, contextlib.nullcontext, n_tok / (accum * world), sequences)
+            minibatch_step(model, batch, scores, plan[rank], *args)
             g = torch.cat([p.grad.flatten() for p in lm.parameters()]) / world
             total = g if total is None else total + g
         return total
@@ -282,9 +291,46 @@ def test_token_mean_gradient_of_unequal_microbatches_and_ranks_is_the_minibatch_
     in_order = groups[longest.argsort(descending=True, stable=True)]  # as minibatch_step groups them
     assert len({int(batch.response_mask[batch.rows(mb)].sum()) for mb in in_order.split(2)}) > 1
     one = grad(32, 1)
-    for microbatch_size, world in [(8, 1), (8, 2), (16, 2)]:
-        other = grad(microbatch_size, world)
-        assert (other - one).norm() / one.norm() < 1e-6, (microbatch_size, world, ((other - one).norm() / one.norm()))
+    budgets = [sum(tokens[-3:]), tokens[-1] + tokens[0]]  # 2 or 3 groups a microbatch; 1 or 2
+    for microbatch_size, world, budget in [(8, 1, None), (8, 2, None), (16, 2, None)] + [
+        (32, w, b) for w in (1, 2) for b in budgets
+    ]:
+        other = grad(microbatch_size, world, budget)
+        rel = ((other - one).norm() / one.norm()).item()
+        assert rel < 1e-6, (microbatch_size, world, budget, rel)
+    assert any(len(set(s)) > 1 for s in sizes[4:])  # some token budgets made microbatches of unequal sizes
+
+
+@pytest.mark.parametrize("agg_mode", ["seq_mean_token_mean", "token_mean"])
+def test_microbatches_by_token_budget_give_the_update_of_fixed_size_microbatches(storage, monkeypatch, agg_mode):
+    """learn.microbatch_tokens: whole groups, longest first, as many a microbatch as fit the budget (1 to 3 groups
+    here, microbatches of unequal sizes) commit the update of microbatches of 2 groups within 1e-5 in float32:
+    token_mean over the minibatch's tokens, the per-sequence mean over its sequences. A budget smaller than a
+    group fails before any step, in one line naming the field and the size to set."""
+    import grpo.learner.loop as loop
+
+    common = ["learn.epochs=2", f"learn.agg_mode={agg_mode}", F32]
+    make_run(storage, "fixed", extra=["learn.microbatch_size=8", *common])
+    ro, ad = (latest_committed(storage, stage_dir(storage, "fixed", 0, s)) for s in ("rollouts", "advantages"))
+    tokens = loop.group_tokens(load_batch(storage, ro, ad, pad_id=0, group_size=4)).tolist()
+    budget = max(max(tokens), int(2.7 * sorted(tokens)[len(tokens) // 2]))  # long groups in twos, short in threes
+    seen, real = [], loop.split_microbatches
+    monkeypatch.setattr(loop, "split_microbatches", lambda *a: seen.append(out := real(*a)) or out)
+    fixed = stage_function("learn")(storage, "fixed", 0)
+    assert {len(mb) for mbs in seen for mb in mbs[0]} == {2}
+    seen.clear()
+    make_run(storage, "budget", extra=[f"learn.microbatch_tokens={budget}", *common])
+    packed = stage_function("learn")(storage, "budget", 0)
+    sizes = [len(mb) for mbs in seen for mb in mbs[0]]
+    assert len(set(sizes)) > 1 and max(sizes) > 2, sizes  # unequal microbatches, larger than the fixed ones
+    assert all(sum(tokens[g] for g in mb.tolist()) <= budget for mbs in seen for mb in mbs[0] if len(mb) > 1)
+    d_fixed, d_packed = update(storage, "fixed", fixed), update(storage, "budget", packed)
+    rel = ((d_packed - d_fixed).norm() / d_fixed.norm()).item()
+    assert d_fixed.norm() > 1e-3 and rel < 1e-5, rel
+
+    make_run(storage, "small", extra=[f"learn.microbatch_tokens={max(tokens) - 1}", *common])
+    with pytest.raises(StageError, match=rf"^learn iteration 0: learn.microbatch_tokens={max(tokens) - 1} is smaller"):
+        stage_function("learn")(storage, "small", 0)
 
 
 def test_packed_responses_give_the_update_of_one_row_per_response(storage, monkeypatch):

@@ -39,30 +39,31 @@ def minibatch_step(
     model,
     batch: Batch,
     scores: Scores,
-    groups: Tensor,
+    microbatches: list[Tensor],
     lcfg: LearnConfig,
     accum: int,
     max_tokens: int,
     autocast,
     token_normalizer: float,
+    sequence_normalizer: float | None = None,
 ) -> dict[str, float]:
-    """Forward/backward over this rank's `groups` in microbatches; token_normalizer is token_mean's divisor
-    of each microbatch's token sum (grpo.core.grpo_microbatch_step). Returns metrics: the extremes
-    (`*_max`, `*_min`) over microbatches, the rest summed / accum. No host sync inside the loop: the metrics
-    stay on the device in float64 (as Python floats would add them) and come to the host once, at the end."""
+    """Forward/backward over this rank's `microbatches` (each a tensor of groups: split_microbatches);
+    token_normalizer and sequence_normalizer are token_mean's and the per-sequence modes' divisors of each
+    microbatch's sums (grpo.core.grpo_microbatch_step). Returns metrics: the extremes (`*_max`, `*_min`) over
+    microbatches, the rest summed / accum. No host sync inside the loop: the metrics stay on the device in float64
+    (as Python floats would add them) and come to the host once, at the end."""
     totals: dict[str, Tensor] = {}
-    n = max(1, lcfg.process_microbatch // batch.group_size)  # groups a microbatch
-    # longest responses together: each microbatch's forward pads only to its own longest (forward_logprobs)
-    longest = batch.response_mask[batch.rows(groups)].sum(1).view(len(groups), -1).amax(1)
-    groups = groups[longest.argsort(descending=True, stable=True)]
-    # where pi_old is still pending (the first minibatch), read on the host once a step, not a microbatch
-    pending = None if scores.pending is None else (scores.pending.cpu(), groups.cpu().split(n))
-    for i, mb_groups in enumerate(groups.split(n)):
+    # which microbatches give pi_old (the first minibatch's: pending), read on the host once a step, not a microbatch
+    pending = [False] * len(microbatches)
+    if scores.pending is not None:
+        rows = scores.pending.cpu()
+        pending = [bool(rows[batch.rows(mb.cpu())].all()) for mb in microbatches]
+    for mb_groups, gives_pi_old in zip(microbatches, pending):
         mb = batch.rows(mb_groups)
         mask = batch.response_mask[mb]
         with autocast():
             logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
-        if pending is not None and bool(pending[0][batch.rows(pending[1][i])].all()):  # pi_old = pi_theta, no step yet
+        if gives_pi_old:  # pi_old = pi_theta, no step yet
             scores.old_logprobs[mb] = logp.detach().to(scores.old_logprobs.dtype)
         ref = scores.ref_logprobs
         loss, metrics = core.grpo_microbatch_step(
@@ -82,6 +83,7 @@ def minibatch_step(
             dual_clip_c=lcfg.dual_clip_c,
             max_tokens=max_tokens,
             token_normalizer=token_normalizer,
+            sequence_normalizer=sequence_normalizer,
             sampler_logprobs=batch.sampler_logprobs[mb],
             behavior_correction=lcfg.behavior_correction,
             behavior_level=lcfg.behavior_level,
@@ -102,6 +104,59 @@ def minibatch_step(
 
 
 _EXTREMES = {"max": torch.maximum, "min": torch.minimum}  # metric key suffix -> how microbatches combine
+
+
+def split_microbatches(batch: Batch, groups: Tensor, lcfg: LearnConfig, world: int) -> list[list[Tensor]]:
+    """Every rank's microbatches of the minibatch `groups` (P',): rank r takes groups[r::world], longest responses
+    first (a microbatch's forward pads only to its own longest: forward_logprobs), process_microbatch / G groups a
+    microbatch, or with learn.microbatch_tokens as many as fit the budget (group_tokens), and then every rank
+    as many microbatches, the most any needs (each backward is a collective under DDP and FSDP2): a rank with
+    fewer halves its largest until it has as many. rank -> its microbatches, each a tensor of groups."""
+    longest = batch.response_mask.sum(1).view(-1, batch.group_size).amax(1)  # (P,)
+    mine = [groups[r::world] for r in range(world)]
+    mine = [m[longest[m].argsort(descending=True, stable=True)] for m in mine]
+    if lcfg.microbatch_tokens is None:
+        return [list(m.split(max(1, lcfg.process_microbatch // batch.group_size))) for m in mine]
+    tokens = group_tokens(batch).tolist()
+    out = [_fill(m.tolist(), tokens, lcfg.microbatch_tokens) for m in mine]
+    count = max(map(len, out))
+    for mbs in out:
+        while len(mbs) < count:  # halve the microbatch of the most tokens among those of 2+ groups
+            i = max((i for i, mb in enumerate(mbs) if len(mb) > 1), key=lambda i: sum(tokens[x] for x in mbs[i]))
+            mbs[i : i + 1] = [mbs[i][: len(mbs[i]) // 2], mbs[i][len(mbs[i]) // 2 :]]
+    return [[torch.tensor(mb, device=groups.device) for mb in mbs] for mbs in out]
+
+
+def _fill(groups: list[int], tokens: list[int], budget: int) -> list[list[int]]:
+    """Consecutive `groups` into microbatches of at most `budget` tokens (a larger group alone)."""
+    out: list[list[int]] = [[]]
+    used = 0
+    for g in groups:
+        if out[-1] and used + tokens[g] > budget:
+            out.append([])
+            used = 0
+        out[-1].append(g)
+        used += tokens[g]
+    return out
+
+
+def group_tokens(batch: Batch) -> Tensor:
+    """(P,) each group's tokens as its forward computes them: the prompt's once, then every response's."""
+    responses = batch.response_mask.sum(1).view(-1, batch.group_size).sum(1)
+    return batch.prompt_mask.sum(1).long() + responses.long()
+
+
+def check_microbatch_tokens(batch: Batch, lcfg: LearnConfig, iteration: int) -> None:
+    """learn.microbatch_tokens holds the largest group of the batch (a microbatch holds whole groups)."""
+    if lcfg.microbatch_tokens is None:
+        return
+    largest = int(group_tokens(batch).max())
+    if largest > lcfg.microbatch_tokens:
+        raise LearnError(
+            f"learn iteration {iteration}: learn.microbatch_tokens={lcfg.microbatch_tokens} is smaller than a group "
+            f"of this batch ({largest} tokens: its prompt and its {batch.group_size} responses); set it to at "
+            f"least {largest}, or unset it to split by learn.microbatch_size"
+        )
 
 
 def reduce_across_ranks(acc, metrics: dict[str, float]) -> dict[str, float]:
@@ -141,6 +196,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     cfg, lcfg, acc, model, opt = learner.cfg, learner.cfg.learn, learner.acc, learner.model, learner.opt
     torch.manual_seed(torch_seed)
     batch = batch.to(acc.device)
+    check_microbatch_tokens(batch, lcfg, iteration)
     g, chunk = batch.group_size, max(1, lcfg.process_microbatch // batch.group_size)
     # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
     n_groups, world, rank = len(batch.prompt_ids), acc.num_processes, acc.process_index
@@ -168,14 +224,27 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
             groups = order[start : start + per_step]
             t0 = time.perf_counter()
             n_tok = int(mask[batch.rows(groups)].sum())  # the whole minibatch's, every rank's
+            microbatches = split_microbatches(batch, groups, lcfg, world)
+            steps = accum if lcfg.microbatch_tokens is None else len(microbatches[rank])  # equal on every rank
             # DAPO's token mean of the minibatch: each microbatch's token sum / the minibatch's tokens per
-            # microbatch, which the 1/accum scale and the ranks' gradient mean turn into / n_tok. Every rank
+            # microbatch, which the 1/steps scale and the ranks' gradient mean turn into / n_tok. Every rank
             # holds the whole batch, so each counts n_tok itself (verl all-reduces its global token count)
-            per_microbatch = max(1, n_tok) / (accum * world)
+            per_microbatch = max(1, n_tok) / (steps * world)
+            # the per-sequence modes likewise, where microbatches differ in size: a sequence weighs 1 / its rank's
+            sequences = None if lcfg.microbatch_tokens is None else len(groups) * g / world / steps
             m = reduce_across_ranks(
                 acc,
                 minibatch_step(
-                    model, batch, scores, groups[rank::world], lcfg, accum, max_tokens, learner.autocast, per_microbatch
+                    model,
+                    batch,
+                    scores,
+                    microbatches[rank],
+                    lcfg,
+                    steps,
+                    max_tokens,
+                    learner.autocast,
+                    per_microbatch,
+                    sequences,
                 ),
             )
             if scores.pending is not None:  # every old log-prob known now: check the sampler's before a step
