@@ -421,6 +421,12 @@ class LearnConfig:
     logprob_chunk: int = 4096
     """Tokens whose logits are formed at once when computing log-probs: memory holds (chunk, vocab)
     float32 logits instead of (batch, tokens, vocab)."""
+    logprob_kernel: Literal["auto", "torch", "liger"] = "auto"
+    """What computes the response tokens' log-probs and entropy from the last hidden states and the LM head, for
+    the policy, pi_old and the reference, never forming the (tokens, vocab) logits: `torch`, logprob_chunk tokens'
+    logits at a time, recomputed in backward; `liger`, Liger's fused linear cross-entropy kernel (CUDA, the
+    liger-kernel package: the `gpu` extra); `auto`, liger where both are there, else torch
+    (grpo/learner/kernels.py). The learn manifest records which (`kernels`)."""
     max_logprob_gap: float | None = None
     """Fail the stage when the mean |sampler - learner| log-prob of the sampled tokens exceeds this (a
     sampler serving stale weights shows as a jump); None: only recorded (`logprob_gap`)."""

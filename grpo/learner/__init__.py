@@ -7,6 +7,7 @@ One component a file, read in this order:
   loop.py       train: minibatches, microbatches, the clipped loss of grpo.core, guards and metrics
   state.py      Learner: policy (LoRA adapters), AdamW, RNG, reference; build, move, save
   precision.py  learn.mixed_precision: bf16 autocast or float32, and why
+  kernels.py    the device's kernels: log-probs (chunked torch, or Liger's fused linear cross-entropy), attention
   sharding.py   learn.sharding=fsdp2: fully_shard per decoder layer, state through Distributed Checkpoint
   rank.py       what every learner process runs (in-process, or a torchrun rank)
   launch.py     starting the torchrun processes of learn.num_processes > 1
@@ -16,7 +17,7 @@ Precision and memory, as on a GPU: the weights and AdamW state stay float32 (mas
 learn.mixed_precision=bf16 runs the forwards under bf16 autocast; checkpoints are written in the base
 model's dtype, with the float32 master weights beside them when that dtype is narrower, so the next
 iteration resumes exactly. Log-probs never materialize float32 (B, T, V) logits
-(grpo.core.chunked_token_logprobs). stages/learn.py joins the data, hands a warm Learner from one iteration
+(grpo/learner/kernels.py). stages/learn.py joins the data, hands a warm Learner from one iteration
 to the next and commits.
 """
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from grpo import core
 from grpo.config import LearnConfig
 from grpo.errors import LearnError
-from grpo.learner import sharding
+from grpo.learner import kernels, sharding
 from grpo.learner.batch import Batch, Scores
 from grpo.learner.model import forward_logprobs, score
 from grpo.learner.pi_old import OLD_LOGPROBS, _fill_pending, sampler_gap, settle_deferred
@@ -297,6 +297,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "old_logprobs": source,
         "world_size": world,
         "precision": learner.precision,
+        "kernels": kernels.chosen(lcfg.logprob_kernel, acc.device),
         "score_s": score_s,
         "update_s": update_s,
         "tokens": sum(r["n_tokens"] for r in rows),

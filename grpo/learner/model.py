@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grpo import core
+from grpo.learner import kernels
 from grpo.learner.batch import Batch
 
 
@@ -27,11 +27,16 @@ class PolicyLM(torch.nn.Module):
     """
 
     def __init__(
-        self, lm, logprob_chunk: int = 4096, full_sequences_in_training: bool = False, padding_free: bool = False
+        self,
+        lm,
+        logprob_chunk: int = 4096,
+        full_sequences_in_training: bool = False,
+        padding_free: bool = False,
+        logprob_kernel: str = "auto",
     ):
         super().__init__()
         self.lm, self.logprob_chunk, self.full_sequences_in_training = lm, logprob_chunk, full_sequences_in_training
-        self.padding_free = padding_free
+        self.padding_free, self.logprob_kernel = padding_free, logprob_kernel
 
     @property
     def causal(self):
@@ -44,16 +49,23 @@ class PolicyLM(torch.nn.Module):
 
     def forward(self, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy: bool = False):
         """prompt_ids, prompt_mask (P, Lp) left-padded; response_ids, response_mask (P*G, T)
-        right-padded -> log-probs (P*G, T) of response_ids and their entropy (or None)."""
-        full = self.full_sequences_in_training and self.training and torch.is_grad_enabled()
-        if not full and (packing := self._packing(prompt_ids, response_mask)) is not None:
-            return self._packed(prompt_ids, prompt_mask, response_ids, response_mask.bool(), packing, with_entropy)
-        hidden = (self._full_sequences if full else self._shared_prompt)(
-            prompt_ids, prompt_mask, response_ids, response_mask
-        )
-        return core.chunked_token_logprobs(
-            hidden, self.causal.get_output_embeddings(), response_ids, self.logprob_chunk, with_entropy
-        )
+        right-padded -> log-probs (P*G, T) of response_ids and their entropy (or None). The attention and
+        log-prob kernels are the device's (grpo/learner/kernels.py)."""
+        with kernels.attention(prompt_ids.device):
+            full = self.full_sequences_in_training and self.training and torch.is_grad_enabled()
+            if not full and (packing := self._packing(prompt_ids, response_mask)) is not None:
+                return self._packed(prompt_ids, prompt_mask, response_ids, response_mask.bool(), packing, with_entropy)
+            hidden = (self._full_sequences if full else self._shared_prompt)(
+                prompt_ids, prompt_mask, response_ids, response_mask
+            )
+            return self._logprobs(hidden, response_ids, with_entropy)
+
+    def _logprobs(self, hidden, labels, with_entropy: bool):
+        """Log-probs (B, T) of labels (B, T) from the last hidden states (B, T, H) and the LM head, and their entropy
+        (or None), learn.logprob_chunk tokens' logits at a time or by Liger's kernel: never the (B, T, V) logits."""
+        kernel = kernels.logprob_kernel(self.logprob_kernel, hidden.device)
+        head = self.causal.get_output_embeddings()
+        return kernels.token_logprobs(hidden, head, labels, self.logprob_chunk, with_entropy, kernel)
 
     def _prompt(self, prompt_ids, prompt_mask):
         """The base model over each group's left-padded prompt (P, Lp), once: its last hidden state and its keys and
@@ -130,12 +142,8 @@ class PolicyLM(torch.nn.Module):
         # token 0 is predicted by the prompt's last hidden state, token k > 0 by the cell before it
         prompt_last = out.last_hidden_state[:, -1].to(hidden.dtype)  # (P, H)
         before = torch.where(offset == 0, rows * width + sample // g, cell - 1)  # (M,)
-        logp, entropy = core.chunked_token_logprobs(
-            torch.cat([hidden, prompt_last])[before][None],
-            self.causal.get_output_embeddings(),
-            response_ids[mask][None],
-            self.logprob_chunk,
-            with_entropy,
+        logp, entropy = self._logprobs(
+            torch.cat([hidden, prompt_last])[before][None], response_ids[mask][None], with_entropy
         )
         zeros = torch.zeros(n, t, device=mask.device, dtype=logp.dtype)
         return zeros.masked_scatter(mask, logp[0]), None if entropy is None else zeros.masked_scatter(mask, entropy[0])

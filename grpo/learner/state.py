@@ -79,6 +79,7 @@ class Learner:
             lcfg.logprob_chunk,
             full_sequences_in_training=lcfg.gradient_checkpointing,
             padding_free=lcfg.padding_free,
+            logprob_kernel=lcfg.logprob_kernel,
         )
         world, device = self.acc.num_processes, self.acc.device
         shard = self.sharded and world > 1
@@ -112,7 +113,8 @@ class Learner:
 
         self.ref = None  # the old reference goes before the new one loads
         ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).requires_grad_(False)
-        self.ref = PolicyLM(ref, lcfg.logprob_chunk, padding_free=lcfg.padding_free).eval().to(device)
+        ref = PolicyLM(ref, lcfg.logprob_chunk, padding_free=lcfg.padding_free, logprob_kernel=lcfg.logprob_kernel)
+        self.ref = ref.eval().to(device)
         if self.sharded and world > 1:
             sharding.fully_shard_policy(self.ref, world, device)
         self.ref_dir = ref_dir
