@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/gpu_check.py           # a GPU machine: a ~0.5B Qwen2 in bf16
     .venv/bin/python benchmarks/gpu_check.py --tiny    # anywhere (CI runs it on CPU): the same steps, toy size
-    .venv/bin/python benchmarks/gpu_check.py --cases full lora   # some of the cases (default: all)
+    .venv/bin/python benchmarks/gpu_check.py --cases full lora   # some of the cases (default: all but full-before)
     python3 benchmarks/gpu_check.py --backend hf --no-flow  # no vLLM, no Prefect: transformers sampling,
                                                             # the iterations run as `grpo run` runs them
 
@@ -26,6 +26,18 @@
    learner| log-prob of the sampled tokens. After the `full` case, vLLM's own tokens/s on the same
    prompts outside the pipeline (the ratio is the pipeline's cost; not with --backend hf). Fails when
    a gap exceeds --max-gap (0.05).
+4. The learner as issue 34 left it: microbatches by a token budget (learn.microbatch_tokens) and the log-prob
+   kernel of the device (learn.logprob_kernel=auto: Liger's fused linear cross-entropy where liger_kernel
+   imports, printed per case as `kernels`); the case `full-before` (not run unless named) is the learner before
+   it, microbatches of 32 samples and the chunked torch log-probs. After the cases, one more iteration of `full`
+   whose learn benchmarks/learner_profile.py profiles (its phases' split, the top kernels; --no-profile skips it),
+   and, where `trl` imports, TRL's GRPOTrainer with use_liger_kernel=True learning on the same model, prompts,
+   group and lengths (its learner tokens/s: its steps' time less its generation's).
+
+The lent GPU machine has torch and triton but neither liger-kernel nor TRL: carry liger-kernel as a wheel (pure
+Python, `pip download liger-kernel==0.8.5 --no-deps -d .whl`, installed there with `pip install --no-deps
+--target /tmp/site .whl/*.whl` and PYTHONPATH=/tmp/site), or the learner runs the torch path and says so. Under
+8 minutes on one H100/H200: 2 iterations a case at full size (3 at --tiny), the profile one more.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # learner_profile, however this script is started
 
 # dense bf16 peak of the GPUs this is likely to meet, FLOP/s (vendor figures, no sparsity)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12}
@@ -66,7 +79,8 @@ SETTINGS = {
         "rollout.group_size=8",
         "rollout.max_tokens=256",
         "learn.minibatch_size=256",
-        "learn.microbatch_size=32",
+        "learn.microbatch_size=32",  # pi_old's and the reference's passes: 4 groups a forward
+        "learn.microbatch_tokens=12288",  # a group: <= 64 prompt + 8 x 256 response tokens
         "eval.n_prompts=32",
     ],
     "tiny": [
@@ -75,6 +89,7 @@ SETTINGS = {
         "rollout.max_tokens=16",
         "learn.minibatch_size=16",
         "learn.microbatch_size=8",
+        "learn.microbatch_tokens=256",
         "eval.n_prompts=8",
     ],
 }
@@ -83,7 +98,9 @@ CASES = {
     "full": ([], 0),
     "lora": (["learn.lora={r: 16, alpha: 32}", "learn.lr=1e-4"], 0),
     "fsdp2": (["learn.num_processes=2", "learn.sharding=fsdp2"], 2),
+    "full-before": (["learn.microbatch_tokens=null", "learn.logprob_kernel=torch"], 0),
 }
+DEFAULT_CASES = ["full", "lora", "fsdp2"]
 
 
 def make_world(root: Path, size: str, backend: str) -> list[str]:
@@ -201,6 +218,7 @@ def report(storage, run_id: str, iterations: int, n_params: int, peak: float | N
             f"{k:>4} {rollout_tps:>13.0f} {stage_tps:>11.0f} {learn_tps:>11.0f} {mfu:>6} {le['logprob_gap']:>7.4f}  "
             f"{mem}"
         )
+    print(f"learner kernels: {le.get('kernels')}")
     committed, tables = learn_bytes(latest_committed(storage, stage_dir(storage, run_id, iterations - 1, "learn")))
     print(f"learn {iterations - 1} committed {committed / 1e6:.1f} MB (+ {tables / 1e6:.2f} MB of Parquet)")
     return gaps, {"sampler": ro["sampler"], "rollout_tps": rollout_tps, "stage_tps": stage_tps}
@@ -260,12 +278,100 @@ def compare_vllm(storage, iteration: int, overrides: list[str], last: dict) -> N
     )
 
 
+def profile_extra(storage, run_id: str, iteration: int) -> None:
+    """One more iteration of run_id, its learn profiled (benchmarks/learner_profile.py: phases, top kernels)."""
+    from learner_profile import profile_learn
+
+    from stages import stage_function
+
+    for stage in ("snapshot", "rollouts", "rewards", "advantages"):
+        stage_function(stage)(storage, run_id, iteration)
+    profile_learn(storage, run_id, iteration)
+
+
+def trl_learner(root: Path, overrides: list[str], n_params: int, peak: float | None) -> None:
+    """TRL's GRPOTrainer with use_liger_kernel=True on the `full` case's model, prompts, group, lengths and
+    minibatch, bf16, one generation and its optimizer steps after a warm-up one: its learner tokens/s (the
+    steps' time less the generation's, the completion tokens it learned on) and MFU; a line saying why not where
+    trl does not import."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("trl") is None or not torch.cuda.is_available():
+        print(f"\nTRL with Liger: not measured ({'no GPU' if not torch.cuda.is_available() else 'no trl'} here)")
+        return
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo.config import load_config
+
+    cfg = load_config(None, overrides)
+    r, lc = cfg.rollout, cfg.learn
+    rows = [json.loads(line) for line in (root / "prompts.jsonl").read_text().splitlines()]
+    steps = r.prompts_per_iteration * r.group_size // lc.minibatch_size
+    args = GRPOConfig(
+        output_dir=str(root / "trl"),
+        per_device_train_batch_size=lc.minibatch_size,
+        steps_per_generation=steps,
+        num_generations=r.group_size,
+        max_completion_length=r.max_tokens,
+        max_prompt_length=r.max_prompt_tokens,
+        beta=lc.kl_coef,
+        learning_rate=lc.lr,
+        max_steps=2 * steps,
+        bf16=True,
+        use_liger_kernel=True,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        report_to="none",
+        logging_steps=steps,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(str(root / "model"), dtype=torch.float32),
+        reward_funcs=lambda completions, **_: [len(str(c)) / 100 for c in completions],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [row["prompt"] for row in rows]}),
+        processing_class=AutoTokenizer.from_pretrained(str(root / "model")),
+    )
+    spent = {"generate": [], "tokens": []}
+    generate = trainer._generate_and_score_completions
+
+    def timed(*a, **k):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = generate(*a, **k)
+        torch.cuda.synchronize()
+        spent["generate"].append(time.perf_counter() - t0)
+        spent["tokens"].append(int(out["completion_mask"].sum()))
+        return out
+
+    trainer._generate_and_score_completions = timed
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    trainer.train()
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    learn_s = total - sum(spent["generate"])
+    tokens = sum(spent["tokens"])  # every step's completion tokens (the two generations' together)
+    tps = tokens / learn_s
+    mfu = f"{6 * n_params * tps / peak:.1%}" if peak else "n/a"
+    print(
+        f"\nTRL GRPOTrainer, use_liger_kernel=True, bf16 (same model, prompts, G, lengths, minibatch): learner "
+        f"{tps:.0f} tok/s, MFU {mfu}, {learn_s:.1f} s learning of {total:.1f} s, peak "
+        f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    )
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy size, runs on a CPU")
-    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--iterations", type=int, help="warm iterations a case (default: 2, at --tiny 3)")
     parser.add_argument("--max-gap", type=float, default=0.05)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
+    parser.add_argument("--no-profile", dest="profile", action="store_false", help="no profiled learn after `full`")
     parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"], help="rollout.backend (hf: transformers)")
     parser.add_argument("--no-flow", dest="flow", action="store_false", help="run_warm as `grpo run`, not Prefect")
     return parser.parse_args()
@@ -274,6 +380,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     size = "tiny" if args.tiny else "full"
+    args.iterations = args.iterations or (3 if args.tiny else 2)
     root = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     os.environ.setdefault("PREFECT_HOME", str(root / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -323,6 +430,10 @@ def main() -> int:
             compare_vllm(storage, args.iterations - 1, common + settings, last)
         elif name == "full":
             print("vLLM alone: not measured (--backend hf)")
+        if name == "full" and args.profile:
+            profile_extra(storage, "check-full", args.iterations)
+    if "full" in args.cases:
+        trl_learner(root, common + CASES["full"][0], n_params, peak)
     close_generators()
     print(f"\n{time.perf_counter() - t0:.0f} s in all")
     return verdict(gaps, args.max_gap)
