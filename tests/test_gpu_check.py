@@ -69,5 +69,5 @@ def test_gpu_check_runs_with_transformers_sampling_and_no_prefect(tmp_path):
     assert "'backend': 'hf'" in out and "vLLM alone: not measured (--backend hf)" in out
     assert "OK: gap" in out and "(full, lora)" in out
     # issue 34: token-budget microbatches, the device's kernels, the extra iteration's learn profiled, TRL's line
-    assert out.count("learner kernels: {'logprobs': 'torch', 'attention': ['flash_attention', 'math']}") == 2
+    assert out.count("learner kernels: {'attention': ['flash_attention', 'math'], 'logprobs': 'torch'}") == 2
     assert "policy forward/backward" in out and "host syncs" in out and "TRL with Liger: not measured" in out
