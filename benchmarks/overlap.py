@@ -29,7 +29,9 @@ engine and, at S = 1, has no learn before it to overlap):
 - each pool's busy share between learn 0's commit and the last learn's; the orchestrator's hop from an eval's commit to
   the next snapshot's start (the sampling pool waits on it at both S); `grpo timeline` of the last S = 1 run.
 
-Printed as markdown for benchmarks/RESULTS.md. Needs a quiet machine: the pinned cores are the whole machine here.
+Printed as markdown for benchmarks/RESULTS.md. Needs a quiet machine: the pinned cores are the whole machine here, and
+another process on them slows one side only. The defaults took 12.5 minutes on 2 busy cores (load 9-13);
+`--iterations 3 --rounds 1` about 5.
 """
 
 from __future__ import annotations
