@@ -228,10 +228,12 @@ def _collected_learn(storage: Storage, run_id: str, k: int) -> str | None:
     policy = [n for n in names if n.startswith(POLICY_PREFIXES) and not n.startswith(STATE_PREFIXES)]
     state = [n for n in names if n.startswith(STATE_PREFIXES)]
     what = " and ".join(w for w, files in (("policy", policy), ("optimizer state", state)) if files)
-    shown = ", ".join((policy + state)[:3]) + (", ..." if len(names) > 3 else "")
-    return (
-        f"iteration {k}'s {what}, which was collected by `grpo gc --retention` ({storage.uri(attempts[-1])}: {shown})"
-    )
+    where = []
+    for attempt in attempts:  # the learn's, then the state's (stages/state.py)
+        here = sorted(read_collected(storage, attempt))
+        if here:
+            where.append(f"{storage.uri(attempt)}: {', '.join(here[:3])}{', ...' if len(here) > 3 else ''}")
+    return f"iteration {k}'s {what}, which was collected by `grpo gc --retention` ({'; '.join(where)})"
 
 
 def stuck_at(storage: Storage, run_id: str, k: int) -> str | None:

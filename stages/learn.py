@@ -28,10 +28,14 @@ import time
 from pathlib import Path
 
 from grpo.checkpoint import (
+    ADAPTER_PREFIX,
+    CHECKPOINT_PREFIX,
     adapter_checkpoint,
     carry_checkpoint_files,
+    keep_written,
     local_checkpoint,
     policy_folders,
+    staging_folder,
     tokenizer_and_config,
     upload_folder,
 )
@@ -214,9 +218,10 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     in_process = cfg.learn.num_processes == 1
     learner: Learner | None = None
     held: str | None = None  # the resume state, committed apart after the policy (stages.state)
+    made: str | None = None  # on object storage: the folder the policy was written to, kept in this machine's cache
 
     def body(writer: StageWriter) -> dict:
-        nonlocal learner, held
+        nonlocal learner, held, made
         state.wait()  # this process's commit of the state before: one at a time, a failure shown here
         batch = read_batch(storage, cfg, inputs)
         release_accelerator(cfg.rollout.keep_engine)  # the sampler sleeps (or closes) while the learner runs
@@ -226,10 +231,9 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         with tempfile.TemporaryDirectory() as tmp:
             folders = checkpoint_folders(storage, cfg, inputs, tmp, state=not warm)
             local = is_local(storage.fs)  # local storage: write into the attempt itself, no copy of the model
-            out_dir = writer.attempt_dir if local else f"{tmp}/out"
-            os.makedirs(out_dir, exist_ok=True)
+            out_dir = writer.attempt_dir if local else (made := staging_folder())
             if cfg.learn.nodes == 1:  # several nodes write their shards of it into the attempt (nodes.lead)
-                held = tempfile.mkdtemp(prefix="grpo-state-")
+                held = staging_folder()  # on the cache's disk: stages.state keeps it there
             if in_process:
                 learner = learner or new_learner(cfg, iteration, **folders)
                 learner.use_reference(folders["ref_dir"])  # a warm learner's may be another (ref_update_every)
@@ -249,9 +253,14 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     try:
         out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
     except BaseException:
-        if held is not None:
-            shutil.rmtree(held, ignore_errors=True)
+        for folder in (held, made):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
         raise
+    if made is not None:  # the next learn and a sampler on this machine read the policy without a download
+        prefix = ADAPTER_PREFIX if cfg.learn.lora else CHECKPOINT_PREFIX
+        keep_written(out, f"{made}/{prefix.rstrip('/')}", prefix)
+        shutil.rmtree(made, ignore_errors=True)
     if held is not None and state.due(cfg, iteration):  # the policy is committed: the state follows, meanwhile
         state.commit_later(storage, config, run_id, out, held)
     elif held is not None:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from grpo.checkpoint import download_verified, upload_folder
 from grpo.config import RunConfig
@@ -30,8 +31,20 @@ from grpo.fork import reference
 from grpo.gc import running_attempts
 from grpo.layout import STATE_PREFIXES, STATE_STAGE, stage_dir
 from grpo.lineage import note_committed
-from grpo.storage import Committed, StageWriter, Storage, committed_attempts, is_local, list_attempts, load_manifest
-from grpo.transfer import counting_io
+from grpo.storage import (
+    Committed,
+    StageWriter,
+    Storage,
+    collected_files,
+    committed_attempts,
+    file_digest,
+    is_local,
+    list_attempts,
+    load_manifest,
+    remember_digest,
+    settle,
+)
+from grpo.transfer import cache_root, counting_io
 
 log = logging.getLogger("grpo.stages")
 
@@ -103,7 +116,8 @@ def _commit_guarded(storage: Storage, writer: StageWriter, held: str) -> None:
 
 
 def _commit(storage: Storage, writer: StageWriter, held: str) -> Committed:
-    """Move (local storage) or upload the files of `held` into the writer's attempt and commit it."""
+    """Move (local storage) or upload the files of `held` into the writer's attempt and commit it; on object
+    storage `held` then stays in this machine's cache for the next learn here (the newest of the run's only)."""
     try:
         with writer, counting_io() as io:
             if is_local(storage.fs):  # a rename where `held` is on the storage's disk, else a copy
@@ -113,10 +127,45 @@ def _commit(storage: Storage, writer: StageWriter, held: str) -> Committed:
                 upload_folder(writer, held, prefix="")
             committed = writer.commit(summary={}, io=io)
             note_committed(committed.attempt_dir)
+        if not is_local(storage.fs):
+            _keep(committed, held)
     finally:
         shutil.rmtree(held, ignore_errors=True)
     log.info("state iteration %s: committed %s", committed.manifest.iteration, committed.uri)
     return committed
+
+
+def _cached(committed: Committed) -> Path:
+    """Where this machine keeps a committed state it wrote: <GRPO_CACHE>/state/<run>-<iteration>-<manifest>."""
+    m = committed.manifest
+    return cache_root() / "state" / f"{m.run_id}-{m.iteration:04d}-{committed.manifest_sha256[:16]}"
+
+
+def _keep(committed: Committed, held: str) -> None:
+    """Take `held`, whose files `committed` lists as uploaded and hashed, into the cache, in place of the run's
+    states kept before (the next learn reads the newest)."""
+    target = _cached(committed)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for old in target.parent.glob(f"{committed.manifest.run_id}-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        Path(held).rename(target)
+    except OSError:  # another disk: the next learn downloads it
+        return
+    disk = LocalFileSystem()
+    for f in committed.manifest.files:
+        settle(str(target / f.path))
+        remember_digest(disk, str(target / f.path), f.sha256)
+
+
+def _kept(committed: Committed) -> str | None:
+    """The cached copy of a committed state, where this machine wrote it and it is intact (its stamps known)."""
+    target, disk = _cached(committed), LocalFileSystem()
+    try:
+        intact = all(file_digest(disk, str(target / f.path)) == (f.size, f.sha256) for f in committed.manifest.files)
+    except FileNotFoundError:
+        return None
+    return str(target) if intact else None
 
 
 def committed_state(storage: Storage, run_id: str, learned: Committed) -> Committed | None:
@@ -125,8 +174,8 @@ def committed_state(storage: Storage, run_id: str, learned: Committed) -> Commit
     ref = learned.ref()
     for attempt in reversed(committed_attempts(storage, sdir)):
         manifest, sha = load_manifest(storage, attempt, verify=False)
-        if manifest.inputs.get("learn") == ref:
-            return Committed(storage, attempt, manifest, sha)
+        if manifest.inputs.get("learn") == ref:  # what gc collected of it fails a read naming that
+            return Committed(storage, attempt, manifest, sha, collected_files(storage, attempt, manifest))
     return None
 
 
@@ -152,6 +201,8 @@ def read(storage: Storage, run_id: str, learned: Committed, dest: str) -> str | 
                 return None
         if source is None:
             time.sleep(POLL_S)
+    if not inside and (kept := _kept(source)):  # this machine committed it: no download, no hash
+        return kept
     names = inside or [f.path for f in source.manifest.files]
     download_verified(source, {name: f"{dest}/{name}" for name in names})
     return dest

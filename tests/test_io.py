@@ -23,7 +23,7 @@ from grpo.report import write_report
 from grpo.storage import StageWriter, committed_attempts, latest_committed, load_manifest, open_storage, rehashing
 from grpo.transfer import counting_io
 from schemas import MANIFEST_NAME
-from stages import state
+from stages import stage_function, state
 from stages.init import init_run
 from stages.iteration import run_iteration
 
@@ -84,7 +84,7 @@ def test_a_tiny_runs_io_counts_match_the_files_it_moved(s3_env, s3_prefix, tmp_p
             assert hashlib.sha256(storage.read_bytes(c[a].path(f.path))).hexdigest() == f.sha256, f.path
 
     ev = c["eval"].manifest.io
-    assert ev["download_bytes"] == own_bytes(c["learn"], "policy/")  # the new policy, not the optimizer state
+    assert ev["download_bytes"] == 0  # the learn left its policy in this machine's cache (checkpoint.keep_written)
     assert ev["hash_bytes"] == own_bytes(c["eval"])  # the policy was hashed as the learn uploaded it
 
     seen = query(storage, "t", "SELECT stage, upload_bytes, download_bytes FROM io WHERE iteration = 0")
@@ -93,6 +93,9 @@ def test_a_tiny_runs_io_counts_match_the_files_it_moved(s3_env, s3_prefix, tmp_p
     write_report(storage, "t")  # a panel of bytes per stage per iteration beside the progress plots
     assert storage.read_bytes(storage.path("runs/t/io.png")).startswith(b"\x89PNG")
     assert "(io.png)" in storage.read_bytes(storage.path("runs/t/report.md")).decode()
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "another-machine"))
+    ev = stage_function("eval")(storage, "t", 0, force=True).manifest.io
+    assert ev["download_bytes"] == own_bytes(c["learn"], "policy/")  # the new policy, not the optimizer state
 
 
 def hashed_in_a_new_process(url: str, stage: str, iteration: int, env: dict) -> int:

@@ -133,3 +133,30 @@ def test_a_replay_that_does_not_repeat_the_committed_update_fails_naming_the_fil
     with pytest.raises(StageError, match=r"learn iteration 0: replaying .* wrote policy/model.safetensors unlike"):
         stage_function("learn")(storage, "t", 1, force=True)
     assert len(committed_attempts(storage, stage_dir(storage, "t", 1, "learn"))) == 1
+
+
+@pytest.mark.s3
+def test_on_s3_the_learners_machine_reads_back_nothing_it_wrote_and_another_machine_downloads_it(
+    s3_env, s3_prefix, tmp_path, monkeypatch
+):
+    """A cold learn on the machine that committed learn k's policy and state reads neither back from storage (the
+    commits left them in its cache, their hashes known); on another machine the same learn downloads both."""
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "here"))
+    storage = open_storage(s3_prefix)
+    init_run(storage, "t", load_config(None, RUN))
+    cold_iterations(storage, "t", [0, 1])
+    state.wait()
+    learned = committed(storage, "t", 1, "learn")
+    own = lambda c: sum(f.size for f in c.manifest.files if f.uri is None)  # noqa: E731
+    assert learned.manifest.io["download_bytes"] == 0 and learned.manifest.io["hash_bytes"] == own(learned)
+    assert committed(storage, "t", 1, "rollouts").manifest.io["download_bytes"] == 0  # learn 0's policy: cached
+    before = committed(storage, "t", 0, "learn")
+    held = state.committed_state(storage, "t", before)
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "there"))
+    learn.WARM.take(None)
+    again = stage_function("learn")(storage, "t", 1, force=True)
+    policy = sum(f.size for f in before.manifest.files if f.path.startswith("policy/") and f.uri is None)
+    assert again.manifest.io["download_bytes"] >= policy + own(held)  # the start policy and the state
+    assert {f.path: f.sha256 for f in again.manifest.files if f.path.startswith("policy/")} == {
+        f.path: f.sha256 for f in learned.manifest.files if f.path.startswith("policy/")
+    }
