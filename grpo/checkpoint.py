@@ -165,7 +165,7 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
         collected = verify_files(committed.storage, committed.attempt_dir, committed.manifest, only=only)
         if collected:
             raise CollectedError(next(iter(collected.values())))
-    target = cache_root() / "checkpoints" / key[:32]
+    target = _cached(key)
     if target.exists() and (is_local(fs) or _cache_intact(committed, target, prefix)):
         return str(target)
     if target.exists():  # an edited or truncated download: never load it under the committed version
@@ -193,6 +193,38 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
             if f.path.startswith(prefix):
                 remember_digest(disk, str(target / f.path[len(prefix) :]), f.sha256)
     return str(target)
+
+
+def _cached(key: str) -> Path:
+    """The folder of this machine's checkpoint cache holding the checkpoint of content hash `key`."""
+    return cache_root() / "checkpoints" / key[:32]
+
+
+def staging_folder() -> str:
+    """A new folder on the checkpoint cache's disk for files that keep_written may later take in (a rename)."""
+    (cache_root() / "checkpoints").mkdir(parents=True, exist_ok=True)
+    return tempfile.mkdtemp(dir=cache_root() / "checkpoints", prefix=".tmp-")
+
+
+def keep_written(committed: Committed, folder: str, prefix: str = CHECKPOINT_PREFIX) -> None:
+    """Take the local folder this process uploaded as `committed`'s files under `prefix` into this machine's
+    checkpoint cache (local_checkpoint's), its hashes those the upload made: a stage here then reads the policy
+    it wrote without a download or a hash (the learner's machine, the next learn). Removed where the cache holds
+    it already; on a local storage (links, no cache of copies) removed."""
+    target = _cached(content_hash(committed, prefix))
+    if is_local(committed.storage.fs) or target.exists() or not checkpoint_files(committed, prefix):
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    try:
+        Path(folder).rename(target)
+    except OSError:  # another disk, or made meanwhile: the cache fills on the first read instead
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    disk = LocalFileSystem()
+    for f in committed.manifest.files:
+        if f.path.startswith(prefix):
+            settle(str(target / f.path[len(prefix) :]))
+            remember_digest(disk, str(target / f.path[len(prefix) :]), f.sha256)
 
 
 def download_verified(committed: Committed, dests: dict[str, str]) -> None:

@@ -382,6 +382,14 @@ class LearnConfig:
     node_timeout_s: float = 600.0
     """nodes > 1: seconds node 0 waits for a node to join (and hears nothing from one that joined) and a
     node waits for node 0's rendezvous before the stage fails naming it."""
+    state_every: int = 1
+    """Commit the learner's resume state (AdamW, the shuffling RNG, float32 master weights: 12 of the 14 bytes a
+    parameter of full fine-tuning) after every K-th learn (iterations K-1, 2K-1, ...), as its own commit
+    (stages/state.py) made in the background once the learn has committed the policy, which the next iteration
+    samples from meanwhile. K > 1 is for warm learners (`grpo/train`, warm stage workers), which hold the state in
+    memory: a learner built from files (a crash, a new process) first replays the updates since the last
+    committed state, up to K - 1 of them, from their committed rollouts, and checks each replayed policy is the
+    committed one byte for byte. Not part of any identity: the update is the same."""
     behavior_correction: BehaviorCorrection = "none"
     """Decoupled PPO (Hilton et al. 2022; AReaL's use_decoupled_loss): the clip applies to pi_theta / pi_prox, pi_prox
     being the learner's policy before the iteration's first step (pi_old, learn.old_logprobs), and each token's
@@ -499,6 +507,12 @@ class LearnConfig:
                 f"learn.ref_update_every must be >= 1 (or null) and needs learn.kl_coef > 0 and no learn.lora (LoRA's "
                 f"reference is the base), got {self.ref_update_every} with kl_coef {self.kl_coef}, "
                 f"lora {self.lora is not None}"
+            )
+        if self.state_every < 1 or (self.state_every > 1 and (self.num_processes > 1 or self.nodes > 1)):
+            raise ConfigError(
+                f"learn.state_every must be >= 1, and 1 where the learner runs under torchrun (num_processes "
+                f"{self.num_processes}, nodes {self.nodes}: never warm, it would replay every skipped update); "
+                f"got {self.state_every}"
             )
         self.check_nodes()
         self.check_behavior()

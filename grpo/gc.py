@@ -48,13 +48,14 @@ from grpo.layout import (
     SHARD_FOLDER,
     STAGES,
     STATE_PREFIXES,
+    STATE_STAGE,
     no_such_run,
     run_dir,
     run_json,
     shard_dirs,
     stage_dir,
 )
-from grpo.lineage import next_iteration, policy_version, reference_iteration
+from grpo.lineage import collected_learn_files, next_iteration, policy_version, reference_iteration
 from grpo.storage import (
     HEARTBEAT_NAME,
     MERGED_SHARD,
@@ -150,7 +151,7 @@ def _stage_dirs(storage: Storage, run_id: str) -> list[str]:
     """The run's stage folders: base, every iteration's stages and their shards' (stages.shards)."""
     dirs = [stage_dir(storage, run_id, None, "base")]
     for k in range(_iterations(storage, run_id)):
-        dirs += [stage_dir(storage, run_id, k, s) for s in STAGES]
+        dirs += [stage_dir(storage, run_id, k, s) for s in (*STAGES, STATE_STAGE)]
         idir = stage_dir(storage, run_id, k, STAGES[0]).rsplit("/", 1)[0]
         names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(idir, detail=False))
         dirs += [f"{idir}/{name}" for name in names if SHARD_FOLDER.match(name)]
@@ -295,18 +296,14 @@ def _retention(
         if _under(storage.uri(attempt).rstrip("/"), live):
             out.held.append(Held(attempt, "learn{s} read by a live attempt", f"iteration {k}'s policy and state"))
             continue
-        manifest, _ = load_manifest(storage, attempt, verify=False)
-        here = [f for f in manifest.files if f.uri is None and f"{attempt}/{f.path}" in listing]
-        shared = [f for f in here if storage.uri(f"{attempt}/{f.path}") in forks]
-        if shared:
-            runs = sorted({r for f in shared for r in forks[storage.uri(f"{attempt}/{f.path}")]})
-            out.kept.append(f"iteration {k}: {len(shared)} file(s) referenced by run {', '.join(runs)} (a fork)")
-            here = [f for f in here if f not in shared]
-        state = [f for f in here if f.path.startswith(STATE_PREFIXES)]
+        here, shared = _unshared(storage, attempt, listing, forks, out, k)
+        state = [f for f in here if f.path.startswith(STATE_PREFIXES)]  # runs made before the state's own commit
         policy = [f for f in here if f.path.startswith(POLICY_PREFIXES) and f not in state]
-        if state:
-            why = f"optimizer state of iteration {k}: only the newest learn ({newest}) keeps it"
-            out.garbage.append(Garbage(attempt, "state", sum(f.size for f in state), tuple(f.path for f in state), why))
+        why = f"optimizer state of iteration {k}: only the newest learn ({newest}) keeps it"
+        for held, files in [(attempt, state), *_states(storage, run_id, k, listing, live, forks, out)]:
+            if files:
+                size = sum(f.size for f in files)
+                out.garbage.append(Garbage(held, "state", size, tuple(f.path for f in files), why))
         if k in kept and (policy or not shared):  # a policy a fork keeps whole is said so above
             out.kept.append(f"iteration {k}: policy ({kept[k]})")
         elif policy:
@@ -314,6 +311,29 @@ def _retention(
             out.garbage.append(
                 Garbage(attempt, "policy", sum(f.size for f in policy), tuple(f.path for f in policy), why)
             )
+
+
+def _unshared(storage: Storage, attempt: str, listing: dict, forks: dict, out: Plan, k: int) -> tuple[list, list]:
+    """(the files an attempt holds itself and still has, less those other runs reference; those), the second said
+    in `out` (kept for a fork)."""
+    manifest, _ = load_manifest(storage, attempt, verify=False)
+    here = [f for f in manifest.files if f.uri is None and f"{attempt}/{f.path}" in listing]
+    shared = [f for f in here if storage.uri(f"{attempt}/{f.path}") in forks]
+    if shared:
+        runs = sorted({r for f in shared for r in forks[storage.uri(f"{attempt}/{f.path}")]})
+        out.kept.append(f"iteration {k}: {len(shared)} file(s) referenced by run {', '.join(runs)} (a fork)")
+    return [f for f in here if f not in shared], shared
+
+
+def _states(storage: Storage, run_id: str, k: int, listing: dict, live: set, forks: dict, out: Plan) -> list:
+    """[(attempt, its files retention may collect)] of iteration k's committed state attempts (STATE_STAGE)."""
+    found = []
+    for attempt in committed_attempts(storage, stage_dir(storage, run_id, k, STATE_STAGE)):
+        if _under(storage.uri(attempt).rstrip("/"), live):
+            out.held.append(Held(attempt, "state{s} read by a live attempt", f"iteration {k}'s optimizer state"))
+        else:
+            found.append((attempt, _unshared(storage, attempt, listing, forks, out, k)[0]))
+    return found
 
 
 def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: RetentionConfig | None = None) -> Plan:
@@ -428,8 +448,7 @@ def collected_summary(storage: Storage, run_id: str) -> str | None:
     """One line on what `grpo gc --retention` removed of a run (for `grpo status`); None when nothing."""
     policy, state = [], []
     for k in range(_iterations(storage, run_id)):
-        attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))
-        names = read_collected(storage, attempts[-1]) if attempts else {}
+        names = collected_learn_files(storage, run_id, k)[0]
         if any(n.startswith(STATE_PREFIXES) for n in names):
             state.append(str(k))
         if any(n.startswith(POLICY_PREFIXES) and not n.startswith(STATE_PREFIXES) for n in names):

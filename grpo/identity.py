@@ -60,9 +60,10 @@ ADDED_SETTINGS = {
 """Settings added after runs were made without them, per section, in groups that act together: an identity
 leaves a group out while all of it holds its defaults (what runs did before it existed)."""
 
-LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s")
-"""Where the learner's processes run and how long they wait for each other, not what they compute (rank r does
-the same work on any node): free to change for an existing run."""
+LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s", "state_every")
+"""Where the learner's processes run, how long they wait for each other and how often their resume state is
+committed, not what they compute (rank r does the same work on any node; a replayed update is the committed
+one): free to change for an existing run."""
 
 EVAL_READING = ("every", "metric")
 """When evals run and which figure is read as the best: committed evals and skips stay when they change."""

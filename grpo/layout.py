@@ -3,6 +3,7 @@
     <storage>/runs/<run_id>/run.json                 resolved config, written once
     <storage>/runs/<run_id>/base/attempt-*/          the base (and reference) model
     <storage>/runs/<run_id>/iter-000k/<stage>/attempt-*/
+    <storage>/runs/<run_id>/iter-000k/state/attempt-*/     learn k's resume state, committed after its policy
     <storage>/runs/<run_id>/exports/iter-000k/       `grpo export` without a folder: an HF folder of a policy
 
 Every path of a run is built here; the stages, the CLI, `grpo query` and the flow import it.
@@ -20,6 +21,9 @@ from grpo.storage import Storage
 
 StageName = Literal["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]
 STAGES: tuple[str, ...] = get_args(StageName)  # the order an iteration runs them in
+STATE_STAGE = "state"
+"""Learn k's resume state (STATE_PREFIXES), committed apart after its policy (stages/state.py): no stage of the
+iteration's order, only the next learn built from files reads it."""
 
 
 def run_dir(storage: Storage, run_id: str) -> str:
@@ -109,9 +113,9 @@ POLICY_PREFIXES = ("policy/", "adapter/", "master.safetensors")
 """A learn attempt's policy weights: the checkpoint (full fine-tuning) or the LoRA adapters, and the
 float32 master copy of a narrower checkpoint."""
 STATE_PREFIXES = ("optimizer.pt", "rng.pt", "master.safetensors", "dcp/")
-"""A learn attempt's optimizer and resume state: AdamW, the RNG states, the master copy, and the
-torch Distributed Checkpoint shards (learn.sharding=fsdp2). A file is either's when its path starts
-with one of these."""
+"""A learner's optimizer and resume state: AdamW, the RNG states, the master copy, and the torch Distributed
+Checkpoint shards (learn.sharding=fsdp2); in a STATE_STAGE attempt, or in the learn attempt itself (runs made
+before the split, learn.nodes > 1). A file is either's when its path starts with one of these."""
 
 
 class Salt(enum.IntEnum):

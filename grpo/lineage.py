@@ -12,7 +12,7 @@ import datetime as dt
 import fsspec
 
 from grpo.errors import StageError
-from grpo.layout import POLICY_PREFIXES, STATE_PREFIXES, stage_dir
+from grpo.layout import POLICY_PREFIXES, STATE_PREFIXES, STATE_STAGE, stage_dir
 from grpo.storage import (
     Committed,
     CorruptArtifactError,
@@ -210,20 +210,30 @@ def reference_iteration(iteration: int, every: int | None) -> int | None:
     return None if every is None or iteration < every else iteration // every * every
 
 
+def collected_learn_files(storage: Storage, run_id: str, k: int) -> tuple[list[str], list[str]]:
+    """(names, attempts): the files `grpo gc --retention` collected of iteration k's newest committed learn and
+    state (STATE_STAGE) attempts, and those attempts."""
+    attempts = []
+    for stage in ("learn", STATE_STAGE) if k >= 0 else ():
+        attempts += committed_attempts(storage, stage_dir(storage, run_id, k, stage))[-1:]
+    return sorted(n for a in attempts for n in read_collected(storage, a)), attempts
+
+
 def _collected_learn(storage: Storage, run_id: str, k: int) -> str | None:
     """What `grpo gc --retention` collected of iteration k's committed learn, as a phrase ("iteration 1's policy
     and optimizer state, which was collected ... (attempt: files)"), or None: nothing (or no learn)."""
-    attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "learn")) if k >= 0 else []
-    names = sorted(read_collected(storage, attempts[-1])) if attempts else []
+    names, attempts = collected_learn_files(storage, run_id, k)
     if not names:
         return None
     policy = [n for n in names if n.startswith(POLICY_PREFIXES) and not n.startswith(STATE_PREFIXES)]
     state = [n for n in names if n.startswith(STATE_PREFIXES)]
     what = " and ".join(w for w, files in (("policy", policy), ("optimizer state", state)) if files)
-    shown = ", ".join((policy + state)[:3]) + (", ..." if len(names) > 3 else "")
-    return (
-        f"iteration {k}'s {what}, which was collected by `grpo gc --retention` ({storage.uri(attempts[-1])}: {shown})"
-    )
+    where = []
+    for attempt in attempts:  # the learn's, then the state's (stages/state.py)
+        here = sorted(read_collected(storage, attempt))
+        if here:
+            where.append(f"{storage.uri(attempt)}: {', '.join(here[:3])}{', ...' if len(here) > 3 else ''}")
+    return f"iteration {k}'s {what}, which was collected by `grpo gc --retention` ({'; '.join(where)})"
 
 
 def stuck_at(storage: Storage, run_id: str, k: int) -> str | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from grpo.config import load_config
 from grpo.errors import StageError
 from grpo.fork import fork_of
-from grpo.layout import STAGES, run_dir, run_json, stage_dir
+from grpo.layout import STAGES, STATE_STAGE, run_dir, run_json, stage_dir
 from grpo.query import io_rows, iterations
 from grpo.storage import (
     Committed,
@@ -370,11 +370,12 @@ SAMPLER_SIDE = ("snapshot", "rollouts", "rewards", "advantages", "eval")  # the 
 
 def stage_times(storage: Storage, run_id: str) -> list[dict]:
     """The timeline of a run from its manifests: per iteration and stage (the newest committed attempt), its start
-    and commit in seconds since the run's first stage started, in start order. Attempts taken by reference
-    (a fork's) are left out: they ran in another run."""
+    and commit in seconds since the run's first stage started, in start order; the learner's state commits
+    (STATE_STAGE) too, made beside the next stages. Attempts taken by reference (a fork's) are left out: they ran
+    in another run."""
     out = []
     for k in iterations(storage, run_id):
-        for stage in STAGES:
+        for stage in (*STAGES, STATE_STAGE):
             attempts = committed_attempts(storage, stage_dir(storage, run_id, k, stage))
             manifest = load_manifest(storage, attempts[-1], verify=False)[0] if attempts else None
             if manifest is None or manifest.origin is not None or manifest.summary.get("skipped"):
@@ -409,11 +410,17 @@ def timeline_png(rows: list[dict], title: str, dpi: int = 90) -> bytes:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    lanes = [s for s in STAGES if any(r["stage"] == s for r in rows)]
+    lanes = [s for s in (*STAGES, STATE_STAGE) if any(r["stage"] == s for r in rows)]
     fig, ax = plt.subplots(figsize=(12, 0.5 * len(lanes) + 1.2), constrained_layout=True)
     for r in rows:
         y = lanes.index(r["stage"])
-        color = "tab:orange" if r["stage"] == "learn" else "tab:blue" if r["stage"] in SAMPLER_SIDE else "gray"
+        color = (
+            "tab:orange"
+            if r["stage"] in ("learn", STATE_STAGE)
+            else "tab:blue"
+            if r["stage"] in SAMPLER_SIDE
+            else "gray"
+        )
         ax.broken_barh([(r["start"], max(r["end"] - r["start"], 1e-3))], (y - 0.4, 0.8), color=color, alpha=0.8)
         ax.text(r["start"], y, str(r["iteration"]), va="center", fontsize=7)
     ax.set_yticks(range(len(lanes)), lanes)

@@ -2,10 +2,11 @@
 
 This stage joins the rollouts with their advantages into a `Batch` of whole groups, frees the
 GPU of the sampler (vLLM sleeps, or closes: rollout.keep_engine), runs the update and commits
-policy/, optimizer.pt, rng.pt (and master.safetensors for a narrower-than-float32 base), the
-metrics of every step and the old (and reference) log-probs, so an audit can recompute every
-loss. When the next iteration runs in the same process (flow `grpo` with `iterations` > 1) it
-takes the model, optimizer and reference from memory (`WARM`) instead, with the same result. The KL
+policy/ (or adapter/), the metrics of every step and the old (and reference) log-probs, so an audit can
+recompute every loss; the resume state (optimizer.pt, rng.pt, master.safetensors for a narrower-than-float32
+base) follows in a commit of its own, off the critical path (stages/state.py). When the next iteration runs
+in the same process (flow `grpo` with `iterations` > 1) it takes the model, optimizer and reference from
+memory (`WARM`) instead, with the same result. The KL
 reference is the base model or, with learn.ref_update_every, an earlier iteration's committed snapshot
 (reference_source): a warm learner loads it when it moves, a cold one reads the same files. With
 rollout.staleness S >= 1 the update still starts from learn k - 1's policy (start_policy); the rollouts came
@@ -19,111 +20,38 @@ or on learn.nodes machines that meet through storage (grpo/learner/nodes.py; thi
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import tempfile
 import time
-
-import numpy as np
-import torch
+from pathlib import Path
 
 from grpo.checkpoint import (
+    ADAPTER_PREFIX,
+    CHECKPOINT_PREFIX,
     adapter_checkpoint,
     carry_checkpoint_files,
-    download_verified,
+    keep_written,
     local_checkpoint,
     policy_folders,
+    staging_folder,
     tokenizer_and_config,
     upload_folder,
 )
 from grpo.config import RunConfig
 from grpo.identity import config_hash, section, stage_identity
-from grpo.layout import STATE_PREFIXES
 from grpo.learner import Batch, Learner, launch, nodes
 from grpo.learner.rank import new_learner, train_and_save
 from grpo.lineage import check_chain, check_policy, committed_input, frozen_version, reference_iteration
 from grpo.sampling.engines import release_accelerator
 from grpo.storage import Committed, StageWriter, Storage, is_local
-from schemas import read_parquet, table_file
+from grpo.transfer import sha256_local
+from stages import state
 from stages.common import StageError, load_run, measured, run_stage
+from stages.learn_data import load_batch
 
-KEYS = ["prompt_id", "sample_index"]
-
-
-# ---------------------------------------------------------------- data
-
-
-def _padded(column, rows: np.ndarray, fill, dtype, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """List column -> (len(rows), longest) array of the chosen rows, right- (or left-) padded, and lengths."""
-    arr = column.combine_chunks()
-    offsets = arr.offsets.to_numpy()
-    values = arr.flatten().to_numpy(zero_copy_only=False)
-    offsets = offsets - offsets[0]
-    starts, lengths = offsets[rows], offsets[rows + 1] - offsets[rows]
-    width = max(int(lengths.max(initial=0)), 1)
-    pos = np.arange(width)
-    keep = pos < lengths[:, None]  # (R, W): where a row's values go, right-padded
-    out = np.full((len(rows), width), fill, dtype=dtype)
-    out[keep] = values[(starts[:, None] + pos)[keep]]
-    if left:  # roll each row right by its padding
-        out = out[np.arange(len(rows))[:, None], (pos - (width - lengths[:, None])) % width]
-    return out, lengths
-
-
-def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_id: int, group_size: int) -> Batch:
-    """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups, whole."""
-    ro = read_parquet(
-        storage.fs,
-        rollouts_in.read_path(table_file("rollouts")),
-        "rollouts",
-        columns=KEYS + ["prompt_ids", "response_ids", "sampler_logprobs"],
-    )
-    ad = read_parquet(
-        storage.fs,
-        adv_in.read_path(table_file("advantages")),
-        "advantages",
-        columns=KEYS + ["advantage", "reward", "kept"],
-    )
-    kept = ad.column("kept").to_numpy()
-    ad_pid, ad_idx = (ad.column(c).to_numpy()[kept] for c in KEYS)
-    ro_pid, ro_idx = (ro.column(c).to_numpy() for c in KEYS)
-    width = int(max(ro_idx.max(initial=0), ad_idx.max(initial=0))) + 1
-    ro_key, ad_key = ro_pid * width + ro_idx, ad_pid * width + ad_idx  # one int per (prompt_id, sample_index)
-    if len(np.unique(ro_key)) != len(ro_key):
-        raise StageError(f"{rollouts_in.uri}: a (prompt_id, sample_index) appears twice")
-    if not np.isin(ad_key, ro_key).all():
-        raise StageError(f"{adv_in.uri}: advantages name samples missing from the rollouts of {rollouts_in.uri}")
-    order = np.argsort(ad_key)  # kept samples in (prompt_id, sample_index) order
-    ad_key = ad_key[order]
-    take = np.argsort(ro_key)[np.searchsorted(np.sort(ro_key), ad_key)]  # their rollout rows
-    prompts, prompt_len = _padded(ro.column("prompt_ids"), take, pad_id, np.int64, left=True)
-    pid = ro_pid[take]
-    uniq, counts = np.unique(pid, return_counts=True)  # pid is sorted: a prompt's samples are contiguous
-    wrong = uniq[counts != group_size]
-    if not len(wrong):  # and they share one prompt
-        same = (prompts.reshape(-1, group_size, prompts.shape[1]) == prompts[::group_size, None]).all((1, 2))
-        wrong = uniq[~same]
-    if len(wrong):
-        raise StageError(
-            f"{rollouts_in.uri}: prompt_id {wrong[0]} does not have rollout.group_size={group_size} "
-            "kept samples of one prompt; the learner scores each prompt once for its whole group"
-        )
-    responses, lengths = _padded(ro.column("response_ids"), take, pad_id, np.int64)
-    sampler, _ = _padded(ro.column("sampler_logprobs"), take, 0.0, np.float32)
-    response_mask = np.arange(responses.shape[1]) < lengths[:, None]
-    prompt_mask = np.arange(prompts.shape[1]) >= prompts.shape[1] - prompt_len[::group_size, None]
-    adv, reward = (ad.column(c).to_numpy()[kept][order] for c in ("advantage", "reward"))
-    return Batch(
-        prompt_ids=torch.from_numpy(prompts[::group_size].copy()),
-        prompt_mask=torch.from_numpy(prompt_mask).long(),
-        response_ids=torch.from_numpy(responses),
-        response_mask=torch.from_numpy(response_mask).float(),
-        sampler_logprobs=torch.from_numpy(sampler),
-        group_size=group_size,
-        advantages=torch.from_numpy(adv).float(),
-        rewards=torch.from_numpy(reward).float(),
-        prompt_id=pid.tolist(),
-        sample_index=ro_idx[take].tolist(),
-    )
+log = logging.getLogger("grpo.stages")
 
 
 class WarmLearners:
@@ -160,11 +88,6 @@ class WarmLearners:
 
 
 WARM = WarmLearners()
-
-
-def is_state_file(path: str) -> bool:
-    """Whether a learn attempt's file is resume state the next learn reads (not the policy or a table)."""
-    return path.startswith(STATE_PREFIXES)
 
 
 # ---------------------------------------------------------------- stage
@@ -217,18 +140,61 @@ def read_batch(storage: Storage, cfg: RunConfig, inputs: dict[str, Committed]) -
     return batch
 
 
-def checkpoint_folders(storage: Storage, inputs: dict[str, Committed], tmp: str, state: bool) -> dict[str, str | None]:
+def checkpoint_folders(
+    storage: Storage, cfg: RunConfig, inputs: dict[str, Committed], tmp: str, state: bool
+) -> dict[str, str | None]:
     """The local folders a Learner is built from (new_learner's arguments); with `state`, the previous
-    learn's optimizer state, rng and master weights downloaded into `tmp` (checked against its manifest)."""
+    learn's optimizer state, rng and master weights in `tmp` (checked against their manifest, or replayed)."""
     state_dir = None
     if "previous" in inputs and state:
-        state_dir = f"{tmp}/state"
-        os.makedirs(state_dir)
-        names = [f.path for f in inputs["previous"].manifest.files if is_state_file(f.path)]
-        download_verified(inputs["previous"], {name: f"{state_dir}/{name}" for name in names})
+        state_dir = previous_state(storage, cfg, inputs["previous"], tmp)
     policy_dir, adapter_dir = start_policy(storage, inputs)  # LoRA: the adapters learn k - 1 left
     ref_dir = local_checkpoint(inputs["reference"])
     return {"policy_dir": policy_dir, "ref_dir": ref_dir, "state_dir": state_dir, "adapter_dir": adapter_dir}
+
+
+def previous_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: str) -> str:
+    """A local folder holding the resume state learn `learned` left: committed (stages.state), or, where its
+    commit never came (a writer killed between the two commits, learn.state_every), replayed."""
+    k, run_id = learned.manifest.iteration, learned.manifest.run_id
+    return state.read(storage, run_id, learned, f"{tmp}/state-{k}") or replayed_state(storage, cfg, learned, tmp)
+
+
+def replayed_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: str) -> str:
+    """Learn `learned`'s state made again: its update run once more from its committed inputs and the state
+    before it (itself replayed where missing), each file of the policy it writes checked against the committed
+    one, and committed (stages.state); the local folder holding it."""
+    k, run_id = learned.manifest.iteration, learned.manifest.run_id
+    log.info("learn iteration %s: its resume state is not committed; replaying its update to make it", k)
+    inputs = learn_inputs(storage, cfg, run_id, k)
+    work = f"{tmp}/replay-{k}"
+    os.makedirs(work)
+    folders = checkpoint_folders(storage, cfg, inputs, work, state=True)
+    out_dir, held = f"{work}/out", f"{work}/held"
+    update(cfg, run_id, k, read_batch(storage, cfg, inputs), folders, out_dir, held, work)
+    committed = {f.path: f.sha256 for f in learned.manifest.files}
+    for f in sorted(p for p in Path(out_dir).rglob("*") if p.is_file() and p.suffix != ".parquet"):
+        name = f.relative_to(out_dir).as_posix()
+        if committed.get(name) != sha256_local(str(f)):
+            raise StageError(
+                f"learn iteration {k}: replaying its update to rebuild the resume state its commit lacks wrote "
+                f"{name} unlike {learned.uri} (a learner that does not repeat itself here); rerun from there with "
+                f"`grpo stage learn --run {run_id} --iteration {k} --force`"
+            )
+    state.commit_now(storage, stage_config(cfg), run_id, learned, held)
+    return state.read(storage, run_id, learned, f"{tmp}/state-{k}")
+
+
+def update(
+    cfg: RunConfig, run_id: str, iteration: int, batch: Batch, folders: dict, out_dir: str, held: str, tmp: str
+) -> dict:
+    """One learn's update by a learner built from `folders`, in this process or under torchrun on this machine:
+    policy and tables into `out_dir`, the resume state into `held`. Returns its summary."""
+    if cfg.learn.num_processes == 1:
+        learner = new_learner(cfg, iteration, **folders)
+        return train_and_save(learner, run_id, iteration, batch, out_dir, held)
+    args = launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp, state_out=held)
+    return launch.run_distributed(args, cfg.learn.num_processes)
 
 
 def start_policy(storage: Storage, inputs: dict[str, Committed]) -> tuple[str, str | None]:
@@ -251,39 +217,54 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     inputs = learn_inputs(storage, cfg, run_id, iteration)
     in_process = cfg.learn.num_processes == 1
     learner: Learner | None = None
+    held: str | None = None  # the resume state, committed apart after the policy (stages.state)
+    made: str | None = None  # on object storage: the folder the policy was written to, kept in this machine's cache
 
     def body(writer: StageWriter) -> dict:
-        nonlocal learner
+        nonlocal learner, held, made
+        state.wait()  # this process's commit of the state before: one at a time, a failure shown here
         batch = read_batch(storage, cfg, inputs)
         release_accelerator(cfg.rollout.keep_engine)  # the sampler sleeps (or closes) while the learner runs
         if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
             learner = WARM.take(WARM.key(cfg, inputs["previous"].uri))
         warm = learner is not None
         with tempfile.TemporaryDirectory() as tmp:
-            folders = checkpoint_folders(storage, inputs, tmp, state=not warm)
+            folders = checkpoint_folders(storage, cfg, inputs, tmp, state=not warm)
             local = is_local(storage.fs)  # local storage: write into the attempt itself, no copy of the model
-            out_dir = writer.attempt_dir if local else f"{tmp}/out"
-            os.makedirs(out_dir, exist_ok=True)
+            out_dir = writer.attempt_dir if local else (made := staging_folder())
+            if cfg.learn.nodes == 1:  # several nodes write their shards of it into the attempt (nodes.lead)
+                held = staging_folder()  # on the cache's disk: stages.state keeps it there
             if in_process:
                 learner = learner or new_learner(cfg, iteration, **folders)
                 learner.use_reference(folders["ref_dir"])  # a warm learner's may be another (ref_update_every)
-                summary = train_and_save(learner, run_id, iteration, batch, out_dir)
-            else:
+                summary = train_and_save(learner, run_id, iteration, batch, out_dir, held)
+            elif held is None:
                 args = launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp)
-                lc = cfg.learn
-                summary = (
-                    nodes.lead(writer, args, lc, run_id, iteration)
-                    if lc.nodes > 1
-                    else launch.run_distributed(args, lc.num_processes)
-                )
+                summary = nodes.lead(writer, args, cfg.learn, run_id, iteration)
+            else:
+                summary = update(cfg, run_id, iteration, batch, folders, out_dir, held, tmp)
             if cfg.learn.lora is None:
                 carry_checkpoint_files(folders["policy_dir"], f"{out_dir}/policy")
-            if not local:  # policy/ or adapter/, optimizer.pt or dcp/, rng.pt, (master,) metrics, logprobs
+            if not local:  # policy/ or adapter/, metrics, logprobs (and, several nodes, the state)
                 upload_folder(writer, out_dir, prefix="")
         return {**summary, "warm_learner": warm}  # taken from memory, not built from the committed files
 
     config = stage_config(cfg)
-    out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
+    try:
+        out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
+    except BaseException:
+        for folder in (held, made):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        raise
+    if made is not None:  # the next learn and a sampler on this machine read the policy without a download
+        prefix = ADAPTER_PREFIX if cfg.learn.lora else CHECKPOINT_PREFIX
+        keep_written(out, f"{made}/{prefix.rstrip('/')}", prefix)
+        shutil.rmtree(made, ignore_errors=True)
+    if held is not None and state.due(cfg, iteration):  # the policy is committed: the state follows, meanwhile
+        state.commit_later(storage, config, run_id, out, held)
+    elif held is not None:
+        shutil.rmtree(held)
     if learner is not None:  # ran in this process and committed: keep it for iteration k + 1
         WARM.keep(WARM.key(cfg, out.uri), learner)
     return out
@@ -305,7 +286,7 @@ def join_learn(storage: Storage, cfg: RunConfig, run_id: str, iteration: int, no
     def prepare(tmp: str, out_dir: str) -> dict:
         batch = read_batch(storage, cfg, inputs)
         release_accelerator(cfg.rollout.keep_engine)
-        folders = checkpoint_folders(storage, inputs, tmp, state=True)
+        folders = checkpoint_folders(storage, cfg, inputs, tmp, state=True)
         return launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp)
 
     refs = {k: v.ref() for k, v in inputs.items()}

@@ -70,3 +70,13 @@ def s3_prefix(s3: S3Endpoint, request: pytest.FixtureRequest) -> str:
     """A fresh ``s3://grpo/test-<name>-<rand>`` URL prefix (no trailing slash)."""
     name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40]
     return s3.url(f"test-{name}-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(autouse=True)
+def state_commits_end_with_their_test():
+    """A learn's background state commit (stages/state.py) ends inside the test that started it, before that
+    test's storage (an S3 server, a tmp folder) goes away; its failure fails the test."""
+    yield
+    from stages import state
+
+    state.wait()

@@ -18,6 +18,7 @@ from grpo.query import query
 from grpo.storage import file_path, latest_committed, open_storage
 from grpo.tracking import track
 from schemas.manifest import InputRef, Manifest
+from stages import state
 from stages.common import load_run
 from stages.iteration import run_warm
 
@@ -73,7 +74,7 @@ def test_a_fork_at_3_with_gspo_trains_learn_3_on_the_parents_samples_by_referenc
     assert listing(storage, "p") == before  # the parent is untouched
 
     # storage grows only by the new stages: elsewhere the fork holds manifests (and its run.json), no data
-    own = ("/iter-0003/learn/", "/iter-0003/eval/")
+    own = ("/iter-0003/learn/", "/iter-0003/state/", "/iter-0003/eval/")
     grown = {p: n for p, n in listing(storage, "g").items() if not p.endswith(("/_manifest.json", "/run.json"))}
     assert grown and all(any(o in p for o in own) for p in grown), sorted(grown)
 
@@ -221,7 +222,7 @@ def test_gc_keeps_every_file_forks_reference_and_deleting_them_frees_it(tmp_path
         return out
 
     needed = referenced()
-    assert any("/runs/p/iter-0000/learn/" in u and u.endswith("optimizer.pt") for u in needed)
+    assert any("/runs/p/iter-0001/state/" in u and u.endswith("optimizer.pt") for u in needed)
     rc, out, _ = cli(storage, capsys, "gc", "--run", "p", "--retention", "--delete", "--older-than-s", "0")
     assert rc == 0 and "file(s) referenced by run f, g (a fork)" in out and "referenced by run f" in out, out
     assert all(storage.exists(u.removeprefix("file://")) for u in needed)
@@ -245,7 +246,9 @@ def test_gc_keeps_every_file_forks_reference_and_deleting_them_frees_it(tmp_path
     best = best_iteration(storage, "p", [0, 1, 2])
     for k in (0, 1):  # now collected: optimizer state, and the policy unless the best eval's (keep_last=1)
         learn = current(storage, "p", k, "learn")
-        gone = json.loads(storage.read_bytes(f"{learn.attempt_dir}/collected.json"))["files"]
+        gone = json.loads(storage.read_bytes(f"{learn.attempt_dir}/collected.json"))["files"] if k != best else {}
+        held = state.committed_state(storage, "p", learn)
+        gone |= json.loads(storage.read_bytes(f"{held.attempt_dir}/collected.json"))["files"]
         assert "optimizer.pt" in gone and ("policy/model.safetensors" in gone) == (k != best), (k, best, gone)
         assert storage.exists(f"{learn.attempt_dir}/policy/model.safetensors") == (k == best)
     assert len(storage.fs.ls(stage_dir(storage, "p", 1, "eval"))) == 1
@@ -306,11 +309,12 @@ def test_on_s3_a_fork_references_its_parents_objects_and_gc_keeps_them_until_it_
     for s in ("snapshot", "rollouts", "rewards", "advantages"):
         assert current(storage, "f", 1, s).manifest.origin == current(storage, "p", 1, s).ref(), s
     assert current(storage, "f", 1, "learn").manifest.origin is None
-    state = f"{current(storage, 'p', 0, 'learn').attempt_dir}/optimizer.pt"  # only the newest learn keeps it
+    held = state.committed_state(storage, "p", current(storage, "p", 0, "learn"))
+    optimizer = held.path("optimizer.pt")  # retention keeps only the newest learn's state
     assert cli(storage, capsys, "gc", "--run", "p", "--retention", "--delete", "--older-than-s", "0")[0] == 0
-    assert storage.exists(state)  # f's learn 0 is p's, and f's learn 1 continued from its optimizer state
+    assert storage.exists(optimizer)  # f's learn 0 is p's, and f's learn 1 continued from its optimizer state
     rc, out, _ = cli(storage, capsys, "status", "--run", "f", "--verify")
     assert rc == 0 and "corrupt" not in out.split("(xN")[0]
     assert cli(storage, capsys, "delete", "--run", "f", "--yes")[0] == 0
     assert cli(storage, capsys, "gc", "--run", "p", "--retention", "--delete", "--older-than-s", "0")[0] == 0
-    assert not storage.exists(state)
+    assert not storage.exists(optimizer)

@@ -10,19 +10,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_stages import TINY
+from test_stages import TINY, learned_path
 
 import grpo.storage
 import stages.learn
 from flows.cli import main
 from grpo.checkpoint import local_checkpoint
 from grpo.config import load_config
-from grpo.layout import STAGES, stage_dir
+from grpo.layout import STAGES, STATE_PREFIXES, STATE_STAGE, stage_dir
 from grpo.query import query
 from grpo.report import write_report
 from grpo.storage import StageWriter, committed_attempts, latest_committed, load_manifest, open_storage, rehashing
 from grpo.transfer import counting_io
 from schemas import MANIFEST_NAME
+from stages import stage_function, state
 from stages.init import init_run
 from stages.iteration import run_iteration
 
@@ -42,13 +43,14 @@ def newest(storage, k, stage):
 def test_a_tiny_runs_io_counts_match_the_files_it_moved(s3_env, s3_prefix, tmp_path, monkeypatch):
     """On S3 with an empty cache: the base uploads its checkpoint; a snapshot reads manifests and nothing else;
     rollouts download the policy, which the base's commit hashed, and hash only their own table as they write
-    it; a learn uploads its policy and state, hashed once on the way, and never reads them back; `grpo query`
-    shows the same counts."""
+    it; a learn uploads its policy, and the state commit after it the optimizer state, each hashed once on the
+    way and never read back; `grpo query` shows the same counts."""
     monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
     storage = open_storage(s3_prefix)
     base = init_run(storage, "t", load_config(None, TINY))
     run_iteration(storage, "t", 0)
-    c = {stage: newest(storage, 0, stage) for stage in STAGES}
+    state.wait()  # the state commit after the learn's
+    c = {stage: newest(storage, 0, stage) for stage in (*STAGES, STATE_STAGE)}
     policy = own_bytes(base, "policy/")
     assert policy > 100_000 and base.manifest.io["upload_bytes"] == policy == own_bytes(base)
     assert base.manifest.io["hash_bytes"] == policy + base.manifest.io["write_bytes"]  # + the small files it wrote
@@ -73,19 +75,27 @@ def test_a_tiny_runs_io_counts_match_the_files_it_moved(s3_env, s3_prefix, tmp_p
     assert written > policy and learn["upload_bytes"] == written and learn["hash_bytes"] == written
     assert learn["read_bytes"] < 0.2 * policy  # tables and manifests; its upload is never read back
     assert learn["download_bytes"] == 0  # the snapshot and the reference are the base, cached already
-    for f in c["learn"].manifest.files:  # uploaded in parallel, each under its own name: hashed from storage here
-        assert hashlib.sha256(storage.read_bytes(c["learn"].path(f.path))).hexdigest() == f.sha256, f.path
+    assert not any(f.path.startswith(STATE_PREFIXES) for f in c["learn"].manifest.files)  # off the critical path
+    held = c[STATE_STAGE].manifest.io
+    assert held["upload_bytes"] == held["hash_bytes"] == own_bytes(c[STATE_STAGE]) > policy  # AdamW: 2x the policy
+    assert held["download_bytes"] == 0 and held["read_bytes"] < 0.2 * policy
+    for a in ("learn", STATE_STAGE):  # uploaded in parallel, each under its own name: hashed from storage here
+        for f in c[a].manifest.files:
+            assert hashlib.sha256(storage.read_bytes(c[a].path(f.path))).hexdigest() == f.sha256, f.path
 
     ev = c["eval"].manifest.io
-    assert ev["download_bytes"] == own_bytes(c["learn"], "policy/")  # the new policy, not the optimizer state
+    assert ev["download_bytes"] == 0  # the learn left its policy in this machine's cache (checkpoint.keep_written)
     assert ev["hash_bytes"] == own_bytes(c["eval"])  # the policy was hashed as the learn uploaded it
 
     seen = query(storage, "t", "SELECT stage, upload_bytes, download_bytes FROM io WHERE iteration = 0")
-    assert dict(zip(seen["stage"], seen["upload_bytes"])) == {s: c[s].manifest.io["upload_bytes"] for s in STAGES}
-    assert dict(zip(seen["stage"], seen["download_bytes"])) == {s: c[s].manifest.io["download_bytes"] for s in STAGES}
+    assert dict(zip(seen["stage"], seen["upload_bytes"])) == {s: c[s].manifest.io["upload_bytes"] for s in c}
+    assert dict(zip(seen["stage"], seen["download_bytes"])) == {s: c[s].manifest.io["download_bytes"] for s in c}
     write_report(storage, "t")  # a panel of bytes per stage per iteration beside the progress plots
     assert storage.read_bytes(storage.path("runs/t/io.png")).startswith(b"\x89PNG")
     assert "(io.png)" in storage.read_bytes(storage.path("runs/t/report.md")).decode()
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "another-machine"))
+    ev = stage_function("eval")(storage, "t", 0, force=True).manifest.io
+    assert ev["download_bytes"] == own_bytes(c["learn"], "policy/")  # the new policy, not the optimizer state
 
 
 def hashed_in_a_new_process(url: str, stage: str, iteration: int, env: dict) -> int:
@@ -164,7 +174,7 @@ def test_a_changed_committed_byte_fails_every_stage_that_reads_it_in_one_line(tm
         return code, "".join(line + "\n" for line in err if line and not line.startswith("\r"))
 
     learn0 = Path(newest(storage, 0, "learn").attempt_dir)
-    flip_last_byte(learn0 / "optimizer.pt")
+    flip_last_byte(Path(learned_path(newest(storage, 0, "learn"), "optimizer.pt")))
     assert stage("eval", 0) == (0, "")  # eval reads the policy, not the optimizer state
     for name in ["snapshot", "rollouts", "rewards", "advantages"]:
         assert stage(name, 1, force=False) == (0, ""), name

@@ -17,7 +17,7 @@ from grpo.storage import StageWriter, latest_committed, open_storage
 from schemas import read_parquet, write_parquet
 from stages import StageError, stage_function
 from stages.init import build_tiny_base, init_run
-from stages.learn import _padded, load_batch
+from stages.learn_data import _padded, load_batch
 
 pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from test_learn import F32
 from test_real_path import chat_config, needs_vllm, world  # noqa: F401 (world: a fixture)
 from test_sharding import TOL, learn_of
-from test_stages import make_run, rewards_of_a_short_run
+from test_stages import learned_files, learned_path, make_run, rewards_of_a_short_run
 
 from flows.cli import main
 from grpo.config import load_config
@@ -40,14 +40,14 @@ def test_lora_commits_adapters_only_the_base_is_the_reference_and_samplers_serve
     for k in range(2):
         run_iteration(storage, "full", k)
         out = run_iteration(storage, "lora", k)
-    files = {f.path for f in learn_of(storage, "lora", 1).manifest.files}
+    files = set(learned_files(learn_of(storage, "lora", 1)))
     assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "optimizer.pt"} <= files
     assert not any(f.startswith("policy/") for f in files)  # the base weights are never committed again
     adapter = load_file(learn_of(storage, "lora", 1).path("adapter/adapter_model.safetensors"))
     assert adapter and all("lora_" in k for k in adapter)
     assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at 0: it trained
     # AdamW holds the adapters' state alone: one entry per adapter tensor
-    optimizer = torch.load(learn_of(storage, "lora", 1).path("optimizer.pt"))
+    optimizer = torch.load(learned_path(learn_of(storage, "lora", 1), "optimizer.pt"))
     assert len(optimizer["state"]) == len(adapter)
     # the reference is the base with the adapters off: no second model in memory
     assert learn_stage.WARM._learner is not None and learn_stage.WARM._learner.ref is None
@@ -104,7 +104,7 @@ def test_lora_under_fsdp2_with_two_processes_trains_the_adapters_of_one_process(
     for k in range(2):
         for r in ("one", "two"):
             run_iteration(storage, r, k)
-    files = {f.path for f in learn_of(storage, "two", 1).manifest.files}
+    files = set(learned_files(learn_of(storage, "two", 1)))
     assert "dcp/.metadata" in files and "adapter/adapter_model.safetensors" in files and "optimizer.pt" not in files
     one, two = (load_file(learn_of(storage, r, 1).path("adapter/adapter_model.safetensors")) for r in ("one", "two"))
     assert sorted(one) == sorted(two)

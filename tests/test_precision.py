@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_learn import F32, TINY  # the same tiny run
+from test_stages import learned_files, learned_path
 
 from grpo.config import ConfigError, load_config
 from grpo.learner import MASTER_WEIGHTS
@@ -67,10 +68,10 @@ def test_bf16_base_trains_under_autocast_writes_bf16_and_a_cold_resume_equals_a_
     with safe_open(learn.path("policy/model.safetensors"), framework="pt") as f:
         assert "lm_head.weight" not in f.keys()  # tied to the embedding, saved once as in the base
     assert json.loads(Path(learn.path("policy/config.json")).read_text())["dtype"] == "bfloat16"
-    assert dtypes(learn.path(MASTER_WEIGHTS)) == {"F32"}
+    assert dtypes(learned_path(learn, MASTER_WEIGHTS)) == {"F32"}
     assert outs["cold"][1]["rollouts"].manifest.summary["sampler"]["dtype"] == "bfloat16"  # model.dtype auto
     for k in (0, 1):
-        files = [load_file(o[k]["learn"].path(MASTER_WEIGHTS)) for o in (outs["warm"], outs["cold"])]
+        files = [load_file(learned_path(o[k]["learn"], MASTER_WEIGHTS)) for o in (outs["warm"], outs["cold"])]
         assert all(torch.equal(files[0][n], files[1][n]) for n in files[0]), k
     # bf16 sampler against the bf16-autocast learner: the gap the GPU check bounds at 0.05
     assert learn.manifest.summary["logprob_gap"] < 0.05
@@ -176,10 +177,10 @@ def test_fsdp2_keeps_float32_master_weights_in_its_sharded_state_and_a_cold_resu
         outs[run_id].append(run_iteration(storage, run_id, 1))
         WARM.take(None)
     learn = outs["cold"][1]["learn"]
-    files = {f.path for f in learn.manifest.files}
+    files = set(learned_files(learn))
     assert "dcp/.metadata" in files and MASTER_WEIGHTS not in files and "optimizer.pt" not in files
     assert dtypes(learn.path("policy/model.safetensors")) == {"BF16"}
-    dcp_to_torch_save(learn.path("dcp/.metadata").rsplit("/", 1)[0], tmp_path / "state.pt")
+    dcp_to_torch_save(learned_path(learn, "dcp/.metadata").rsplit("/", 1)[0], tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=False)
     assert {v.dtype for v in state["model"].values()} == {torch.float32}
     w, c = (load_file(o[1]["learn"].path("policy/model.safetensors")) for o in (outs["warm"], outs["cold"]))

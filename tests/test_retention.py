@@ -11,7 +11,7 @@ import grpo.gc
 from flows.cli import main
 from grpo.config import RetentionConfig
 from grpo.gc import POLICY_PREFIXES, STATE_PREFIXES, plan
-from grpo.layout import run_dir, stage_dir
+from grpo.layout import STATE_STAGE, run_dir, stage_dir
 from grpo.storage import latest_committed, open_storage
 from stages.iteration import run_warm
 
@@ -39,15 +39,20 @@ def learn(storage, run_id, k):
     return latest_committed(storage, stage_dir(storage, run_id, k, "learn"), verify=False)
 
 
+def held(storage, run_id, k):
+    """The resume state committed after learn k (stages/state.py)."""
+    return latest_committed(storage, stage_dir(storage, run_id, k, STATE_STAGE), verify=False)
+
+
 def present(storage, run_id, k) -> set[str]:
-    """Files of iteration k's committed learn that are still there, relative to its attempt."""
-    attempt = learn(storage, run_id, k).attempt_dir
-    return {p[len(attempt) + 1 :] for p in storage.fs.find(attempt)}
+    """Files of iteration k's committed learn and state that are still there, relative to their attempts."""
+    attempts = [c.attempt_dir for c in (learn(storage, run_id, k), held(storage, run_id, k))]
+    return {p[len(a) + 1 :] for a in attempts for p in storage.fs.find(a)}
 
 
 def weights(storage, run_id, k) -> dict[str, str]:
-    """{path: sha256} of the policy and optimizer state a learn committed."""
-    files = learn(storage, run_id, k).manifest.files
+    """{path: sha256} of the policy and optimizer state a learn and the state after it committed."""
+    files = learn(storage, run_id, k).manifest.files + held(storage, run_id, k).manifest.files
     return {f.path: f.sha256 for f in files if f.path.startswith(POLICY_PREFIXES + STATE_PREFIXES)}
 
 
@@ -95,7 +100,7 @@ def test_retention_collects_weights_and_state_and_the_run_goes_on(storage, capsy
 
     # a stage that needs a collected file fails in one line naming it
     rc, _, err = cli(storage, capsys, "stage", "learn", "--run", "a", "--iteration", "2", "--force")
-    assert rc == 2 and err.count("\n") == 1 and "iter-0001/learn/" in err
+    assert rc == 2 and err.count("\n") == 1 and "iter-0001/state/" in err
     assert "optimizer.pt was collected by `grpo gc --retention`" in err
     # the newest stages rerun
     rc, _, err = cli(storage, capsys, "stage", "eval", "--run", "a", "--iteration", "3", "--force")
@@ -119,6 +124,6 @@ def test_retention_collects_weights_and_state_and_the_run_goes_on(storage, capsy
 
     # no rule set (both null): every policy stays, the optimizer state of all but the newest learn goes
     found = plan(storage, "b", retention=RetentionConfig())
-    assert {(g.why, g.path) for g in found.garbage} == {("state", learn(storage, "b", k).attempt_dir) for k in range(4)}
+    assert {(g.why, g.path) for g in found.garbage} == {("state", held(storage, "b", k).attempt_dir) for k in range(4)}
     assert [line.split(":")[0] for line in found.kept] == [f"iteration {k}" for k in range(5)]
     assert "iteration 0: policy (no retention rule set)" in found.kept

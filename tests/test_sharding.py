@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_learn import F32
-from test_stages import make_run
+from test_stages import learned_files, make_run
 
 from grpo.layout import stage_dir
 from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
@@ -63,7 +63,7 @@ def test_fsdp2_gives_the_update_of_one_process_and_of_ddp_and_commits_sharded_st
     assert relative_gap(update["one"], update["fsdp"]) < TOL
     assert relative_gap(update["ddp"], update["fsdp"]) < TOL
     fsdp = learn_of(storage, "fsdp", 0)
-    files = {f.path for f in fsdp.manifest.files}
+    files = set(learned_files(fsdp))
     # each process wrote its own shards; no full optimizer.pt, no master copy
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= files and "optimizer.pt" not in files
     assert fsdp.manifest.summary["world_size"] == 2
@@ -120,9 +120,7 @@ def test_a_killed_rank_leaves_no_committed_attempt_and_a_rerun_commits(storage, 
     d = stage_dir(storage, "k", 0, "learn")
     assert len(list_attempts(storage, d)) == 1 and not committed_attempts(storage, d)
     learn = stage_function("learn")(storage, "k", 0)
-    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "policy/model.safetensors"} <= {
-        f.path for f in learn.manifest.files
-    }
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "policy/model.safetensors"} <= set(learned_files(learn))
 
 
 @pytest.mark.s3
@@ -138,8 +136,6 @@ def test_sharded_lora_state_round_trips_through_s3(s3, monkeypatch, tmp_path):
     for k in range(2):
         run_iteration(storage, "s", k)
     learn = learn_of(storage, "s", 1)
-    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "adapter/adapter_model.safetensors"} <= {
-        f.path for f in learn.manifest.files
-    }
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "adapter/adapter_model.safetensors"} <= set(learned_files(learn))
     steps = pd.read_parquet(storage.uri(learn.path("metrics.parquet")), storage_options=s3.storage_options()).step
     assert learn.manifest.summary["steps"] == len(steps) == 2

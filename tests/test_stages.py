@@ -14,7 +14,7 @@ from grpo.config import ConfigError, load_config
 from grpo.layout import stage_dir
 from grpo.lineage import next_iteration
 from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
-from stages import STAGES, StageError, stage_function
+from stages import STAGES, StageError, stage_function, state
 from stages.init import init_run
 from stages.iteration import run_iteration
 
@@ -357,6 +357,23 @@ def test_nan_loss_fails_learn_and_commits_nothing(storage, monkeypatch):
         latest_committed(storage, stage_dir(storage, "t", 0, "learn"))
 
 
+def state_of(learned):
+    """The resume state committed after learn `learned` (stages.state), once this process's commit is done."""
+    state.wait()
+    return state.committed_state(learned.storage, learned.manifest.run_id, learned)
+
+
+def learned_files(learned) -> dict:
+    """{file: the attempt listing it} of a learn and the state committed after it (stages.state)."""
+    held = state_of(learned)
+    return {f.path: c for c in (learned, held) if c is not None for f in c.manifest.files}
+
+
+def learned_path(learned, name: str) -> str:
+    """Where a file of learn `learned` or of its committed state lies."""
+    return learned_files(learned)[name].path(name)
+
+
 def test_optimizer_state_carries_to_next_iteration(storage):
     make_run(storage)
     run_iteration(storage, "t", 0)
@@ -367,8 +384,8 @@ def test_optimizer_state_carries_to_next_iteration(storage):
         .manifest.inputs["previous"]
         .uri.endswith(latest_committed(storage, stage_dir(storage, "t", 0, "learn")).attempt_dir.rsplit("/", 1)[1])
     )
-    state0 = torch.load(latest_committed(storage, stage_dir(storage, "t", 0, "learn")).path("optimizer.pt"))
-    state1 = torch.load(out["learn"].path("optimizer.pt"))
+    state0 = torch.load(state_of(latest_committed(storage, stage_dir(storage, "t", 0, "learn"))).path("optimizer.pt"))
+    state1 = torch.load(state_of(out["learn"]).path("optimizer.pt"))
     steps = lambda s: next(iter(s["state"].values()))["step"].item()  # noqa: E731
     assert steps(state1) == 2 * steps(state0)  # AdamW continued counting
 

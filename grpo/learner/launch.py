@@ -73,9 +73,19 @@ class Rendezvous:
         ]
 
 
-def learner_args(cfg: RunConfig, run_id: str, iteration: int, batch, folders: dict, out_dir: str, tmp: str) -> dict:
+def learner_args(
+    cfg: RunConfig,
+    run_id: str,
+    iteration: int,
+    batch,
+    folders: dict,
+    out_dir: str,
+    tmp: str,
+    state_out: str | None = None,
+) -> dict:
     """What `worker_main` reads: the config, the batch (saved into `tmp`), the checkpoint folders a Learner
-    is built from (learn.checkpoint_folders), where to write, and where rank 0 leaves its summary."""
+    is built from (learn.checkpoint_folders), where to write the policy and the resume state (out_dir where
+    state_out is None), and where rank 0 leaves its summary."""
     torch.save(batch, f"{tmp}/batch.pt")
     return {
         "config": cfg.to_dict(),
@@ -84,6 +94,7 @@ def learner_args(cfg: RunConfig, run_id: str, iteration: int, batch, folders: di
         "batch": f"{tmp}/batch.pt",
         **folders,
         "out_dir": out_dir,
+        "state_out": state_out,
         "summary": f"{tmp}/summary.json",
     }
 

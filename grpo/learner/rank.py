@@ -59,13 +59,16 @@ def logprob_columns(run_id: str, iteration: int, batch: Batch, scores: Scores) -
     }
 
 
-def train_and_save(learner: Learner, run_id: str, iteration: int, batch: Batch, out_dir: str) -> dict:
-    """`grpo.learner.train`, then (main process) policy/, optimizer.pt, rng.pt, metrics and log-probs
-    into the local folder out_dir. Returns the summary."""
+def train_and_save(
+    learner: Learner, run_id: str, iteration: int, batch: Batch, out_dir: str, state_dir: str | None = None
+) -> dict:
+    """`grpo.learner.train`, then (main process) policy/, metrics and log-probs into the local folder out_dir,
+    and optimizer.pt, rng.pt (master weights, or every process's dcp/ shards) into state_dir (out_dir where None).
+    Returns the summary."""
     seed = iteration_seed(learner.cfg.seed, iteration, Salt.LEARNER_TORCH)
     with cpu_watch(f"learn {iteration}", on=learner.acc.device.type == "cpu") as cpu:  # threads, a busy machine
         update = train(learner, run_id, iteration, batch, seed)
-    learner.save(out_dir)  # every process: under fsdp2 each writes its shards
+    learner.save(out_dir, state_dir)  # every process: under fsdp2 each writes its shards
     if learner.acc.is_main_process:
         disk = fsspec.filesystem("file")  # out_dir is a local folder whatever the storage
         write_parquet(disk, f"{out_dir}/{table_file('learn_metrics')}", "learn_metrics", update.rows)
@@ -90,7 +93,7 @@ def worker_main(args_path: str) -> None:
     learner = new_learner(
         cfg, args["iteration"], args["policy_dir"], args["ref_dir"], args["state_dir"], args["adapter_dir"]
     )
-    summary = train_and_save(learner, args["run_id"], args["iteration"], batch, args["out_dir"])
+    summary = train_and_save(learner, args["run_id"], args["iteration"], batch, args["out_dir"], args.get("state_out"))
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args["summary"]).write_text(json.dumps(summary))
 

@@ -154,36 +154,39 @@ class Learner:
         if device == "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def save(self, out_dir: str) -> None:
+    def save(self, out_dir: str, state_dir: str | None = None) -> None:
         """Every process calls this. Into the local folder out_dir: policy/ (HF checkpoint in the base
-        model's dtype) or, with LoRA, adapter/ (peft's adapter_model.safetensors + adapter_config.json);
-        the optimizer state (optimizer.pt, or dcp/ with every process's shards under fsdp2); rng.pt; and,
-        when the checkpoint's dtype is narrower than float32 and nothing else keeps them, the float32
-        master weights (master.safetensors)."""
+        model's dtype) or, with LoRA, adapter/ (peft's adapter_model.safetensors + adapter_config.json).
+        Into state_dir (out_dir where None): the optimizer state (optimizer.pt, or dcp/ with every process's
+        shards under fsdp2); rng.pt; and, when the checkpoint's dtype is narrower than float32 and nothing else
+        keeps them, the float32 master weights (master.safetensors)."""
         out, policy = Path(out_dir), self.acc.unwrap_model(self.model)
+        held = Path(state_dir or out_dir)
+        held.mkdir(parents=True, exist_ok=True)
         main = self.acc.is_main_process
         state = sharding.full_state_dict(policy, trainable_only=self.lora) if self.sharded else None
         if main and state is not None:  # gathered whole: a tied weight comes back once per name
             aliases = _aliases(policy)
             state = {k.removeprefix("lm."): v for k, v in state.items() if k not in aliases}
         if main:
-            (self._save_adapter if self.lora else self._save_policy)(policy.lm, state, out)
+            (self._save_adapter if self.lora else self._save_policy)(policy.lm, state, out, held)
         if self.sharded:
-            sharding.save_state(policy, self.opt, out / STATE_DCP, trainable_only=self.lora)
+            sharding.save_state(policy, self.opt, held / STATE_DCP, trainable_only=self.lora)
         elif main:
-            torch.save(self.opt.state_dict(), out / "optimizer.pt")
+            torch.save(self.opt.state_dict(), held / "optimizer.pt")
         if main:
-            torch.save({"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()}, out / "rng.pt")
+            torch.save({"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()}, held / "rng.pt")
 
     @staticmethod
-    def _save_adapter(lm, state: dict | None, out: Path) -> None:
+    def _save_adapter(lm, state: dict | None, out: Path, held: Path) -> None:
         """adapter/: the trained adapters alone (megabytes), loadable on the base with peft."""
         lm.peft_config["default"].base_model_name_or_path = None  # a local cache path: not part of the policy
         lm.save_pretrained(out / ADAPTER_DIR, state_dict=state)
         (out / ADAPTER_DIR / "README.md").unlink(missing_ok=True)  # peft's model-card template
 
-    def _save_policy(self, lm, state: dict | None, out: Path) -> None:
-        """policy/: every weight in the base model's dtype, tied weights saved once."""
+    def _save_policy(self, lm, state: dict | None, out: Path, held: Path) -> None:
+        """policy/: every weight in the base model's dtype, tied weights saved once (and into `held` the float32
+        master weights where that dtype is narrower)."""
         from safetensors.torch import save_model
 
         if self.save_dtype == torch.float32:
@@ -197,7 +200,7 @@ class Learner:
         config["dtype"] = str(self.save_dtype).removeprefix("torch.")
         (out / "policy/config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if state is None:  # sharded: dcp/ holds the float32 weights
-            save_model(lm, str(out / MASTER_WEIGHTS))
+            save_model(lm, str(held / MASTER_WEIGHTS))
 
 
 def _aliases(module: torch.nn.Module) -> set[str]:

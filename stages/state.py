@@ -1,0 +1,219 @@
+"""The learner's resume state after learn k, committed apart from its policy: stage `state` of an iteration.
+
+    <run>/iter-000k/state/attempt-*/   optimizer.pt (or dcp/ under fsdp2), rng.pt, (master.safetensors)
+
+AdamW's moments and the float32 master weights are 12 of the 14 bytes a parameter that a learn of full
+fine-tuning writes, and only the next learn built from files reads them. So learn k commits its policy first
+(what snapshot k+1 and the rollouts read) and this process commits the state afterwards, in the background
+(`commit_later`), every learn.state_every-th iteration. The learn that reads it (`read`) waits for a state
+still being written (its attempt's heartbeat beats); where none is committed or coming (the writer was killed
+between the two commits, or learn.state_every skipped it), stages.learn replays the updates since the last
+committed state and checks each against its committed policy, so a resumed run commits the same bytes.
+Which state a learn reads is fixed by its inputs: the commit's timing decides only when it may start.
+Runs made before this kept the state inside the learn attempt: it is read from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from grpo.checkpoint import download_verified, upload_folder
+from grpo.config import RunConfig
+from grpo.errors import StageError
+from grpo.fork import reference
+from grpo.gc import running_attempts
+from grpo.layout import STATE_PREFIXES, STATE_STAGE, stage_dir
+from grpo.lineage import note_committed
+from grpo.storage import (
+    Committed,
+    StageWriter,
+    Storage,
+    collected_files,
+    committed_attempts,
+    file_digest,
+    is_local,
+    list_attempts,
+    load_manifest,
+    remember_digest,
+    settle,
+)
+from grpo.transfer import cache_root, counting_io
+
+log = logging.getLogger("grpo.stages")
+
+STAGE = STATE_STAGE
+POLL_S = 0.5  # between looks at a state another process is committing
+
+
+def due(cfg: RunConfig, iteration: int) -> bool:
+    """Whether learn `iteration` commits its state: every learn.state_every-th (iterations K-1, 2K-1, ...)."""
+    return (iteration + 1) % cfg.learn.state_every == 0
+
+
+class _Pending:
+    """This process's state commit running in the background: at most one (the next waits for it)."""
+
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    what: str = ""
+
+
+def commit_later(storage: Storage, config: dict, run_id: str, learned: Committed, held: str) -> None:
+    """Commit the state files in the local folder `held` (which this takes over and removes) as learn
+    `learned`'s state, in a thread of this process; its attempt and heartbeat exist before this returns, so
+    another process reading the state waits for it. `config`: what its identity covers (the learn's)."""
+    wait()
+    writer = _writer(storage, config, run_id, learned)
+    _Pending.what, _Pending.error = f"state iteration {learned.manifest.iteration}", None
+    # not a daemon: the interpreter waits for the commit before it exits (a flow run's process, `grpo run`)
+    _Pending.thread = threading.Thread(target=_commit_guarded, args=(storage, writer, held), name="grpo-state")
+    _Pending.thread.start()
+
+
+def commit_now(storage: Storage, config: dict, run_id: str, learned: Committed, held: str) -> Committed:
+    """Commit the state files in `held` (taken over and removed) as learn `learned`'s state, here and now."""
+    return _commit(storage, _writer(storage, config, run_id, learned), held)
+
+
+def wait() -> None:
+    """Wait for this process's background state commit; its failure raised as a StageError (the state it
+    would have committed is replayed by the learn that needs it)."""
+    thread, _Pending.thread = _Pending.thread, None
+    if thread is None:
+        return
+    thread.join()
+    if _Pending.error is not None:
+        e, _Pending.error = _Pending.error, None
+        raise StageError(f"{_Pending.what}: the background commit failed: {type(e).__name__}: {e}") from e
+
+
+def _writer(storage: Storage, config: dict, run_id: str, learned: Committed) -> StageWriter:
+    k = learned.manifest.iteration
+    return StageWriter(
+        storage,
+        stage_dir(storage, run_id, k, STAGE),
+        run_id=run_id,
+        iteration=k,
+        stage=STAGE,
+        config=config,
+        inputs={"learn": learned.ref()},
+    )
+
+
+def _commit_guarded(storage: Storage, writer: StageWriter, held: str) -> None:
+    try:
+        _commit(storage, writer, held)
+    except BaseException as e:  # noqa: BLE001 (handed to wait(), which raises it in the stage that needs it)
+        _Pending.error = e
+        log.error("%s: the background commit failed: %s: %s", _Pending.what, type(e).__name__, e)
+
+
+def _commit(storage: Storage, writer: StageWriter, held: str) -> Committed:
+    """Move (local storage) or upload the files of `held` into the writer's attempt and commit it; on object
+    storage `held` then stays in this machine's cache for the next learn here (the newest of the run's only)."""
+    try:
+        with writer, counting_io() as io:
+            if is_local(storage.fs):  # a rename where `held` is on the storage's disk, else a copy
+                for f in sorted(p for p in Path(held).rglob("*") if p.is_file()):
+                    shutil.move(str(f), writer.path(f.relative_to(held).as_posix()))
+            else:
+                upload_folder(writer, held, prefix="")
+            committed = writer.commit(summary={}, io=io)
+            note_committed(committed.attempt_dir)
+        if not is_local(storage.fs):
+            _keep(committed, held)
+    finally:
+        shutil.rmtree(held, ignore_errors=True)
+    log.info("state iteration %s: committed %s", committed.manifest.iteration, committed.uri)
+    return committed
+
+
+def _cached(committed: Committed) -> Path:
+    """Where this machine keeps a committed state it wrote: <GRPO_CACHE>/state/<run>-<iteration>-<manifest>."""
+    m = committed.manifest
+    return cache_root() / "state" / f"{m.run_id}-{m.iteration:04d}-{committed.manifest_sha256[:16]}"
+
+
+def _keep(committed: Committed, held: str) -> None:
+    """Take `held`, whose files `committed` lists as uploaded and hashed, into the cache, in place of the run's
+    states kept before (the next learn reads the newest)."""
+    target = _cached(committed)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for old in target.parent.glob(f"{committed.manifest.run_id}-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        Path(held).rename(target)
+    except OSError:  # another disk: the next learn downloads it
+        return
+    disk = LocalFileSystem()
+    for f in committed.manifest.files:
+        settle(str(target / f.path))
+        remember_digest(disk, str(target / f.path), f.sha256)
+
+
+def _kept(committed: Committed) -> str | None:
+    """The cached copy of a committed state, where this machine wrote it and it is intact (its stamps known)."""
+    target, disk = _cached(committed), LocalFileSystem()
+    try:
+        intact = all(file_digest(disk, str(target / f.path)) == (f.size, f.sha256) for f in committed.manifest.files)
+    except FileNotFoundError:
+        return None
+    return str(target) if intact else None
+
+
+def committed_state(storage: Storage, run_id: str, learned: Committed) -> Committed | None:
+    """The newest committed state made after learn `learned` (an attempt whose input is that very commit)."""
+    sdir = stage_dir(storage, run_id, learned.manifest.iteration, STAGE)
+    ref = learned.ref()
+    for attempt in reversed(committed_attempts(storage, sdir)):
+        manifest, sha = load_manifest(storage, attempt, verify=False)
+        if manifest.inputs.get("learn") == ref:  # what gc collected of it fails a read naming that
+            return Committed(storage, attempt, manifest, sha, collected_files(storage, attempt, manifest))
+    return None
+
+
+def being_written(storage: Storage, run_id: str, learned: Committed) -> bool:
+    """Whether a live writer (its heartbeat recent) is committing a state of iteration `learned`'s."""
+    sdir = stage_dir(storage, run_id, learned.manifest.iteration, STAGE)
+    attempts = {f"{sdir}/{a}" for a in list_attempts(storage, sdir)}
+    return bool(attempts & {a.rstrip("/") for a in running_attempts(storage, run_id)})
+
+
+def read(storage: Storage, run_id: str, learned: Committed, dest: str) -> str | None:
+    """Learn `learned`'s state, downloaded and checked into the local folder `dest`: from the learn's own attempt
+    (runs made before the split, and learn.nodes > 1) or its committed state, waiting for one being written;
+    None where there is none to wait for (replay it)."""
+    wait()
+    inside = [f.path for f in learned.manifest.files if f.path.startswith(STATE_PREFIXES)]
+    source = learned if inside else from_origin(storage, run_id, learned)
+    while source is None:
+        source = committed_state(storage, run_id, learned)
+        if source is None and not being_written(storage, run_id, learned):
+            source = committed_state(storage, run_id, learned)  # committed between the two looks?
+            if source is None:
+                return None
+        if source is None:
+            time.sleep(POLL_S)
+    if not inside and (kept := _kept(source)):  # this machine committed it: no download, no hash
+        return kept
+    names = inside or [f.path for f in source.manifest.files]
+    download_verified(source, {name: f"{dest}/{name}" for name in names})
+    return dest
+
+
+def from_origin(storage: Storage, run_id: str, learned: Committed) -> Committed | None:
+    """A fork's learn taken by reference (grpo.fork): the state its origin's run committed after it, taken by
+    reference as well (gc then keeps it for the fork); None otherwise."""
+    if learned.manifest.origin is None or committed_state(storage, run_id, learned) is not None:
+        return None
+    path = fsspec.core.strip_protocol(learned.manifest.origin.uri).rstrip("/")
+    manifest, sha = load_manifest(storage, path, verify=False)
+    source = committed_state(storage, manifest.run_id, Committed(storage, path, manifest, sha))
+    return None if source is None else reference(storage, run_id, source, {"learn": learned})
