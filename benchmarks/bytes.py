@@ -1,0 +1,159 @@
+"""Bytes an iteration moves through object storage and through sha256, from the manifests' `io` records (issue 31),
+on a local S3 server (SeaweedFS, tools/s3server.py), for the chat recipe (placement_overhead.py's chat25m: a
+25.2M-parameter Qwen2 chat model sampled with vLLM, full fine-tuning, float32 unless --set says otherwise):
+
+    .venv/bin/python benchmarks/bytes.py [--iterations 3] [--set model.dtype=bfloat16 ...] [--dir DIR]
+
+(a) cold, through placement: flow `grpo/placed`, one flow run per iteration, every stage a new flow-run process
+    on a Prefect process pool: learn on "gpu" (the learner's machine), the other five on "cpu" (the samplers'
+    machine), each worker with its own GRPO_CACHE, as two machines would have; rollout.staleness 0.
+(b) warm, one process: flow `grpo` with `iterations` N (what `grpo run` and grpo/train run): sampler, learner
+    and caches kept from one iteration to the next.
+
+Per iteration (1.., iteration 0 starts everything) and stage: bytes downloaded, read (downloads, tables,
+manifests), hashed and uploaded, summed from every committed attempt's manifest; the learn's resume state
+(`state`, committed after the policy in the background) listed on its own. On the critical path: what the
+stages snapshot -> rollouts -> rewards -> advantages -> learn move (eval k and the state commit run beside
+the next iteration in the flow at rollout.staleness >= 1, and the state commit at any staleness); eval listed
+apart. P = the policy's bytes (policy/ of a learn), N = parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from placement_overhead import chat25m_recipe, describe, finished, flow_process, load
+from timing import machine
+
+REPO = Path(__file__).resolve().parent.parent
+SPLIT = {"snapshot": "cpu", "rollouts": "cpu", "rewards": "cpu", "advantages": "cpu", "learn": "gpu", "eval": "cpu"}
+CRITICAL = ("snapshot", "rollouts", "rewards", "advantages", "learn")
+KINDS = ("download", "read", "hash", "upload")
+
+
+def cold(server, tmp: Path, base: dict, n: int, timeout: float) -> None:
+    """(a): one grpo/placed flow run per iteration, learn on "gpu", the rest on "cpu", a cache per worker."""
+    from tools.prefect_server import process_worker
+
+    for pool in ("gpu", "cpu"):
+        server.cli("work-pool", "create", pool, "--type", "process", "--overwrite")
+    server.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deploy/placement/prefect.yaml", cwd=REPO)
+    deployment = server.api("GET", "/deployments/name/grpo/placed")["id"]
+    homes = {pool: tmp / f"machine-{pool}" for pool in ("gpu", "cpu")}
+    for home in homes.values():
+        home.mkdir(exist_ok=True)
+    env = lambda pool: {"GRPO_CACHE": str(homes[pool] / "cache")}  # noqa: E731
+    with process_worker(server, "gpu", cwd=homes["gpu"], env=env("gpu")):
+        with process_worker(server, "cpu", cwd=homes["cpu"], env=env("cpu")):
+            for _ in range(n):
+                run = server.api(
+                    "POST", f"/deployments/{deployment}/create_flow_run", {"parameters": {**base, "placement": SPLIT}}
+                )
+                done = finished(server, run["id"], timeout)
+                if done["state"]["type"] != "COMPLETED":
+                    raise RuntimeError(f"grpo/placed {done['name']}: {done['state']}\n{server.log_tails(40)}")
+
+
+def warm(server, tmp: Path, base: dict, n: int, timeout: float) -> None:
+    """(b): flow `grpo` with `iterations` n in one new process, its own cache."""
+    env = {**server.env, "GRPO_CACHE": str(tmp / "warm-cache")}
+    flow_process(env, {**base, "iterations": n}, tmp / "warm.log", timeout)
+
+
+def counts(storage, run_id: str, k: int) -> dict[str, dict[str, int]]:
+    """{stage: {kind: bytes}} of iteration k: every committed attempt's io (the state commit as `state`)."""
+    from grpo.layout import STAGES, STATE_STAGE, stage_dir
+    from grpo.storage import committed_attempts, load_manifest
+
+    out = defaultdict(lambda: defaultdict(int))
+    for stage in (*STAGES, STATE_STAGE):
+        for attempt in committed_attempts(storage, stage_dir(storage, run_id, k, stage)):
+            io = load_manifest(storage, attempt, verify=False)[0].io or {}
+            for kind in KINDS:
+                out[stage][kind] += io.get(f"{kind}_bytes", 0)
+    return out
+
+
+def policy_bytes(storage, run_id: str) -> tuple[int, int]:
+    """(P, N): bytes of learn 0's policy/ (or adapter/) and the model's parameters."""
+    from grpo.layout import stage_dir
+    from grpo.storage import latest_committed
+
+    learned = latest_committed(storage, stage_dir(storage, run_id, 0, "learn"), verify=False)
+    own = [f for f in learned.manifest.files if f.path.startswith(("policy/", "adapter/")) and f.uri is None]
+    config = json.loads(storage.read_bytes(learned.path("policy/config.json")))
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}[config.get("dtype") or config.get("torch_dtype", "float32")]
+    weights = sum(f.size for f in own if f.path.endswith(".safetensors"))  # the header's few kB aside
+    return sum(f.size for f in own), weights // width
+
+
+def report(storage, run_id: str, n: int, title: str) -> dict:
+    """Print the per-stage table of iterations 1..n-1 (means) in multiples of P; returns the totals."""
+    P, N = policy_bytes(storage, run_id)
+    rows = [counts(storage, run_id, k) for k in range(1, n)]
+    stages = sorted({s for r in rows for s in r}, key=lambda s: (s not in CRITICAL, s))
+    mean = {s: {kind: sum(r[s][kind] for r in rows) / len(rows) for kind in KINDS} for s in stages}
+    unit = f"P = {P / 1e6:.1f} MB" + (f" = {P / N:.2f} N bytes" if N else "")
+    print(f"\n### {title}: bytes an iteration, mean of iterations 1..{n - 1}, in P ({unit})\n")
+    print("| stage | downloaded | read | hashed | uploaded | on the critical path |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for s in stages:
+        m = mean[s]
+        cells = " | ".join(f"{m[kind] / P:.2f}" for kind in KINDS)
+        print(f"| {s} | {cells} | {'yes' if s in CRITICAL else 'no'} |")
+    total = {kind: sum(mean[s][kind] for s in stages) for kind in KINDS}
+    crit = {kind: sum(mean[s][kind] for s in stages if s in CRITICAL) for kind in KINDS}
+    for name, t in (("all", total), ("critical path", crit)):
+        print(f"| **{name}** | " + " | ".join(f"**{t[kind] / P:.2f}**" for kind in KINDS) + " | |")
+    moved = crit["download"] + crit["upload"]
+    print(f"\ncritical path: {moved / P:.2f} P moved (downloaded + uploaded), {crit['hash'] / P:.2f} P hashed")
+    return {"P": P, "N": N, "total": total, "critical": crit}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iterations", type=int, default=3, help="per way; iteration 0 is not counted (>= 2)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="more overrides")
+    p.add_argument("--ways", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per way")
+    p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
+    args = p.parse_args()
+    if args.iterations < 2:
+        p.error("--iterations must be >= 2: iteration 0 is not counted")
+
+    from grpo.storage import open_storage
+    from tools.prefect_server import prefect_server
+    from tools.s3server import s3_server
+
+    t0 = time.time()
+    tmp = Path(args.dir or tempfile.mkdtemp(prefix="grpo-bytes-bench-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    overrides = chat25m_recipe(tmp) + args.set
+    print(f"machine: {machine()}; load average {load()}\nfolder: {tmp}", flush=True)
+    print(f"recipe chat25m: {describe(overrides)}\n  overrides: {' '.join(overrides)}", flush=True)
+    out = {}
+    with s3_server(tmp / "s3") as s3, prefect_server(tmp / "prefect") as server:
+        server.env.update(s3.env())  # the workers and the flow processes reach the S3 server
+        os.environ.update(s3.env())
+        url = s3.url("bytes")
+        storage = open_storage(url)
+        for way in args.ways:
+            base = {"run_id": way, "overrides": overrides, "storage_url": url}
+            start = time.time()
+            (cold if way == "cold" else warm)(server, tmp, base, args.iterations, args.timeout)
+            print(f"{way}: {time.time() - start:.0f} s for {args.iterations} iterations", flush=True)
+            title = "cold, through placement (learn and the samplers on two machines)" if way == "cold" else "warm"
+            out[way] = report(storage, way, args.iterations, title)
+    (tmp / "bytes.json").write_text(json.dumps(out, indent=2))
+    print(f"\n{time.time() - t0:.0f} s in all; load average now {load()}; figures in {tmp / 'bytes.json'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
