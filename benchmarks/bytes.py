@@ -1,8 +1,8 @@
 """Bytes an iteration moves through object storage and through sha256, from the manifests' `io` records (issue 31),
 on a local S3 server (SeaweedFS, tools/s3server.py), for the chat recipe (placement_overhead.py's chat25m: a
-25.2M-parameter Qwen2 chat model sampled with vLLM, full fine-tuning, float32 unless --set says otherwise):
+25.2M-parameter Qwen2 chat model sampled with vLLM, full fine-tuning, its checkpoint in --dtype):
 
-    .venv/bin/python benchmarks/bytes.py [--iterations 3] [--set model.dtype=bfloat16 ...] [--dir DIR]
+    .venv/bin/python benchmarks/bytes.py [--iterations 3] [--dtype float32|bfloat16] [--set k=v ...] [--dir DIR]
 
 (a) cold, through placement: flow `grpo/placed`, one flow run per iteration, every stage a new flow-run process
     on a Prefect process pool: learn on "gpu" (the learner's machine), the other five on "cpu" (the samplers'
@@ -29,7 +29,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from placement_overhead import chat25m_recipe, describe, finished, flow_process, load
+from learner_memory import make_world
+from placement_overhead import describe, finished, flow_process, load
 from timing import machine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,6 +122,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iterations", type=int, default=3, help="per way; iteration 0 is not counted (>= 2)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="more overrides")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the base checkpoint's")
     p.add_argument("--ways", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
     p.add_argument("--timeout", type=float, default=1200, help="seconds per way")
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
@@ -135,7 +137,8 @@ def main() -> None:
     t0 = time.time()
     tmp = Path(args.dir or tempfile.mkdtemp(prefix="grpo-bytes-bench-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    overrides = chat25m_recipe(tmp) + args.set
+    sizes = ["rollout.prompts_per_iteration=8", "rollout.max_tokens=16", "eval.n_prompts=8"]  # chat25m's
+    overrides = make_world(tmp, args.dtype, microbatch=16) + ["rollout.backend=vllm", *sizes, *args.set]
     print(f"machine: {machine()}; load average {load()}\nfolder: {tmp}", flush=True)
     print(f"recipe chat25m: {describe(overrides)}\n  overrides: {' '.join(overrides)}", flush=True)
     out = {}
