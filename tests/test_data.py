@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 import flows.artifacts
-import flows.cli
+import flows.commands.runs
 import flows.tasks
 import grpo.data
 import grpo.progress
@@ -30,7 +30,7 @@ ROWS = [
         grpo.tasks.math,
         grpo.tasks.functions,
         grpo.progress,
-        flows.cli,
+        flows.commands.runs,
         flows.tasks,
         flows.artifacts,
         stages.shards,

@@ -113,6 +113,13 @@ def test_stage_files_read_alone():
     assert len(MODULES["flows.grpo"].read_text().splitlines()) <= 200
 
 
+def test_cli_files_read_alone():
+    """flows/cli.py is the command line (usage, parser, main); flows/commands/ what commands do, a concept a file."""
+    cli = [m for m in MODULES if m == "flows.cli" or m.startswith("flows.commands.")]
+    assert len(cli) > 1
+    assert {m: len(MODULES[m].read_text().splitlines()) for m in cli} == pytest.approx({m: 0 for m in cli}, abs=300)
+
+
 @pytest.mark.parametrize(
     "name",
     [m for m, p in MODULES.items() if m.startswith(("grpo", "stages", "flows", "schemas")) and ">>>" in p.read_text()],

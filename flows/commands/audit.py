@@ -1,0 +1,145 @@
+"""`grpo status | query | report | timeline`: read a run: its iterations x stages, SQL over its tables, its plots."""
+
+from __future__ import annotations
+
+from flows.commands.hints import grpo_command, newest_policy
+from grpo.layout import STAGES, run_ids, shard_dirs, stage_dir
+from grpo.lineage import next_iteration, stale_attempt
+from grpo.report import best_iteration
+from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, rehashing
+from stages import StageError
+from stages.common import load_run
+
+
+def cmd_status(args, storage):
+    from grpo.fork import fork_of
+    from grpo.gc import collected_summary, running_attempts
+    from stages.common import check_datasets
+
+    load_run(storage, args.run)
+    last = next_iteration(storage, args.run)
+    while list_attempts(storage, stage_dir(storage, args.run, last + 1, "snapshot")):  # tried after a stale one
+        last += 1
+    running = running_attempts(storage, args.run)
+    if fork := fork_of(storage, args.run):
+        print(
+            f"run {args.run}: a fork of run {fork['parent']} at iteration {fork['at']} (its base and iterations "
+            f"before {fork['at']} are {fork['parent']}'s by reference)"
+        )
+    forks = [f"{r} (at {f['at']})" for r in run_ids(storage) if (f := fork_of(storage, r)) and f["parent"] == args.run]
+    if forks:
+        print(f"forked by: {', '.join(forks)}")
+    print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in STAGES))
+    corrupt, shard_lines, stale_from = [], [], None
+    for k in range(last + 1):
+        cells, after_stale = [], stale_from is not None  # past a stale learn: made from the policy it made
+        for s in STAGES:
+            cell, state = stage_cell(storage, stage_dir(storage, args.run, k, s), running, args.verify, after_stale)
+            cells.append(cell)
+            if state == "corrupt":
+                corrupt.append(f"grpo stage {s} --run {args.run} --iteration {k} --force")
+            if s == "learn" and state == "stale" and stale_from is None:
+                stale_from = k
+        print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
+        shard_lines += shard_line(storage, args.run, k, running, args.verify, after_stale, corrupt)
+    for line in shard_lines:
+        print(line)
+    print(
+        "(xN: committed attempts; +Nr: attempts running now (a recent heartbeat); +Nf: attempts that failed or "
+        "stopped beating; stale: made from inputs a newer attempt replaced, or after a stale learn; corrupt, with "
+        "--verify: files changed after the commit; skipped: an eval eval.every did not run; shards: each shard's "
+        "attempts, k of rollout.shards or reward.shards; ref: another run's attempt taken by reference, `grpo fork`)"
+    )
+    if (best := best_iteration(storage, args.run)) and not best.all_zero:  # all 0: none is better than another
+        print(f"best so far: {best}; export it: {grpo_command(args.storage)} export --run {args.run} --best")
+    if collected := collected_summary(storage, args.run):  # removed on purpose: not corrupt
+        print(collected)
+    if newest := newest_policy(storage, args.run, args.storage):
+        print(newest)
+    check_datasets(storage, args.run)  # a dataset changed since init: the next stage would refuse it
+    if corrupt:
+        raise ArtifactError(
+            f"{len(corrupt)} committed attempt(s) corrupt; make new ones with `{corrupt[0]}`"
+            + (f" and {len(corrupt) - 1} more" if len(corrupt) > 1 else "")
+        )
+
+
+def shard_line(storage, run_id: str, k: int, running: set[str], verify: bool, after_stale: bool, corrupt: list):
+    """[`grpo status`'s line of iteration k's shards (`iteration 3 shards: rewards 0 ok x1, 1 failed x1`)], or []
+    without shards; the command remaking each corrupt shard is added to `corrupt`."""
+    stages = []
+    for s, dirs in shard_dirs(storage, run_id, k).items():
+        shards = [stage_cell(storage, d, running, verify, after_stale) for d in dirs]
+        stages.append(f"{s} " + ", ".join(f"{j} {cell}" for j, (cell, _) in enumerate(shards)))
+        corrupt += [
+            f"grpo stage {s} --run {run_id} --iteration {k} --shard {j} --force"
+            for j, (_, state) in enumerate(shards)
+            if state == "corrupt"
+        ]
+    return [f"iteration {k} shards: {'; '.join(stages)}"] if stages else []
+
+
+def stage_cell(storage, d: str, running: set[str], verify: bool, after_stale: bool) -> tuple[str, str]:
+    """(`grpo status`'s cell of the stage folder `d`, the state of its newest committed attempt: ok, stale, corrupt
+    (with `verify`), skipped, ref (a fork's attempt taken by reference), or '' when none committed).
+    `after_stale`: the folder is of an iteration after one whose learn is stale, so whatever it committed
+    descends from that learn and is stale too."""
+    tried, done = list_attempts(storage, d), committed_attempts(storage, d)
+    live = sum(f"{d}/{a}" in running for a in tried)
+    if live and not done:
+        return "running" + (f" +{len(tried) - live}f" if len(tried) > live else ""), ""
+    if not done:
+        return ("missing" if not tried else f"failed x{len(tried)}"), ""
+    failed = "".join(f" +{n}{x}" for n, x in ((live, "r"), (len(tried) - len(done) - live, "f")) if n)
+    state = (
+        "corrupt"
+        if verify and _corrupt(storage, done[-1])
+        else "stale"
+        if after_stale or stale_attempt(storage, done[-1])
+        else "skipped"
+        if d.endswith("/eval") and load_manifest(storage, done[-1], verify=False)[0].summary.get("skipped")
+        else "ref"
+        if load_manifest(storage, done[-1], verify=False)[0].origin is not None
+        else "ok"
+    )
+    return f"{state} x{len(done)}{failed}", state
+
+
+def _corrupt(storage: Storage, attempt_dir: str) -> bool:
+    """Whether a committed attempt's files no longer match its manifest (size or sha256), every file hashed."""
+    try:
+        with rehashing():
+            load_manifest(storage, attempt_dir, verify=True)
+    except ArtifactError:
+        return True
+    return False
+
+
+def cmd_report(args, storage):
+    from grpo.report import write_compare, write_report
+
+    png, md = write_compare(storage, args.run, args.compare) if args.compare else write_report(storage, args.run)
+    print(f"{png}\n{md}")
+
+
+def cmd_timeline(args, storage):
+    from grpo.report import write_timeline
+
+    png, rows = write_timeline(storage, args.run)
+    print(f"{'iteration':>9}  {'stage':>10}  {'start s':>8}  {'end s':>8}  {'seconds':>8}")
+    for r in rows:
+        seconds = r["end"] - r["start"]
+        print(f"{r['iteration']:>9}  {r['stage']:>10}  {r['start']:>8.1f}  {r['end']:>8.1f}  {seconds:>8.1f}")
+    print(png)
+
+
+def cmd_query(args, storage):
+    import duckdb
+
+    from grpo.query import query
+
+    try:
+        df = query(storage, args.run[0], args.sql, verify=not args.no_verify, others=tuple(args.run[1:]))
+    except duckdb.Error as e:
+        raise StageError(f"query failed: {e}") from e
+    print(df.to_string(index=False) if len(df) else f"(no rows; columns: {', '.join(df.columns)})")
