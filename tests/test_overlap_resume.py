@@ -1,0 +1,162 @@
+"""Exact resume of asynchronous iterations (issue 32.4): a stale run (rollout.staleness S = 1, 2) whose learn runs on a
+stage worker of its own while the flow samples the next iteration is SIGKILLed, flow and worker at once, at two points
+of the overlap, and run again from where it stands each time: every committed file of every stage then has the sha256
+of an uninterrupted run's.
+
+The kill points are held, not timed (tests/kill_points.py). Learn k waits after its first optimizer step of two, and the
+flow process, sampling iteration k + 1 meanwhile, waits (a) in rollouts k + 1, its first chunk's rows on disk and the
+second chunk not sampled, or (b) in rewards k + 1's commit, its rows written and hashed, its manifest not written; the
+test kills both processes once both wait there. (a) at k = 2, then, in the run resumed from there, (b) at k = 3."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+import torch
+from test_staleness import RUN
+
+from grpo.config import load_config
+from grpo.layout import STAGES, stage_dir
+from grpo.lineage import next_iteration
+from grpo.procs import stop_group
+from grpo.sampling.engines import close_generators
+from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
+from stages import learn
+from stages.init import init_run
+from stages.iteration import run_warm
+from tools.prefect_server import prefect_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+ITERATIONS = 5
+KILLS = [(2, "rollouts"), (3, "rewards")]  # learn k is killed mid-update while this stage of k + 1 runs
+CORRECTION = {
+    1: ["learn.behavior_correction=mis", "learn.behavior_level=geometric"],
+    2: ["learn.behavior_correction=tis"],
+}
+WORKER = "from flows.stage_worker import main; main(['learn'])"  # the learner's machine
+FLOW = "import json; from flows.grpo import grpo; print(json.dumps(grpo(**json.loads(sys.argv[3]))))"
+
+
+def committed_files(storage) -> dict:
+    """{(iteration, stage): [(file, sha256)]} of the newest committed attempt of every stage."""
+    return {
+        (k, s): sorted(
+            (f.path, f.sha256) for f in latest_committed(storage, stage_dir(storage, "r", k, s)).manifest.files
+        )
+        for k in range(ITERATIONS)
+        for s in STAGES
+    }
+
+
+def uninterrupted(tmp_path: Path, overrides: list[str]) -> dict:
+    """committed_files of the same run uninterrupted, in this process, one thread as the flow and its worker run."""
+    storage = open_storage((tmp_path / "whole").as_uri())
+    init_run(storage, "r", load_config(None, overrides))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    learn.WARM.take(None)  # a new process's start: no warm learner, no sampling engine
+    close_generators()
+    try:
+        list(run_warm(storage, "r", 0, ITERATIONS))
+    finally:
+        torch.set_num_threads(threads)
+    return committed_files(storage)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One Prefect server for the module: it outlives the killed processes, as a deployment's server does."""
+    with prefect_server(tmp_path_factory.mktemp("prefect")) as s:
+        yield s
+
+
+def start(server, tmp_path: Path, name: str, code: str, points: list[str], *args: str) -> subprocess.Popen:
+    """`code` in a python process of its own (a session: killed with what it starts), held at `points`."""
+    held = "import sys; sys.path.insert(0, sys.argv[1]); import kill_points; kill_points.install(sys.argv[2], "
+    held += f"{points!r}); " + code
+    (tmp_path / "held").mkdir(exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", held, str(TESTS), str(tmp_path / "held"), *args],
+        cwd=REPO,
+        env=server.env | {"GRPO_THREADS": "1"},
+        stdout=open(tmp_path / f"{name}.log", "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def crash(*procs: subprocess.Popen) -> None:
+    """SIGKILL each process and everything it started, all at once (machines lost: no handler runs)."""
+    family = [p.pid for proc in procs if proc.poll() is None for p in psutil.Process(proc.pid).children(recursive=True)]
+    for proc in procs:
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        proc.wait(timeout=60)
+
+
+def logs(tmp_path: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
+
+
+def flow(server, tmp_path: Path, params: dict, points: list[str] = ()) -> None:
+    """The flow from the run's next iteration to its last, its learn on a stage worker; with `points` (learn k's and a
+    flow stage's), both processes are killed once both hold there, else the flow must end well."""
+    storage = open_storage(params["storage_url"])
+    iterations = ITERATIONS - next_iteration(storage, "r")
+    procs = [start(server, tmp_path, "worker", WORKER, list(points[:1]))]
+    params = json.dumps(params | {"iterations": iterations})
+    procs.append(start(server, tmp_path, "flow", FLOW, list(points[1:]), params))
+    try:
+        if points:
+            deadline = time.monotonic() + 300
+            while not all((tmp_path / "held" / p).exists() for p in points):
+                assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, logs(tmp_path)
+                time.sleep(0.05)
+        else:
+            assert procs[1].wait(timeout=300) == 0, logs(tmp_path)
+    finally:
+        if points:
+            crash(*procs)
+        else:
+            stop_group(procs[0])
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_a_stale_run_killed_in_the_overlap_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path, server, staleness):
+    overrides = RUN + ["rollout.chunk_prompts=8", f"rollout.staleness={staleness}"] + CORRECTION[staleness]
+    storage = open_storage((tmp_path / "store").as_uri())
+    params = {"run_id": "r", "overrides": overrides, "storage_url": storage.url, "placement": {"learn": "warm"}}
+    for k, stage in KILLS:
+        flow(server, tmp_path, params, [f"learn:{k}", f"{stage}:{k + 1}"])
+        # where the kill landed: learn k begun, not committed; stage k + 1 begun, its table partly written
+        learned, sampled = stage_dir(storage, "r", k, "learn"), stage_dir(storage, "r", k + 1, stage)
+        assert list_attempts(storage, learned) and not committed_attempts(storage, learned)
+        assert committed_attempts(storage, stage_dir(storage, "r", k + 1, "snapshot"))
+        assert not committed_attempts(storage, sampled)
+        assert Path(sampled, list_attempts(storage, sampled)[-1], f"{stage}.parquet").stat().st_size > 0
+        assert next_iteration(storage, "r") == k  # eval k - 1 ran beside learn k, and committed
+    flow(server, tmp_path, params)
+
+    for k, stage in KILLS:  # each killed attempt stays, never taken as committed
+        for where in (stage_dir(storage, "r", k, "learn"), stage_dir(storage, "r", k + 1, stage)):
+            assert len(list_attempts(storage, where)) == 2 and len(committed_attempts(storage, where)) == 1
+    for k in range(ITERATIONS):  # learn k - 1 - S's policy (or the base) sampled iteration k
+        sampled = latest_committed(storage, stage_dir(storage, "r", k, "rollouts"))
+        rows = pd.read_parquet(sampled.path("rollouts.parquet"))
+        assert set(rows.policy_version) == {max(k - 1 - staleness, -1)}
+    assert committed_files(storage) == uninterrupted(tmp_path, overrides)
