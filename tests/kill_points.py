@@ -1,6 +1,6 @@
 """Test-only holds at named points of the stages, for SIGKILL tests: a process that reaches a point writes
-`<folder>/<point>` and waits there (forever) until the test, seeing the file, kills it. The kill then lands at that
-point whatever the machine's speed: no sleep guesses.
+`<folder>/<point>` and waits there until the test, seeing the file, kills it (or lets it go on: `<folder>/<point>.go`).
+The kill then lands at that point whatever the machine's speed: no sleep guesses.
 
     python -c "import kill_points; kill_points.install('/tmp/held', ['learn:2', 'rollouts:3']); ..."
 
@@ -12,14 +12,15 @@ Points (iteration k):
 
 from __future__ import annotations
 
-import threading
+import time
 from pathlib import Path
 
 
 def hold(folder: str, point: str) -> None:
-    """Say this process reached `point` (a file the test waits for), then wait to be killed."""
+    """Say this process reached `point` (a file the test waits for), then wait to be killed or let go."""
     Path(folder, point).write_text("")
-    threading.Event().wait()
+    while not Path(folder, f"{point}.go").exists():
+        time.sleep(0.05)
 
 
 def install(folder: str, points: list[str]) -> None:

@@ -1,12 +1,13 @@
 """Exact resume of asynchronous iterations (issue 32.4): a stale run (rollout.staleness S = 1, 2) whose learn runs on a
-stage worker of its own while the flow samples the next iteration is SIGKILLed, flow and worker at once, at two points
-of the overlap, and run again from where it stands each time: every committed file of every stage then has the sha256
-of an uninterrupted run's.
+stage worker of its own while the flow samples the next iteration is SIGKILLed at points of the overlap and run again
+from where it stands each time: every committed file of every stage then has the sha256 of an uninterrupted run's.
 
 The kill points are held, not timed (tests/kill_points.py). Learn k waits after its first optimizer step of two, and the
 flow process, sampling iteration k + 1 meanwhile, waits (a) in rollouts k + 1, its first chunk's rows on disk and the
-second chunk not sampled, or (b) in rewards k + 1's commit, its rows written and hashed, its manifest not written; the
-test kills both processes once both wait there. (a) at k = 2, then, in the run resumed from there, (b) at k = 3."""
+second chunk not sampled, or (b) in rewards k + 1's commit, its rows written and hashed, its manifest not written.
+Flow and worker are killed at once at (a) with k = 2, then, in the run resumed from there, at (b) with k = 3; then the
+flow alone is killed at (a) with k = 4, and learn 4 goes on to commit on the surviving worker, whose warm learner the
+resumed flow's learn 5 continues."""
 
 import json
 import os
@@ -37,7 +38,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
-ITERATIONS = 5
+ITERATIONS = 6
 KILLS = [(2, "rollouts"), (3, "rewards")]  # learn k is killed mid-update while this stage of k + 1 runs
 CORRECTION = {
     1: ["learn.behavior_correction=mis", "learn.behavior_level=geometric"],
@@ -113,27 +114,18 @@ def logs(tmp_path: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
 
 
-def flow(server, tmp_path: Path, params: dict, points: list[str] = ()) -> None:
-    """The flow from the run's next iteration to its last, its learn on a stage worker; with `points` (learn k's and a
-    flow stage's), both processes are killed once both hold there, else the flow must end well."""
-    storage = open_storage(params["storage_url"])
-    iterations = ITERATIONS - next_iteration(storage, "r")
-    procs = [start(server, tmp_path, "worker", WORKER, list(points[:1]))]
-    params = json.dumps(params | {"iterations": iterations})
-    procs.append(start(server, tmp_path, "flow", FLOW, list(points[1:]), params))
-    try:
-        if points:
-            deadline = time.monotonic() + 300
-            while not all((tmp_path / "held" / p).exists() for p in points):
-                assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, logs(tmp_path)
-                time.sleep(0.05)
-        else:
-            assert procs[1].wait(timeout=300) == 0, logs(tmp_path)
-    finally:
-        if points:
-            crash(*procs)
-        else:
-            stop_group(procs[0])
+def held(procs: list[subprocess.Popen], tmp_path: Path, points: list[str]) -> None:
+    """Wait until the processes hold at every one of `points` (kill_points)."""
+    deadline = time.monotonic() + 300
+    while not all((tmp_path / "held" / p).exists() for p in points):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, logs(tmp_path)
+        time.sleep(0.05)
+
+
+def flow(server, tmp_path: Path, params: dict, points: list[str] = ()) -> subprocess.Popen:
+    """The flow from the run's next iteration to its last, held at `points`."""
+    iterations = ITERATIONS - next_iteration(open_storage(params["storage_url"]), "r")
+    return start(server, tmp_path, "flow", FLOW, points, json.dumps(params | {"iterations": iterations}))
 
 
 @pytest.mark.parametrize("staleness", [1, 2])
@@ -141,8 +133,15 @@ def test_a_stale_run_killed_in_the_overlap_resumes_to_the_bytes_of_an_uninterrup
     overrides = RUN + ["rollout.chunk_prompts=8", f"rollout.staleness={staleness}"] + CORRECTION[staleness]
     storage = open_storage((tmp_path / "store").as_uri())
     params = {"run_id": "r", "overrides": overrides, "storage_url": storage.url, "placement": {"learn": "warm"}}
-    for k, stage in KILLS:
-        flow(server, tmp_path, params, [f"learn:{k}", f"{stage}:{k + 1}"])
+    for k, stage in KILLS:  # both machines lost
+        procs = [
+            start(server, tmp_path, "worker", WORKER, [f"learn:{k}"]),
+            flow(server, tmp_path, params, [f"{stage}:{k + 1}"]),
+        ]
+        try:
+            held(procs, tmp_path, [f"learn:{k}", f"{stage}:{k + 1}"])
+        finally:
+            crash(*procs)
         # where the kill landed: learn k begun, not committed; stage k + 1 begun, its table partly written
         learned, sampled = stage_dir(storage, "r", k, "learn"), stage_dir(storage, "r", k + 1, stage)
         assert list_attempts(storage, learned) and not committed_attempts(storage, learned)
@@ -150,11 +149,30 @@ def test_a_stale_run_killed_in_the_overlap_resumes_to_the_bytes_of_an_uninterrup
         assert not committed_attempts(storage, sampled)
         assert Path(sampled, list_attempts(storage, sampled)[-1], f"{stage}.parquet").stat().st_size > 0
         assert next_iteration(storage, "r") == k  # eval k - 1 ran beside learn k, and committed
-    flow(server, tmp_path, params)
 
-    for k, stage in KILLS:  # each killed attempt stays, never taken as committed
+    # the flow's machine lost alone: learn 4 goes on and commits, no flow waiting; the flow run again takes it
+    worker = start(server, tmp_path, "worker", WORKER, ["learn:4"])
+    try:
+        killed = flow(server, tmp_path, params, ["rollouts:5"])
+        try:
+            held([worker, killed], tmp_path, ["learn:4", "rollouts:5"])
+        finally:
+            crash(killed)
+        (tmp_path / "held" / "learn:4.go").touch()
+        deadline = time.monotonic() + 300
+        while not committed_attempts(storage, stage_dir(storage, "r", 4, "learn")):
+            assert worker.poll() is None and time.monotonic() < deadline, logs(tmp_path)
+            time.sleep(0.05)
+        assert flow(server, tmp_path, params).wait(timeout=300) == 0, logs(tmp_path)
+    finally:
+        stop_group(worker)
+    learned = [latest_committed(storage, stage_dir(storage, "r", k, "learn")) for k in range(ITERATIONS)]
+    assert learned[5].manifest.summary["warm_learner"] is True  # learn 4's learner, kept by the worker
+
+    for k, stage in KILLS + [(4, "rollouts")]:  # each killed attempt stays, never taken as committed
         for where in (stage_dir(storage, "r", k, "learn"), stage_dir(storage, "r", k + 1, stage)):
-            assert len(list_attempts(storage, where)) == 2 and len(committed_attempts(storage, where)) == 1
+            assert len(committed_attempts(storage, where)) == 1
+            assert len(list_attempts(storage, where)) == (1 if k == 4 and where.endswith("learn") else 2)
     for k in range(ITERATIONS):  # learn k - 1 - S's policy (or the base) sampled iteration k
         sampled = latest_committed(storage, stage_dir(storage, "r", k, "rollouts"))
         rows = pd.read_parquet(sampled.path("rollouts.parquet"))
