@@ -6,8 +6,8 @@ The kill points are held, not timed (tests/kill_points.py). Learn k waits after 
 flow process, sampling iteration k + 1 meanwhile, waits (a) in rollouts k + 1, its first chunk's rows on disk and the
 second chunk not sampled, or (b) in rewards k + 1's commit, its rows written and hashed, its manifest not written.
 Flow and worker are killed at once at (a) with k = 2, then, in the run resumed from there, at (b) with k = 3; then the
-flow alone is killed at (a) with k = 4, and learn 4 goes on to commit on the surviving worker, whose warm learner the
-resumed flow's learn 5 continues."""
+flow alone is killed at (a) with k = 4, and learn 4 goes on: the flow run again sends its own learn 4 to the surviving
+worker, where it waits behind the first and reuses what that one commits; learn 5 continues the worker's learner."""
 
 import json
 import os
@@ -150,7 +150,8 @@ def test_a_stale_run_killed_in_the_overlap_resumes_to_the_bytes_of_an_uninterrup
         assert Path(sampled, list_attempts(storage, sampled)[-1], f"{stage}.parquet").stat().st_size > 0
         assert next_iteration(storage, "r") == k  # eval k - 1 ran beside learn k, and committed
 
-    # the flow's machine lost alone: learn 4 goes on and commits, no flow waiting; the flow run again takes it
+    # the flow's machine lost alone: learn 4 goes on. The flow run again (from 4: learn 4 is not committed) starts its
+    # learn 4 behind it on the worker and samples iteration 5 meanwhile; learn 4 commits, and the queued one takes it
     worker = start(server, tmp_path, "worker", WORKER, ["learn:4"])
     try:
         killed = flow(server, tmp_path, params, ["rollouts:5"])
@@ -158,12 +159,12 @@ def test_a_stale_run_killed_in_the_overlap_resumes_to_the_bytes_of_an_uninterrup
             held([worker, killed], tmp_path, ["learn:4", "rollouts:5"])
         finally:
             crash(killed)
-        (tmp_path / "held" / "learn:4.go").touch()
-        deadline = time.monotonic() + 300
-        while not committed_attempts(storage, stage_dir(storage, "r", 4, "learn")):
-            assert worker.poll() is None and time.monotonic() < deadline, logs(tmp_path)
-            time.sleep(0.05)
-        assert flow(server, tmp_path, params).wait(timeout=300) == 0, logs(tmp_path)
+        again = flow(server, tmp_path, params, ["rewards:5"])
+        held([worker, again], tmp_path, ["rewards:5"])  # its learn 4 sent to the worker before iteration 5 sampled
+        assert not committed_attempts(storage, stage_dir(storage, "r", 4, "learn"))
+        for point in ("learn:4", "rewards:5"):
+            (tmp_path / "held" / f"{point}.go").touch()
+        assert again.wait(timeout=300) == 0, logs(tmp_path)
     finally:
         stop_group(worker)
     learned = [latest_committed(storage, stage_dir(storage, "r", k, "learn")) for k in range(ITERATIONS)]
