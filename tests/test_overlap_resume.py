@@ -5,10 +5,12 @@ from where it stands each time: every committed file of every stage then has the
 The kill points are held, not timed (tests/kill_points.py). Learn k waits after its first optimizer step of two, and the
 flow process, sampling iteration k + 1 meanwhile, waits (a) in rollouts k + 1, its first chunk's rows on disk and the
 second chunk not sampled, or (b) in rewards k + 1's commit, its rows written and hashed, its manifest not written.
-Flow and worker are killed at once at (a) with k = 2, then, in the run resumed from there, at (b) with k = 3; then the
-flow alone is killed at (a) with k = 4, and learn 4 goes on: the flow run again sends its own learn 4 to the surviving
-worker, where it waits behind the first and reuses what that one commits; learn 5 continues the worker's learner."""
+Flow and worker are killed at once at (a) with k = 2, then, in the run resumed from there, at (b) with k = 3. Then the
+flow alone at (a) with k = 4, learn 4 going on: the flow run again sends its own learn 4 to the surviving worker, where
+it waits behind the first and reuses what that one commits. Then the worker alone, in learn 5: the flow sees learn 5's
+attempt stop beating (flows/placement.py Watch) and fails in one line, rather than wait for it forever."""
 
+import contextlib
 import json
 import os
 import signal
@@ -38,7 +40,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
-ITERATIONS = 6
+ITERATIONS = 7
 KILLS = [(2, "rollouts"), (3, "rewards")]  # learn k is killed mid-update while this stage of k + 1 runs
 CORRECTION = {
     1: ["learn.behavior_correction=mis", "learn.behavior_level=geometric"],
@@ -89,7 +91,7 @@ def start(server, tmp_path: Path, name: str, code: str, points: list[str], *args
     return subprocess.Popen(
         [sys.executable, "-c", held, str(TESTS), str(tmp_path / "held"), *args],
         cwd=REPO,
-        env=server.env | {"GRPO_THREADS": "1"},
+        env=server.env | {"GRPO_THREADS": "1", "GRPO_HEARTBEAT_S": "0.5"},  # a lost stage's attempt seen in 5 s
         stdout=open(tmp_path / f"{name}.log", "ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -98,14 +100,14 @@ def start(server, tmp_path: Path, name: str, code: str, points: list[str], *args
 
 def crash(*procs: subprocess.Popen) -> None:
     """SIGKILL each process and everything it started, all at once (machines lost: no handler runs)."""
-    family = [p.pid for proc in procs if proc.poll() is None for p in psutil.Process(proc.pid).children(recursive=True)]
-    for proc in procs:
-        os.killpg(proc.pid, signal.SIGKILL)
+    alive = [proc for proc in procs if proc.poll() is None]
+    family = [p.pid for proc in alive for p in psutil.Process(proc.pid).children(recursive=True)]
+    for proc in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     for pid in family:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     for proc in procs:
         proc.wait(timeout=60)
 
@@ -120,6 +122,15 @@ def held(procs: list[subprocess.Popen], tmp_path: Path, points: list[str]) -> No
     while not all((tmp_path / "held" / p).exists() for p in points):
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, logs(tmp_path)
         time.sleep(0.05)
+
+
+def flow_end(server, tmp_path: Path, params: dict) -> None:
+    """The flow, with a worker for its learns, from the run's next iteration to its last; it must end well."""
+    worker = start(server, tmp_path, "worker", WORKER, [])
+    try:
+        assert flow(server, tmp_path, params).wait(timeout=300) == 0, logs(tmp_path)
+    finally:
+        stop_group(worker)
 
 
 def flow(server, tmp_path: Path, params: dict, points: list[str] = ()) -> subprocess.Popen:
@@ -152,28 +163,34 @@ def test_a_stale_run_killed_in_the_overlap_resumes_to_the_bytes_of_an_uninterrup
 
     # the flow's machine lost alone: learn 4 goes on. The flow run again (from 4: learn 4 is not committed) starts its
     # learn 4 behind it on the worker and samples iteration 5 meanwhile; learn 4 commits, and the queued one takes it
-    worker = start(server, tmp_path, "worker", WORKER, ["learn:4"])
+    worker = start(server, tmp_path, "worker", WORKER, ["learn:4", "learn:5"])
+    procs = [worker]
     try:
-        killed = flow(server, tmp_path, params, ["rollouts:5"])
-        try:
-            held([worker, killed], tmp_path, ["learn:4", "rollouts:5"])
-        finally:
-            crash(killed)
+        procs.append(flow(server, tmp_path, params, ["rollouts:5"]))
+        held(procs, tmp_path, ["learn:4", "rollouts:5"])
+        crash(procs[1])
         again = flow(server, tmp_path, params, ["rewards:5"])
+        procs.append(again)
         held([worker, again], tmp_path, ["rewards:5"])  # its learn 4 sent to the worker before iteration 5 sampled
         assert not committed_attempts(storage, stage_dir(storage, "r", 4, "learn"))
         for point in ("learn:4", "rewards:5"):
             (tmp_path / "held" / f"{point}.go").touch()
-        assert again.wait(timeout=300) == 0, logs(tmp_path)
+        # then the learner's machine lost alone, in learn 5: the flow, sampling iteration 6 meanwhile, sees its
+        # attempt stop beating and fails in one line (a task run whose process died never ends in Prefect)
+        held([worker, again], tmp_path, ["learn:5"])
+        crash(worker)
+        assert again.wait(timeout=300) != 0
+        lost = [line for line in (tmp_path / "flow.log").read_text().splitlines() if "running it was lost" in line]
+        assert lost and "learn iteration 5: " in lost[-1], logs(tmp_path)
     finally:
-        stop_group(worker)
-    learned = [latest_committed(storage, stage_dir(storage, "r", k, "learn")) for k in range(ITERATIONS)]
-    assert learned[5].manifest.summary["warm_learner"] is True  # learn 4's learner, kept by the worker
+        crash(*procs)
+    flow_end(server, tmp_path, params)
 
-    for k, stage in KILLS + [(4, "rollouts")]:  # each killed attempt stays, never taken as committed
-        for where in (stage_dir(storage, "r", k, "learn"), stage_dir(storage, "r", k + 1, stage)):
-            assert len(committed_attempts(storage, where)) == 1
-            assert len(list_attempts(storage, where)) == (1 if k == 4 and where.endswith("learn") else 2)
+    attempts = {(2, "learn"): 2, (3, "rollouts"): 2, (3, "learn"): 2, (4, "rewards"): 2, (4, "learn"): 1}
+    attempts |= {(5, "rollouts"): 2, (5, "rewards"): 1, (5, "learn"): 2}
+    for (k, stage), n in attempts.items():  # each killed attempt stays, never taken as committed
+        where = stage_dir(storage, "r", k, stage)
+        assert (len(list_attempts(storage, where)), len(committed_attempts(storage, where))) == (n, 1), (k, stage)
     for k in range(ITERATIONS):  # learn k - 1 - S's policy (or the base) sampled iteration k
         sampled = latest_committed(storage, stage_dir(storage, "r", k, "rollouts"))
         rows = pd.read_parquet(sampled.path("rollouts.parquet"))
