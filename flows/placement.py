@@ -13,11 +13,13 @@ from prefect.states import Failed, State
 from flows.logs import stage_logs_to_prefect
 from flows.tasks import TASKS, checked_uri, failure_line, ok
 from grpo.config import ConfigError, RunConfig
-from grpo.layout import STAGES, StageName, stage_dir
-from grpo.storage import Storage, latest_committed
+from grpo.gc import lost_attempts
+from grpo.layout import STAGES, StageName, shard_stage, stage_dir
+from grpo.storage import Storage, latest_committed, list_attempts
 from grpo.threads import SHARED_MACHINE, apply_threads
 
 WARM_WORKERS = "warm"  # a placement that sends the stage to a long-lived stage worker, not a work pool
+WATCH_S = 5.0  # how often a placed stage waited for is checked for a lost process (Watch)
 
 
 def stage_run_name() -> str:
@@ -124,12 +126,12 @@ class Placement:
         pool = self.placement.get(stage)
         if pool is None:
             return None
-        nodes = range(self.nodes if stage == "learn" else 1)
+        nodes, watch = range(self.nodes if stage == "learn" else 1), self.watch(stage)
         if pool == WARM_WORKERS:
             futures = [self.delay(stage, upstream, None, r) for r in nodes]
-            return lambda: self.wait_tasks(stage, futures, upstream)
+            return lambda: self.wait_tasks(stage, futures, upstream, watch)
         runs = [self.flow_run(pool, stage, upstream, None, r) for r in nodes]
-        return lambda: self.wait_flow_runs(stage, runs, upstream)
+        return lambda: self.wait_flow_runs(stage, runs, upstream, watch)
 
     def learn(self, uris: dict[str, str]) -> Learning:
         """Start the iteration's learn on `uris` (snapshot to advantages) where it is placed (here: run it now)."""
@@ -147,10 +149,13 @@ class Placement:
                 if isinstance(done, State):
                     return done
         elif pool == WARM_WORKERS:
-            done = self.wait_tasks(stage, [self.delay(stage, upstream, k) for k in range(n)], upstream, shards=True)
+            watch = self.watch(stage, n)
+            futures = [self.delay(stage, upstream, k) for k in range(n)]
+            done = self.wait_tasks(stage, futures, upstream, watch, shards=True)
         else:
+            watch = self.watch(stage, n)
             runs = [self.flow_run(pool, stage, upstream, k) for k in range(n)]
-            done = self.wait_flow_runs(stage, runs, upstream, shards=True)
+            done = self.wait_flow_runs(stage, runs, upstream, watch, shards=True)
         if isinstance(done, State):
             return done
         return TASKS[stage](self.url, self.run_id, self.k, upstream)  # reuses the shards: merges them
@@ -184,7 +189,14 @@ class Placement:
             parameters["last"] = self.last
         return run_deployment(f"grpo-stage/{pool}", parameters=parameters, idempotency_key=key, timeout=0)
 
-    def wait_flow_runs(self, stage: str, runs: list, upstream: str | None, shards: bool = False) -> str | State:
+    def watch(self, stage: str, shards: int = 0) -> Watch:
+        """The Watch of `stage` (or of its `shards` shards) of this iteration, made before it is sent off."""
+        names = [shard_stage(stage, k, shards) for k in range(shards)] if shards else [stage]
+        return Watch(self.storage, [stage_dir(self.storage, self.run_id, self.k, name) for name in names])
+
+    def wait_flow_runs(
+        self, stage: str, runs: list, upstream: str | None, watch: Watch, shards: bool = False
+    ) -> str | State:
         from prefect.client.orchestration import get_client
 
         ended = {}
@@ -196,6 +208,8 @@ class Placement:
                         if state is not None and state.is_final():
                             ended[run.id] = state
                 if len(ended) < len(runs):
+                    if lost := watch.lost():
+                        return Failed(message=failure_line(stage, self.k, lost))
                     time.sleep(2)
         return self.outcome(stage, [ended[run.id] for run in runs], upstream, shards)
 
@@ -208,18 +222,24 @@ class Placement:
         )
         return TASKS[stage].delay(*args, **kwargs)
 
-    def wait_tasks(self, stage: str, futures: list, upstream: str | None, shards: bool = False) -> str | State:
+    def wait_tasks(
+        self, stage: str, futures: list, upstream: str | None, watch: Watch, shards: bool = False
+    ) -> str | State:
         for future in futures:
             for _ in range(60):  # a task run the server has not given its first state yet: wait() raises
                 try:
-                    future.wait()  # (PrefectHQ/prefect#18280)
+                    future.wait(timeout=0)  # (PrefectHQ/prefect#18280)
                     break
                 except RuntimeError as e:
                     if "has no state" not in str(e):
                         raise
                     time.sleep(1)
             else:
-                future.wait()
+                future.wait(timeout=0)
+            while not future.state.is_final():
+                if lost := watch.lost():
+                    return Failed(message=failure_line(stage, self.k, lost))
+                future.wait(timeout=WATCH_S)
         return self.outcome(stage, [future.state for future in futures], upstream, shards)
 
     def outcome(self, stage: str, states: list[State], upstream: str | None, shards: bool) -> str | State:
@@ -236,6 +256,32 @@ def committed_uri(storage: Storage, run_id: str, iteration: int, stage: str, ups
     """The URI of the newest committed attempt of a stage, which must have read `upstream`."""
     committed = latest_committed(storage, stage_dir(storage, run_id, iteration, stage), verify=False)  # readers check
     return checked_uri(committed, upstream)
+
+
+class Watch:
+    """What tells, while a placed stage is waited for, that the process running it was lost (a SIGKILL, a machine
+    gone): Prefect never ends a task run whose stage worker died, nor a flow run whose machine is gone, but the
+    stage's attempt, begun since the stage was sent off, stops beating without a commit (grpo.gc.lost_attempts:
+    gc's lease)."""
+
+    def __init__(self, storage: Storage, dirs: list[str]):
+        self.storage, self.dirs = storage, dirs
+        self.before = {d: set(list_attempts(storage, d)) for d in dirs}  # earlier tries' attempts: not this one's
+        self.checked = time.monotonic()
+
+    def lost(self) -> str | None:
+        """The line saying the stage's process was lost, or None (storage read every WATCH_S at most)."""
+        if time.monotonic() - self.checked < WATCH_S:
+            return None
+        self.checked = time.monotonic()
+        for d in self.dirs:
+            for attempt, age in lost_attempts(self.storage, d).items():
+                if attempt.rsplit("/", 1)[-1] not in self.before[d]:
+                    return (
+                        f"{self.storage.uri(attempt)} stopped beating {age:.0f} s ago, uncommitted: the process "
+                        "running it was lost; run the flow again (iteration next), with a worker serving the stage"
+                    )
+        return None
 
 
 class Learning:

@@ -207,6 +207,17 @@ def running_attempts(storage: Storage, run_id: str, beats: int = 3) -> set[str]:
     return {p for p, b in live.items() if b is not None and b[0] < beats * _interval(b[1])}
 
 
+def lost_attempts(storage: Storage, folder: str) -> dict[str, float]:
+    """{attempt: seconds since its writer's last beat} of the uncommitted attempts in stage folder `folder` whose
+    writer stopped beating, neither committing nor closing them, LEASE_BEATS beats ago or more: a writer killed
+    (SIGKILL, a machine lost) mid-stage, as gc judges it."""
+    listing = storage.fs.find(folder, detail=True) if storage.exists(folder) else {}
+    paths = sorted({p.rsplit("/", 1)[0] for p in listing if p.endswith("/" + HEARTBEAT_NAME)})
+    clock = storage_clock(storage, folder) if paths else None
+    beats = {p: _heartbeat(storage, p, listing, clock) for p in paths}
+    return {p: b[0] for p, b in beats.items() if b is not None and b[0] >= LEASE_BEATS * _interval(b[1])}
+
+
 def _interval(beat: dict) -> float:
     """Seconds between its writer's beats (30 where the heartbeat does not say)."""
     return float(beat["interval_s"]) if isinstance(beat.get("interval_s"), (int, float)) else 30.0

@@ -9,7 +9,7 @@ import pytest
 
 from flows.cli import main
 from grpo.config import RetentionConfig, load_config
-from grpo.gc import held_summary, plan, remove
+from grpo.gc import held_summary, lost_attempts, plan, remove
 from grpo.layout import stage_dir
 from grpo.storage import (
     HEARTBEAT_NAME,
@@ -114,6 +114,26 @@ def test_a_dead_attempt_goes(storage, capsys):
     assert out.count("failed") == 2 and "held back" not in out and "removed 2 item(s)" in out
     assert not files_under(storage, crashed.attempt_dir) and not files_under(storage, failed.attempt_dir)
     assert "0 item(s)" in gc(storage, capsys, "--older-than-s", "0")  # nothing left to remove
+
+
+def test_lost_attempts_are_the_uncommitted_ones_whose_writer_stopped_beating(storage, monkeypatch):
+    """What the flow asks of a placed stage it waits for (flows/placement.py Watch): an attempt whose writer was killed
+    is lost once it missed LEASE_BEATS beats (1 s at 0.1 s a beat); a live, a failed (closed) or a committed one
+    never is."""
+    crashed, failed, done = (writer(storage, stage="learn") for _ in range(3))
+    monkeypatch.setenv("GRPO_HEARTBEAT_S", "1")  # a live writer beating slower: 10 s of lease, however loaded
+    live = writer(storage, stage="learn")
+    crashed._heartbeat.stop()  # as if killed: the last beat stays
+    failed.close()
+    done.commit()
+    folder = stage_dir(storage, "t", 0, "learn")
+    assert lost_attempts(storage, folder) == {}  # beat a moment ago
+    deadline = time.monotonic() + 30
+    while not lost_attempts(storage, folder):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert list(lost_attempts(storage, folder)) == [crashed.attempt_dir] and list_attempts(storage, folder)
+    live.close()
 
 
 def test_either_clock_behind_does_not_make_a_live_attempt_look_dead(tmp_path):

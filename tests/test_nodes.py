@@ -216,7 +216,7 @@ def test_a_placed_learn_on_two_nodes_is_one_flow_run_per_node_on_its_pool(storag
         return types.SimpleNamespace(id=len(asked))
 
     monkeypatch.setattr(prefect.deployments, "run_deployment", run_deployment)
-    monkeypatch.setattr(Placement, "wait_flow_runs", lambda self, stage, runs, upstream: [r.id for r in runs])
+    monkeypatch.setattr(Placement, "wait_flow_runs", lambda self, stage, runs, *_: [r.id for r in runs])
     at = Placement({"learn": "gpu"}, storage, "p", 0, cfg)
     assert at("learn", "file:///advantages") == [1, 2]
     assert [(name, p.get("node_rank"), p["upstream"]) for name, p, _ in asked] == [

@@ -1,0 +1,63 @@
+"""Test-only holds at named points of the stages, for SIGKILL tests: a process that reaches a point writes
+`<folder>/<point>` and waits there until the test, seeing the file, kills it (or lets it go on: `<folder>/<point>.go`).
+The kill then lands at that point whatever the machine's speed: no sleep guesses.
+
+    python -c "import kill_points; kill_points.install('/tmp/held', ['learn:2', 'rollouts:3']); ..."
+
+Points (iteration k):
+    learn:k     learn k after its first optimizer step, before its second (the update half done)
+    rollouts:k  rollouts k after its first chunk's rows reached the file, before the next chunk is sampled
+    rewards:k   rewards k committing: its files written and hashed, its manifest not yet written
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def hold(folder: str, point: str) -> None:
+    """Say this process reached `point` (a file the test waits for), then wait to be killed or let go."""
+    Path(folder, point).write_text("")
+    while not Path(folder, f"{point}.go").exists():
+        time.sleep(0.05)
+
+
+def install(folder: str, points: list[str]) -> None:
+    """Patch this process so that it holds at each of `points`."""
+    import grpo.learner.loop
+    import grpo.storage
+    import schemas.parquet
+
+    for point in points:
+        stage, k = point.split(":")
+        if stage == "learn":  # train reports each optimizer step as it ends: `learn k`, step n of N
+            report = grpo.learner.loop.progress
+
+            def progress(label, n, *a, _report=report, _label=f"learn {k}", _point=point, **kw):
+                _report(label, n, *a, **kw)
+                if label == _label and n == 1:
+                    hold(folder, _point)
+
+            grpo.learner.loop.progress = progress
+        elif stage == "rollouts":  # each chunk of prompts is one row group, written as it is sampled
+            write = schemas.parquet.ParquetWriter.write
+
+            def write_rows(self, rows, _write=write, _dir=f"/iter-{int(k):04d}/rollouts/", _point=point):
+                _write(self, rows)
+                if self.name == "rollouts" and _dir in self.path:
+                    self._file.flush()  # its bytes on disk, the file unfinished (no Parquet footer)
+                    hold(folder, _point)
+
+            schemas.parquet.ParquetWriter.write = write_rows
+        elif stage == "rewards":  # the manifest, written last, is what commits an attempt
+            put = grpo.storage.Storage.write_bytes_atomic
+
+            def write_bytes_atomic(self, path, data, _put=put, _dir=f"/iter-{int(k):04d}/rewards/", _point=point):
+                if _dir in path and path.endswith(f"/{grpo.storage.MANIFEST_NAME}"):
+                    hold(folder, _point)
+                _put(self, path, data)
+
+            grpo.storage.Storage.write_bytes_atomic = write_bytes_atomic
+        else:
+            raise ValueError(f"unknown kill point {point!r}")
