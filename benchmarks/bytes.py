@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+import urllib.error
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,12 +55,22 @@ def cold(server, tmp: Path, base: dict, n: int, timeout: float) -> None:
     with process_worker(server, "gpu", cwd=homes["gpu"], env=env("gpu")):
         with process_worker(server, "cpu", cwd=homes["cpu"], env=env("cpu")):
             for _ in range(n):
-                run = server.api(
-                    "POST", f"/deployments/{deployment}/create_flow_run", {"parameters": {**base, "placement": SPLIT}}
-                )
+                run = patient(server, f"/deployments/{deployment}/create_flow_run", {**base, "placement": SPLIT})
                 done = finished(server, run["id"], timeout)
                 if done["state"]["type"] != "COMPLETED":
                     raise RuntimeError(f"grpo/placed {done['name']}: {done['state']}\n{server.log_tails(40)}")
+
+
+def patient(server, path: str, parameters: dict, tries: int = 5) -> dict:
+    """POST create_flow_run, again after a 503 (the server's SQLite busy on 2 loaded cores)."""
+    for attempt in range(tries):
+        try:
+            return server.api("POST", path, {"parameters": parameters})
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or attempt == tries - 1:
+                raise
+            time.sleep(5)
+    raise AssertionError("unreachable")
 
 
 def warm(server, tmp: Path, base: dict, n: int, timeout: float) -> None:
@@ -70,12 +81,13 @@ def warm(server, tmp: Path, base: dict, n: int, timeout: float) -> None:
 
 def counts(storage, run_id: str, k: int) -> dict[str, dict[str, int]]:
     """{stage: {kind: bytes}} of iteration k: every committed attempt's io (the state commit as `state`)."""
-    from grpo.layout import STAGES, STATE_STAGE, stage_dir
+    from grpo import layout
     from grpo.storage import committed_attempts, load_manifest
 
     out = defaultdict(lambda: defaultdict(int))
-    for stage in (*STAGES, STATE_STAGE):
-        for attempt in committed_attempts(storage, stage_dir(storage, run_id, k, stage)):
+    state = getattr(layout, "STATE_STAGE", None)  # None: the code before the learn's commit was split
+    for stage in (*layout.STAGES, *[state] * bool(state)):
+        for attempt in committed_attempts(storage, layout.stage_dir(storage, run_id, k, stage)):
             io = load_manifest(storage, attempt, verify=False)[0].io or {}
             for kind in KINDS:
                 out[stage][kind] += io.get(f"{kind}_bytes", 0)
