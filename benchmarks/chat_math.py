@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -140,8 +141,16 @@ def sampled_by(storage, rollouts, iteration: int, staleness: int) -> int:
     rows = read_parquet(storage.fs, rollouts.read_path(table_file("rollouts")), "rollouts", columns=["policy_version"])
     versions, expected = set(rows.column("policy_version").to_pylist()), policy_version(iteration, staleness)
     if versions != {expected}:
-        raise SystemExit(f"iteration {iteration}: rollouts sampled by {versions}, staleness {staleness} names {expected}")
+        raise SystemExit(f"iteration {iteration}: rows sampled by {versions}; staleness {staleness} names {expected}")
     return expected
+
+
+def write_csv(path: str, lines: list[dict]) -> None:
+    """The lines so far, a row each (the first, iteration -1, has the accuracy before GRPO only)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(lines[-1]))
+        writer.writeheader()
+        writer.writerows(lines)
 
 
 def main() -> None:
@@ -160,6 +169,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
+    p.add_argument(
+        "--warm-model",
+        default=None,
+        help="the model folder (WORK/model) of an earlier run of the same --seed, --sft-* and --answer-noise: "
+        "copied instead of made and warm-started again",
+    )
     p.add_argument("--out", default=None, help="CSV of every iteration's line (iteration -1: before GRPO)")
     args = p.parse_args()
     quiet_libraries()  # no progress bars between the table's lines
@@ -174,18 +189,21 @@ def main() -> None:
     pd.DataFrame(rows)[["question", "answer"]].to_parquet(work / "problems.parquet")
     texts = [f"{SYSTEM} {r['question']} {r['answer']} {solution(r)}" for r in rows]
     t0 = time.time()
-    model = build_chat_model(
-        str(work / "model"),
-        texts,
-        vocab_size=600,
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=384,
-        max_position_embeddings=160,
-        seed=args.seed,
-    )
+    if args.warm_model:
+        model = str(shutil.copytree(args.warm_model, work / "model"))
+    else:
+        model = build_chat_model(
+            str(work / "model"),
+            texts,
+            vocab_size=600,
+            hidden_size=128,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=384,
+            max_position_embeddings=160,
+            seed=args.seed,
+        )
     cfg = load_config(
         None,
         [
@@ -216,12 +234,13 @@ def main() -> None:
     train, _ = held_out_split(cfg)
     held = {e.ground_truth for e in eval_prompts(cfg)}
     trained = {e.prompt for e in train}  # the warm start sees training problems only
-    warm_start(
-        model, [r for r in rows if r["question"] in trained], args.sft_steps, args.sft_lr, args.seed, args.answer_noise
-    )
+    if not args.warm_model:
+        train_rows = [r for r in rows if r["question"] in trained]
+        warm_start(model, train_rows, args.sft_steps, args.sft_lr, args.seed, args.answer_noise)
     before = accuracy(model, cfg)
     print(
-        f"{len(train)} training and {len(held)} held-out problems; model made and warm-started "
+        f"{len(train)} training and {len(held)} held-out problems; model "
+        f"{'copied from ' + args.warm_model if args.warm_model else 'made and warm-started'} "
         f"({args.sft_steps} steps) in {time.time() - t0:.0f} s; held-out greedy accuracy before GRPO: {before:.3f}"
     )
     storage = open_storage(str(work / "storage"))
@@ -251,6 +270,8 @@ def main() -> None:
             "old_logprobs": learn["old_logprobs"]["source"],
         }
         lines.append(line)
+        if args.out:  # again after every iteration: a stopped run leaves what it measured
+            write_csv(args.out, lines)
         print(
             f"{k:>4} {line['policy_version']:>6} {line['reward']:>7.3f} {line['accuracy']:>8.3f} "
             f"{line['seconds']:>8.1f} {tokens:>8} {steps:>6} {line['rounds']:>6} {line['sampler_kl']:>8.5f} "
@@ -264,11 +285,6 @@ def main() -> None:
         f"accuracy {before:.3f} -> {out['eval'].manifest.summary['exact_match']:.3f} after {args.iterations} "
         f"iterations, {time.time() - start:.0f} s of GRPO; storage {storage.url}"
     )
-    if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(lines[1]))
-            writer.writeheader()
-            writer.writerows(lines)
 
 
 if __name__ == "__main__":
