@@ -2,7 +2,7 @@
 held-out accuracy before GRPO and after each iteration.
 
     .venv/bin/python benchmarks/chat_math.py [--iterations 50] [--sft-steps 600] [--seed 0] [--set learn.lr=1e-3]
-        [--out run.csv]
+        [--out run.csv] [--warm-model WORK/model]
 
 1. Word problems in GSM8K's format (`question`; `answer` = worked solution ending `#### N`),
    sums and differences of numbers up to --top (9) in a few phrasings; a seeded fifth is held out
