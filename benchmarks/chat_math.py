@@ -2,6 +2,7 @@
 held-out accuracy before GRPO and after each iteration.
 
     .venv/bin/python benchmarks/chat_math.py [--iterations 50] [--sft-steps 600] [--seed 0] [--set learn.lr=1e-3]
+        [--out run.csv] [--warm-model WORK/model]
 
 1. Word problems in GSM8K's format (`question`; `answer` = worked solution ending `#### N`),
    sums and differences of numbers up to --top (9) in a few phrasings; a seeded fifth is held out
@@ -13,13 +14,19 @@ held-out accuracy before GRPO and after each iteration.
    wrong final number after the right working (a model that works sums out but reports them
    unreliably, as weak SFT models do: only the verifiable reward tells the two apart).
 3. GRPO with the `math` task (math-verify) through the real stages: prompts rendered with the
-   chat template, every eos id stopping, the held-out set scored greedily each iteration.
+   chat template, every eos id stopping, the held-out set scored greedily each iteration. With
+   `--set rollout.staleness=S` iteration k samples learn k-1-S's policy (checked on every rollout row's
+   `policy_version`); each line shows the sampler-to-learner k3 KL and the behaviour weights pi_prox /
+   pi_sampler of `learn.behavior_correction` (their mean, max and clipped or masked share). `--out` writes
+   every line to a CSV, iteration -1 being the warm start before GRPO.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +36,7 @@ import torch
 from timing import machine
 
 from grpo.config import load_config
+from grpo.lineage import policy_version
 from grpo.progress import show_in_terminal
 from grpo.quiet import quiet_libraries
 from grpo.sampling.base import SamplingSpec, decode_responses, stop_token_ids
@@ -37,6 +45,7 @@ from grpo.storage import open_storage
 from grpo.tasks.math import math_reward
 from grpo.threads import apply_threads
 from grpo.tiny_model import build_chat_model
+from schemas import read_parquet, table_file
 from stages.init import init_run
 from stages.iteration import run_warm
 from stages.prompts import eval_prompts, held_out_split
@@ -124,6 +133,26 @@ def accuracy(model_dir: str, cfg) -> float:
     return sum(math_reward(t, e.ground_truth)["correct"] for t, e in zip(texts, examples)) / len(examples)
 
 
+BEHAVIOR = ["sampler_kl", "behavior_weight_mean", "behavior_weight_max", "behavior_clipped_frac"]
+
+
+def sampled_by(storage, rollouts, iteration: int, staleness: int) -> int:
+    """The policy version every rollout row of `iteration` records, checked against learn k-1-S's (lineage)."""
+    rows = read_parquet(storage.fs, rollouts.read_path(table_file("rollouts")), "rollouts", columns=["policy_version"])
+    versions, expected = set(rows.column("policy_version").to_pylist()), policy_version(iteration, staleness)
+    if versions != {expected}:
+        raise SystemExit(f"iteration {iteration}: rows sampled by {versions}; staleness {staleness} names {expected}")
+    return expected
+
+
+def write_csv(path: str, lines: list[dict]) -> None:
+    """The lines so far, a row each (the first, iteration -1, has the accuracy before GRPO only)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(lines[-1]))
+        writer.writeheader()
+        writer.writerows(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iterations", type=int, default=50)
@@ -140,6 +169,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
+    p.add_argument(
+        "--warm-model",
+        default=None,
+        help="the model folder (WORK/model) of an earlier run of the same --seed, --sft-* and --answer-noise: "
+        "copied instead of made and warm-started again",
+    )
+    p.add_argument("--out", default=None, help="CSV of every iteration's line (iteration -1: before GRPO)")
     args = p.parse_args()
     quiet_libraries()  # no progress bars between the table's lines
     show_in_terminal()  # in a terminal, where each stage is (rollouts 3: 32/64 prompts) on one line of stderr
@@ -153,18 +189,21 @@ def main() -> None:
     pd.DataFrame(rows)[["question", "answer"]].to_parquet(work / "problems.parquet")
     texts = [f"{SYSTEM} {r['question']} {r['answer']} {solution(r)}" for r in rows]
     t0 = time.time()
-    model = build_chat_model(
-        str(work / "model"),
-        texts,
-        vocab_size=600,
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=384,
-        max_position_embeddings=160,
-        seed=args.seed,
-    )
+    if args.warm_model:
+        model = str(shutil.copytree(args.warm_model, work / "model"))
+    else:
+        model = build_chat_model(
+            str(work / "model"),
+            texts,
+            vocab_size=600,
+            hidden_size=128,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=384,
+            max_position_embeddings=160,
+            seed=args.seed,
+        )
     cfg = load_config(
         None,
         [
@@ -195,29 +234,49 @@ def main() -> None:
     train, _ = held_out_split(cfg)
     held = {e.ground_truth for e in eval_prompts(cfg)}
     trained = {e.prompt for e in train}  # the warm start sees training problems only
-    warm_start(
-        model, [r for r in rows if r["question"] in trained], args.sft_steps, args.sft_lr, args.seed, args.answer_noise
-    )
+    if not args.warm_model:
+        train_rows = [r for r in rows if r["question"] in trained]
+        warm_start(model, train_rows, args.sft_steps, args.sft_lr, args.seed, args.answer_noise)
     before = accuracy(model, cfg)
     print(
-        f"{len(train)} training and {len(held)} held-out problems; model made and warm-started "
+        f"{len(train)} training and {len(held)} held-out problems; model "
+        f"{'copied from ' + args.warm_model if args.warm_model else 'made and warm-started'} "
         f"({args.sft_steps} steps) in {time.time() - t0:.0f} s; held-out greedy accuracy before GRPO: {before:.3f}"
     )
     storage = open_storage(str(work / "storage"))
     init_run(storage, "chat-math", cfg)
+    staleness = cfg.rollout.staleness
+    print(f"rollout.staleness={staleness}, learn.behavior_correction={cfg.learn.behavior_correction}")
     print(
-        f"{'iter':>4} {'reward':>7} {'accuracy':>8} {'seconds':>8} {'tokens':>8} {'steps':>6} {'rounds':>6} "
-        f"{'min left':>8}"
+        f"{'iter':>4} {'policy':>6} {'reward':>7} {'accuracy':>8} {'seconds':>8} {'tokens':>8} {'steps':>6} "
+        f"{'rounds':>6} {'kl':>8} {'w mean':>6} {'w max':>6} {'clipped':>7} {'min left':>8}"
     )
+    lines = [{"iteration": -1, "policy_version": -1, "accuracy": before}]
     start = t = time.time()
     tokens = steps = 0  # sampled response tokens and AdamW steps so far: compare variants at equal cost
     for k, out in run_warm(storage, "chat-math", 0, args.iterations):
-        rollouts = out["rollouts"].manifest.summary
-        tokens, steps = tokens + rollouts["response_tokens"], steps + out["learn"].manifest.summary["steps"]
+        rollouts, learn = out["rollouts"].manifest.summary, out["learn"].manifest.summary
+        tokens, steps = tokens + rollouts["response_tokens"], steps + learn["steps"]
+        line = {
+            "iteration": k,
+            "policy_version": sampled_by(storage, out["rollouts"], k, staleness),
+            "reward": out["advantages"].manifest.summary["reward_mean"],
+            "accuracy": out["eval"].manifest.summary["exact_match"],
+            "seconds": time.time() - t,
+            "tokens": tokens,
+            "steps": steps,
+            "rounds": rollouts.get("rounds", 1),
+            **{name: learn[name] for name in BEHAVIOR},
+            "old_logprobs": learn["old_logprobs"]["source"],
+        }
+        lines.append(line)
+        if args.out:  # again after every iteration: a stopped run leaves what it measured
+            write_csv(args.out, lines)
         print(
-            f"{k:>4} {out['advantages'].manifest.summary['reward_mean']:>7.3f} "
-            f"{out['eval'].manifest.summary['exact_match']:>8.3f} {time.time() - t:>8.1f} "
-            f"{tokens:>8} {steps:>6} {rollouts.get('rounds', 1):>6} "
+            f"{k:>4} {line['policy_version']:>6} {line['reward']:>7.3f} {line['accuracy']:>8.3f} "
+            f"{line['seconds']:>8.1f} {tokens:>8} {steps:>6} {line['rounds']:>6} {line['sampler_kl']:>8.5f} "
+            f"{line['behavior_weight_mean']:>6.3f} {line['behavior_weight_max']:>6.2f} "
+            f"{line['behavior_clipped_frac']:>7.4f} "
             f"{(time.time() - start) / (k + 1) * (args.iterations - k - 1) / 60:>8.1f}",  # at the pace so far
             flush=True,
         )
