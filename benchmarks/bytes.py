@@ -26,51 +26,22 @@ import os
 import sys
 import tempfile
 import time
-import urllib.error
 from collections import defaultdict
 from pathlib import Path
 
 from learner_memory import make_world
-from placement_overhead import describe, finished, flow_process, load
+from placement_overhead import describe, flow_process, load, run_cold, setup_pools
 from timing import machine
 
-REPO = Path(__file__).resolve().parent.parent
 SPLIT = {"snapshot": "cpu", "rollouts": "cpu", "rewards": "cpu", "advantages": "cpu", "learn": "gpu", "eval": "cpu"}
 CRITICAL = ("snapshot", "rollouts", "rewards", "advantages", "learn")
 KINDS = ("download", "read", "hash", "upload")
 
 
 def cold(server, tmp: Path, base: dict, n: int, timeout: float) -> None:
-    """(a): one grpo/placed flow run per iteration, learn on "gpu", the rest on "cpu", a cache per worker."""
-    from tools.prefect_server import process_worker
-
-    for pool in ("gpu", "cpu"):
-        server.cli("work-pool", "create", pool, "--type", "process", "--overwrite")
-    server.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deploy/placement/prefect.yaml", cwd=REPO)
-    deployment = server.api("GET", "/deployments/name/grpo/placed")["id"]
-    homes = {pool: tmp / f"machine-{pool}" for pool in ("gpu", "cpu")}
-    for home in homes.values():
-        home.mkdir(exist_ok=True)
-    env = lambda pool: {"GRPO_CACHE": str(homes[pool] / "cache")}  # noqa: E731
-    with process_worker(server, "gpu", cwd=homes["gpu"], env=env("gpu")):
-        with process_worker(server, "cpu", cwd=homes["cpu"], env=env("cpu")):
-            for _ in range(n):
-                run = patient(server, f"/deployments/{deployment}/create_flow_run", {**base, "placement": SPLIT})
-                done = finished(server, run["id"], timeout)
-                if done["state"]["type"] != "COMPLETED":
-                    raise RuntimeError(f"grpo/placed {done['name']}: {done['state']}\n{server.log_tails(40)}")
-
-
-def patient(server, path: str, parameters: dict, tries: int = 5) -> dict:
-    """POST create_flow_run, again after a 503 (the server's SQLite busy on 2 loaded cores)."""
-    for attempt in range(tries):
-        try:
-            return server.api("POST", path, {"parameters": parameters})
-        except urllib.error.HTTPError as e:
-            if e.code != 503 or attempt == tries - 1:
-                raise
-            time.sleep(5)
-    raise AssertionError("unreachable")
+    """(a): placement_overhead's cold way with learn on "gpu" and the rest on "cpu", a cache per worker."""
+    setup_pools(server)
+    run_cold(server, tmp, {**base, "placement": SPLIT}, n, timeout)
 
 
 def warm(server, tmp: Path, base: dict, n: int, timeout: float) -> None:

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 from datetime import datetime
 from pathlib import Path
 
@@ -126,11 +127,23 @@ def run_cold(server, tmp: Path, base: dict, n: int, timeout: float) -> None:
     with process_worker(server, "gpu", cwd=homes["gpu"], env=env("gpu")):
         with process_worker(server, "cpu", cwd=homes["cpu"], env=env("cpu")):
             for _ in range(n):  # the next iteration is created as soon as the last one finished
-                params = {**base, "placement": COLD}  # the deployment's default, spelled out
-                run = server.api("POST", f"/deployments/{deployment}/create_flow_run", {"parameters": params})
+                params = {"placement": COLD, **base}  # the deployment's default, spelled out, unless base names one
+                run = create_flow_run(server, deployment, params)
                 done = finished(server, run["id"], timeout)
                 if done["state"]["type"] != "COMPLETED":
                     raise RuntimeError(f"grpo/placed {done['name']}: {done['state']}\n{server.log_tails(40)}")
+
+
+def create_flow_run(server, deployment: str, parameters: dict, tries: int = 5) -> dict:
+    """A flow run of `deployment`, asked again after a 503 (the server's SQLite busy on 2 loaded cores)."""
+    for attempt in range(tries):
+        try:
+            return server.api("POST", f"/deployments/{deployment}/create_flow_run", {"parameters": parameters})
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or attempt == tries - 1:
+                raise
+            time.sleep(5)
+    raise AssertionError("unreachable")
 
 
 def finished(server, flow_run_id: str, timeout: float) -> dict:

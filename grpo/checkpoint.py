@@ -166,7 +166,7 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
         if collected:
             raise CollectedError(next(iter(collected.values())))
     target = _cached(key)
-    if target.exists() and (is_local(fs) or _cache_intact(committed, target, prefix)):
+    if target.exists() and (is_local(fs) or cache_intact(committed, target, prefix)):
         return str(target)
     if target.exists():  # an edited or truncated download: never load it under the committed version
         shutil.rmtree(target, ignore_errors=True)
@@ -187,11 +187,8 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
     except OSError:  # another process made it first
         shutil.rmtree(tmp, ignore_errors=True)
         return str(target)
-    if not is_local(fs):  # the copies are the manifest's bytes: _cache_intact need not hash them again
-        disk = LocalFileSystem()
-        for f in committed.manifest.files:
-            if f.path.startswith(prefix):
-                remember_digest(disk, str(target / f.path[len(prefix) :]), f.sha256)
+    if not is_local(fs):  # the copies are the manifest's bytes: cache_intact need not hash them again
+        remember_copies(committed, target, prefix)
     return str(target)
 
 
@@ -220,10 +217,18 @@ def keep_written(committed: Committed, folder: str, prefix: str = CHECKPOINT_PRE
     except OSError:  # another disk, or made meanwhile: the cache fills on the first read instead
         shutil.rmtree(folder, ignore_errors=True)
         return
+    remember_copies(committed, target, prefix, written=True)
+
+
+def remember_copies(committed: Committed, target: Path, prefix: str = CHECKPOINT_PREFIX, written: bool = False) -> None:
+    """Record that the local folder `target` holds `committed`'s files under `prefix` with their manifest hashes
+    (a verified download, or `written`: the files this process uploaded, first dated back by settle so their stamps
+    are trusted at once), so cache_intact does not hash them again."""
     disk = LocalFileSystem()
     for f in committed.manifest.files:
         if f.path.startswith(prefix):
-            settle(str(target / f.path[len(prefix) :]))
+            if written:
+                settle(str(target / f.path[len(prefix) :]))
             remember_digest(disk, str(target / f.path[len(prefix) :]), f.sha256)
 
 
@@ -266,9 +271,9 @@ def policy_folders(policy: Committed, base: Committed | None = None) -> tuple[Co
     return policy, local_checkpoint(policy), adapter_checkpoint(policy)
 
 
-def _cache_intact(committed: Committed, target: Path, prefix: str) -> bool:
-    """Whether a downloaded checkpoint folder still holds exactly the manifest's bytes (size and
-    sha256; a file this process hashed before is trusted while its size, times and inode hold)."""
+def cache_intact(committed: Committed, target: Path, prefix: str = CHECKPOINT_PREFIX) -> bool:
+    """Whether a local copy of `committed`'s files under `prefix` still holds exactly the manifest's bytes (size
+    and sha256; a file this machine hashed before is trusted while its size, times and inode hold)."""
     disk = LocalFileSystem()
     for f in committed.manifest.files:
         if f.path.startswith(prefix):

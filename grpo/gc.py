@@ -459,7 +459,7 @@ def collected_summary(storage: Storage, run_id: str) -> str | None:
     """One line on what `grpo gc --retention` removed of a run (for `grpo status`); None when nothing."""
     policy, state = [], []
     for k in range(_iterations(storage, run_id)):
-        names = collected_learn_files(storage, run_id, k)[0]
+        names = [n for here in collected_learn_files(storage, run_id, k).values() for n in here]
         if any(n.startswith(STATE_PREFIXES) for n in names):
             state.append(str(k))
         if any(n.startswith(POLICY_PREFIXES) and not n.startswith(STATE_PREFIXES) for n in names):

@@ -210,29 +210,29 @@ def reference_iteration(iteration: int, every: int | None) -> int | None:
     return None if every is None or iteration < every else iteration // every * every
 
 
-def collected_learn_files(storage: Storage, run_id: str, k: int) -> tuple[list[str], list[str]]:
-    """(names, attempts): the files `grpo gc --retention` collected of iteration k's newest committed learn and
-    state (STATE_STAGE) attempts, and those attempts."""
+def collected_learn_files(storage: Storage, run_id: str, k: int) -> dict[str, list[str]]:
+    """{attempt: the files `grpo gc --retention` collected of it} of iteration k's newest committed learn and
+    state (STATE_STAGE) attempts, those that lost any."""
     attempts = []
     for stage in ("learn", STATE_STAGE) if k >= 0 else ():
         attempts += committed_attempts(storage, stage_dir(storage, run_id, k, stage))[-1:]
-    return sorted(n for a in attempts for n in read_collected(storage, a)), attempts
+    found = {a: sorted(read_collected(storage, a)) for a in attempts}
+    return {a: names for a, names in found.items() if names}
 
 
 def _collected_learn(storage: Storage, run_id: str, k: int) -> str | None:
     """What `grpo gc --retention` collected of iteration k's committed learn, as a phrase ("iteration 1's policy
     and optimizer state, which was collected ... (attempt: files)"), or None: nothing (or no learn)."""
-    names, attempts = collected_learn_files(storage, run_id, k)
-    if not names:
+    collected = collected_learn_files(storage, run_id, k)
+    if not collected:
         return None
+    names = sorted(n for here in collected.values() for n in here)
     policy = [n for n in names if n.startswith(POLICY_PREFIXES) and not n.startswith(STATE_PREFIXES)]
     state = [n for n in names if n.startswith(STATE_PREFIXES)]
     what = " and ".join(w for w, files in (("policy", policy), ("optimizer state", state)) if files)
-    where = []
-    for attempt in attempts:  # the learn's, then the state's (stages/state.py)
-        here = sorted(read_collected(storage, attempt))
-        if here:
-            where.append(f"{storage.uri(attempt)}: {', '.join(here[:3])}{', ...' if len(here) > 3 else ''}")
+    where = [  # the learn's, then the state's (stages/state.py)
+        f"{storage.uri(a)}: {', '.join(here[:3])}{', ...' if len(here) > 3 else ''}" for a, here in collected.items()
+    ]
     return f"iteration {k}'s {what}, which was collected by `grpo gc --retention` ({'; '.join(where)})"
 
 

@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
-from grpo.checkpoint import download_verified, upload_folder
+from grpo.checkpoint import cache_intact, download_verified, remember_copies, upload_folder
 from grpo.config import RunConfig
 from grpo.errors import StageError
 from grpo.fork import reference
@@ -37,12 +36,9 @@ from grpo.storage import (
     Storage,
     collected_files,
     committed_attempts,
-    file_digest,
     is_local,
     list_attempts,
     load_manifest,
-    remember_digest,
-    settle,
 )
 from grpo.transfer import cache_root, counting_io
 
@@ -152,20 +148,13 @@ def _keep(committed: Committed, held: str) -> None:
         Path(held).rename(target)
     except OSError:  # another disk: the next learn downloads it
         return
-    disk = LocalFileSystem()
-    for f in committed.manifest.files:
-        settle(str(target / f.path))
-        remember_digest(disk, str(target / f.path), f.sha256)
+    remember_copies(committed, target, prefix="", written=True)
 
 
 def _kept(committed: Committed) -> str | None:
     """The cached copy of a committed state, where this machine wrote it and it is intact (its stamps known)."""
-    target, disk = _cached(committed), LocalFileSystem()
-    try:
-        intact = all(file_digest(disk, str(target / f.path)) == (f.size, f.sha256) for f in committed.manifest.files)
-    except FileNotFoundError:
-        return None
-    return str(target) if intact else None
+    target = _cached(committed)
+    return str(target) if cache_intact(committed, target, prefix="") else None
 
 
 def committed_state(storage: Storage, run_id: str, learned: Committed) -> Committed | None:
