@@ -15,7 +15,9 @@ manifests), hashed and uploaded, summed from every committed attempt's manifest;
 (`state`, committed after the policy in the background) listed on its own. On the critical path: what the
 stages snapshot -> rollouts -> rewards -> advantages -> learn move (eval k and the state commit run beside
 the next iteration in the flow at rollout.staleness >= 1, and the state commit at any staleness); eval listed
-apart. P = the policy's bytes (policy/ of a learn), N = parameters.
+apart. P = the policy's bytes (policy/ of a learn), N = parameters. Each way's iteration seconds, eval commit to
+eval commit (placement_overhead.iteration_seconds), follow its table: on a quiet machine they compare versions
+(copy this file, placement_overhead.py, learner_memory.py and timing.py into an older checkout and run it there).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from learner_memory import make_world
-from placement_overhead import describe, flow_process, load, run_cold, setup_pools
+from placement_overhead import describe, flow_process, iteration_seconds, load, run_cold, setup_pools
 from timing import machine
 
 SPLIT = {"snapshot": "cpu", "rollouts": "cpu", "rewards": "cpu", "advantages": "cpu", "learn": "gpu", "eval": "cpu"}
@@ -59,7 +61,7 @@ def counts(storage, run_id: str, k: int) -> dict[str, dict[str, int]]:
     state = getattr(layout, "STATE_STAGE", None)  # None: the code before the learn's commit was split
     for stage in (*layout.STAGES, *[state] * bool(state)):
         for attempt in committed_attempts(storage, layout.stage_dir(storage, run_id, k, stage)):
-            io = load_manifest(storage, attempt, verify=False)[0].io or {}
+            io = getattr(load_manifest(storage, attempt, verify=False)[0], "io", None) or {}  # None: before issue 31
             for kind in KINDS:
                 out[stage][kind] += io.get(f"{kind}_bytes", 0)
     return out
@@ -98,7 +100,12 @@ def report(storage, run_id: str, n: int, title: str) -> dict:
         print(f"| **{name}** | " + " | ".join(f"**{t[kind] / P:.2f}**" for kind in KINDS) + " | |")
     moved = crit["download"] + crit["upload"]
     print(f"\ncritical path: {moved / P:.2f} P moved (downloaded + uploaded), {crit['hash'] / P:.2f} P hashed")
-    return {"P": P, "N": N, "total": total, "critical": crit}
+    seconds = iteration_seconds(storage.url, run_id, n, 0.0)[1:]  # eval commit to eval commit, iterations 1..
+    print(
+        f"iteration seconds (eval commit to eval commit): {' '.join(f'{s:.1f}' for s in seconds)}, "
+        f"mean {sum(seconds) / len(seconds):.1f}"
+    )
+    return {"P": P, "N": N, "total": total, "critical": crit, "seconds": seconds}
 
 
 def main() -> None:

@@ -641,6 +641,14 @@ class StageWriter:
             self.storage.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         return path
 
+    def bind_inputs(self, inputs: dict[str, InputRef]) -> None:
+        """Name the attempt's inputs now, before its commit: an attempt opened before the commit it reads
+        existed (a learn's state, whose shards are written while the learn commits)."""
+        if self._committed:
+            raise ArtifactError(f"{self.storage.uri(self.attempt_dir)}: already committed")
+        self.inputs = inputs
+        self.identity = stage_identity(self.run_id, self.iteration, self.stage, self.config_hash, inputs)
+
     def reference(self, name: str, entry: FileEntry) -> None:
         """List a file that already lives, committed and immutable, elsewhere in storage."""
         self._referenced.append(FileEntry(path=name, size=entry.size, sha256=entry.sha256, uri=entry.uri))

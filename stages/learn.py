@@ -186,15 +186,33 @@ def replayed_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: st
 
 
 def update(
-    cfg: RunConfig, run_id: str, iteration: int, batch: Batch, folders: dict, out_dir: str, held: str, tmp: str
+    cfg: RunConfig,
+    run_id: str,
+    iteration: int,
+    batch: Batch,
+    folders: dict,
+    out_dir: str,
+    held: str,
+    tmp: str,
+    shards: state.Shards | None = None,
 ) -> dict:
     """One learn's update by a learner built from `folders`, in this process or under torchrun on this machine:
-    policy and tables into `out_dir`, the resume state into `held`. Returns its summary."""
+    policy and tables into `out_dir`, the resume state into `held`. Returns its summary. With `shards` (fsdp2
+    under torchrun) it returns once the policy is written, the ranks writing their shards into that attempt."""
     if cfg.learn.num_processes == 1:
         learner = new_learner(cfg, iteration, **folders)
         return train_and_save(learner, run_id, iteration, batch, out_dir, held)
     args = launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp, state_out=held)
+    if shards is not None:
+        return shards.start(args, cfg.learn.num_processes)
     return launch.run_distributed(args, cfg.learn.num_processes)
+
+
+def shards_later(cfg: RunConfig, iteration: int) -> bool:
+    """Whether learn `iteration`'s ranks write their fsdp2 shards after its policy, into its state's attempt
+    (stages.state.Shards): under torchrun on one machine, where the state is due."""
+    one_machine = cfg.learn.num_processes > 1 and cfg.learn.nodes == 1
+    return one_machine and cfg.learn.sharding == "fsdp2" and state.due(cfg, iteration)
 
 
 def start_policy(storage: Storage, inputs: dict[str, Committed]) -> tuple[str, str | None]:
@@ -219,10 +237,11 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     learner: Learner | None = None
     held: str | None = None  # the resume state, committed apart after the policy (stages.state)
     made: str | None = None  # on object storage: the folder the policy was written to, kept in this machine's cache
+    shards: state.Shards | None = None  # fsdp2 ranks writing their shards while the policy commits
 
     def body(writer: StageWriter) -> dict:
-        nonlocal learner, held, made
-        state.wait()  # this process's commit of the state before: one at a time, a failure shown here
+        nonlocal learner, held, made, shards
+        state.settled()  # this process's commit of the state before: one at a time (a failed one: replayed)
         batch = read_batch(storage, cfg, inputs)
         release_accelerator(cfg.rollout.keep_engine)  # the sampler sleeps (or closes) while the learner runs
         if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
@@ -242,7 +261,9 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
                 args = launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp)
                 summary = nodes.lead(writer, args, cfg.learn, run_id, iteration)
             else:
-                summary = update(cfg, run_id, iteration, batch, folders, out_dir, held, tmp)
+                if shards_later(cfg, iteration):
+                    shards = state.Shards(storage, stage_config(cfg), run_id, iteration, held)
+                summary = update(cfg, run_id, iteration, batch, folders, out_dir, held, tmp, shards)
             if cfg.learn.lora is None:
                 carry_checkpoint_files(folders["policy_dir"], f"{out_dir}/policy")
             if not local:  # policy/ or adapter/, metrics, logprobs (and, several nodes, the state)
@@ -253,6 +274,8 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     try:
         out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
     except BaseException:
+        if shards is not None:
+            shards.close()
         for folder in (held, made):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -262,7 +285,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         keep_written(out, f"{made}/{prefix.rstrip('/')}", prefix)
         shutil.rmtree(made, ignore_errors=True)
     if held is not None and state.due(cfg, iteration):  # the policy is committed: the state follows, meanwhile
-        state.commit_later(storage, config, run_id, out, held)
+        state.commit_later(storage, config, run_id, out, held, shards)
     elif held is not None:
         shutil.rmtree(held)
     if learner is not None:  # ran in this process and committed: keep it for iteration k + 1

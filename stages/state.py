@@ -15,20 +15,24 @@ Runs made before this kept the state inside the learn attempt: it is read from t
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import fsspec
 
-from grpo.checkpoint import cache_intact, download_verified, remember_copies, upload_folder
+from grpo.checkpoint import cache_intact, download_verified, remember_copies
 from grpo.config import RunConfig
 from grpo.errors import StageError
 from grpo.fork import reference
 from grpo.gc import running_attempts
 from grpo.layout import STATE_PREFIXES, STATE_STAGE, stage_dir
+from grpo.learner import launch
+from grpo.learner.state import STATE_DCP
 from grpo.lineage import note_committed
 from grpo.storage import (
     Committed,
@@ -40,7 +44,7 @@ from grpo.storage import (
     list_attempts,
     load_manifest,
 )
-from grpo.transfer import cache_root, counting_io
+from grpo.transfer import cache_root, count_io, counting_io, note_written, put_files
 
 log = logging.getLogger("grpo.stages")
 
@@ -61,21 +65,71 @@ class _Pending:
     what: str = ""
 
 
-def commit_later(storage: Storage, config: dict, run_id: str, learned: Committed, held: str) -> None:
+class Shards:
+    """The state attempt of a learn whose fsdp2 ranks write their shards of the weights and AdamW state once its
+    policy is written, while the learn commits it: opened before the ranks start, so that they write straight
+    into it (local storage) or each upload its own shards to it, in parallel (object storage; the local copies
+    in `held` stay in this machine's cache), and committed by `commit_later` once they have ended."""
+
+    def __init__(self, storage: Storage, config: dict, run_id: str, iteration: int, held: str):
+        self.storage, self.held = storage, held
+        self.writer = _writer(storage, config, run_id, iteration, inputs={})  # named at commit_later
+        self.reports = tempfile.mkdtemp(prefix="grpo-shards-")  # each rank's uploads: sizes, hashes, seconds
+        self.learners: launch.Torchrun | None = None
+
+    def start(self, args: dict, nproc: int) -> dict:
+        """Start the ranks on `args` (grpo.learner.launch.learner_args'); return rank 0's summary once the policy
+        is written, the ranks going on with their shards."""
+        if is_local(self.storage.fs):  # the attempt is a local folder: DCP writes dcp/ into it
+            later = {"dir": self.writer.attempt_dir}
+        else:
+            later = {"dir": self.held, "storage_url": self.storage.url, "to": self.writer.attempt_dir}
+        args = {**args, "shards": {**later, "digests": self.reports}, "ready": f"{self.reports}/ready"}
+        self.learners = launch.Torchrun(args, nproc)
+        self.learners.until_ready()
+        return self.learners.summary()
+
+    def finish(self) -> None:
+        """Wait for the ranks to end (LearnersExited where one failed); take in what they uploaded: the commit
+        lists it by the hashes they made, and counts it as this attempt's upload."""
+        self.learners.finish()
+        for report in sorted(Path(self.reports).glob("rank-*.json")):
+            done = json.loads(report.read_text())
+            for path, (size, digest) in done["files"].items():
+                note_written(path, size, digest)
+                count_io("hash", size, 0.0)  # hashed by the rank, on the way
+            count_io("upload", sum(size for size, _ in done["files"].values()), done["seconds"])
+
+    def close(self) -> None:
+        """Stop the ranks where they still run; the attempt, uncommitted, is marked closed."""
+        if self.learners is not None:
+            self.learners.stop()
+        self.writer.close()
+        shutil.rmtree(self.reports, ignore_errors=True)
+
+
+def commit_later(
+    storage: Storage, config: dict, run_id: str, learned: Committed, held: str, shards: Shards | None = None
+) -> None:
     """Commit the state files in the local folder `held` (which this takes over and removes) as learn
     `learned`'s state, in a thread of this process; its attempt and heartbeat exist before this returns, so
-    another process reading the state waits for it. `config`: what its identity covers (the learn's)."""
+    another process reading the state waits for it. `config`: what its identity covers (the learn's).
+    `shards`: the attempt the learn's ranks are writing their shards into; the thread waits for them first."""
     wait()
-    writer = _writer(storage, config, run_id, learned)
-    _Pending.what, _Pending.error = f"state iteration {learned.manifest.iteration}", None
+    k, inputs = learned.manifest.iteration, {"learn": learned.ref()}
+    writer = shards.writer if shards else _writer(storage, config, run_id, k, inputs)
+    writer.bind_inputs(inputs)
+    _Pending.what, _Pending.error = f"state iteration {k}", None
     # not a daemon: the interpreter waits for the commit before it exits (a flow run's process, `grpo run`)
-    _Pending.thread = threading.Thread(target=_commit_guarded, args=(storage, writer, held), name="grpo-state")
+    target = _commit_guarded
+    _Pending.thread = threading.Thread(target=target, args=(storage, writer, held, shards), name="grpo-state")
     _Pending.thread.start()
 
 
 def commit_now(storage: Storage, config: dict, run_id: str, learned: Committed, held: str) -> Committed:
     """Commit the state files in `held` (taken over and removed) as learn `learned`'s state, here and now."""
-    return _commit(storage, _writer(storage, config, run_id, learned), held)
+    inputs = {"learn": learned.ref()}
+    return _commit(storage, _writer(storage, config, run_id, learned.manifest.iteration, inputs), held)
 
 
 def wait() -> None:
@@ -90,42 +144,58 @@ def wait() -> None:
         raise StageError(f"{_Pending.what}: the background commit failed: {type(e).__name__}: {e}") from e
 
 
-def _writer(storage: Storage, config: dict, run_id: str, learned: Committed) -> StageWriter:
-    k = learned.manifest.iteration
+def settled() -> None:
+    """`wait`, its failure logged, not raised: the learn that needs the state it would have committed finds none
+    and replays it (a rank that died writing its shards, storage that failed the upload)."""
+    try:
+        wait()
+    except StageError as e:
+        log.warning("%s; the learn that reads it replays it", e)
+
+
+def _writer(storage: Storage, config: dict, run_id: str, iteration: int, inputs: dict) -> StageWriter:
     return StageWriter(
         storage,
-        stage_dir(storage, run_id, k, STAGE),
+        stage_dir(storage, run_id, iteration, STAGE),
         run_id=run_id,
-        iteration=k,
+        iteration=iteration,
         stage=STAGE,
         config=config,
-        inputs={"learn": learned.ref()},
+        inputs=inputs,
     )
 
 
-def _commit_guarded(storage: Storage, writer: StageWriter, held: str) -> None:
+def _commit_guarded(storage: Storage, writer: StageWriter, held: str, shards: Shards | None) -> None:
     try:
-        _commit(storage, writer, held)
+        _commit(storage, writer, held, shards)
     except BaseException as e:  # noqa: BLE001 (handed to wait(), which raises it in the stage that needs it)
         _Pending.error = e
         log.error("%s: the background commit failed: %s: %s", _Pending.what, type(e).__name__, e)
 
 
-def _commit(storage: Storage, writer: StageWriter, held: str) -> Committed:
+def _commit(storage: Storage, writer: StageWriter, held: str, shards: Shards | None = None) -> Committed:
     """Move (local storage) or upload the files of `held` into the writer's attempt and commit it; on object
-    storage `held` then stays in this machine's cache for the next learn here (the newest of the run's only)."""
+    storage `held` then stays in this machine's cache for the next learn here (the newest of the run's only).
+    With `shards`, first wait for the ranks writing theirs (their dcp/ files are in the attempt then)."""
     try:
         with writer, counting_io() as io:
+            if shards is not None:
+                shards.finish()
+            mine = [p for p in sorted(Path(held).rglob("*")) if p.is_file()]
+            if shards is not None:  # the ranks put dcp/ in place (held keeps their local copies)
+                mine = [p for p in mine if not p.relative_to(held).as_posix().startswith(f"{STATE_DCP}/")]
             if is_local(storage.fs):  # a rename where `held` is on the storage's disk, else a copy
-                for f in sorted(p for p in Path(held).rglob("*") if p.is_file()):
+                for f in mine:
                     shutil.move(str(f), writer.path(f.relative_to(held).as_posix()))
             else:
-                upload_folder(writer, held, prefix="")
+                put_files(storage.fs, [(str(f), writer.path(f.relative_to(held).as_posix())) for f in mine])
             committed = writer.commit(summary={}, io=io)
             note_committed(committed.attempt_dir)
         if not is_local(storage.fs):
             _keep(committed, held)
     finally:
+        if shards is not None:
+            shards.close()
         shutil.rmtree(held, ignore_errors=True)
     log.info("state iteration %s: committed %s", committed.manifest.iteration, committed.uri)
     return committed
@@ -179,7 +249,7 @@ def read(storage: Storage, run_id: str, learned: Committed, dest: str) -> str | 
     """Learn `learned`'s state, downloaded and checked into the local folder `dest`: from the learn's own attempt
     (runs made before the split, and learn.nodes > 1) or its committed state, waiting for one being written;
     None where there is none to wait for (replay it)."""
-    wait()
+    settled()
     inside = [f.path for f in learned.manifest.files if f.path.startswith(STATE_PREFIXES)]
     source = learned if inside else from_origin(storage, run_id, learned)
     while source is None:

@@ -7,6 +7,7 @@ error of 1e-3 (the DDP test's), not every weight bit for bit.
 """
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import pandas as pd
@@ -14,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_learn import F32
-from test_stages import learned_files, make_run
+from test_stages import learned_files, make_run, state_of
 
-from grpo.layout import stage_dir
+from grpo.layout import STATE_STAGE, stage_dir
 from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
-from stages import StageError, stage_function
+from stages import StageError, stage_function, state
+from stages import learn as learn_module
 from stages.init import init_run
 from stages.iteration import run_iteration
 
@@ -99,28 +101,74 @@ def test_a_sharded_run_resumes_at_another_number_of_processes(storage):
     assert steps.lr.tolist() == pytest.approx(ref_steps.lr.tolist())
 
 
-def test_a_killed_rank_leaves_no_committed_attempt_and_a_rerun_commits(storage, tmp_path, monkeypatch):
-    """Rank 1 is SIGKILLed while it writes its shards: the stage fails, its attempt never commits, and the
-    next try (no kill) commits a complete learn."""
-    hook = tmp_path / "hook"
+def kill_rank_1_in(hook: Path, function: str) -> None:
+    """A sitecustomize in `hook` (on PYTHONPATH it loads in every python the learn stage starts) that SIGKILLs
+    rank 1 when it calls grpo.learner.sharding.`function`."""
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(  # loaded by every python the learn stage starts
+    (hook / "sitecustomize.py").write_text(
         "import os, signal\n"
         "if os.environ.get('RANK') == '1':\n"
         "    import grpo.learner.sharding\n"
-        "    grpo.learner.sharding.save_state = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"    grpo.learner.sharding.{function} = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
     )
+
+
+def test_a_rank_killed_before_the_policy_is_out_leaves_no_committed_attempt_and_a_rerun_commits(
+    storage, tmp_path, monkeypatch
+):
+    """Rank 1 is SIGKILLed while the ranks gather the policy (before it is written): the stage fails, neither its
+    attempt nor the state's commits, and the next try (no kill) commits a complete learn and state."""
+    kill_rank_1_in(tmp_path / "hook", "full_state_dict")
     make_run(storage, "k", extra=["learn.num_processes=2", "learn.sharding=fsdp2"])
     for s in ["snapshot", "rollouts", "rewards", "advantages"]:
         stage_function(s)(storage, "k", 0)
     with monkeypatch.context() as m:
-        m.setenv("PYTHONPATH", f"{hook}:{ROOT}")
+        m.setenv("PYTHONPATH", f"{tmp_path / 'hook'}:{ROOT}")
         with pytest.raises(StageError, match="torchrun exited"):
             stage_function("learn")(storage, "k", 0)
-    d = stage_dir(storage, "k", 0, "learn")
-    assert len(list_attempts(storage, d)) == 1 and not committed_attempts(storage, d)
+    for name in ("learn", STATE_STAGE):
+        d = stage_dir(storage, "k", 0, name)
+        assert len(list_attempts(storage, d)) == 1 and not committed_attempts(storage, d), name
     learn = stage_function("learn")(storage, "k", 0)
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "policy/model.safetensors"} <= set(learned_files(learn))
+
+
+def test_the_ranks_write_their_shards_after_the_policy_commits_and_a_rank_lost_then_is_replayed(
+    storage, tmp_path, monkeypatch
+):
+    """fsdp2 on one machine: the learn commits its policy while its ranks write their shards straight into the
+    state's attempt. Rank 1 SIGKILLed in its shards: the learn stands, the state never commits, and the next
+    learn replays learn 0's update (under torchrun again), commits its state and goes on, to the bytes of a run
+    that lost nothing."""
+    kill_rank_1_in(tmp_path / "hook", "save_state")
+    for run_id in ("lost", "whole"):
+        make_run(storage, run_id, extra=["learn.num_processes=2", "learn.sharding=fsdp2", F32])
+        for s in ["snapshot", "rollouts", "rewards", "advantages"]:
+            stage_function(s)(storage, run_id, 0)
+    with monkeypatch.context() as m:
+        m.setenv("PYTHONPATH", f"{tmp_path / 'hook'}:{ROOT}")
+        learned = stage_function("learn")(storage, "lost", 0)  # committed: the policy was out
+    state.settled()  # the background commit failed (logged): rank 1 died writing its shards
+    d = stage_dir(storage, "lost", 0, STATE_STAGE)
+    assert len(list_attempts(storage, d)) == 1 and not committed_attempts(storage, d)
+    assert "policy/model.safetensors" in {f.path for f in learned.manifest.files}
+    stage_function("learn")(storage, "whole", 0)
+    for run_id in ("lost", "whole"):
+        learn_module.WARM.take(None)
+        run_iteration(storage, run_id, 1)  # "lost": learn 1 replays learn 0 to make its state
+    held = {r: state_of(learn_of(storage, r, 0)) for r in ("lost", "whole")}
+    assert {f.path: f.sha256 for f in held["lost"].manifest.files} == {
+        f.path: f.sha256 for f in held["whole"].manifest.files
+    }
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng.pt"} == {
+        f.path for f in held["whole"].manifest.files
+    }
+    assert weights(learn_of(storage, "lost", 1)).keys() == weights(learn_of(storage, "whole", 1)).keys()
+    one = {
+        r: {f.path: f.sha256 for f in learn_of(storage, r, 1).manifest.files if f.path.startswith("policy/")}
+        for r in ("lost", "whole")
+    }
+    assert one["lost"] == one["whole"]
 
 
 @pytest.mark.s3
@@ -133,9 +181,18 @@ def test_sharded_lora_state_round_trips_through_s3(s3, monkeypatch, tmp_path):
     monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
     storage = open_storage(f"s3://{s3.bucket}/sharding-{tmp_path.name}")
     make_run(storage, "s", extra=["learn.num_processes=2", "learn.sharding=fsdp2", "learn.lora={r: 2, alpha: 4}"])
+    uploaded = []  # what the stage's own process uploads into a state attempt: never the ranks' shards
+    real = state.put_files
+    monkeypatch.setattr(state, "put_files", lambda fs, pairs: uploaded.extend(r for _, r in pairs) or real(fs, pairs))
     for k in range(2):
         run_iteration(storage, "s", k)
     learn = learn_of(storage, "s", 1)
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "adapter/adapter_model.safetensors"} <= set(learned_files(learn))
+    held = state_of(learn)
+    shards = [f for f in held.manifest.files if f.path.startswith("dcp/")]
+    assert uploaded and not [r for r in uploaded if "/dcp/" in r]  # each rank uploaded its own
+    for f in shards:  # listed by the hashes the ranks made on the way: the bytes in storage
+        assert hashlib.sha256(storage.fs.cat_file(held.path(f.path))).hexdigest() == f.sha256, f.path
+    assert held.manifest.io["upload_bytes"] >= sum(f.size for f in shards)
     steps = pd.read_parquet(storage.uri(learn.path("metrics.parquet")), storage_options=s3.storage_options()).step
     assert learn.manifest.summary["steps"] == len(steps) == 2

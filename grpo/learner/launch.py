@@ -105,47 +105,89 @@ def run_distributed(
     """Run `train` under torchrun, on this machine alone or as one node of `rendezvous`; forward its output
     lines to the log. `check()` is asked every second while it runs: a problem it names (another node
     failed) stops the processes and fails with that line. Returns rank 0's summary (None on another node)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(args, f)
-    where = rendezvous.torchrun_args() if rendezvous else ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    cmd = [sys.executable, "-m", "grpo.learner.launch", f"--nproc_per_node={nproc}", *where]  # torchrun
-    proc = subprocess.Popen(
-        [*cmd, "-m", "grpo.learner.rank", f.name],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**WORKER_ENV_DEFAULTS, **os.environ, TO_STDOUT: "1"},
-        start_new_session=True,  # stop_group ends torchrun and its workers together
-        preexec_fn=tied_to_this_process(signal.SIGTERM),  # this process killed: torchrun stops its ranks
-    )
-    tail: collections.deque[str] = collections.deque(maxlen=20)
-    cause: list[str] = []  # the last exception line a worker printed
-    killed: dict[int, str] = {}  # rank -> torchrun's line on the signal that ended it
-    reader = threading.Thread(target=_forward, args=(proc, tail, cause, killed), daemon=True)
-    reader.start()
-    try:
-        while proc.poll() is None:
-            try:
-                proc.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                problem = check() if check else None
-                if problem:
-                    raise StageError(problem)
-    finally:
-        if proc.poll() is None:
-            stop_group(proc, grace_s=10)
-        reader.join(timeout=10)
-        Path(f.name).unlink(missing_ok=True)
-    if proc.returncode != 0:
-        why = f" ({cause[-1][:300]})" if cause else ""
+    learners = Torchrun(args, nproc, rendezvous)
+    learners.finish(check)
+    return learners.summary()
+
+
+class Torchrun:
+    """torchrun and its ranks running `grpo.learner.rank` on `args`, started here; `until_ready` waits for the
+    policy only (the ranks go on writing their optimizer shards, args["ready"]), `finish` for the end."""
+
+    def __init__(self, args: dict, nproc: int, rendezvous: Rendezvous | None = None):
+        self.args = args
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(args, f)
+        self.args_file = f.name
+        where = (
+            rendezvous.torchrun_args() if rendezvous else ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+        )
+        cmd = [sys.executable, "-m", "grpo.learner.launch", f"--nproc_per_node={nproc}", *where]  # torchrun
+        self.proc = subprocess.Popen(
+            [*cmd, "-m", "grpo.learner.rank", f.name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**WORKER_ENV_DEFAULTS, **os.environ, TO_STDOUT: "1"},
+            start_new_session=True,  # stop_group ends torchrun and its workers together
+            preexec_fn=tied_to_this_process(signal.SIGTERM),  # this process killed: torchrun stops its ranks
+        )
+        self.tail: collections.deque[str] = collections.deque(maxlen=20)
+        self.cause: list[str] = []  # the last exception line a worker printed
+        self.killed: dict[int, str] = {}  # rank -> torchrun's line on the signal that ended it
+        self.reader = threading.Thread(
+            target=_forward, args=(self.proc, self.tail, self.cause, self.killed), daemon=True
+        )
+        self.reader.start()
+
+    def until_ready(self, check: Callable[[], str | None] | None = None) -> None:
+        """Wait until rank 0 says the policy, tables and summary are written (args["ready"] exists) or torchrun
+        ends; a failure before that raises as `finish` does, and stops the processes."""
+        ready = Path(self.args["ready"])
+        self.finish(check, until=ready.exists)
+
+    def finish(self, check: Callable[[], str | None] | None = None, until: Callable[[], bool] | None = None) -> None:
+        """Wait for torchrun to end (or, with `until`, for that to hold while it runs); a rank's failure, or a
+        problem `check()` names, stops the processes and raises LearnersExited (StageError) with its line."""
+        try:
+            while self.proc.poll() is None:
+                if until is not None and until():
+                    return
+                try:
+                    self.proc.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    problem = check() if check else None
+                    if problem:
+                        raise StageError(problem)
+        except BaseException:
+            self.stop()
+            raise
+        self.stop()
+        if self.proc.returncode != 0:
+            raise LearnersExited(self._failure())
+
+    def stop(self) -> None:
+        """End torchrun and its ranks where they still run, and forget the arguments' file."""
+        if self.proc.poll() is None:
+            stop_group(self.proc, grace_s=10)
+        self.reader.join(timeout=10)
+        Path(self.args_file).unlink(missing_ok=True)
+
+    def summary(self) -> dict | None:
+        """Rank 0's summary (None on a node other than 0)."""
+        summary = Path(self.args["summary"])
+        return json.loads(summary.read_text()) if summary.exists() else None
+
+    def _failure(self) -> str:
+        why = f" ({self.cause[-1][:300]})" if self.cause else ""
         # torchrun SIGTERMs the survivors of a failed rank: a SIGTERM is news only where no rank said why
-        first = {r: line for r, line in killed.items() if "SIGTERM" not in line} or ({} if cause else killed)
+        first = {r: line for r, line in self.killed.items() if "SIGTERM" not in line} or (
+            {} if self.cause else self.killed
+        )
         if first:  # the others' errors (a peer's closed connection) follow from it
             ranks = "; ".join(f"rank {r} was killed: {line}" for r, line in sorted(first.items()))
-            why = f": {ranks}" + (f"; then {cause[-1][:200]}" if cause else "")
-        raise LearnersExited(f"learn under torchrun exited with {proc.returncode}{why}:\n{''.join(tail)}")
-    summary = Path(args["summary"])
-    return json.loads(summary.read_text()) if summary.exists() else None
+            why = f": {ranks}" + (f"; then {self.cause[-1][:200]}" if self.cause else "")
+        return f"learn under torchrun exited with {self.proc.returncode}{why}:\n{''.join(self.tail)}"
 
 
 # a traceback's last line, e.g. "torch.OutOfMemoryError: CUDA out of memory. ..."; not torchrun's own summary

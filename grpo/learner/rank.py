@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import fsspec
@@ -20,7 +21,7 @@ from grpo.layout import Salt, iteration_seed
 from grpo.learner.batch import Batch, Scores
 from grpo.learner.launch import LAUNCHER_PID
 from grpo.learner.loop import train
-from grpo.learner.state import Learner
+from grpo.learner.state import STATE_DCP, Learner
 from grpo.procs import die_with_parent
 from grpo.threads import cpu_watch
 from schemas import table_file, write_parquet
@@ -60,15 +61,21 @@ def logprob_columns(run_id: str, iteration: int, batch: Batch, scores: Scores) -
 
 
 def train_and_save(
-    learner: Learner, run_id: str, iteration: int, batch: Batch, out_dir: str, state_dir: str | None = None
+    learner: Learner,
+    run_id: str,
+    iteration: int,
+    batch: Batch,
+    out_dir: str,
+    state_dir: str | None = None,
+    shards: bool = True,
 ) -> dict:
     """`grpo.learner.train`, then (main process) policy/, metrics and log-probs into the local folder out_dir,
-    and optimizer.pt, rng.pt (master weights, or every process's dcp/ shards) into state_dir (out_dir where None).
-    Returns the summary."""
+    and optimizer.pt, rng.pt (master weights, or every process's dcp/ shards unless `shards` is False) into
+    state_dir (out_dir where None). Returns the summary."""
     seed = iteration_seed(learner.cfg.seed, iteration, Salt.LEARNER_TORCH)
     with cpu_watch(f"learn {iteration}", on=learner.acc.device.type == "cpu") as cpu:  # threads, a busy machine
         update = train(learner, run_id, iteration, batch, seed)
-    learner.save(out_dir, state_dir)  # every process: under fsdp2 each writes its shards
+    learner.save(out_dir, state_dir, shards)  # every process: under fsdp2 each writes its shards
     if learner.acc.is_main_process:
         disk = fsspec.filesystem("file")  # out_dir is a local folder whatever the storage
         write_parquet(disk, f"{out_dir}/{table_file('learn_metrics')}", "learn_metrics", update.rows)
@@ -93,9 +100,37 @@ def worker_main(args_path: str) -> None:
     learner = new_learner(
         cfg, args["iteration"], args["policy_dir"], args["ref_dir"], args["state_dir"], args["adapter_dir"]
     )
-    summary = train_and_save(learner, args["run_id"], args["iteration"], batch, args["out_dir"], args.get("state_out"))
-    if int(os.environ.get("RANK", "0")) == 0:
+    later = args.get("shards")  # fsdp2 shards written once the policy is out (the learn commits it meanwhile)
+    summary = train_and_save(
+        learner, args["run_id"], args["iteration"], batch, args["out_dir"], args.get("state_out"), later is None
+    )
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
         Path(args["summary"]).write_text(json.dumps(summary))
+    if later is not None:
+        if rank == 0:
+            Path(args["ready"]).touch()  # policy, tables, summary: all written (train_and_save ends in a barrier)
+        learner.save_shards(later["dir"])
+        if later.get("storage_url"):
+            upload_own_shards(later, rank)
+
+
+def upload_own_shards(later: dict, rank: int) -> None:
+    """Upload this rank's files of the local dcp/ folder (DCP names them `__<rank>_<n>.distcp`; rank 0, the
+    coordinator, also wrote `.metadata`) into later["to"]/dcp/ on storage, several at once, hashed on the way,
+    and leave their sizes, hashes and upload seconds in later["digests"]/rank-<rank>.json for the state commit."""
+    from grpo.storage import open_storage
+    from grpo.transfer import put_files
+
+    local = Path(later["dir"], STATE_DCP)
+    mine = sorted(
+        p for p in local.iterdir() if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")
+    )
+    fs = open_storage(later["storage_url"]).fs
+    t0 = time.perf_counter()
+    written = put_files(fs, [(str(p), f"{later['to']}/{STATE_DCP}/{p.name}") for p in mine])
+    report = {"seconds": time.perf_counter() - t0, "files": {k: list(v) for k, v in written.items()}}
+    Path(later["digests"], f"rank-{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 
 
 def fully_shard_policy(model: torch.nn.Module, world: int, device: torch.device) -> None:
@@ -55,7 +56,16 @@ def save_state(model: torch.nn.Module, opt: torch.optim.Optimizer, folder: str |
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     weights, optim = get_state_dict(model, opt, options=_options(trainable_only))
-    dcp.save({"model": weights, "optim": optim}, checkpoint_id=str(folder), no_dist=not _distributed())
+    writer = _Writer(str(folder))
+    dcp.save({"model": weights, "optim": optim}, storage_writer=writer, no_dist=not _distributed())
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file-system writer, its .metadata free of where and when it was written (the folder, a random save
+    id): the same shards make the same bytes, so a replayed state commits what the lost one would have."""
+
+    def storage_meta(self):
+        return None
 
 
 def load_state(model: torch.nn.Module, opt: torch.optim.Optimizer, folder: str | Path, trainable_only: bool) -> None:

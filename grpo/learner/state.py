@@ -154,12 +154,13 @@ class Learner:
         if device == "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def save(self, out_dir: str, state_dir: str | None = None) -> None:
+    def save(self, out_dir: str, state_dir: str | None = None, shards: bool = True) -> None:
         """Every process calls this. Into the local folder out_dir: policy/ (HF checkpoint in the base
         model's dtype) or, with LoRA, adapter/ (peft's adapter_model.safetensors + adapter_config.json).
         Into state_dir (out_dir where None): the optimizer state (optimizer.pt, or dcp/ with every process's
-        shards under fsdp2); rng.pt; and, when the checkpoint's dtype is narrower than float32 and nothing else
-        keeps them, the float32 master weights (master.safetensors)."""
+        shards under fsdp2, unless `shards` is False: save_shards writes them later); rng.pt; and, when the
+        checkpoint's dtype is narrower than float32 and nothing else keeps them, the float32 master weights
+        (master.safetensors)."""
         out, policy = Path(out_dir), self.acc.unwrap_model(self.model)
         held = Path(state_dir or out_dir)
         held.mkdir(parents=True, exist_ok=True)
@@ -170,12 +171,17 @@ class Learner:
             state = {k.removeprefix("lm."): v for k, v in state.items() if k not in aliases}
         if main:
             (self._save_adapter if self.lora else self._save_policy)(policy.lm, state, out, held)
-        if self.sharded:
-            sharding.save_state(policy, self.opt, held / STATE_DCP, trainable_only=self.lora)
-        elif main:
+        if self.sharded and shards:
+            self.save_shards(held)
+        elif main and not self.sharded:
             torch.save(self.opt.state_dict(), held / "optimizer.pt")
         if main:
             torch.save({"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()}, held / "rng.pt")
+
+    def save_shards(self, state_dir: str | Path) -> None:
+        """Every process (fsdp2) writes its shards of the float32 weights and AdamW state into state_dir/dcp/."""
+        policy = self.acc.unwrap_model(self.model)
+        sharding.save_state(policy, self.opt, Path(state_dir) / STATE_DCP, trainable_only=self.lora)
 
     @staticmethod
     def _save_adapter(lm, state: dict | None, out: Path, held: Path) -> None:
