@@ -32,7 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from learner_memory import make_world
-from placement_overhead import describe, flow_process, iteration_seconds, load, run_cold, setup_pools
+from placement_overhead import describe, flow_process, iteration_seconds, load, run_cold, setup_pools, ts
 from timing import machine
 
 SPLIT = {"snapshot": "cpu", "rollouts": "cpu", "rewards": "cpu", "advantages": "cpu", "learn": "gpu", "eval": "cpu"}
@@ -65,6 +65,28 @@ def counts(storage, run_id: str, k: int) -> dict[str, dict[str, int]]:
             for kind in KINDS:
                 out[stage][kind] += io.get(f"{kind}_bytes", 0)
     return out
+
+
+def commit_seconds(storage, run_id: str, n: int) -> tuple[float, float]:
+    """Means over iterations 1..n-1: a learn's start to its commit, and its commit to its state's (0 where the
+    state was inside the learn's commit)."""
+    from grpo import layout
+    from grpo.storage import committed_attempts, load_manifest
+
+    def times(k: int, stage: str) -> tuple[float, float] | None:
+        attempts = committed_attempts(storage, layout.stage_dir(storage, run_id, k, stage))
+        if not attempts:
+            return None
+        m = load_manifest(storage, attempts[-1], verify=False)[0]
+        return ts(m.started_at), ts(m.committed_at)
+
+    learn, behind = [], []
+    for k in range(1, n):
+        start, end = times(k, "learn")
+        learn.append(end - start)
+        held = times(k, layout.STATE_STAGE) if hasattr(layout, "STATE_STAGE") else None
+        behind.append(held[1] - end if held else 0.0)
+    return sum(learn) / len(learn), sum(behind) / len(behind)
 
 
 def policy_bytes(storage, run_id: str) -> tuple[int, int]:
@@ -101,6 +123,8 @@ def report(storage, run_id: str, n: int, title: str) -> dict:
     moved = crit["download"] + crit["upload"]
     print(f"\ncritical path: {moved / P:.2f} P moved (downloaded + uploaded), {crit['hash'] / P:.2f} P hashed")
     seconds = iteration_seconds(storage.url, run_id, n, 0.0)[1:]  # eval commit to eval commit, iterations 1..
+    learn, behind = commit_seconds(storage, run_id, n)
+    print(f"learn: {learn:.1f} s from its start to its commit; the state committed {behind:.1f} s after it (means)")
     print(
         f"iteration seconds (eval commit to eval commit): {' '.join(f'{s:.1f}' for s in seconds)}, "
         f"mean {sum(seconds) / len(seconds):.1f}"

@@ -63,6 +63,7 @@ class _Pending:
     thread: threading.Thread | None = None
     error: BaseException | None = None
     what: str = ""
+    at_exit: bool = False  # settled() registered to run as the main thread ends
 
 
 class Shards:
@@ -120,10 +121,19 @@ def commit_later(
     writer = shards.writer if shards else _writer(storage, config, run_id, k, inputs)
     writer.bind_inputs(inputs)
     _Pending.what, _Pending.error = f"state iteration {k}", None
-    # not a daemon: the interpreter waits for the commit before it exits (a flow run's process, `grpo run`)
-    target = _commit_guarded
-    _Pending.thread = threading.Thread(target=target, args=(storage, writer, held, shards), name="grpo-state")
+    _Pending.thread = threading.Thread(target=_commit_guarded, args=(storage, writer, held, shards), name="grpo-state")
     _Pending.thread.start()
+    _finish_before_exit()
+
+
+def _finish_before_exit() -> None:
+    """Have the interpreter finish the commit when the main thread ends (a flow run's process, `grpo run`) before
+    its shutdown stops thread pools from starting (the uploads use one; a plain non-daemon thread is joined only
+    after that: "cannot schedule new futures after interpreter shutdown"). threading's exit hooks run newest
+    first, so this one, registered after concurrent.futures', runs before it."""
+    if not _Pending.at_exit:
+        threading._register_atexit(settled)  # the hook concurrent.futures itself uses
+        _Pending.at_exit = True
 
 
 def commit_now(storage: Storage, config: dict, run_id: str, learned: Committed, held: str) -> Committed:

@@ -160,3 +160,31 @@ def test_on_s3_the_learners_machine_reads_back_nothing_it_wrote_and_another_mach
     assert {f.path: f.sha256 for f in again.manifest.files if f.path.startswith("policy/")} == {
         f.path: f.sha256 for f in learned.manifest.files if f.path.startswith("policy/")
     }
+
+
+@pytest.mark.s3
+def test_a_process_whose_main_thread_ends_before_its_state_commit_still_commits_it(s3_env, s3_prefix, tmp_path):
+    """`grpo run`'s last learn, a placed learn's flow-run process: the main thread ends while the state commit is
+    still to come (here held back 2 s); the process commits it before it exits, its uploads not refused by the
+    interpreter's shutdown ("cannot schedule new futures after interpreter shutdown")."""
+    script = (
+        "import time\n"
+        "from stages import state\n"
+        "real = state._commit\n"
+        "state._commit = lambda *a, **k: time.sleep(2) or real(*a, **k)\n"
+        "from grpo.config import load_config\n"
+        "from grpo.storage import open_storage\n"
+        "from stages.init import init_run\n"
+        "from stages.iteration import run_iteration\n"
+        f"storage = open_storage({s3_prefix!r})\n"
+        f"init_run(storage, 't', load_config(None, {RUN!r}))\n"
+        "run_iteration(storage, 't', 0)\n"
+    )
+    env = {**os.environ, "GRPO_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=ROOT, timeout=300, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "background commit failed" not in done.stderr, done.stderr[-2000:]
+    storage = open_storage(s3_prefix)
+    assert state.committed_state(storage, "t", committed(storage, "t", 0, "learn")) is not None
