@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from grpo import devices
 from grpo.checkpoint import (
     ADAPTER_PREFIX,
     CHECKPOINT_PREFIX,
@@ -62,7 +63,8 @@ class WarmLearners:
     half-updated) builds a fresh Learner from the committed files. The reference is not part of the
     key: a learner taken loads the iteration's reference when it holds another (Learner.use_reference;
     learn.ref_update_every moves it).
-    On a GPU the kept learner waits in CPU memory, leaving the GPU to the sampler.
+    On a GPU the kept learner waits in CPU memory, leaving the GPU to the sampler, unless the sampler has a
+    device of its own (grpo.devices.apart): then it stays on its device.
     Change the key only with tests test_warm_iterations_commit_what_cold_ones_do and
     test_optimizer_state_carries_to_next_iteration in view.
     """
@@ -75,15 +77,16 @@ class WarmLearners:
     def key(cfg: RunConfig, learn_uri: str) -> tuple:
         return learn_uri, json.dumps(cfg.to_dict()["learn"], sort_keys=True)
 
-    def keep(self, key: tuple, learner: Learner) -> None:
-        learner.to("cpu")
+    def keep(self, key: tuple, learner: Learner, offload: bool = True) -> None:
+        if offload:
+            learner.to("cpu")
         self._key, self._learner = key, learner
 
     def take(self, key: tuple) -> Learner | None:
         learner = self._learner if key == self._key else None
         self._key = self._learner = None  # taken or stale: either way not reusable again
         if learner is not None:
-            learner.to(learner.acc.device)
+            learner.to(learner.device)
         return learner
 
 
@@ -216,6 +219,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         return join_learn(storage, cfg, run_id, iteration, node_rank, force)
     inputs = learn_inputs(storage, cfg, run_id, iteration)
     in_process = cfg.learn.num_processes == 1
+    shared = not devices.apart(cfg)  # the learner runs on the sampler's device: they take turns on it
     learner: Learner | None = None
     held: str | None = None  # the resume state, committed apart after the policy (stages.state)
     made: str | None = None  # on object storage: the folder the policy was written to, kept in this machine's cache
@@ -224,7 +228,8 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         nonlocal learner, held, made
         state.wait()  # this process's commit of the state before: one at a time, a failure shown here
         batch = read_batch(storage, cfg, inputs)
-        release_accelerator(cfg.rollout.keep_engine)  # the sampler sleeps (or closes) while the learner runs
+        if shared:  # the sampler sleeps (or closes) while the learner runs on its device
+            release_accelerator(cfg.rollout.keep_engine)
         if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
             learner = WARM.take(WARM.key(cfg, inputs["previous"].uri))
         warm = learner is not None
@@ -250,8 +255,9 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         return {**summary, "warm_learner": warm}  # taken from memory, not built from the committed files
 
     config = stage_config(cfg)
-    try:
-        out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
+    try:  # this thread's CUDA device the learner's (a sampler may hold another in this process)
+        with devices.current(devices.learner_device(cfg.learn) if in_process else None):
+            out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
     except BaseException:
         for folder in (held, made):
             if folder is not None:
@@ -266,7 +272,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     elif held is not None:
         shutil.rmtree(held)
     if learner is not None:  # ran in this process and committed: keep it for iteration k + 1
-        WARM.keep(WARM.key(cfg, out.uri), learner)
+        WARM.keep(WARM.key(cfg, out.uri), learner, offload=shared)
     return out
 
 
