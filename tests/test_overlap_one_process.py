@@ -29,7 +29,7 @@ from grpo.learner import loop
 from grpo.report import overlaps, stage_times
 from grpo.sampling import engines
 from grpo.storage import committed_attempts, latest_committed, open_storage
-from stages import learn
+from stages import StageError, learn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.equivalence]
 
@@ -173,3 +173,47 @@ def test_a_device_the_machine_lacks_fails_in_one_line_before_anything_is_written
     assert state.is_failed() and "\n" not in state.message
     assert re.fullmatch(line + r"[^\n]*", state.message), state.message
     assert not store.exists() or not any(Path(store).rglob("*.json"))  # no run.json, no manifest
+
+
+def test_a_learn_that_fails_in_its_thread_fails_the_flow_in_its_line_and_the_run_resumes(
+    prefect_api, tmp_path, monkeypatch, one_thread
+):
+    cold()
+    monkeypatch.setattr(devices, "apart", lambda cfg: True)
+    train_and_save = learn.train_and_save
+
+    def fails_at_1(learner, run_id, k, *args):
+        if k == 1:
+            raise StageError("learn iteration 1: the learner gave up")
+        return train_and_save(learner, run_id, k, *args)
+
+    monkeypatch.setattr(learn, "train_and_save", fails_at_1)
+    storage = open_storage((tmp_path / "s").as_uri())
+    params = {"run_id": "r", "overrides": OVERRIDES, "storage_url": storage.url}
+    state = grpo(iterations=3, return_state=True, **params)
+    assert state.is_failed() and state.message == "learn iteration 1: the learner gave up"
+    done = lambda k, s: bool(committed_attempts(storage, stage_dir(storage, "r", k, s)))  # noqa: E731
+    assert done(0, "eval") and not done(1, "learn")  # eval 0 ran beside learn 1
+    assert done(2, "advantages")  # iteration 2 sampled meanwhile: it reads learn 0 alone (S = 1)
+    monkeypatch.setattr(learn, "train_and_save", train_and_save)
+    out = grpo(iterations=2, **params)  # iteration next (1): its sampling and iteration 2's reused
+    assert out["eval"].startswith(storage.url) and done(2, "eval")
+    assert len(committed_attempts(storage, stage_dir(storage, "r", 2, "rollouts"))) == 1
+
+
+def test_the_transformers_samplers_first_adapters_draw_nothing_from_torchs_global_generator(tmp_path):
+    """A learner in another thread draws its dropout from that generator (and saves its state in rng.pt)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from grpo.config import ModelConfig
+    from grpo.sampling.hf import HFGenerator
+    from grpo.tiny_model import build_for_task
+
+    build_for_task(str(tmp_path / "m"), "sort", {}, ModelConfig(), 0)
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    get_peft_model(lm, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path / "a")
+    sampler = HFGenerator(str(tmp_path / "m"))
+    before = torch.get_rng_state()
+    sampler.load_adapter(str(tmp_path / "a"))
+    assert torch.equal(torch.get_rng_state(), before) and sampler.adapter_dir == str(tmp_path / "a")

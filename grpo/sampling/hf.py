@@ -131,7 +131,11 @@ class HFGenerator:
             if hasattr(self.model, "disable_adapter_layers"):
                 self.model.base_model.disable_adapter_layers()
         elif not hasattr(self.model, "get_base_model"):
-            self.model = PeftModel.from_pretrained(self.model, adapter_dir).eval().to(self.device)
+            # the adapters made on the meta device, then loaded: no draw from torch's global generator, which a learner
+            # in another thread of this process may be drawing from (flows/placement.py overlapping)
+            self.model = (
+                PeftModel.from_pretrained(self.model, adapter_dir, low_cpu_mem_usage=True).eval().to(self.device)
+            )
         else:
             weights = load_file(str(Path(adapter_dir, "adapter_model.safetensors")), device=str(self.device))
             result = set_peft_model_state_dict(self.model, weights)
