@@ -425,6 +425,8 @@ def main() -> int:
         if name == "overlap" and not args.flow:
             print(f"\n{name}: skipped, needs the flow (`grpo run` runs the stages in order)")
             continue
+        if name == "overlap":  # the cases before left vLLM's engine holding most of cuda:0, and nothing puts it to
+            close_generators()  # sleep here: the learner has cuda:1 to itself
         t = time.perf_counter()
         devices = DevicePeak()
         devices.start()

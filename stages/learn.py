@@ -1,7 +1,8 @@
 """Stage 5: the GRPO update (grpo.learner) on an iteration's rollouts, writing the next policy checkpoint.
 
 This stage joins the rollouts with their advantages into a `Batch` of whole groups, frees the
-GPU of the sampler (vLLM sleeps, or closes: rollout.keep_engine), runs the update and commits
+GPU of the sampler where they share it (vLLM sleeps, or closes: rollout.keep_engine; not where learn.device and
+rollout.device are apart: grpo/devices.py), runs the update and commits
 policy/ (or adapter/), the metrics of every step and the old (and reference) log-probs, so an audit can
 recompute every loss; the resume state (optimizer.pt, rng.pt, master.safetensors for a narrower-than-float32
 base) follows in a commit of its own, off the critical path (stages/state.py). When the next iteration runs
