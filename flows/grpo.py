@@ -29,6 +29,7 @@ from flows.placement import (
     Placement,
     check_placement,
     stage_flow,  # noqa: F401 (the entrypoint deployments made before flows/placement.py name)
+    stages_here,
 )
 from flows.tasks import create_run, failed, ok
 from grpo.layout import StageName
@@ -74,8 +75,10 @@ def grpo(
     exist; `storage_url` defaults to $GRPO_STORAGE or ./storage; `force_stage` reruns that
     stage of the first iteration (and so every later stage). `placement` ({stage: work pool})
     runs those stages as flow runs of deployment `grpo-stage/<pool>` (flows/placement.py), the rest here. With
-    rollout.staleness >= 1 and learn on a pool of its own, iteration k+1 samples (and iteration k's eval runs)
-    while learn k runs: which policy samples which rows is fixed by the config, not by this overlap.
+    rollout.staleness >= 1 and learn on a pool of its own, or here on another device than the sampler's
+    (learn.device, rollout.device: learn k then runs in a thread of this flow run), iteration k+1 samples (and
+    iteration k's eval runs) while learn k runs: which policy samples which rows is fixed by the config, not by
+    this overlap. The devices of the stages that run here are checked before anything is written.
     """
     apply_threads()  # GRPO_THREADS (grpo/threads.py)
     if iterations < 1:
@@ -84,9 +87,9 @@ def grpo(
     try:
         with stage_logs_to_prefect(), warm_state() as warm, ProgressTable(storage, run_id) as progress:
             check_placement(placement)
-            ok(create_run(storage.url, run_id, config_path, overrides or []))
+            ok(create_run(storage.url, run_id, config_path, overrides or [], stages_here(placement)))
             first, cfg = resolve_iteration(storage, run_id, iteration), load_run(storage, run_id)
-            behind = None  # an iteration whose learn runs on its pool while the next one samples (staleness)
+            behind = None  # an iteration whose learn runs (on its pool, or in a thread) while the next one samples
             for k in range(first, first + iterations):
                 force, last = force_stage if k == first else None, k == first + iterations - 1
                 stage = Placement(placement, storage, run_id, k, cfg, force, last)  # runs a stage, here or placed

@@ -1,6 +1,7 @@
 """Where the flow's stages run: here (the default), as flow runs of deployment `grpo-stage/<pool>` on other work
 pools, on long-lived stage workers (`warm`), in shards, or on learn.nodes machines; `Placement` dispatches one
-iteration's stages and waits for them, reading each result from storage."""
+iteration's stages and waits for them, reading each result from storage; `overlapping` says when learn k runs
+while iteration k+1 samples (on its pool, or here in a thread of this flow run, on a device of its own)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from prefect.states import Failed, State
 
 from flows.logs import stage_logs_to_prefect
 from flows.tasks import TASKS, checked_uri, failure_line, ok
+from grpo import devices
 from grpo.config import ConfigError, RunConfig
 from grpo.gc import lost_attempts
 from grpo.layout import STAGES, StageName, shard_stage, stage_dir
@@ -79,6 +81,21 @@ def check_placement(placement: dict[str, str] | None) -> None:
         raise ConfigError(f"placement: unknown stage(s) {unknown}; stages: {list(STAGES)}")
 
 
+def stages_here(placement: dict[str, str] | None) -> list[str]:
+    """The stages this process runs: those `placement` sends nowhere (their devices are this machine's)."""
+    return [name for name in STAGES if name not in (placement or {})]
+
+
+def overlapping(cfg: RunConfig, placement: dict[str, str]) -> bool:
+    """Whether iteration k+1 samples (and iteration k's eval runs) while learn k runs: rollout.staleness >= 1, and
+    learn on a pool of its own, or here on another device than the sampler's (grpo.devices.apart: learn k then
+    runs in a thread of this flow run). Never where they share a device in one process: there the sampler sleeps
+    while the learner runs, and the learner waits in CPU memory while the sampler does."""
+    if cfg.rollout.staleness < 1:
+        return False
+    return placement.get("learn") is not None or devices.apart(cfg)
+
+
 class Placement:
     """One iteration's stages, each where it is placed: `stage(name, upstream)` runs it here, on its work pool, on
     the stage workers, or in shards (wherever the stage runs, then merged here), and returns the committed URI."""
@@ -98,9 +115,7 @@ class Placement:
         self.force = {name: name == force_stage for name in STAGES}
         self.shards = {"rollouts": cfg.rollout.shards, "rewards": cfg.reward.shards}
         self.nodes = cfg.learn.nodes
-        # rollout.staleness >= 1 with learn on a pool of its own: iteration k+1 samples while learn k runs (never
-        # in one process, whose sampler and learner share the warm engines and the accelerator)
-        self.overlaps = cfg.rollout.staleness >= 1 and self.placement.get("learn") is not None
+        self.overlaps = overlapping(cfg, self.placement)  # iteration k+1 samples while learn k runs
 
     def __call__(self, stage: str, upstream: str | None) -> str:
         """Run (or reuse) `stage` where it is placed: its committed URI; a failure raises FailedRun (`ok`)."""
@@ -134,9 +149,19 @@ class Placement:
         return lambda: self.wait_flow_runs(stage, runs, upstream, watch)
 
     def learn(self, uris: dict[str, str]) -> Learning:
-        """Start the iteration's learn on `uris` (snapshot to advantages) where it is placed (here: run it now)."""
-        waiting = self.start("learn", uris["advantages"]) or (lambda: self.here("learn", uris["advantages"]))
+        """Start the iteration's learn on `uris` (snapshot to advantages) where it is placed; here, in a thread of
+        this flow run where it overlaps the next iteration's sampling, else now."""
+        upstream = uris["advantages"]
+        waiting = self.start("learn", upstream) or (
+            self.beside("learn", upstream) if self.overlaps else lambda: self.here("learn", upstream)
+        )
         return Learning(self, uris, waiting)
+
+    def beside(self, stage: str, upstream: str | None) -> Callable[[], str]:
+        """Start the stage's task in a thread of this flow run (its task runner) and return what waits for it: its
+        committed URI, or the FailedRun of its one line (a bug raises with its traceback), as `here` and `ok`."""
+        args, kwargs = task_arguments(stage, self.url, self.run_id, self.k, upstream, self.force[stage], last=self.last)
+        return TASKS[stage].submit(*args, **kwargs).result
 
     def sharded(self, stage: str, upstream: str | None, pool: str | None, n: int) -> str | State:
         """Every shard as its own task run: here one after the other, on the pool as concurrent flow runs
@@ -285,7 +310,8 @@ class Watch:
 
 
 class Learning:
-    """An iteration from its learn on: the learn, started where it is placed, waited for; then its eval."""
+    """An iteration from its learn on: the learn, started where it is placed (a pool, a thread of this flow run, or
+    now), waited for; then its eval."""
 
     def __init__(self, stage: Placement, uris: dict[str, str], waiting: Callable[[], str | State]):
         self.stage, self.uris, self.waiting = stage, dict(uris), waiting

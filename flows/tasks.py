@@ -10,6 +10,7 @@ from prefect import get_run_logger, task
 from prefect.exceptions import FailedRun
 from prefect.states import Failed, State
 
+from grpo import devices
 from grpo.config import ConfigError
 from grpo.errors import StageError, describe, storage_error
 from grpo.storage import ArtifactError, Committed, open_storage
@@ -42,11 +43,16 @@ def transient(task, task_run, state) -> bool:
 
 
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient, task_run_name="init {run_id}")
-def create_run(storage_url: str, run_id: str, config_path: str | None, overrides: list[str]) -> str:
-    """Write run.json and commit the base model (idempotent); an existing run keeps its config."""
+def create_run(
+    storage_url: str, run_id: str, config_path: str | None, overrides: list[str], here: list[str] | None = None
+) -> str:
+    """Write run.json and commit the base model (idempotent); an existing run keeps its config. The devices of
+    the stages `here` (those this process runs) are checked first: a machine without them writes nothing."""
     storage = open_storage(storage_url)
     try:
-        base = init_run(storage, run_id, run_config(storage, run_id, config_path, overrides))
+        cfg = run_config(storage, run_id, config_path, overrides)
+        devices.check(cfg, set(here or ()))
+        base = init_run(storage, run_id, cfg)
     except USER_ERRORS as e:
         return Failed(message=f"init {run_id}: {' '.join(str(e).split())}")
     except Exception as e:

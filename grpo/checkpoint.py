@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -40,6 +41,7 @@ CHECKPOINT_PREFIX = "policy/"
 ADAPTER_PREFIX = "adapter/"  # a LoRA policy: peft adapter files on top of the checkpoint under policy/
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
 _LOADED: OrderedDict[tuple, tuple] = OrderedDict()  # (tokenizer, config) by the files they come from
+_LOADED_LOCK = threading.Lock()  # a learn in a thread of the flow beside the sampling stages (flows/placement.py)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -297,15 +299,19 @@ def tokenizer_and_config(committed: Committed, prefix: str = CHECKPOINT_PREFIX):
             if f.path.startswith(prefix) and not f.path.endswith(WEIGHT_SUFFIXES)
         )
     )
-    if key not in _LOADED:
+    with _LOADED_LOCK:
+        loaded = _LOADED.get(key)
+    if loaded is None:  # loaded outside the lock: a download must not hold up another thread's hit
         from transformers import AutoConfig, AutoTokenizer
 
         model_dir = local_checkpoint(committed, prefix)
-        _LOADED[key] = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir)
+        loaded = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir)
+    with _LOADED_LOCK:
+        loaded = _LOADED.setdefault(key, loaded)  # one object a key, whichever thread loaded it first
+        _LOADED.move_to_end(key)
         while len(_LOADED) > 4:
             _LOADED.popitem(last=False)
-    _LOADED.move_to_end(key)
-    return _LOADED[key]
+    return loaded
 
 
 def export_policy(policy: Committed, base: Committed | None, out: str) -> str:

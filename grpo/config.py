@@ -42,6 +42,15 @@ MIN_TEMPERATURE = 1e-2
 """The lowest rollout.temperature: below it sampling is greedy in all but name (at 0.01 a logit gap of 0.1 already
 weighs e^10 to 1), so a group's G samples come out alike and carry no signal."""
 
+DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+"""What learn.device and rollout.device take (grpo/devices.py resolves them on the machine)."""
+
+
+def check_device(value: str, where: str) -> None:
+    """A device setting is auto, cpu, cuda or cuda:N (whether the machine has it is checked where a stage runs)."""
+    if not DEVICE.fullmatch(value):
+        raise ConfigError(f"{where} must be auto, cpu, cuda or cuda:N, got {value!r}")
+
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -176,6 +185,14 @@ class RolloutConfig:
     most the iteration's number of chunks: with the default chunk_prompts (512) and 256 prompts there is one,
     so N shards need chunk_prompts <= prompts_per_iteration / N (a new chunk size samples other rows, since
     each chunk is seeded on its own). Not part of the stage's identity; may change for an existing run."""
+    device: str = "auto"
+    """The sampler's device in the process that runs rollouts and eval: `cpu`, `cuda` (cuda:0), `cuda:N`, or `auto`:
+    cuda:0 where CUDA is available, else the CPU. vLLM in one process samples on cuda:0 (its local rank 0; the CPU
+    on a machine without CUDA): backend vllm takes auto, cuda or cuda:0 there, and backend auto picks transformers
+    for another device. On another device than learn.device, the sampler stays awake while the learner runs and,
+    with staleness >= 1, samples iteration k+1 while learn k runs in the same process (grpo/devices.py). Where it
+    samples, not what: no identity covers it (devices of one kind sample the same rows) and it may change for an
+    existing run; checked against the machine before the flow runs anything."""
     min_signal_groups: int | None = None
     """Dynamic sampling (DAPO): while fewer than this many of the iteration's groups have unequal rewards, the
     rollouts stage draws the next prompts_per_iteration prompts and samples them, up to max_sampling_rounds
@@ -214,6 +231,7 @@ class RolloutConfig:
             raise ConfigError(f"rollout.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
         if self.staleness < 0:
             raise ConfigError(f"rollout.staleness must be >= 0 (0: synchronous), got {self.staleness}")
+        check_device(self.device, "rollout.device")
         self.vllm.check()
 
 
@@ -390,6 +408,14 @@ class LearnConfig:
     memory: a learner built from files (a crash, a new process) first replays the updates since the last
     committed state, up to K - 1 of them, from their committed rollouts, and checks each replayed policy is the
     committed one byte for byte. Not part of any identity: the update is the same."""
+    device: str = "auto"
+    """The in-process learner's device (num_processes = 1): `cpu`, `cuda` (cuda:0), `cuda:N`, or `auto`: cuda:0 where
+    CUDA is available, else the CPU. On another device than rollout.device, the learner stays there between
+    iterations (no offload while the sampler runs) and, with rollout.staleness >= 1, the flow runs learn k in this
+    process while it samples iteration k+1 (e.g. rollout.device=cuda:0, learn.device=cuda:1). Under torchrun
+    (num_processes > 1) each process takes a GPU by its local rank: leave it auto. Where it trains, not what: no
+    identity covers it, and it may change for an existing run; checked against the machine before the flow runs
+    anything."""
     behavior_correction: BehaviorCorrection = "none"
     """Decoupled PPO (Hilton et al. 2022; AReaL's use_decoupled_loss): the clip applies to pi_theta / pi_prox, pi_prox
     being the learner's policy before the iteration's first step (pi_old, learn.old_logprobs), and each token's
@@ -470,6 +496,12 @@ class LearnConfig:
         for name in ("epochs", "minibatch_size", "microbatch_size", "num_processes", "logprob_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"learn.{name} must be >= 1, got {getattr(self, name)}")
+        check_device(self.device, "learn.device")
+        if self.device != "auto" and self.num_processes > 1:
+            raise ConfigError(
+                f"learn.device={self.device} names the in-process learner's device, but learn.num_processes="
+                f"{self.num_processes} runs it under torchrun, one GPU a process by local rank: leave learn.device auto"
+            )
         if self.microbatch_tokens is not None and self.microbatch_tokens < 1:
             raise ConfigError(
                 f"learn.microbatch_tokens must be >= 1 (tokens a forward/backward) or null (microbatch_size samples), "

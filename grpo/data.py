@@ -247,9 +247,8 @@ def pin(datasets: dict[str, dict] | None) -> None:
     {field: {"uri", "fingerprint", ...}} as grpo init recorded it, and replaces the pins of the run loaded
     before. None (a run made before fingerprints were recorded) pins nothing: its datasets are read as
     they are."""
-    _PINNED.clear()
-    for name, facts in (datasets or {}).items():
-        _PINNED[facts["uri"]] = name, facts["fingerprint"]
+    global _PINNED
+    _PINNED = {facts["uri"]: (name, facts["fingerprint"]) for name, facts in (datasets or {}).items()}  # whole
 
 
 def _short(fingerprint_: str) -> str:

@@ -60,10 +60,11 @@ ADDED_SETTINGS = {
 """Settings added after runs were made without them, per section, in groups that act together: an identity
 leaves a group out while all of it holds its defaults (what runs did before it existed)."""
 
-LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s", "state_every")
-"""Where the learner's processes run, how long they wait for each other and how often their resume state is
-committed, not what they compute (rank r does the same work on any node; a replayed update is the committed
-one): free to change for an existing run."""
+LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s", "state_every", "device")
+"""Where the learner's processes run (and on which device the in-process one trains), how long they wait for each
+other and how often their resume state is committed, not what they compute (rank r does the same work on any node;
+a replayed update is the committed one; devices of one kind train alike, as the machine is no identity's either):
+free to change for an existing run."""
 
 EVAL_READING = ("every", "metric")
 """When evals run and which figure is read as the best: committed evals and skips stay when they change."""
@@ -71,7 +72,7 @@ EVAL_READING = ("every", "metric")
 LEFT_OUT = {
     "learn": LEARN_PLACEMENT,
     "eval": EVAL_READING,
-    "rollout": ("shards",),  # 1 and N shards sample the same rows
+    "rollout": ("shards", "device"),  # 1 and N shards sample the same rows; which device samples them (as learn.device)
     "reward": ("shards", "pass_env"),  # and score them alike; which credentials reward code may read
     "tracking": ("backend", "uri", "project", "dir"),
     "retention": ("keep_last", "keep_every"),

@@ -158,6 +158,7 @@ def sha256_file(fs: AbstractFileSystem, path: str) -> str:
 
 _HASHED: OrderedDict[str, tuple[tuple, str]] = OrderedDict()  # path -> (stamp, sha256) hashed by this process
 _HASHED_MAX = 4096
+_HASHED_LOCK = threading.Lock()  # a learn in a thread of the flow beside the sampling stages (flows/placement.py)
 # a local file last written less than this long before it is hashed may still change keeping its
 # timestamps: they advance in kernel ticks (at most 10 ms on Linux), whole seconds on ext3, FAT, some NFS
 _RACY_S, _RACY_WHOLE_SECOND_S = 0.02, 2.0
@@ -191,10 +192,11 @@ def _where(fs: AbstractFileSystem, path: str) -> str:
 
 
 def _remember(key: str, stamp: tuple, digest: str) -> None:
-    _HASHED[key] = stamp, digest
-    _HASHED.move_to_end(key)
-    while len(_HASHED) > _HASHED_MAX:
-        _HASHED.popitem(last=False)
+    with _HASHED_LOCK:
+        _HASHED[key] = stamp, digest
+        _HASHED.move_to_end(key)
+        while len(_HASHED) > _HASHED_MAX:
+            _HASHED.popitem(last=False)
     STAMPS.put(key, stamp, digest)
 
 
@@ -218,12 +220,14 @@ def _known(fs: AbstractFileSystem, path: str) -> tuple[tuple | None, int, str | 
     if stamp is None or _REHASH.get():
         return stamp, size, None
     key = _where(fs, path)
-    known = _HASHED.get(key)
+    with _HASHED_LOCK:
+        known = _HASHED.get(key)
     if known is not None and known[0] == stamp:
         return stamp, size, known[1]
     digest = STAMPS.get(key, stamp)  # hashed by another process on this machine
     if digest is not None:
-        _HASHED[key] = stamp, digest
+        with _HASHED_LOCK:
+            _HASHED[key] = stamp, digest
     return stamp, size, digest
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from grpo import devices
 from grpo.config import RunConfig
 from grpo.identity import section
 from grpo.layout import stage_dir
@@ -119,9 +120,10 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
             summary.update({f"avg@{k}": sum(rows["avg_at_k"]) / n, f"pass@{k}": sum(rows["pass_at_k"]) / n})
         return summary
 
-    return run_stage(
-        storage, run_id, iteration, "eval", config=stage_config(cfg), inputs=inputs, body=body, force=force
-    )
+    with devices.current(devices.sampler_device(cfg.rollout)):  # this thread's CUDA device the sampler's
+        return run_stage(
+            storage, run_id, iteration, "eval", config=stage_config(cfg), inputs=inputs, body=body, force=force
+        )
 
 
 def skip(storage: Storage, run_id: str, iteration: int, inputs: dict[str, Committed]) -> Committed:

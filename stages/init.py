@@ -60,9 +60,10 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     result depends on it: the `tracking` and `retention` sections (what is sent where, what gc keeps) and
     learn.num_processes (with learn.sharding=fsdp2 the optimizer state reshards to any number of
     processes; the next learns run with the new number), where the learner's processes run
-    (grpo.identity.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s), and when evals
-    run and which figure is the best (grpo.identity.EVAL_READING: eval.every, eval.metric; committed evals and
-    skips stay), and rollout.shards and reward.shards (1 and N shards commit the same rows: tests/test_shards.py)."""
+    (grpo.identity.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s, learn.state_every,
+    learn.device), and when evals run and which figure is the best (grpo.identity.EVAL_READING: eval.every,
+    eval.metric; committed evals and skips stay), rollout.shards and reward.shards (1 and N shards commit the same
+    rows: tests/test_shards.py) and rollout.device (where it samples)."""
     path = run_json(storage, run_id)
     if storage.exists(path):
         raw = json.loads(storage.read_bytes(path))
@@ -80,6 +81,7 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
             for name in EVAL_READING:
                 c["eval"].pop(name)
             c["rollout"].pop("shards"), c["reward"].pop("shards")  # 1 and N shards commit the same rows
+            c["rollout"].pop("device")  # where it samples (grpo.identity.LEFT_OUT)
             if c["learn"]["sharding"] == "fsdp2":
                 c["learn"].pop("num_processes")
         if old != new:
@@ -89,9 +91,9 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
             raise StageError(
                 f"{storage.uri(path)}: run {run_id!r} exists with a different config ({', '.join(changed) or 'seed'}); "
                 "use a new run id (only "
-                "tracking, retention, eval.every, eval.metric, rollout.shards, reward.shards, learn.nodes, "
-                "learn.processes_per_node, learn.node_timeout_s and, with learn.sharding=fsdp2, learn.num_processes "
-                "may change)"
+                "tracking, retention, eval.every, eval.metric, rollout.shards, rollout.device, reward.shards, "
+                "learn.nodes, learn.processes_per_node, learn.node_timeout_s, learn.state_every, learn.device and, "
+                "with learn.sharding=fsdp2, learn.num_processes may change)"
             )
         storage.write_bytes_atomic(path, data_)
         return

@@ -47,14 +47,15 @@ def warm_state() -> Iterator[WarmState]:
     `grpo run`:
     - the reward worker pool (grpo.scoring.pool.WARM_POOLS): one for all iterations, stopped on exit;
     - the learner one learn hands to the next iteration's (stages.learn.WARM, keyed by the commit it
-      made; on a GPU it waits in CPU memory);
+      made; on a GPU it waits in CPU memory, unless it has a device of its own: grpo.devices.apart);
     - the sampling engine (grpo.sampling's live generators): reloaded in place with each new
-      policy, asleep while the learner runs; `grpo.engines.close_generators()` stops it;
+      policy, asleep while the learner runs on its device; `grpo.engines.close_generators()` stops it;
     - gc.freeze of what the first iteration loaded (WarmState.loaded), undone on exit.
     The learner and the engine outlive the block (a later block in the process takes them up again if
     its run continues theirs). Process-wide caches that need no owner, read-only and bounded: tokenizer
     and config per checkpoint files (grpo.checkpoint), file-hash stamps (grpo.storage), datasets
-    (grpo.data), config type hints (grpo.config).
+    (grpo.data), config type hints (grpo.config); the first two locked, as the flow's learn may run in a
+    thread beside the sampling stages (flows/placement.py overlapping).
     """
     state = WarmState()
     with WARM_POOLS.keep():

@@ -1,7 +1,8 @@
 """Stage 5: the GRPO update (grpo.learner) on an iteration's rollouts, writing the next policy checkpoint.
 
 This stage joins the rollouts with their advantages into a `Batch` of whole groups, frees the
-GPU of the sampler (vLLM sleeps, or closes: rollout.keep_engine), runs the update and commits
+GPU of the sampler where they share it (vLLM sleeps, or closes: rollout.keep_engine; not where learn.device and
+rollout.device are apart: grpo/devices.py), runs the update and commits
 policy/ (or adapter/), the metrics of every step and the old (and reference) log-probs, so an audit can
 recompute every loss; the resume state (optimizer.pt, rng.pt, master.safetensors for a narrower-than-float32
 base) follows in a commit of its own, off the critical path (stages/state.py). When the next iteration runs
@@ -27,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from grpo import devices
 from grpo.checkpoint import (
     ADAPTER_PREFIX,
     CHECKPOINT_PREFIX,
@@ -62,7 +64,8 @@ class WarmLearners:
     half-updated) builds a fresh Learner from the committed files. The reference is not part of the
     key: a learner taken loads the iteration's reference when it holds another (Learner.use_reference;
     learn.ref_update_every moves it).
-    On a GPU the kept learner waits in CPU memory, leaving the GPU to the sampler.
+    On a GPU the kept learner waits in CPU memory, leaving the GPU to the sampler, unless the sampler has a
+    device of its own (grpo.devices.apart): then it stays on its device.
     Change the key only with tests test_warm_iterations_commit_what_cold_ones_do and
     test_optimizer_state_carries_to_next_iteration in view.
     """
@@ -75,15 +78,16 @@ class WarmLearners:
     def key(cfg: RunConfig, learn_uri: str) -> tuple:
         return learn_uri, json.dumps(cfg.to_dict()["learn"], sort_keys=True)
 
-    def keep(self, key: tuple, learner: Learner) -> None:
-        learner.to("cpu")
+    def keep(self, key: tuple, learner: Learner, offload: bool = True) -> None:
+        if offload:
+            learner.to("cpu")
         self._key, self._learner = key, learner
 
     def take(self, key: tuple) -> Learner | None:
         learner = self._learner if key == self._key else None
         self._key = self._learner = None  # taken or stale: either way not reusable again
         if learner is not None:
-            learner.to(learner.acc.device)
+            learner.to(learner.device)
         return learner
 
 
@@ -234,6 +238,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         return join_learn(storage, cfg, run_id, iteration, node_rank, force)
     inputs = learn_inputs(storage, cfg, run_id, iteration)
     in_process = cfg.learn.num_processes == 1
+    shared = not devices.apart(cfg)  # the learner runs on the sampler's device: they take turns on it
     learner: Learner | None = None
     held: str | None = None  # the resume state, committed apart after the policy (stages.state)
     made: str | None = None  # on object storage: the folder the policy was written to, kept in this machine's cache
@@ -243,7 +248,8 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         nonlocal learner, held, made, shards
         state.settled()  # this process's commit of the state before: one at a time (a failed one: replayed)
         batch = read_batch(storage, cfg, inputs)
-        release_accelerator(cfg.rollout.keep_engine)  # the sampler sleeps (or closes) while the learner runs
+        if shared:  # the sampler sleeps (or closes) while the learner runs on its device
+            release_accelerator(cfg.rollout.keep_engine)
         if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
             learner = WARM.take(WARM.key(cfg, inputs["previous"].uri))
         warm = learner is not None
@@ -271,8 +277,9 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         return {**summary, "warm_learner": warm}  # taken from memory, not built from the committed files
 
     config = stage_config(cfg)
-    try:
-        out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
+    try:  # this thread's CUDA device the learner's (a sampler may hold another in this process)
+        with devices.current(devices.learner_device(cfg.learn) if in_process else None):
+            out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
     except BaseException:
         if shards is not None:
             shards.close()
@@ -289,7 +296,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     elif held is not None:
         shutil.rmtree(held)
     if learner is not None:  # ran in this process and committed: keep it for iteration k + 1
-        WARM.keep(WARM.key(cfg, out.uri), learner)
+        WARM.keep(WARM.key(cfg, out.uri), learner, offload=shared)
     return out
 
 

@@ -17,6 +17,7 @@ from tokenizers import models as tokenizer_models
 from grpo import data
 from grpo.checkpoint import policy_folders, tokenizer_and_config
 from grpo.config import RunConfig
+from grpo.devices import sampler_device
 from grpo.layout import Salt, iteration_seed
 from grpo.sampling.base import Generator, stop_token_ids
 from grpo.sampling.engines import choose_backend, engine_settings, get_generator
@@ -156,7 +157,7 @@ def policy_and_prompts(
 def sampler(p: Prompts, cfg: RunConfig) -> tuple[Generator, dict]:
     """The live generator for the prompts' checkpoint (started, woken, or reloaded in place) and what
     it runs with: backend, dtype and engine settings, for the manifest's summary."""
-    backend, why = choose_backend(cfg.rollout.backend, p.model_dir)
+    backend, why = choose_backend(cfg.rollout.backend, p.model_dir, sampler_device(cfg.rollout))
     settings = engine_settings(backend, cfg.rollout, cfg.model.dtype, p.model_dir, cfg.learn.lora)
     gen = get_generator(backend, p.model_dir, adapter_dir=p.adapter_dir, **settings)
     return gen, {"backend": backend, "why": why, **settings}

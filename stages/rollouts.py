@@ -16,6 +16,7 @@ import time
 from grpo import data
 from grpo.checkpoint import content_hash, non_finite_weights
 from grpo.config import RolloutConfig, RunConfig
+from grpo.devices import current, sampler_device
 from grpo.identity import section
 from grpo.layout import Salt, iteration_seed, round_seed
 from grpo.lineage import check_chain, check_policy, committed_input, frozen_version
@@ -163,20 +164,21 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
             "sampler": settings,
         }
 
-    return run_sharded(
-        storage,
-        run_id,
-        iteration,
-        "rollouts",
-        shards=r.shards,
-        setting="rollout.shards",
-        config=stage_config(cfg),
-        inputs=inputs,
-        shard_body=lambda k, writer: sample(writer, k),
-        merge_summary=merged_summary,
-        force=force,
-        shard=shard,
-    )
+    with current(sampler_device(r)):  # this thread's CUDA device the sampler's (a learner may hold another)
+        return run_sharded(
+            storage,
+            run_id,
+            iteration,
+            "rollouts",
+            shards=r.shards,
+            setting="rollout.shards",
+            config=stage_config(cfg),
+            inputs=inputs,
+            shard_body=lambda k, writer: sample(writer, k),
+            merge_summary=merged_summary,
+            force=force,
+            shard=shard,
+        )
 
 
 def stage_config(cfg: RunConfig) -> dict:

@@ -72,6 +72,17 @@ def s3_prefix(s3: S3Endpoint, request: pytest.FixtureRequest) -> str:
     return s3.url(f"test-{name}-{uuid.uuid4().hex[:8]}")
 
 
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A temporary Prefect server and SQLite database for the whole session (the flow `grpo` run in-process)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        with prefect_test_harness(server_startup_timeout=180):  # slow to start on a busy machine
+            yield
+
+
 @pytest.fixture(autouse=True)
 def state_commits_end_with_their_test():
     """A learn's background state commit (stages/state.py) ends inside the test that started it, before that

@@ -17,7 +17,6 @@ import pytest
 from prefect import flow, task
 from prefect.artifacts import Artifact
 from prefect.exceptions import ParameterTypeError
-from prefect.testing.utilities import prefect_test_harness
 from test_learn import F32
 from test_stages import TINY
 
@@ -34,15 +33,6 @@ from stages import STAGES, StageError
 pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
 
 RUN = "t"
-
-
-@pytest.fixture(scope="session")
-def prefect_api():
-    """A temporary Prefect server and SQLite database for the whole session."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        with prefect_test_harness(server_startup_timeout=180):  # slow to start on a busy machine
-            yield
 
 
 @pytest.fixture(scope="module")

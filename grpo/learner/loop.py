@@ -195,13 +195,13 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     left the learner half-updated, when the result must not be committed."""
     cfg, lcfg, acc, model, opt = learner.cfg, learner.cfg.learn, learner.acc, learner.model, learner.opt
     torch.manual_seed(torch_seed)
-    batch = batch.to(acc.device)
+    batch = batch.to(learner.device)
     check_microbatch_tokens(batch, lcfg, iteration)
     g, chunk = batch.group_size, max(1, lcfg.process_microbatch // batch.group_size)
     # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
     n_groups, world, rank = len(batch.prompt_ids), acc.num_processes, acc.process_index
     per_step = lcfg.minibatch_size // g
-    order = torch.randperm(n_groups, generator=learner.shuffle).to(acc.device)  # epoch 0's
+    order = torch.randperm(n_groups, generator=learner.shuffle).to(learner.device)  # epoch 0's
     t0 = time.perf_counter()
     with learner.autocast():
         old, pending, deferred, source = OLD_LOGPROBS[lcfg.old_logprobs](
@@ -219,7 +219,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     rows, step = [], 0
     for epoch in range(lcfg.epochs):
         if epoch:
-            order = torch.randperm(n_groups, generator=learner.shuffle).to(acc.device)
+            order = torch.randperm(n_groups, generator=learner.shuffle).to(learner.device)
         for start in range(0, n_groups - per_step + 1, per_step):
             groups = order[start : start + per_step]
             t0 = time.perf_counter()
@@ -297,7 +297,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "old_logprobs": source,
         "world_size": world,
         "precision": learner.precision,
-        "kernels": kernels.chosen(lcfg.logprob_kernel, acc.device),
+        "kernels": kernels.chosen(lcfg.logprob_kernel, learner.device),
         "score_s": score_s,
         "update_s": update_s,
         "tokens": sum(r["n_tokens"] for r in rows),
@@ -335,7 +335,7 @@ def _check_weights(learner: Learner, batch: Batch, iteration: int, steps: int) -
     lm = learner.acc.unwrap_model(learner.model)
     bad = [n for n, p in lm.named_parameters() if p.requires_grad and not bool(torch.isfinite(sharding.local(p)).all())]
     if learner.acc.num_processes > 1:  # each process sees its own shards: all of them decide together
-        n_bad = learner.acc.reduce(torch.tensor(float(len(bad)), device=learner.acc.device), "sum")
+        n_bad = learner.acc.reduce(torch.tensor(float(len(bad)), device=learner.device), "sum")
         bad = bad or (["weights of another process"] if float(n_bad) else [])
     if not bad:
         with learner.autocast():

@@ -73,7 +73,7 @@ def train_and_save(
     and optimizer.pt, rng.pt (master weights, or every process's dcp/ shards unless `shards` is False) into
     state_dir (out_dir where None). Returns the summary."""
     seed = iteration_seed(learner.cfg.seed, iteration, Salt.LEARNER_TORCH)
-    with cpu_watch(f"learn {iteration}", on=learner.acc.device.type == "cpu") as cpu:  # threads, a busy machine
+    with cpu_watch(f"learn {iteration}", on=learner.device.type == "cpu") as cpu:  # threads, a busy machine
         update = train(learner, run_id, iteration, batch, seed)
     learner.save(out_dir, state_dir, shards)  # every process: under fsdp2 each writes its shards
     if learner.acc.is_main_process:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from grpo.checkpoint import checkpoint_dtype
 from grpo.config import RunConfig
+from grpo.devices import learner_device
 from grpo.learner import sharding
 from grpo.learner.batch import Batch
 from grpo.learner.model import PolicyLM, score
@@ -58,9 +59,12 @@ class Learner:
         self.cfg = cfg
         lcfg = cfg.learn
         # mixed precision by torch.autocast, not Accelerator(mixed_precision=...): Accelerate's state is one per
-        # process and refuses a second setting, and a warm process may serve runs with either
-        self.acc = Accelerator(cpu=not torch.cuda.is_available())
-        self.precision = dict(zip(("autocast", "why"), autocast_precision(lcfg.mixed_precision, self.acc.device)))
+        # process and refuses a second setting, and a warm process may serve runs with either. Its device is one per
+        # process too: an in-process learner goes to learn.device itself (Accelerate places nothing), a torchrun
+        # rank to the GPU of its local rank (Accelerate's)
+        self.acc = Accelerator(cpu=not torch.cuda.is_available(), device_placement=False)
+        self.device = self.acc.device if self.acc.num_processes > 1 else learner_device(lcfg)
+        self.precision = dict(zip(("autocast", "why"), autocast_precision(lcfg.mixed_precision, self.device)))
         self.save_dtype = checkpoint_dtype(ref_dir)  # checkpoints keep the base model's dtype
         self.sharded = lcfg.sharding == "fsdp2"
         self.lora = lcfg.lora is not None
@@ -81,24 +85,25 @@ class Learner:
             padding_free=lcfg.padding_free,
             logprob_kernel=lcfg.logprob_kernel,
         )
-        world, device = self.acc.num_processes, self.acc.device
+        world, device = self.acc.num_processes, self.device
         shard = self.sharded and world > 1
         self.ref, self.ref_dir = None, None
         self.use_reference(ref_dir)
+        model.to(device)  # before AdamW's state loads: it follows its parameters' device
         if shard:
-            sharding.fully_shard_policy(model.to(device), world, device)
+            sharding.fully_shard_policy(model, world, device)
         # fused: one kernel for all parameters (4x faster steps on CPU for small models)
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay, fused=True)
         self.shuffle = torch.Generator().manual_seed(shuffle_seed)
         if state_dir:  # continue exactly where the previous iteration ended
             if Path(state_dir, STATE_DCP).exists():  # sharded state, written at any world size
-                sharding.load_state(model.to(device), opt, f"{state_dir}/{STATE_DCP}", trainable_only=self.lora)
+                sharding.load_state(model, opt, f"{state_dir}/{STATE_DCP}", trainable_only=self.lora)
             else:
                 opt.load_state_dict(torch.load(f"{state_dir}/optimizer.pt", weights_only=True, map_location="cpu"))
             self.shuffle.set_state(torch.load(f"{state_dir}/rng.pt", weights_only=True)["shuffle"])
         if self.sharded:  # no DDP wrapper: FSDP2 (or, on one process, nothing) averages the gradients
-            self.model, self.opt = model.to(device), opt
+            self.model, self.opt = model, opt
         else:
             self.model, self.opt = self.acc.prepare(model, opt)
 
@@ -106,7 +111,7 @@ class Learner:
         """Make the checkpoint in ref_dir the frozen reference, loading it unless it is the one held (a warm
         learner's moves with learn.ref_update_every). Only with kl_coef > 0 and no LoRA is there a model to
         load: LoRA's reference is the base with the adapters off."""
-        lcfg, world, device = self.cfg.learn, self.acc.num_processes, self.acc.device
+        lcfg, world, device = self.cfg.learn, self.acc.num_processes, self.device
         if lcfg.kl_coef == 0 or self.lora or ref_dir == self.ref_dir:
             return
         from transformers import AutoModelForCausalLM
@@ -123,7 +128,7 @@ class Learner:
         """The forwards' precision: bf16 autocast where learn.mixed_precision resolves to bf16, else as the
         weights."""
         bf16 = self.precision["autocast"] == "bf16"
-        return torch.autocast(self.acc.device.type, dtype=torch.bfloat16, enabled=bf16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def reference_scores(self, batch: Batch, chunk_groups: int) -> Tensor | None:
         """The frozen reference's log-probs (N, T); None without a KL penalty."""
@@ -143,7 +148,8 @@ class Learner:
         return sharding.total_norm(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
 
     def to(self, device) -> None:
-        """Move the model, the reference and AdamW's state (off the GPU while a sampler uses it)."""
+        """Move the model, the reference and AdamW's state (off the GPU while a sampler uses it; back to
+        `self.device`)."""
         for module in (self.acc.unwrap_model(self.model), self.ref):
             if module is not None:
                 module.to(device)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from grpo.devices import sampler_device, vllm_device
 from grpo.sampling.base import Generator, _generation_config_eos
 from grpo.sampling.hf import HFGenerator
 from grpo.sampling.vllm_engine import VLLMGenerator
@@ -72,15 +73,18 @@ def get_generator(backend: str, model_dir: str, adapter_dir: str | None = None, 
 VLLM_MIN_PARAMS = 10_000_000  # on 2 CPU cores vLLM samples 2.8x faster at 13M, transformers 3x faster at 0.1M
 
 
-def choose_backend(setting: str, model_dir: str) -> tuple[str, str]:
+def choose_backend(setting: str, model_dir: str, device: torch.device | None = None) -> tuple[str, str]:
     """(backend, why) for rollout.backend `setting`: `auto` picks vLLM on a GPU and for models of
-    VLLM_MIN_PARAMS and up, transformers for smaller ones on a CPU or where vLLM is not installed."""
+    VLLM_MIN_PARAMS and up, transformers for smaller ones on a CPU, where vLLM is not installed, or for a sampler
+    `device` (rollout.device resolved) other than the one vLLM samples on in one process (grpo.devices)."""
     if setting != "auto":
         return setting, "rollout.backend"
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         return "hf", "auto: vLLM is not installed"
+    if device is not None and device != vllm_device():
+        return "hf", f"auto: rollout.device {device}, where vLLM does not sample in one process ({vllm_device()})"
     if torch.cuda.is_available():
         return "vllm", "auto: a GPU"
     from grpo.checkpoint import parameter_count
@@ -102,7 +106,8 @@ def release_accelerator(keep_engine: bool) -> None:
 
 def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None) -> dict:
     """The keyword arguments of the `backend` generator for this run on this machine: rollout.vllm's
-    None settings resolved to the platform's defaults, model.dtype's `auto` to the checkpoint's dtype.
+    None settings resolved to the platform's defaults, model.dtype's `auto` to the checkpoint's dtype, the
+    transformers backend's device where rollout.device sets one.
 
     rollout: grpo.config.RolloutConfig; lora: grpo.config.LoraConfig or None. Recorded in the rollouts
     and eval manifests (`sampler`).
@@ -110,8 +115,10 @@ def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None
     from grpo.checkpoint import checkpoint_dtype_name
 
     dtype = checkpoint_dtype_name(model_dir) if dtype == "auto" else dtype
-    if backend != "vllm":
-        return {"dtype": dtype}
+    if backend != "vllm":  # rollout.device where it is set (auto: the generator's own choice, as before it existed)
+        where = {} if rollout.device == "auto" else {"device": str(sampler_device(rollout))}
+        return {"dtype": dtype} | where
+    sampler_device(rollout, backend)  # vLLM's device, or a ConfigError naming rollout.device
     v, gpu = rollout.vllm, torch.cuda.is_available()
     max_len = v.max_model_len
     if max_len is None and rollout.max_prompt_tokens is not None:

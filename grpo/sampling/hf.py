@@ -17,11 +17,12 @@ class HFGenerator:
     memory grows with sequences x tokens, not x vocabulary. Batched, prompts left-padded.
     """
 
-    def __init__(self, model_dir: str, batch_size: int = 1024, dtype: str = "float32"):
+    def __init__(self, model_dir: str, batch_size: int = 1024, dtype: str = "float32", device: str | None = None):
+        """device: where it samples (rollout.device resolved); None: the GPU where CUDA is available, else the CPU."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir, self.batch_size = model_dir, batch_size
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos = torch.tensor(stop_token_ids(self.tokenizer, model_dir), device=self.device)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
@@ -130,7 +131,11 @@ class HFGenerator:
             if hasattr(self.model, "disable_adapter_layers"):
                 self.model.base_model.disable_adapter_layers()
         elif not hasattr(self.model, "get_base_model"):
-            self.model = PeftModel.from_pretrained(self.model, adapter_dir).eval().to(self.device)
+            # the adapters made on the meta device, then loaded: no draw from torch's global generator, which a learner
+            # in another thread of this process may be drawing from (flows/placement.py overlapping)
+            self.model = (
+                PeftModel.from_pretrained(self.model, adapter_dir, low_cpu_mem_usage=True).eval().to(self.device)
+            )
         else:
             weights = load_file(str(Path(adapter_dir, "adapter_model.safetensors")), device=str(self.device))
             result = set_peft_model_state_dict(self.model, weights)
