@@ -3,6 +3,7 @@ held-out accuracy before GRPO and after each iteration.
 
     .venv/bin/python benchmarks/chat_math.py [--iterations 50] [--sft-steps 600] [--seed 0] [--set learn.lr=1e-3]
         [--out run.csv] [--warm-model WORK/model]
+    .venv/bin/python benchmarks/chat_math.py --seed 1 --warm-model WORK/model --run-seed 11  # another RL trajectory
 
 1. Word problems in GSM8K's format (`question`; `answer` = worked solution ending `#### N`),
    sums and differences of numbers up to --top (9) in a few phrasings; a seeded fifth is held out
@@ -18,7 +19,10 @@ held-out accuracy before GRPO and after each iteration.
    `--set rollout.staleness=S` iteration k samples learn k-1-S's policy (checked on every rollout row's
    `policy_version`); each line shows the sampler-to-learner k3 KL and the behaviour weights pi_prox /
    pi_sampler of `learn.behavior_correction` (their mean, max and clipped or masked share). `--out` writes
-   every line to a CSV, iteration -1 being the warm start before GRPO.
+   every line to a CSV, iteration -1 being the warm start before GRPO. `--run-seed R` sets the run's
+   config `seed` (prompt order, sampling, the learner's shuffling) and nothing else: the problems, the
+   held-out split (`eval.seed`) and the warm start stay --seed's, so runs of one --seed and several
+   --run-seed measure the trajectory-to-trajectory noise at one warm start (default: --seed).
 """
 
 from __future__ import annotations
@@ -167,6 +171,13 @@ def main() -> None:
         help="share of warm-start solutions whose final sentence states a wrong number",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--run-seed",
+        type=int,
+        default=None,
+        help="the run config's seed (prompt order, sampling, the learner's shuffling); problems, held-out split "
+        "and warm start stay --seed's (default: --seed)",
+    )
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     p.add_argument(
@@ -227,7 +238,7 @@ def main() -> None:
             "reward.truncated_reward=0",  # as measured in RESULTS.md (the default scores cut-off answers)
             "learn.mixed_precision=no",  # float32, as measured in RESULTS.md (`auto` is bf16 on a GPU)
             f"learn.lr_decay_steps={16 * args.iterations}",  # 16 AdamW steps an iteration, decayed to 0 at the end
-            f"seed={args.seed}",
+            f"seed={args.seed if args.run_seed is None else args.run_seed}",
             *args.set,
         ],
     )
@@ -246,7 +257,7 @@ def main() -> None:
     storage = open_storage(str(work / "storage"))
     init_run(storage, "chat-math", cfg)
     staleness = cfg.rollout.staleness
-    print(f"rollout.staleness={staleness}, learn.behavior_correction={cfg.learn.behavior_correction}")
+    print(f"seed={cfg.seed}, rollout.staleness={staleness}, learn.behavior_correction={cfg.learn.behavior_correction}")
     print(
         f"{'iter':>4} {'policy':>6} {'reward':>7} {'accuracy':>8} {'seconds':>8} {'tokens':>8} {'steps':>6} "
         f"{'rounds':>6} {'kl':>8} {'w mean':>6} {'w max':>6} {'clipped':>7} {'min left':>8}"
