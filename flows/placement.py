@@ -251,20 +251,18 @@ class Placement:
         self, stage: str, futures: list, upstream: str | None, watch: Watch, shards: bool = False
     ) -> str | State:
         for future in futures:
-            for _ in range(60):  # a task run the server has not given its first state yet: wait() raises
-                try:
-                    future.wait(timeout=0)  # (PrefectHQ/prefect#18280)
-                    break
-                except RuntimeError as e:
-                    if "has no state" not in str(e):
-                        raise
-                    time.sleep(1)
-            else:
-                future.wait(timeout=0)
+            stateless = 0  # looks in a row at a task run the server gives no state: wait() raises then
             while not future.state.is_final():
                 if lost := watch.lost():
                     return Failed(message=failure_line(stage, self.k, lost))
-                future.wait(timeout=WATCH_S)
+                try:
+                    future.wait(timeout=WATCH_S if stateless == 0 else 0)
+                    stateless = 0
+                except RuntimeError as e:  # no state yet, or read between two (PrefectHQ/prefect#18280)
+                    if "has no state" not in str(e) or stateless >= 60:
+                        raise
+                    stateless += 1
+                    time.sleep(1)
         return self.outcome(stage, [future.state for future in futures], upstream, shards)
 
     def outcome(self, stage: str, states: list[State], upstream: str | None, shards: bool) -> str | State:

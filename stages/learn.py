@@ -212,13 +212,6 @@ def update(
     return launch.run_distributed(args, cfg.learn.num_processes)
 
 
-def shards_later(cfg: RunConfig, iteration: int) -> bool:
-    """Whether learn `iteration`'s ranks write their fsdp2 shards after its policy, into its state's attempt
-    (stages.state.Shards): under torchrun on one machine, where the state is due."""
-    one_machine = cfg.learn.num_processes > 1 and cfg.learn.nodes == 1
-    return one_machine and cfg.learn.sharding == "fsdp2" and state.due(cfg, iteration)
-
-
 def start_policy(storage: Storage, inputs: dict[str, Committed]) -> tuple[str, str | None]:
     """(checkpoint folder, LoRA adapter folder or None) the update starts from: the policy learn k - 1 committed
     (what its warm learner holds), read from the snapshot where the snapshot froze it (rollout.staleness 0, and
@@ -267,7 +260,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
                 args = launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp)
                 summary = nodes.lead(writer, args, cfg.learn, run_id, iteration)
             else:
-                if shards_later(cfg, iteration):
+                if state.shards_later(cfg, iteration):
                     shards = state.Shards(storage, stage_config(cfg), run_id, iteration, held)
                 summary = update(cfg, run_id, iteration, batch, folders, out_dir, held, tmp, shards)
             if cfg.learn.lora is None:

@@ -57,6 +57,13 @@ def due(cfg: RunConfig, iteration: int) -> bool:
     return (iteration + 1) % cfg.learn.state_every == 0
 
 
+def shards_later(cfg: RunConfig, iteration: int) -> bool:
+    """Whether learn `iteration`'s ranks write their fsdp2 shards after its policy, into its state's attempt
+    (Shards): under torchrun on one machine, where the state is due."""
+    one_machine = cfg.learn.num_processes > 1 and cfg.learn.nodes == 1
+    return one_machine and cfg.learn.sharding == "fsdp2" and due(cfg, iteration)
+
+
 class _Pending:
     """This process's state commit running in the background: at most one (the next waits for it)."""
 

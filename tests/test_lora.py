@@ -2,6 +2,11 @@
 adapters (a small fraction of a full run's bytes), samplers serve them exactly, export merges them, and
 fsdp2 with 2 processes gives the adapters of 1 process."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -152,3 +157,34 @@ def test_lora_learns_the_sort_task(storage):
     seed 0; full fine-tuning: 0.136-0.163)."""
     rewards = rewards_of_a_short_run(storage, ["learn.lr=5e-3", "learn.lora={r: 16, alpha: 32}"])
     assert rewards[-1] > 2 * rewards[0] and rewards[-1] - rewards[0] > 0.05, rewards
+
+
+ADAPTERS_OF_A_PROCESS = """
+import hashlib, sys
+from pathlib import Path
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from grpo.config import LoraConfig
+from grpo.learner.state import Learner, with_adapter
+shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1)
+lm = with_adapter(Qwen2ForCausalLM(Qwen2Config(**shape)), LoraConfig(r=2, alpha=4), None, seed=0)
+Learner._save_adapter(lm, None, Path(sys.argv[1]), Path(sys.argv[1]))
+print(hashlib.sha256(Path(sys.argv[1], "adapter", "adapter_config.json").read_bytes()).hexdigest())
+"""
+
+
+def test_adapters_saved_by_two_processes_are_the_same_bytes(tmp_path):
+    """peft keeps target_modules as a set, whose order follows the process's string hashing (PYTHONHASHSEED): two
+    processes that save the same adapters (a learn and its replay, a run and its resume) write one adapter_config."""
+    root = Path(__file__).resolve().parents[1]
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", ADAPTERS_OF_A_PROCESS, str(tmp_path / seed)],
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()[-1]
+        for seed in ("1", "2", "3")
+    }
+    assert len(digests) == 1

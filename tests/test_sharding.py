@@ -103,14 +103,50 @@ def test_a_sharded_run_resumes_at_another_number_of_processes(storage):
 
 def kill_rank_1_in(hook: Path, function: str) -> None:
     """A sitecustomize in `hook` (on PYTHONPATH it loads in every python the learn stage starts) that SIGKILLs
-    rank 1 when it calls grpo.learner.sharding.`function`."""
+    rank 1 when it calls grpo.learner.sharding.`function`; in the shards (save_state), once rank 0 has said the
+    policy is out (its `ready` marker), as a rank lost there is."""
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import os, signal\n"
+        "import json, os, signal, sys, time\n"
+        "from pathlib import Path\n"
+        "def kill(*a, **k):\n"
+        f"    if {function!r} == 'save_state':\n"
+        "        ready = Path(json.loads(Path(sys.argv[1]).read_text())['ready'])\n"
+        "        while not ready.exists():\n"
+        "            time.sleep(0.01)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "if os.environ.get('RANK') == '1':\n"
         "    import grpo.learner.sharding\n"
-        f"    grpo.learner.sharding.{function} = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"    grpo.learner.sharding.{function} = kill\n"
     )
+
+
+def test_a_policy_said_ready_is_ready_though_torchrun_ended_before_it_was_looked_at(tmp_path):
+    """Rank 0 marks the policy ready, a rank is lost in its shards and torchrun ends, all between two looks of the
+    stage: the learn goes on to commit its policy, and the end (finish) reports the lost rank."""
+    import collections
+    import subprocess
+    import threading
+
+    from grpo.learner.launch import LearnersExited, Torchrun, _forward
+
+    ready, args_file = tmp_path / "ready", tmp_path / "args.json"
+    args_file.write_text("{}")
+    run = Torchrun.__new__(Torchrun)  # its process: one that marks ready and fails, over before the first look
+    run.args, run.args_file = {"ready": str(ready)}, str(args_file)
+    run.proc = subprocess.Popen(
+        ["sh", "-c", f"touch {ready}; echo 'RuntimeError: rank 1 lost'; exit 1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    run.tail, run.cause, run.killed = collections.deque(maxlen=20), [], {}
+    run.reader = threading.Thread(target=_forward, args=(run.proc, run.tail, run.cause, run.killed), daemon=True)
+    run.reader.start()
+    run.proc.wait()
+    run.until_ready()  # returns: the policy is out
+    with pytest.raises(LearnersExited, match="exited with 1"):
+        run.finish()
 
 
 def test_a_rank_killed_before_the_policy_is_out_leaves_no_committed_attempt_and_a_rerun_commits(

@@ -162,6 +162,8 @@ class Torchrun:
         except BaseException:
             self.stop()
             raise
+        if until is not None and until():  # it held before the end (a rank lost after it): finish() says the rest
+            return
         self.stop()
         if self.proc.returncode != 0:
             raise LearnersExited(self._failure())

@@ -192,7 +192,10 @@ class Learner:
     @staticmethod
     def _save_adapter(lm, state: dict | None, out: Path, held: Path) -> None:
         """adapter/: the trained adapters alone (megabytes), loadable on the base with peft."""
-        lm.peft_config["default"].base_model_name_or_path = None  # a local cache path: not part of the policy
+        config = lm.peft_config["default"]
+        config.base_model_name_or_path = None  # a local cache path: not part of the policy
+        if isinstance(config.target_modules, set):  # peft's set: its order (and the file's bytes) varies by process
+            config.target_modules = sorted(config.target_modules)
         lm.save_pretrained(out / ADAPTER_DIR, state_dict=state)
         (out / ADAPTER_DIR / "README.md").unlink(missing_ok=True)  # peft's model-card template
 
