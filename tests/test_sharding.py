@@ -135,7 +135,7 @@ def test_a_policy_said_ready_is_ready_though_torchrun_ended_before_it_was_looked
     run = Torchrun.__new__(Torchrun)  # its process: one that marks ready and fails, over before the first look
     run.args, run.args_file = {"ready": str(ready)}, str(args_file)
     run.proc = subprocess.Popen(
-        ["sh", "-c", f"touch {ready}; echo 'RuntimeError: rank 1 lost'; exit 1"],
+        ["sh", "-c", f"touch {ready}; echo 'terminate called after throwing'; echo '  what():  Read error'; exit 1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -145,7 +145,7 @@ def test_a_policy_said_ready_is_ready_though_torchrun_ended_before_it_was_looked
     run.reader.start()
     run.proc.wait()
     run.until_ready()  # returns: the policy is out
-    with pytest.raises(LearnersExited, match="exited with 1"):
+    with pytest.raises(LearnersExited, match=r"exited with 1 \(what\(\):  Read error\)"):  # C++'s last words
         run.finish()
 
 

@@ -192,8 +192,11 @@ class Torchrun:
         return f"learn under torchrun exited with {self.proc.returncode}{why}:\n{''.join(self.tail)}"
 
 
-# a traceback's last line, e.g. "torch.OutOfMemoryError: CUDA out of memory. ..."; not torchrun's own summary
-EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b(?::.*)?$")
+# a traceback's last line, e.g. "torch.OutOfMemoryError: CUDA out of memory. ..."; not torchrun's own summary; or
+# what C++ prints before it aborts (SIGABRT): "terminate called after throwing ...", "  what():  <its message>"
+EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?(?:(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b(?::.*)?|terminate called .*|what\(\):.*)$"
+)
 
 
 # torchrun's failure report of a rank (torch.distributed.elastic.multiprocessing.errors):
