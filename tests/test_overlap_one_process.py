@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_staleness import RUN
+from test_staleness import RUN, cold, one_thread  # noqa: F401 (one_thread: a fixture the tests use)
 
 import schemas.parquet
 from flows.grpo import grpo
@@ -35,21 +35,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.equivalence]
 
 ITERATIONS = 4
 OVERRIDES = RUN + ["rollout.staleness=1", "learn.behavior_correction=tis", "rollout.chunk_prompts=8"]
-
-
-@pytest.fixture
-def one_thread():
-    """One torch thread (for the learn thread too: torch's count is the process's), as the suite's workers run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def cold():
-    """What a new process has: no warm learner, no sampling engine."""
-    learn.WARM.take(None)
-    engines.close_generators()
 
 
 def committed_files(storage) -> dict:
@@ -99,8 +84,9 @@ def hold_learns_for_the_next_rollouts(monkeypatch) -> list[str]:
     return missed
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_apart_devices_sample_the_next_iteration_while_learn_runs_in_a_thread_and_commit_the_same_bytes(
-    prefect_api, tmp_path, monkeypatch, one_thread
+    prefect_api, tmp_path, monkeypatch
 ):
     params = {"run_id": "r", "overrides": OVERRIDES, "iterations": ITERATIONS}
     # one device, as this machine is: in order, the sampler handed the device at every learn
@@ -175,8 +161,9 @@ def test_a_device_the_machine_lacks_fails_in_one_line_before_anything_is_written
     assert not store.exists() or not any(Path(store).rglob("*.json"))  # no run.json, no manifest
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_a_learn_that_fails_in_its_thread_fails_the_flow_in_its_line_and_the_run_resumes(
-    prefect_api, tmp_path, monkeypatch, one_thread
+    prefect_api, tmp_path, monkeypatch
 ):
     cold()
     monkeypatch.setattr(devices, "apart", lambda cfg: True)

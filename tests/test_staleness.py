@@ -27,7 +27,8 @@ RUN = TINY + [F32, "learn.epochs=1", "learn.lr=3e-3", "learn.lr_decay_steps=0", 
 
 @pytest.fixture
 def one_thread():
-    """One torch thread, as the committed hashes below were made (and as the suite's workers run)."""
+    """One torch thread, as the committed hashes below were made (and as the suite's workers run); torch's count is
+    the process's, so a learn in another thread takes it too."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
