@@ -8,6 +8,8 @@ error of 1e-3 (the DDP test's), not every weight bit for bit.
 
 import dataclasses
 import hashlib
+import os
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -147,6 +149,49 @@ def test_a_policy_said_ready_is_ready_though_torchrun_ended_before_it_was_looked
     run.until_ready()  # returns: the policy is out
     with pytest.raises(LearnersExited, match=r"exited with 1 \(what\(\):  Read error\)"):  # C++'s last words
         run.finish()
+
+
+ENDS_WHILE_GLOO_FREES = """
+import sys, time, torch, torch.distributed as dist
+from grpo.learner.rank import run_then_exit
+
+def main():
+    dist.init_process_group("gloo")
+    sys.setswitchinterval(100)  # this thread keeps the interpreter's lock while it runs Python
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+    tensor = torch.ones(1 << 16)
+    work = dist.broadcast(tensor, src=0, async_op=True)
+    del tensor, work  # gloo's thread holds the last references: it frees them once the broadcast is done
+    end = time.perf_counter() + 1.0
+    while time.perf_counter() < end:  # ... and waits for the lock meanwhile, until the rank ends
+        pass
+
+run_then_exit(main)
+"""
+
+
+def test_a_rank_ends_cleanly_while_gloo_still_frees_its_last_collective(tmp_path):
+    """A rank returns while gloo's thread waits for the interpreter's lock to free a finished collective's tensors
+    (at every exit here, where a DCP save ends one in five by chance): with Python's finalization that thread
+    calls std::terminate and the rank, its work done, dies of SIGABRT; `run_then_exit` ends it with 0."""
+    import subprocess
+
+    from grpo.procs import free_port
+
+    script = tmp_path / "rank.py"
+    script.write_text(ENDS_WHILE_GLOO_FREES)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [
+        subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        ended = [(p.wait(timeout=120), p.stderr.read()) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [code for code, _ in ended] == [0, 0], ended
 
 
 def test_a_rank_killed_before_the_policy_is_out_leaves_no_committed_attempt_and_a_rerun_commits(
