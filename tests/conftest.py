@@ -24,6 +24,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "equivalence: compares updates or log-probs across settings; .ci/run runs them again with "
         "GRPO_AUTO_PRECISION=bf16 (learn.mixed_precision=auto as bf16): each pins its precision or sets its "
         "tolerance by it",
+        "precision_pinned: no learner in it resolves learn.mixed_precision=auto (each pins its precision, or it "
+        "builds no Learner), so the bf16 lane, which would rerun it unchanged, leaves it out (-m 'equivalence and "
+        "not precision_pinned'). Found by logging PYTEST_CURRENT_TEST where grpo.learner.precision resolves auto "
+        "in a lane run: a test that comes to leave a learner at auto must lose this mark",
     ):
         config.addinivalue_line("markers", line)
 

@@ -17,7 +17,7 @@ from grpo.learner import Batch, PolicyLM, kernels, score
 from grpo.learner.state import with_adapter
 from stages.init import build_tiny_base
 
-pytestmark = pytest.mark.equivalence
+pytestmark = [pytest.mark.equivalence, pytest.mark.precision_pinned]  # the bf16 lane leaves it out (conftest.py)
 
 TINY = ["model.hidden_size=64", "model.num_heads=2", "model.intermediate_size=128", "rollout.group_size=4"]
 LENGTHS = [[9, 2, 3, 4], [1, 1, 9, 8], [5, 4, 0, 6]]  # 3 groups of 4, an empty response too

@@ -65,6 +65,7 @@ def full_sequence_logprobs(lm, prompts, responses):
     return out
 
 
+@pytest.mark.precision_pinned
 def test_shared_prompt_forward_equals_full_sequences(lm):
     """Prompts of different lengths (left-padded), responses of different lengths (right-padded):
     log-probs and gradients match a forward over every full sequence."""
@@ -102,6 +103,7 @@ def test_shared_prompt_forward_equals_full_sequences(lm):
         assert (grad - grads[-1]).norm() / grads[-1].norm() < 1e-5
 
 
+@pytest.mark.precision_pinned
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_packed_rows_give_the_same_log_probs_entropy_and_gradients(lm, attention):
     """learn.padding_free: each group's responses share rows (a short one after another, each seeing only the
@@ -147,6 +149,7 @@ def test_packed_rows_give_the_same_log_probs_entropy_and_gradients(lm, attention
     assert rows == [3, 12]
 
 
+@pytest.mark.precision_pinned
 def test_a_groups_forward_skips_the_batchs_padding_and_gives_the_same_log_probs(lm):
     """forward_logprobs cuts the columns every prompt and response of its groups leaves padded (the batch is
     padded to its longest of each): the same log-probs as the padded forward, 0 past each response's end,
@@ -174,6 +177,7 @@ def test_a_groups_forward_skips_the_batchs_padding_and_gives_the_same_log_probs(
         assert (logp - padded[rows]).abs().max() < 1e-5 and (logp * (1 - response_mask[rows])).abs().max() == 0
 
 
+@pytest.mark.precision_pinned
 def test_padded_rows_right_and_left():
     import numpy as np
     import pyarrow as pa
@@ -201,6 +205,7 @@ def make_run(storage, run_id, extra=()):
         stage_function(s)(storage, run_id, 0)
 
 
+@pytest.mark.precision_pinned
 def test_batch_holds_whole_groups_and_rejects_a_broken_one(storage):
     make_run(storage, "t")
     ro = latest_committed(storage, stage_dir(storage, "t", 0, "rollouts"))
@@ -229,6 +234,7 @@ def test_batch_holds_whole_groups_and_rejects_a_broken_one(storage):
         load_batch(storage, ro, writer.commit(), pad_id=0, group_size=4)
 
 
+@pytest.mark.precision_pinned
 def test_microbatches_of_the_longest_responses_together_give_the_one_microbatch_update(storage):
     """A minibatch in microbatches (grouped by response length, each padded to its own longest) accumulates
     the gradient of the whole minibatch in one forward."""
@@ -242,6 +248,7 @@ def test_microbatches_of_the_longest_responses_together_give_the_one_microbatch_
     assert d32.norm() > 1e-3 and (d8 - d32).norm() / d32.norm() < 1e-5, ((d8 - d32).norm() / d32.norm()).item()
 
 
+@pytest.mark.precision_pinned
 def test_token_mean_microbatches_of_unequal_tokens_give_the_one_microbatch_update(storage):
     """DAPO's token mean under gradient accumulation: every token of the minibatch weighs 1 / its tokens, not
     1 / (steps x tokens of its microbatch), which gave the microbatches of long responses less weight a token
@@ -255,6 +262,7 @@ def test_token_mean_microbatches_of_unequal_tokens_give_the_one_microbatch_updat
     assert d32.norm() > 1e-3 and (d8 - d32).norm() / d32.norm() < 1e-5, ((d8 - d32).norm() / d32.norm()).item()
 
 
+@pytest.mark.precision_pinned
 @pytest.mark.parametrize("agg_mode", ["token_mean", "seq_mean_token_mean"])
 def test_gradient_of_unequal_microbatches_and_ranks_is_the_minibatch_mean(storage, lm, agg_mode):
     """The gradient a minibatch accumulates (before AdamW) in microbatches of unequal tokens, in microbatches of
@@ -301,6 +309,7 @@ def test_gradient_of_unequal_microbatches_and_ranks_is_the_minibatch_mean(storag
     assert any(len(set(s)) > 1 for s in sizes[4:])  # some token budgets made microbatches of unequal sizes
 
 
+@pytest.mark.precision_pinned
 @pytest.mark.parametrize("agg_mode", ["seq_mean_token_mean", "token_mean"])
 def test_microbatches_by_token_budget_give_the_update_of_fixed_size_microbatches(storage, monkeypatch, agg_mode):
     """learn.microbatch_tokens: whole groups, longest first, as many a microbatch as fit the budget (1 to 3 groups
@@ -333,6 +342,7 @@ def test_microbatches_by_token_budget_give_the_update_of_fixed_size_microbatches
         stage_function("learn")(storage, "small", 0)
 
 
+@pytest.mark.precision_pinned
 def test_packed_responses_give_the_update_of_one_row_per_response(storage, monkeypatch):
     """learn.padding_free (the default) against false: the same committed update and old log-probs, to float
     rounding, with some microbatches packed."""
@@ -403,6 +413,7 @@ def test_each_loss_variant_trains(storage, extra):
         assert metrics.clip_frac.iloc[1:].max() > 0 and metrics.clip_frac.iloc[0] == 0
 
 
+@pytest.mark.precision_pinned
 def test_learn_doctests():
     """The reference's iteration (grpo.lineage) and the learner's precision, by their doctests."""
     import doctest
@@ -414,6 +425,7 @@ def test_learn_doctests():
     assert sum(r.attempted for r in results) >= 2 and not any(r.failed for r in results)
 
 
+@pytest.mark.precision_pinned
 def test_settings_added_later_leave_existing_stage_identities_alone():
     """At their defaults the settings added after runs were made (grpo.identity.ADDED_SETTINGS) are not part of any
     stage's identity: a run made before them keeps its committed stages (hash of the defaults before them)."""
@@ -482,6 +494,7 @@ def test_reference_refresh_a_cold_resume_equals_the_warm_run_and_gc_keeps_the_re
     assert files(cold) == files(outs[2])
 
 
+@pytest.mark.precision_pinned
 def test_a_minibatch_reads_its_metrics_to_the_host_once_not_per_microbatch(storage, monkeypatch):
     """The microbatch loop leaves every metric on the device (no float() or .item() of a tensor, each a host sync
     on a GPU) and reads them all at once after it; the update and metrics are the ones of before."""

@@ -39,6 +39,7 @@ def learn_bytes(committed) -> int:
     return sum(f.size for f in committed.manifest.files if not f.path.endswith(".parquet"))
 
 
+@pytest.mark.precision_pinned
 def test_lora_commits_adapters_only_the_base_is_the_reference_and_samplers_serve_the_adapters(storage):
     make_run(storage, "full", extra=["learn.kl_coef=0.05", F32])
     make_run(storage, "lora", extra=LORA)
@@ -74,6 +75,7 @@ def test_lora_commits_adapters_only_the_base_is_the_reference_and_samplers_serve
     assert lora < 0.1 * full
 
 
+@pytest.mark.precision_pinned
 def test_export_merges_the_adapters_into_a_self_contained_hf_folder(storage, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -102,6 +104,7 @@ def test_export_merges_the_adapters_into_a_self_contained_hf_folder(storage, tmp
     assert "exists" in capsys.readouterr().err
 
 
+@pytest.mark.precision_pinned
 @pytest.mark.slow
 def test_lora_under_fsdp2_with_two_processes_trains_the_adapters_of_one_process(storage):
     make_run(storage, "one", extra=LORA)
@@ -173,6 +176,7 @@ print(hashlib.sha256(Path(sys.argv[1], "adapter", "adapter_config.json").read_by
 """
 
 
+@pytest.mark.precision_pinned
 def test_adapters_saved_by_two_processes_are_the_same_bytes(tmp_path):
     """peft keeps target_modules as a set, whose order follows the process's string hashing (PYTHONHASHSEED): two
     processes that save the same adapters (a learn and its replay, a run and its resume) write one adapter_config."""

@@ -135,6 +135,7 @@ def fails_committing_nothing(storage, run_id) -> str:
     return message
 
 
+@pytest.mark.precision_pinned
 def test_node_0_fails_in_one_line_and_commits_nothing_when_node_1_never_comes(storage):
     ready(storage, "lone", ["learn.num_processes=2", "learn.nodes=2", "learn.node_timeout_s=4"])
     t0 = time.monotonic()
@@ -144,6 +145,7 @@ def test_node_0_fails_in_one_line_and_commits_nothing_when_node_1_never_comes(st
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.precision_pinned
 def test_node_0_fails_in_one_line_and_commits_nothing_when_node_1_dies(storage):
     ready(storage, "dies", ["learn.num_processes=2", "learn.nodes=2", "learn.node_timeout_s=8"])
     d = stage_dir(storage, "dies", 0, "learn")
@@ -183,6 +185,7 @@ def test_node_0_names_node_1_and_its_error_when_node_1_fails(storage, tmp_path, 
     assert "RuntimeError: out of memory on rank 1" in message and "RuntimeError: out of memory on rank 1" in out
 
 
+@pytest.mark.precision_pinned
 def test_where_the_learner_runs_may_change_for_an_existing_run(storage):
     cfg = make_run(storage, "moves", extra=["learn.num_processes=2"])
     for nodes in (2, 1):  # ddp: the number of processes stays, the machines they run on may change
@@ -191,6 +194,7 @@ def test_where_the_learner_runs_may_change_for_an_existing_run(storage):
         init_run(storage, "moves", dataclasses.replace(cfg, learn=dataclasses.replace(cfg.learn, num_processes=1)))
 
 
+@pytest.mark.precision_pinned
 def test_node_rank_must_be_a_joining_node(storage, capsys):
     from flows.cli import main
 
@@ -201,6 +205,7 @@ def test_node_rank_must_be_a_joining_node(storage, capsys):
     assert "--node-rank: stage eval runs on one machine" in capsys.readouterr().err
 
 
+@pytest.mark.precision_pinned
 def test_a_placed_learn_on_two_nodes_is_one_flow_run_per_node_on_its_pool(storage, monkeypatch):
     """The flow sends node 0 (the stage) and node 1 to learn's pool at once, each its own flow run of
     grpo-stage/<pool> with its own idempotency key; no Prefect server needed to see what it asks for."""

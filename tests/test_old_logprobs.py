@@ -17,7 +17,7 @@ from grpo.config import ConfigError, load_config
 from grpo.storage import open_storage
 from stages import stage_function
 
-pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
+pytestmark = [pytest.mark.equivalence, pytest.mark.precision_pinned]  # the bf16 lane leaves it out (conftest.py)
 
 
 @pytest.fixture

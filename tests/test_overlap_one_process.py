@@ -31,7 +31,7 @@ from grpo.sampling import engines
 from grpo.storage import committed_attempts, latest_committed, open_storage
 from stages import StageError, learn
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.equivalence]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.equivalence, pytest.mark.precision_pinned]
 
 ITERATIONS = 4
 OVERRIDES = RUN + ["rollout.staleness=1", "learn.behavior_correction=tis", "rollout.chunk_prompts=8"]

@@ -51,6 +51,7 @@ def dtypes(path) -> set:
         return {f.get_slice(k).get_dtype() for k in f.keys()}
 
 
+@pytest.mark.precision_pinned
 def test_bf16_base_trains_under_autocast_writes_bf16_and_a_cold_resume_equals_a_warm_one(storage, bf16_base):
     """Checkpoints keep the base's bf16; the float32 master weights beside them make iteration 1 built
     from the committed files (cold) equal to the one kept in memory (warm), bit for bit."""
@@ -77,6 +78,7 @@ def test_bf16_base_trains_under_autocast_writes_bf16_and_a_cold_resume_equals_a_
     assert learn.manifest.summary["logprob_gap"] < 0.05
 
 
+@pytest.mark.precision_pinned
 def test_gradient_checkpointing_and_small_logprob_chunks_give_the_same_update(storage):
     policies = []
     for run_id, extra in [("plain", []), ("saver", ["learn.gradient_checkpointing=true", "learn.logprob_chunk=7"])]:
@@ -106,6 +108,7 @@ def test_the_sampler_is_kept_or_closed_before_the_learner(storage, keep):
     engines.close_generators()
 
 
+@pytest.mark.precision_pinned
 def test_engine_settings_resolve_for_the_platform_pass_through_and_restart_the_engine(tmp_path):
     model = build_for_task(str(tmp_path / "m"), "sort", hidden_size=64, num_heads=2, intermediate_size=128)
     cfg = load_config(None, ["rollout.max_prompt_tokens=20", "rollout.max_tokens=16"])
@@ -158,6 +161,7 @@ def test_engine_settings_resolve_for_the_platform_pass_through_and_restart_the_e
         engines.close_generators()
 
 
+@pytest.mark.precision_pinned
 def test_fsdp2_keeps_float32_master_weights_in_its_sharded_state_and_a_cold_resume_equals_a_warm_one(
     storage, bf16_base, tmp_path
 ):
@@ -236,6 +240,7 @@ def test_auto_precision_trains_as_the_precision_it_resolves_to(storage, monkeypa
         assert same(weights, want) and precision["why"].startswith(why)
 
 
+@pytest.mark.precision_pinned
 def test_a_run_made_before_auto_precision_goes_on_in_float32(storage):
     """A run made when learn.mixed_precision defaulted to "no" stores "no"; the same config today (the setting
     not given: `auto`) continues it as it began; another precision for it is refused."""
@@ -250,6 +255,7 @@ def test_a_run_made_before_auto_precision_goes_on_in_float32(storage):
     assert load_run(storage, "new").learn.mixed_precision == "auto"
 
 
+@pytest.mark.precision_pinned
 def test_a_run_made_before_auto_old_logprobs_goes_on_recomputing(storage):
     """learn.old_logprobs defaulted to "recompute" before `auto`: a run that stored it keeps it when the same
     config comes today, and a run.json written before the field existed reads as "recompute", its learn identity

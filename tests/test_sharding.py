@@ -52,6 +52,7 @@ def relative_gap(update_a: dict, update_b: dict) -> float:
     return float((a - b).norm() / a.norm())
 
 
+@pytest.mark.precision_pinned
 @pytest.mark.slow
 def test_fsdp2_gives_the_update_of_one_process_and_of_ddp_and_commits_sharded_state(storage):
     for run_id, extra in [
@@ -76,6 +77,7 @@ def test_fsdp2_gives_the_update_of_one_process_and_of_ddp_and_commits_sharded_st
         assert m1[col].tolist() == pytest.approx(m2[col].tolist(), rel=1e-4, abs=1e-6), col
 
 
+@pytest.mark.precision_pinned
 @pytest.mark.slow
 def test_a_sharded_run_resumes_at_another_number_of_processes(storage):
     """fsdp2 at 2 processes, then 1, then 2 (the optimizer state resharded by DCP each time) trains what
@@ -123,6 +125,7 @@ def kill_rank_1_in(hook: Path, function: str) -> None:
     )
 
 
+@pytest.mark.precision_pinned
 def test_a_policy_said_ready_is_ready_though_torchrun_ended_before_it_was_looked_at(tmp_path):
     """Rank 0 marks the policy ready, a rank is lost in its shards and torchrun ends, all between two looks of the
     stage: the learn goes on to commit its policy, and the end (finish) reports the lost rank."""
@@ -171,6 +174,7 @@ run_then_exit(main)
 """
 
 
+@pytest.mark.precision_pinned
 def test_a_rank_ends_cleanly_while_gloo_still_frees_its_last_collective(tmp_path):
     """A rank returns while gloo's thread waits for the interpreter's lock to free a finished collective's tensors
     (at every exit here, where a DCP save ends one in five by chance): with Python's finalization that thread
@@ -214,6 +218,7 @@ def test_a_rank_killed_before_the_policy_is_out_leaves_no_committed_attempt_and_
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "policy/model.safetensors"} <= set(learned_files(learn))
 
 
+@pytest.mark.precision_pinned
 def test_the_ranks_write_their_shards_after_the_policy_commits_and_a_rank_lost_then_is_replayed(
     storage, tmp_path, monkeypatch
 ):

@@ -94,6 +94,7 @@ def test_one_iteration_commits_every_stage_readable_by_pandas_and_duckdb(storage
     assert out["snapshot"].manifest.file("policy/model.safetensors").uri  # referenced, not copied
 
 
+@pytest.mark.precision_pinned
 def test_rerun_is_noop_and_force_adds_attempt_without_touching_old(storage):
     make_run(storage)
     snap = stage_function("snapshot")(storage, "t", 0)
@@ -112,6 +113,7 @@ def test_rerun_is_noop_and_force_adds_attempt_without_touching_old(storage):
     assert snap.manifest.identity == stage_function("snapshot")(storage, "t", 0).manifest.identity
 
 
+@pytest.mark.precision_pinned
 def test_missing_input_names_uri_and_command(storage):
     make_run(storage)
     with pytest.raises(StageError, match=r"rollouts.*grpo stage rollouts --run t --iteration 0"):
@@ -120,6 +122,7 @@ def test_missing_input_names_uri_and_command(storage):
         stage_function("snapshot")(storage, "nope", 0)
 
 
+@pytest.mark.precision_pinned
 def test_config_errors_name_the_field():
     for bad, field in [
         (["rollout.group_size=1"], "rollout.group_size"),
@@ -148,6 +151,7 @@ def test_config_errors_name_the_field():
             load_config(None, TINY + bad)
 
 
+@pytest.mark.precision_pinned
 @pytest.mark.parametrize("config", [None, {}, [], {"task": {}}, "x"])
 def test_a_partial_or_damaged_run_json_is_refused(storage, config):
     import json
@@ -159,6 +163,7 @@ def test_a_partial_or_damaged_run_json_is_refused(storage, config):
         stage_function("snapshot")(storage, "t", 0)
 
 
+@pytest.mark.precision_pinned
 def test_reward_errors_recorded_then_stage_fails_over_threshold(storage, monkeypatch):
     from grpo.tasks import sort
 
@@ -188,6 +193,7 @@ def test_reward_errors_recorded_then_stage_fails_over_threshold(storage, monkeyp
         latest_committed(storage, stage_dir(storage, "strict", 0, "rewards"))
 
 
+@pytest.mark.precision_pinned
 def test_overlong_shaping_is_a_reward_component_a_query_shows(storage):
     """reward.overlong_buffer: each response's reward loses penalty * (length - (max_tokens - buffer)) / buffer
     past max_tokens - buffer tokens, after truncated_reward; the term is the component `overlong`."""
@@ -213,6 +219,7 @@ def test_overlong_shaping_is_a_reward_component_a_query_shows(storage):
     assert (shown.s[0], shown.m[0]) == pytest.approx((sum(terms), -0.5))
 
 
+@pytest.mark.precision_pinned
 def test_rewards_doctests():
     import doctest
 
@@ -224,6 +231,7 @@ def test_rewards_doctests():
     assert sum(r.attempted for r in results) >= 3 and not any(r.failed for r in results)
 
 
+@pytest.mark.precision_pinned
 def test_reward_timeout_is_recorded(storage, monkeypatch):
     import time
 
@@ -246,6 +254,7 @@ def test_reward_timeout_is_recorded(storage, monkeypatch):
     assert df.error.str.startswith("timeout").all()
 
 
+@pytest.mark.precision_pinned
 def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_a_time(monkeypatch):
     import time
 
@@ -291,6 +300,7 @@ def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_
             assert reward == (1.0 if i % 3 else components["total"])
 
 
+@pytest.mark.precision_pinned
 def test_reward_pool_is_kept_only_while_warm_and_never_after_a_failure():
     import os
 
@@ -315,6 +325,7 @@ def test_reward_pool_is_kept_only_while_warm_and_never_after_a_failure():
     assert not pools._pools  # and leaving keep() closes what was kept
 
 
+@pytest.mark.precision_pinned
 def test_a_pool_failed_as_it_starts_is_terminated_despite_the_parents_sigterm_handler():
     """Prefect installs a SIGTERM handler that does not exit; a worker forked with it must not run
     it: a stage that fails as soon as its pool started terminates the pool, and terminate() waits
@@ -400,6 +411,7 @@ def test_lr_decays_over_the_run_across_iterations(storage):
     assert lrs == pytest.approx([0.004 * (1 - s / 8) for s in range(8)])
 
 
+@pytest.mark.precision_pinned
 @pytest.mark.parametrize("agg_mode", ["seq_mean_token_mean", "token_mean"])
 def test_two_processes_give_the_same_update_as_one(storage, agg_mode):
     """token_mean: each rank's tokens differ, and the minibatch's token count divides them all (grpo.core)."""
@@ -429,6 +441,7 @@ def test_two_processes_give_the_same_update_as_one(storage, agg_mode):
         assert m1[col].tolist() == pytest.approx(m2[col].tolist(), rel=1e-5), col
 
 
+@pytest.mark.precision_pinned
 def test_cli_stage_and_status(storage, capsys):
     make_run(storage)
     assert main(["--storage", storage.url, "stage", "snapshot", "--run", "t", "--iteration", "0"]) == 0
@@ -557,6 +570,7 @@ def test_exploded_weights_are_never_committed_nor_sampled_from(storage, tmp_path
     assert not storage.exists(storage.path("runs", "nan", "run.json"))
 
 
+@pytest.mark.precision_pinned
 def test_an_init_killed_after_run_json_is_finished_by_the_command_the_error_names(storage, capsys):
     import shutil
 

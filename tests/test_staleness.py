@@ -20,7 +20,7 @@ from stages import StageError, learn, rollouts, snapshot, stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration, run_warm
 
-pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run): each test pins float32
+pytestmark = [pytest.mark.equivalence, pytest.mark.precision_pinned]  # the bf16 lane leaves it out (conftest.py)
 
 RUN = TINY + [F32, "learn.epochs=1", "learn.lr=3e-3", "learn.lr_decay_steps=0", "rollout.max_tokens=8"]
 

@@ -19,7 +19,7 @@ from stages import StageError, learn, stage_function, state
 from stages.init import init_run
 from stages.iteration import run_iteration
 
-pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run): every run pins float32
+pytestmark = [pytest.mark.equivalence, pytest.mark.precision_pinned]  # the bf16 lane leaves it out (conftest.py)
 
 RUN = TINY + [F32, "learn.epochs=1", "rollout.max_tokens=8"]
 ROOT = Path(__file__).resolve().parents[1]
