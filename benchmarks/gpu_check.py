@@ -38,10 +38,11 @@
    and, where `trl` imports, TRL's GRPOTrainer with use_liger_kernel=True learning on the same model, prompts,
    group and lengths (its learner tokens/s: its steps' time less its generation's).
 
-The lent GPU machine has torch and triton but neither liger-kernel nor TRL: carry liger-kernel as a wheel (pure
-Python, `pip download liger-kernel==0.8.5 --no-deps -d .whl`, installed there with `pip install --no-deps
---target /tmp/site .whl/*.whl` and PYTHONPATH=/tmp/site), or the learner runs the torch path and says so. Under
-8 minutes on one H100/H200: 2 iterations a case at full size (3 at --tiny), the profile one more.
+The lent GPU machine has torch and triton but neither liger-kernel nor TRL (nor datasets, which TRL imports):
+`benchmarks/gpu_wheels.sh` downloads them here as wheels into .whl, and its header is the one device call
+that installs them there and runs this script; without them the learner runs the torch path and the TRL line
+says why it is missing. Under 8 minutes on one H100/H200: 2 iterations a case at full size (3 at --tiny), the
+profile one more. On a CPU (--tiny) TRL's trainer runs too, in float32 without Liger, so its code cannot rot.
 """
 
 from __future__ import annotations
@@ -300,23 +301,28 @@ def profile_extra(storage, run_id: str, iteration: int) -> None:
 
 
 def trl_learner(root: Path, overrides: list[str], n_params: int, peak: float | None) -> None:
-    """TRL's GRPOTrainer with use_liger_kernel=True on the `full` case's model, prompts, group, lengths and
-    minibatch, bf16, one generation and its optimizer steps after a warm-up one: its learner tokens/s (the
-    steps' time less the generation's, the completion tokens it learned on) and MFU; a line saying why not where
-    trl does not import."""
-    import importlib.util
-
+    """TRL's GRPOTrainer on the `full` case's model, prompts, group, lengths and minibatch, two generations and
+    their optimizer steps: its learner tokens/s (the steps' time less the generations', the completion tokens it
+    learned on) and MFU. On a GPU in bf16 with use_liger_kernel=True; on a CPU (--tiny,
+    CI) in float32 without Liger (its kernels are Triton's), which only shows that this code runs against the
+    TRL installed. A line saying why not where TRL or its datasets do not import (a GPU machine without them
+    carried: benchmarks/gpu_wheels.sh)."""
     import torch
 
-    if importlib.util.find_spec("trl") is None or not torch.cuda.is_available():
-        print(f"\nTRL with Liger: not measured ({'no GPU' if not torch.cuda.is_available() else 'no trl'} here)")
+    try:
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except Exception as e:  # noqa: BLE001 - not installed, or carried beside a pyarrow it cannot use
+        print(f"\nTRL: not measured (it does not import here: {type(e).__name__}: {str(e)[:200]})")
         return
-    from datasets import Dataset
+    from importlib.metadata import version
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
 
     from grpo.config import load_config
 
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else lambda: None
     cfg = load_config(None, overrides)
     r, lc = cfg.rollout, cfg.learn
     rows = [json.loads(line) for line in (root / "prompts.jsonl").read_text().splitlines()]
@@ -327,12 +333,12 @@ def trl_learner(root: Path, overrides: list[str], n_params: int, peak: float | N
         steps_per_generation=steps,
         num_generations=r.group_size,
         max_completion_length=r.max_tokens,
-        max_prompt_length=r.max_prompt_tokens,
         beta=lc.kl_coef,
         learning_rate=lc.lr,
         max_steps=2 * steps,
-        bf16=True,
-        use_liger_kernel=True,
+        bf16=gpu,
+        use_cpu=not gpu,
+        use_liger_kernel=gpu,
         gradient_checkpointing=False,
         save_strategy="no",
         report_to="none",
@@ -350,28 +356,30 @@ def trl_learner(root: Path, overrides: list[str], n_params: int, peak: float | N
     generate = trainer._generate_and_score_completions
 
     def timed(*a, **k):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         out = generate(*a, **k)
-        torch.cuda.synchronize()
+        sync()
         spent["generate"].append(time.perf_counter() - t0)
         spent["tokens"].append(int(out["completion_mask"].sum()))
         return out
 
     trainer._generate_and_score_completions = timed
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     trainer.train()
-    torch.cuda.synchronize()
+    sync()
     total = time.perf_counter() - t0
     learn_s = total - sum(spent["generate"])
     tokens = sum(spent["tokens"])  # every step's completion tokens (the two generations' together)
     tps = tokens / learn_s
     mfu = f"{6 * n_params * tps / peak:.1%}" if peak else "n/a"
+    how = "bf16, use_liger_kernel=True" if gpu else "float32 on the CPU, no Liger"
+    memory = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if gpu else ""
     print(
-        f"\nTRL GRPOTrainer, use_liger_kernel=True, bf16 (same model, prompts, G, lengths, minibatch): learner "
-        f"{tps:.0f} tok/s, MFU {mfu}, {learn_s:.1f} s learning of {total:.1f} s, peak "
-        f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+        f"\nTRL {version('trl')} GRPOTrainer, {how} (same model, prompts, G, lengths, minibatch): learner "
+        f"{tps:.0f} tok/s, MFU {mfu}, {learn_s:.1f} s learning of {total:.1f} s, {len(spent['generate'])} "
+        f"generations{memory}"
     )
 
 

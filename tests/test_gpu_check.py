@@ -3,6 +3,7 @@
 import importlib.util
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,8 @@ def test_gpu_check_runs_warm_flow_iterations_and_reports(tmp_path):
     assert "'dtype': 'bfloat16'" in out and "vLLM alone" in out and "OK: gap" in out
     assert "(full, lora)" in out  # the LoRA case ran on the CPU too, within the gap
     assert "fsdp2: skipped, needs 2 GPUs" in out
+    # TRL's side of the comparison runs against the TRL installed (dev extra), in float32 without Liger on a CPU
+    assert re.search(r"TRL [\d.]+ GRPOTrainer, float32 on the CPU, no Liger .*: learner \d+ tok/s", out), out[-3000:]
 
 
 @pytest.mark.slow
@@ -70,4 +73,5 @@ def test_gpu_check_runs_with_transformers_sampling_and_no_prefect(tmp_path):
     assert "OK: gap" in out and "(full, lora)" in out
     # issue 34: token-budget microbatches, the device's kernels, the extra iteration's learn profiled, TRL's line
     assert out.count("learner kernels: {'attention': ['flash_attention', 'math'], 'logprobs': 'torch'}") == 2
-    assert "policy forward/backward" in out and "host syncs" in out and "TRL with Liger: not measured" in out
+    assert "policy forward/backward" in out and "host syncs" in out
+    assert "TRL: not measured (it does not import here: ModuleNotFoundError: import of datasets halted" in out
