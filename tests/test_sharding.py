@@ -177,8 +177,8 @@ run_then_exit(main)
 @pytest.mark.precision_pinned
 def test_a_rank_ends_cleanly_while_gloo_still_frees_its_last_collective(tmp_path):
     """A rank returns while gloo's thread waits for the interpreter's lock to free a finished collective's tensors
-    (at every exit here, where a DCP save ends one in five by chance): with Python's finalization that thread
-    calls std::terminate and the rank, its work done, dies of SIGABRT; `run_then_exit` ends it with 0."""
+    (at every exit here; after a two-rank DCP save, about one exit in four by chance): with Python's finalization
+    that thread calls std::terminate and the rank, its work done, dies of SIGABRT; `run_then_exit` ends it with 0."""
     import subprocess
 
     from grpo.procs import free_port
