@@ -40,9 +40,8 @@ def minibatch_step(
     batch: Batch,
     scores: Scores,
     microbatches: list[Tensor],
-    lcfg: LearnConfig,
+    spec: core.LossSpec,
     accum: int,
-    max_tokens: int,
     autocast,
     token_normalizer: float,
     sequence_normalizer: float | None = None,
@@ -67,29 +66,17 @@ def minibatch_step(
             scores.old_logprobs[mb] = logp.detach().to(scores.old_logprobs.dtype)
         ref = scores.ref_logprobs
         loss, metrics = core.grpo_microbatch_step(
+            spec,
             logp,
             mask,
             gradient_accumulation_steps=accum,
-            loss_type=lcfg.loss_type,
-            agg_mode=lcfg.agg_mode,
             raw_rewards=batch.rewards[mb, None],
             advantages=batch.advantages[mb, None],
             old_logprobs=scores.old_logprobs[mb],
             ref_logprobs=None if ref is None else ref[mb],
-            kl_coef=lcfg.kl_coef,
-            kl_estimator=lcfg.kl_estimator,
-            clip_eps=lcfg.clip_eps,
-            clip_eps_high=lcfg.clip_eps_high,
-            dual_clip_c=lcfg.dual_clip_c,
-            max_tokens=max_tokens,
+            sampler_logprobs=batch.sampler_logprobs[mb],
             token_normalizer=token_normalizer,
             sequence_normalizer=sequence_normalizer,
-            sampler_logprobs=batch.sampler_logprobs[mb],
-            behavior_correction=lcfg.behavior_correction,
-            behavior_level=lcfg.behavior_level,
-            tis_cap=lcfg.tis_cap,
-            mis_bounds=lcfg.mis_bounds,
-            icepop_bounds=lcfg.icepop_bounds,
         )
         metrics["loss/total"] = loss.detach() * accum
         metrics["actor/entropy"] = core.masked_mean(entropy, mask)
@@ -193,7 +180,7 @@ class Update:
 def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_seed: int) -> Update:
     """Run the update in place on `learner` (every process runs this). Raises LearnError, having
     left the learner half-updated, when the result must not be committed."""
-    cfg, lcfg, acc, model, opt = learner.cfg, learner.cfg.learn, learner.acc, learner.model, learner.opt
+    lcfg, acc, model, opt = learner.cfg.learn, learner.acc, learner.model, learner.opt
     torch.manual_seed(torch_seed)
     batch = batch.to(learner.device)
     check_microbatch_tokens(batch, lcfg, iteration)
@@ -211,11 +198,10 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     score_s, update_s = time.perf_counter() - t0, 0.0
     mask = batch.response_mask
     gap = None if scores.pending is not None else sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap)
-    behavior = None if scores.pending is not None else behavior_summary(batch, scores, lcfg)
+    behavior = None if scores.pending is not None else behavior_summary(batch, scores, learner.loss)
     model.train()
 
     accum = max(1, lcfg.minibatch_size // world // lcfg.process_microbatch)
-    max_tokens = cfg.rollout.max_tokens  # Dr.GRPO's constant divisor: the response budget
     rows, step = [], 0
     for epoch in range(lcfg.epochs):
         if epoch:
@@ -239,9 +225,8 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
                     batch,
                     scores,
                     microbatches[rank],
-                    lcfg,
+                    learner.loss,
                     steps,
-                    max_tokens,
                     learner.autocast,
                     per_microbatch,
                     sequences,
@@ -256,7 +241,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
                     score_s, t0 = score_s + settled_s, t0 + settled_s  # scoring time, not the update's
                 measured = checked if source["source"] == "sampler" else None  # auto took the sampler's
                 gap = sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap, measured)
-                behavior = behavior_summary(batch, scores, lcfg)
+                behavior = behavior_summary(batch, scores, learner.loss)
             if not all(math.isfinite(v) for v in m.values()):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
             grad_norm = learner.clip_grad_norm(lcfg.max_grad_norm)
@@ -308,7 +293,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     return Update(summary, rows, cpu)
 
 
-def behavior_summary(batch: Batch, scores: Scores, lcfg: LearnConfig) -> dict[str, float]:
+def behavior_summary(batch: Batch, scores: Scores, spec: core.LossSpec) -> dict[str, float]:
     """The iteration's behaviour weights pi_prox / pi_sampler (learn.behavior_correction) over every response token
     of the batch, once pi_prox (the old log-probs) is known: no step changes them. behavior_weight_mean and
     _max, behavior_clipped_frac (truncated or masked), sampler_kl (k3 of KL(pi_sampler || pi_prox)); with
@@ -318,11 +303,7 @@ def behavior_summary(batch: Batch, scores: Scores, lcfg: LearnConfig) -> dict[st
             scores.old_logprobs.float(),
             batch.sampler_logprobs.float(),
             batch.response_mask,
-            lcfg.behavior_correction,
-            lcfg.behavior_level,
-            lcfg.tis_cap,
-            lcfg.mis_bounds,
-            lcfg.icepop_bounds,
+            *spec.behavior,
         )
     names = {"weight_mean": "behavior_weight_mean", "weight_max": "behavior_weight_max"}
     names |= {"clipped_frac": "behavior_clipped_frac", "kl": "sampler_kl"}
