@@ -50,9 +50,3 @@ class Scores:
 
     old_logprobs: Tensor  # (N, T) the snapshot policy's, without gradient
     ref_logprobs: Tensor | None  # (N, T) the frozen reference's; None without a KL penalty
-    # (N,) rows whose old log-probs the first minibatch's own forward gives (the policy is still the
-    # snapshot's then: no scoring pass for them); their old_logprobs rows are filled by that step
-    pending: Tensor | None = None
-    # (N,) learn.old_logprobs=auto: rows settled after that forward, before the first step (settle_deferred):
-    # the sampler's log-probs where the pending rows show them equal to the learner's, else scored then
-    deferred: Tensor | None = None

@@ -28,7 +28,7 @@ from grpo.errors import LearnError
 from grpo.learner import kernels, sharding
 from grpo.learner.batch import Batch, Scores
 from grpo.learner.model import forward_logprobs, score
-from grpo.learner.pi_old import OLD_LOGPROBS, _fill_pending, sampler_gap, settle_deferred
+from grpo.learner.pi_old import OldLogprobs
 from grpo.learner.state import Learner, optimizer_steps
 from grpo.progress import progress
 
@@ -45,25 +45,23 @@ def minibatch_step(
     autocast,
     token_normalizer: float,
     sequence_normalizer: float | None = None,
+    pi_old: OldLogprobs | None = None,
 ) -> dict[str, float]:
-    """Forward/backward over this rank's `microbatches` (each a tensor of groups: split_microbatches);
-    token_normalizer and sequence_normalizer are token_mean's and the per-sequence modes' divisors of each
+    """Forward/backward over this rank's `microbatches` (each a tensor of groups: split_microbatches), the
+    microbatches whose forward gives their rows' pi_old handing it to `pi_old` (whose tensor scores.old_logprobs
+    is); token_normalizer and sequence_normalizer are token_mean's and the per-sequence modes' divisors of each
     microbatch's sums (grpo.core.grpo_microbatch_step). Returns metrics: the extremes (`*_max`, `*_min`) over
     microbatches, the rest summed / accum. No host sync inside the loop: the metrics stay on the device in float64
     (as Python floats would add them) and come to the host once, at the end."""
     totals: dict[str, Tensor] = {}
-    # which microbatches give pi_old (the first minibatch's: pending), read on the host once a step, not a microbatch
-    pending = [False] * len(microbatches)
-    if scores.pending is not None:
-        rows = scores.pending.cpu()
-        pending = [bool(rows[batch.rows(mb.cpu())].all()) for mb in microbatches]
-    for mb_groups, gives_pi_old in zip(microbatches, pending):
+    gives = [False] * len(microbatches) if pi_old is None else pi_old.gives(microbatches)
+    for mb_groups, gives_pi_old in zip(microbatches, gives):
         mb = batch.rows(mb_groups)
         mask = batch.response_mask[mb]
         with autocast():
             logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
         if gives_pi_old:  # pi_old = pi_theta, no step yet
-            scores.old_logprobs[mb] = logp.detach().to(scores.old_logprobs.dtype)
+            pi_old.take(mb, logp)
         ref = scores.ref_logprobs
         loss, metrics = core.grpo_microbatch_step(
             spec,
@@ -191,14 +189,12 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     order = torch.randperm(n_groups, generator=learner.shuffle).to(learner.device)  # epoch 0's
     t0 = time.perf_counter()
     with learner.autocast():
-        old, pending, deferred, source = OLD_LOGPROBS[lcfg.old_logprobs](
-            learner, batch, chunk, order[:per_step] if per_step <= n_groups else order[:0]
-        )
-        scores = Scores(old, learner.reference_scores(batch, chunk), pending, deferred)
+        pi_old = OldLogprobs(learner, batch, chunk, order[:per_step] if per_step <= n_groups else order[:0])
+        scores = Scores(pi_old.old, learner.reference_scores(batch, chunk))
     score_s, update_s = time.perf_counter() - t0, 0.0
     mask = batch.response_mask
-    gap = None if scores.pending is not None else sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap)
-    behavior = None if scores.pending is not None else behavior_summary(batch, scores, learner.loss)
+    gap = pi_old.gap(iteration) if pi_old.known else None
+    behavior = behavior_summary(batch, scores, learner.loss) if pi_old.known else None
     model.train()
 
     accum = max(1, lcfg.minibatch_size // world // lcfg.process_microbatch)
@@ -230,18 +226,13 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
                     learner.autocast,
                     per_microbatch,
                     sequences,
+                    pi_old,
                 ),
             )
-            if scores.pending is not None:  # every old log-prob known now: check the sampler's before a step
-                checked, scores = scores.pending, _fill_pending(acc, scores)
-                if scores.deferred is not None:
-                    t1 = time.perf_counter()
-                    scores, source = settle_deferred(learner, batch, scores, checked, chunk)
-                    settled_s = time.perf_counter() - t1
-                    score_s, t0 = score_s + settled_s, t0 + settled_s  # scoring time, not the update's
-                measured = checked if source["source"] == "sampler" else None  # auto took the sampler's
-                gap = sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap, measured)
-                behavior = behavior_summary(batch, scores, learner.loss)
+            if not pi_old.known:  # the first minibatch gave its rows: settle the rest, check the sampler's, then step
+                settled_s = pi_old.settle()
+                score_s, t0 = score_s + settled_s, t0 + settled_s  # scoring time, not the update's
+                gap, behavior = pi_old.gap(iteration), behavior_summary(batch, scores, learner.loss)
             if not all(math.isfinite(v) for v in m.values()):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
             grad_norm = learner.clip_grad_norm(lcfg.max_grad_norm)
@@ -279,7 +270,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "grad_norm": last.get("grad_norm"),
         "logprob_gap": gap,
         **(behavior or {}),
-        "old_logprobs": source,
+        "old_logprobs": pi_old.source,
         "world_size": world,
         "precision": learner.precision,
         "kernels": kernels.chosen(lcfg.logprob_kernel, learner.device),
