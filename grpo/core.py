@@ -529,6 +529,12 @@ def grpo_microbatch_step(
         raise ValueError("gradient_accumulation_steps must be >= 1")
     if spec.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 requires `ref_logprobs`")
+    # a token outside the mask counts for nothing, whatever log-probs it holds (an observation's, padding's): its
+    # ratio is 1 and its KL 0, so no inf or nan can reach the gradient through it
+    keep, own = response_mask.bool(), logprobs.detach()
+    old_logprobs, ref_logprobs, sampler_logprobs = (
+        None if x is None else torch.where(keep, x, own) for x in (old_logprobs, ref_logprobs, sampler_logprobs)
+    )
     pg_loss, meta = policy_gradient_loss(
         spec.loss_type,
         logprobs,

@@ -895,3 +895,69 @@ def test_no_behavior_correction_is_the_uncorrected_loss_bit_for_bit():
                                  sampler_logprobs=sampler)  # fmt: skip
         grads.append(logp.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+# ---------------------------------------------------------------- episodes: tokens masked out of the loss
+def _dropped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's values where mask is 1, moved to its front and right-padded with 0 (differentiable): the row as if
+    its masked tokens had never been there."""
+    rows = [x[i][mask[i].bool()] for i in range(len(x))]
+    return torch.stack([torch.nn.functional.pad(r, (0, x.shape[1] - len(r))) for r in rows])
+
+
+@pytest.mark.parametrize(
+    "loss_type,dual_clip_c", [("grpo_clip", 3.0), ("gspo", None), ("cispo", None), ("reinforce_baseline", None)]
+)
+@pytest.mark.parametrize("agg_mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize(
+    "correction,level",
+    [("none", "token"), ("tis", "token"), ("icepop", "token"), ("mis", "sequence"), ("tis", "geometric")],
+)
+def test_masked_tokens_count_for_nothing_the_step_is_the_one_with_them_dropped(
+    loss_type, dual_clip_c, agg_mode, correction, level
+):
+    """An episode's observation tokens (response_mask 0 inside a response) leave the loss, its gradient, the KL and
+    every metric (clip fractions, ratio stats, behaviour weights and their KL, GSPO's sequence ratio) as if they had
+    been dropped from the sequence; and whatever old, sampler and reference log-probs they hold (huge, inf, nan)
+    changes nothing."""
+    gen = torch.Generator().manual_seed(3)
+    b, t = 4, 9
+    mask = torch.ones(b, t)
+    mask[0, 2:4] = mask[1, 5:] = mask[2, 0] = mask[3, 1:8:2] = 0  # observations between turns, at the end, first
+    mask[1, 7:] = mask[2, 6:] = 0  # and right padding
+    logp = -torch.rand(b, t, generator=gen) * 2
+    given = {
+        "old_logprobs": logp + 0.3 * torch.randn(b, t, generator=gen),
+        "sampler_logprobs": logp + 0.5 * torch.randn(b, t, generator=gen),
+        "ref_logprobs": logp - torch.rand(b, t, generator=gen),
+    }
+    adv, rewards = torch.randn(b, 1, generator=gen), torch.rand(b, 1, generator=gen)
+    spec = LossSpec(
+        loss_type, agg_mode, kl_coef=0.1, dual_clip_c=dual_clip_c, max_tokens=float(t),
+        behavior_correction=correction, behavior_level=level, tis_cap=1.2, mis_bounds=(0.0, 3.0),
+        icepop_bounds=(0.6, 1.6),
+    )  # fmt: skip
+
+    def step(tensors: dict, m: torch.Tensor, drop: bool):
+        theta = logp.clone().requires_grad_(True)
+        cut = (lambda x: _dropped(x, m)) if drop else (lambda x: x)
+        loss, metrics = grpo_microbatch_step(
+            spec, cut(theta), _dropped(m, m) if drop else m, gradient_accumulation_steps=2, advantages=adv,
+            raw_rewards=rewards, token_normalizer=float(m.sum()) / 2, **{k: cut(v) for k, v in tensors.items()},
+        )  # fmt: skip
+        return loss, metrics, theta.grad
+
+    loss, metrics, grad = step(given, mask, drop=False)
+    loss_d, metrics_d, grad_d = step(given, mask, drop=True)
+    torch.testing.assert_close(loss, loss_d)
+    torch.testing.assert_close(grad, grad_d)
+    assert metrics.keys() == metrics_d.keys()
+    for k in metrics:
+        torch.testing.assert_close(metrics[k], metrics_d[k], msg=k)
+    assert (grad[mask == 0] == 0).all() and grad.abs().sum() > 0
+    noise = 1e4 * torch.randn(b, t, generator=gen)
+    noise[0, 2], noise[1, 5], noise[3, 1] = float("inf"), float("-inf"), float("nan")
+    garbage = {k: torch.where(mask.bool(), v, noise) for k, v in given.items()}
+    loss_g, metrics_g, grad_g = step(garbage, mask, drop=False)
+    assert torch.equal(grad_g, grad) and torch.equal(loss_g, loss)
+    assert all(torch.equal(metrics_g[k], metrics[k]) for k in metrics)

@@ -165,7 +165,16 @@ def test_a_groups_forward_skips_the_batchs_padding_and_gives_the_same_log_probs(
     for i, n in enumerate(response_len):
         response_ids[i, :n], response_mask[i, :n] = torch.randint(4, 16, (n,), generator=gen), 1
     batch = Batch(
-        prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(4, t), *torch.zeros(2, 4), g, [0] * 4, [0] * 4
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        response_mask,
+        torch.zeros(4, t),
+        *torch.zeros(2, 4),
+        g,
+        [0] * 4,
+        [0] * 4,
     )
     seen = []
     model = PolicyLM(lm)

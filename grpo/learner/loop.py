@@ -57,7 +57,7 @@ def minibatch_step(
     gives = [False] * len(microbatches) if pi_old is None else pi_old.gives(microbatches)
     for mb_groups, gives_pi_old in zip(microbatches, gives):
         mb = batch.rows(mb_groups)
-        mask = batch.response_mask[mb]
+        mask = batch.loss_mask[mb]  # (R, T) the tokens trained on: the sampled ones of every turn
         with autocast():
             logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
         if gives_pi_old:  # pi_old = pi_theta, no step yet
@@ -192,7 +192,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         pi_old = OldLogprobs(learner, batch, chunk, order[:per_step] if per_step <= n_groups else order[:0])
         scores = Scores(pi_old.old, learner.reference_scores(batch, chunk))
     score_s, update_s = time.perf_counter() - t0, 0.0
-    mask = batch.response_mask
+    mask = batch.loss_mask
     gap = pi_old.gap(iteration) if pi_old.known else None
     behavior = behavior_summary(batch, scores, learner.loss) if pi_old.known else None
     model.train()
@@ -205,7 +205,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         for start in range(0, n_groups - per_step + 1, per_step):
             groups = order[start : start + per_step]
             t0 = time.perf_counter()
-            n_tok = int(mask[batch.rows(groups)].sum())  # the whole minibatch's, every rank's
+            n_tok = int(mask[batch.rows(groups)].sum())  # the whole minibatch's trained tokens, every rank's
             microbatches = split_microbatches(batch, groups, lcfg, world)
             steps = accum if lcfg.microbatch_tokens is None else len(microbatches[rank])  # equal on every rank
             # DAPO's token mean of the minibatch: each microbatch's token sum / the minibatch's tokens per
@@ -285,7 +285,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
 
 
 def behavior_summary(batch: Batch, scores: Scores, spec: core.LossSpec) -> dict[str, float]:
-    """The iteration's behaviour weights pi_prox / pi_sampler (learn.behavior_correction) over every response token
+    """The iteration's behaviour weights pi_prox / pi_sampler (learn.behavior_correction) over every trained token
     of the batch, once pi_prox (the old log-probs) is known: no step changes them. behavior_weight_mean and
     _max, behavior_clipped_frac (truncated or masked), sampler_kl (k3 of KL(pi_sampler || pi_prox)); with
     correction none the weights are 1 and the KL still measures how far the sampler was."""
@@ -293,7 +293,7 @@ def behavior_summary(batch: Batch, scores: Scores, spec: core.LossSpec) -> dict[
         _, m = core.behavior_weights(
             scores.old_logprobs.float(),
             batch.sampler_logprobs.float(),
-            batch.response_mask,
+            batch.loss_mask,
             *spec.behavior,
         )
     names = {"weight_mean": "behavior_weight_mean", "weight_max": "behavior_weight_max"}

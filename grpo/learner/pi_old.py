@@ -139,7 +139,8 @@ class OldLogprobs:
         if self.deferred is None:
             return 0.0
         t0 = time.perf_counter()
-        diff = float(((batch.sampler_logprobs - self.old).abs() * batch.response_mask)[checked].max())
+        gaps = (batch.sampler_logprobs - self.old).abs().masked_fill(~batch.loss_mask.bool(), 0.0)  # (N, T)
+        diff = float(gaps[checked].max())
         if diff <= SAMPLER_MAX_DIFF:
             self.old[self.deferred] = batch.sampler_logprobs[self.deferred].to(self.old.dtype)
             self.measured = checked  # the sampler's rows have no gap to measure
@@ -158,9 +159,9 @@ class OldLogprobs:
 
 
 def sampler_gap(batch: Batch, old: Tensor, iteration: int, max_gap: float | None, rows: Tensor | None = None) -> float:
-    """Mean |sampler log-prob - old log-prob (N, T)| a token (over `rows` (N,) bool, default all: where pi_old is
-    the learner's own); raises LearnError above learn.max_logprob_gap."""
-    mask = batch.response_mask if rows is None else batch.response_mask * rows[:, None]
+    """Mean |sampler log-prob - old log-prob (N, T)| a sampled token (over `rows` (N,) bool, default all: where
+    pi_old is the learner's own); raises LearnError above learn.max_logprob_gap."""
+    mask = batch.loss_mask if rows is None else batch.loss_mask * rows[:, None]
     gap = float(core.masked_mean((batch.sampler_logprobs - old).abs(), mask))
     if max_gap is not None and gap > max_gap:
         raise LearnError(
