@@ -11,7 +11,7 @@ iteration still answers `grpo query`. A learn's policy stays when it is among th
 `keep_last` learns, its iteration a multiple of `keep_every`, the best by eval (eval.metric), or the next learn's
 KL reference (learn.ref_update_every) or a policy the next iterations sample (rollout.staleness); its optimizer
 state only in the newest learn. Before removing
-them gc lists them in the attempt's collected.json (grpo.storage.mark_collected): verification skips
+them gc lists them in the attempt's collected.json (grpo.record.storage.mark_collected): verification skips
 them, a stage that needs one fails naming it.
 
 Left alone, and said so: an uncommitted attempt whose heartbeat is recent (its writer is alive,
@@ -20,7 +20,7 @@ LEASE_BEATS beats ago), anything written or superseded less than `min_age_s` ago
 a live attempt reads (its heartbeat lists its inputs). File ages are taken by the storage's own
 clock (storage_clock), so a storage clock behind this machine's does not age them.
 
-Never removed: what another run references (a fork: grpo.fork.referenced_by), superseded attempts and
+Never removed: what another run references (a fork: grpo.record.fork.referenced_by), superseded attempts and
 retention's files alike; `grpo delete --run FORK` removes a fork, and the next gc may free them.
 
 The newest learn (and the one `grpo run` continues from, where a stale chain resumes earlier) keeps
@@ -42,8 +42,8 @@ import fsspec
 from grpo import report
 from grpo.config import RetentionConfig
 from grpo.errors import StageError
-from grpo.fork import referenced_by
-from grpo.layout import (
+from grpo.record.fork import referenced_by
+from grpo.record.layout import (
     POLICY_PREFIXES,
     SHARD_FOLDER,
     STAGES,
@@ -55,8 +55,8 @@ from grpo.layout import (
     shard_dirs,
     stage_dir,
 )
-from grpo.lineage import collected_learn_files, next_iteration, policy_version, reference_iteration
-from grpo.storage import (
+from grpo.record.lineage import collected_learn_files, next_iteration, policy_version, reference_iteration
+from grpo.record.storage import (
     HEARTBEAT_NAME,
     MERGED_SHARD,
     ArtifactError,
@@ -275,7 +275,7 @@ def _retention(
     storage: Storage, run_id: str, rules: RetentionConfig, listing: dict, live: set[str], out: Plan, forks: dict
 ):
     """Add to `out` the policies and optimizer states of older learns that `rules` do not keep, less the files
-    that other runs reference (`forks`: grpo.fork.referenced_by)."""
+    that other runs reference (`forks`: grpo.record.fork.referenced_by)."""
     learned = {}
     for k in range(_iterations(storage, run_id)):
         attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))

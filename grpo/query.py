@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from grpo.errors import LayoutError
-from grpo.fork import fork_of, origin
-from grpo.layout import no_such_run, run_dir, run_json, stage_dir
-from grpo.storage import (
+from grpo.record.fork import fork_of, origin
+from grpo.record.io import IoCounts
+from grpo.record.layout import no_such_run, run_dir, run_json, stage_dir
+from grpo.record.storage import (
     Committed,
     CorruptArtifactError,
     NotCommittedError,
@@ -46,7 +47,6 @@ from grpo.storage import (
     latest_committed,
     verify_files,
 )
-from grpo.transfer import IoCounts
 from schemas.tables import OPTIONAL_TABLES, SCHEMAS, TABLE_FILES
 
 if TYPE_CHECKING:  # imported where used: training imports this module (grpo.report) and needs no DuckDB
@@ -139,7 +139,7 @@ def _sql_str(s: str) -> str:
 def connect(
     storage: Storage, run_id: str, verify: bool = True, others: tuple[str, ...] = ()
 ) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with one view per table over the committed files; in a fork (grpo.fork)
+    """An in-memory DuckDB connection with one view per table over the committed files; in a fork (grpo.record.fork)
     also the parent's, as `parent.<view>`, and `rescore` over both. With `others` (more runs: a parent and its
     forks), each one's views in a schema named after it (`"demo-gspo".rewards`), and every run's rows in
     `runs.<view>` with a `run` column."""

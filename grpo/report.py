@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from grpo.config import load_config
 from grpo.errors import StageError
-from grpo.fork import fork_of
-from grpo.layout import STAGES, STATE_STAGE, run_dir, run_json, stage_dir
 from grpo.query import io_rows, iterations
-from grpo.storage import (
+from grpo.record.fork import fork_of
+from grpo.record.layout import STAGES, STATE_STAGE, run_dir, run_json, stage_dir
+from grpo.record.storage import (
     Committed,
     NotCommittedError,
     Storage,

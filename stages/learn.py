@@ -2,10 +2,10 @@
 
 This stage joins the rollouts with their advantages into a `Batch` of whole groups, frees the
 GPU of the sampler where they share it (vLLM sleeps, or closes: rollout.keep_engine; not where learn.device and
-rollout.device are apart: grpo/devices.py), runs the update and commits
+rollout.device are apart: grpo/runtime/devices.py), runs the update and commits
 policy/ (or adapter/), the metrics of every step and the old (and reference) log-probs, so an audit can
 recompute every loss; the resume state (optimizer.pt, rng.pt, master.safetensors for a narrower-than-float32
-base) follows in a commit of its own, off the critical path (stages/state.py). When the next iteration runs
+base) follows in a commit of its own, off the critical path (grpo/record/resume.py). When the next iteration runs
 in the same process (flow `grpo` with `iterations` > 1) it takes the model, optimizer and reference from
 memory (`WARM`) instead, with the same result. The KL
 reference is the base model or, with learn.ref_update_every, an earlier iteration's committed snapshot
@@ -28,8 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from grpo import devices
-from grpo.checkpoint import (
+from grpo.config import RunConfig
+from grpo.learner import Batch, Learner, launch, nodes
+from grpo.learner.rank import new_learner, train_and_save
+from grpo.record import resume as state
+from grpo.record.checkpoint import (
     ADAPTER_PREFIX,
     CHECKPOINT_PREFIX,
     adapter_checkpoint,
@@ -41,15 +44,12 @@ from grpo.checkpoint import (
     tokenizer_and_config,
     upload_folder,
 )
-from grpo.config import RunConfig
-from grpo.identity import config_hash, section, stage_identity
-from grpo.learner import Batch, Learner, launch, nodes
-from grpo.learner.rank import new_learner, train_and_save
-from grpo.lineage import check_chain, check_policy, committed_input, frozen_version, reference_iteration
+from grpo.record.identity import config_hash, section, stage_identity
+from grpo.record.io import sha256_local
+from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version, reference_iteration
+from grpo.record.storage import Committed, StageWriter, Storage, is_local
+from grpo.runtime import devices
 from grpo.sampling.engines import release_accelerator
-from grpo.storage import Committed, StageWriter, Storage, is_local
-from grpo.transfer import sha256_local
-from stages import state
 from stages.common import StageError, load_run, measured, run_stage
 from stages.learn_data import load_batch
 
@@ -65,7 +65,7 @@ class WarmLearners:
     key: a learner taken loads the iteration's reference when it holds another (Learner.use_reference;
     learn.ref_update_every moves it).
     On a GPU the kept learner waits in CPU memory, leaving the GPU to the sampler, unless the sampler has a
-    device of its own (grpo.devices.apart): then it stays on its device.
+    device of its own (grpo.runtime.devices.apart): then it stays on its device.
     Change the key only with tests test_warm_iterations_commit_what_cold_ones_do and
     test_optimizer_state_carries_to_next_iteration in view.
     """
@@ -127,7 +127,7 @@ def learn_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int) 
 
 def stage_config(cfg: RunConfig) -> dict:
     """What the stage's identity covers: the seed and the learn section, less where its processes run
-    (grpo.identity.LEARN_PLACEMENT: one node or several train the same update) and settings added later at
+    (grpo.record.identity.LEARN_PLACEMENT: one node or several train the same update) and settings added later at
     their defaults."""
     return {"seed": cfg.seed, "learn": section(cfg, "learn")}
 
@@ -158,7 +158,7 @@ def checkpoint_folders(
 
 
 def previous_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: str) -> str:
-    """A local folder holding the resume state learn `learned` left: committed (stages.state), or, where its
+    """A local folder holding the resume state learn `learned` left: committed (grpo.record.resume), or, where its
     commit never came (a writer killed between the two commits, learn.state_every), replayed."""
     k, run_id = learned.manifest.iteration, learned.manifest.run_id
     return state.read(storage, run_id, learned, f"{tmp}/state-{k}") or replayed_state(storage, cfg, learned, tmp)
@@ -167,7 +167,7 @@ def previous_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: st
 def replayed_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: str) -> str:
     """Learn `learned`'s state made again: its update run once more from its committed inputs and the state
     before it (itself replayed where missing), each file of the policy it writes checked against the committed
-    one, and committed (stages.state); the local folder holding it."""
+    one, and committed (grpo.record.resume); the local folder holding it."""
     k, run_id = learned.manifest.iteration, learned.manifest.run_id
     log.info("learn iteration %s: its resume state is not committed; replaying its update to make it", k)
     inputs = learn_inputs(storage, cfg, run_id, k)
@@ -233,7 +233,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     in_process = cfg.learn.num_processes == 1
     shared = not devices.apart(cfg)  # the learner runs on the sampler's device: they take turns on it
     learner: Learner | None = None
-    held: str | None = None  # the resume state, committed apart after the policy (stages.state)
+    held: str | None = None  # the resume state, committed apart after the policy (grpo.record.resume)
     made: str | None = None  # on object storage: the folder the policy was written to, kept in this machine's cache
     shards: state.Shards | None = None  # fsdp2 ranks writing their shards while the policy commits
 
@@ -251,7 +251,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
             local = is_local(storage.fs)  # local storage: write into the attempt itself, no copy of the model
             out_dir = writer.attempt_dir if local else (made := staging_folder())
             if cfg.learn.nodes == 1:  # several nodes write their shards of it into the attempt (nodes.lead)
-                held = staging_folder()  # on the cache's disk: stages.state keeps it there
+                held = staging_folder()  # on the cache's disk: grpo.record.resume keeps it there
             if in_process:
                 learner = learner or new_learner(cfg, iteration, **folders)
                 learner.use_reference(folders["ref_dir"])  # a warm learner's may be another (ref_update_every)

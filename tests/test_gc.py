@@ -10,8 +10,8 @@ import pytest
 from flows.cli import main
 from grpo.config import RetentionConfig, load_config
 from grpo.gc import held_summary, lost_attempts, plan, remove
-from grpo.layout import stage_dir
-from grpo.storage import (
+from grpo.record.layout import stage_dir
+from grpo.record.storage import (
     HEARTBEAT_NAME,
     AttemptRemovedError,
     StageWriter,

@@ -7,8 +7,8 @@ import time
 import pandas as pd
 import pytest
 
-import grpo.storage
-from grpo.storage import (
+import grpo.record.storage
+from grpo.record.storage import (
     CorruptArtifactError,
     NotCommittedError,
     StageWriter,
@@ -98,8 +98,8 @@ def test_unchanged_files_are_not_reread_and_a_rewrite_is_caught(storage, monkeyp
         long_ago = time.time() - 10
         os.utime(fpath, (long_ago, long_ago))
     reads = []
-    real = grpo.storage.sha256_file
-    monkeypatch.setattr(grpo.storage, "sha256_file", lambda fs, path: reads.append(path) or real(fs, path))
+    real = grpo.record.storage.sha256_file
+    monkeypatch.setattr(grpo.record.storage, "sha256_file", lambda fs, path: reads.append(path) or real(fs, path))
     latest_committed(storage, stage_dir)
     reads.clear()
     latest_committed(storage, stage_dir)

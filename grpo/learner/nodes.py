@@ -31,10 +31,9 @@ from typing import Callable
 
 from grpo.config import LearnConfig
 from grpo.errors import StageError
-from grpo.layout import stage_dir
 from grpo.learner import launch
-from grpo.procs import free_port
-from grpo.storage import (
+from grpo.record.layout import stage_dir
+from grpo.record.storage import (
     HEARTBEAT_NAME,
     Committed,
     Heartbeat,
@@ -47,6 +46,7 @@ from grpo.storage import (
     list_attempts,
     load_manifest,
 )
+from grpo.runtime.procs import free_port
 
 log = logging.getLogger("grpo.learner")
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from grpo.checkpoint import checkpoint_dtype
 from grpo.config import RunConfig
-from grpo.devices import learner_device
 from grpo.learner import sharding
 from grpo.learner.batch import Batch
 from grpo.learner.model import PolicyLM, score
 from grpo.learner.precision import autocast_precision
+from grpo.record.checkpoint import checkpoint_dtype
+from grpo.runtime.devices import learner_device
 
 MASTER_WEIGHTS = "master.safetensors"  # float32 weights, written when the checkpoint's dtype is narrower
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.devices import sampler_device, vllm_device
+from grpo.runtime.devices import sampler_device, vllm_device
 from grpo.sampling.base import Generator, _generation_config_eos
 from grpo.sampling.hf import HFGenerator
 from grpo.sampling.vllm_engine import VLLMGenerator
@@ -76,7 +76,7 @@ VLLM_MIN_PARAMS = 10_000_000  # on 2 CPU cores vLLM samples 2.8x faster at 13M, 
 def choose_backend(setting: str, model_dir: str, device: torch.device | None = None) -> tuple[str, str]:
     """(backend, why) for rollout.backend `setting`: `auto` picks vLLM on a GPU and for models of
     VLLM_MIN_PARAMS and up, transformers for smaller ones on a CPU, where vLLM is not installed, or for a sampler
-    `device` (rollout.device resolved) other than the one vLLM samples on in one process (grpo.devices)."""
+    `device` (rollout.device resolved) other than the one vLLM samples on in one process (grpo.runtime.devices)."""
     if setting != "auto":
         return setting, "rollout.backend"
     import importlib.util
@@ -87,7 +87,7 @@ def choose_backend(setting: str, model_dir: str, device: torch.device | None = N
         return "hf", f"auto: rollout.device {device}, where vLLM does not sample in one process ({vllm_device()})"
     if torch.cuda.is_available():
         return "vllm", "auto: a GPU"
-    from grpo.checkpoint import parameter_count
+    from grpo.record.checkpoint import parameter_count
 
     n = parameter_count(model_dir)
     if n >= VLLM_MIN_PARAMS:
@@ -112,7 +112,7 @@ def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None
     rollout: grpo.config.RolloutConfig; lora: grpo.config.LoraConfig or None. Recorded in the rollouts
     and eval manifests (`sampler`).
     """
-    from grpo.checkpoint import checkpoint_dtype_name
+    from grpo.record.checkpoint import checkpoint_dtype_name
 
     dtype = checkpoint_dtype_name(model_dir) if dtype == "auto" else dtype
     if backend != "vllm":  # rollout.device where it is set (auto: the generator's own choice, as before it existed)

@@ -11,9 +11,9 @@ attempt is committed once its `_manifest.json` exists, and that file is written
 last (a single object PUT on S3, a rename on a local disk). Readers take the
 newest committed attempt and check the size and sha256 of each file they read
 against it (`Committed.read_path`, `verify_files`); a commit hashes its files as
-they are written (grpo.transfer), and a file hashed once on this machine is not
+they are written (grpo.record.io), and a file hashed once on this machine is not
 hashed again while its stamp holds (`file_digest`). Every byte moved through the
-storage's filesystem is counted into the attempt's `io` record (grpo.transfer).
+storage's filesystem is counted into the attempt's `io` record (grpo.record.io).
 
 While a writer runs, its attempt holds a `.heartbeat` it rewrites every ~30 s (Heartbeat), so that
 `grpo gc` can tell a live attempt from a dead one however long its stage writes nothing else.
@@ -48,15 +48,15 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 from grpo.errors import StageError
-from grpo.identity import config_hash, stage_identity
-from grpo.transfer import STAMPS, IoCounts, count_io, counted_fs, uncounted, written_digest
+from grpo.record.identity import config_hash, stage_identity
+from grpo.record.io import STAMPS, IoCounts, count_io, counted_fs, uncounted, written_digest
 from schemas.manifest import MANIFEST_NAME, FileEntry, InputRef, Manifest
 
 DEFAULT_STORAGE = "storage"
 HEARTBEAT_NAME = ".heartbeat"  # in an attempt being written: refreshed while its writer lives, never in a manifest
 COLLECTED_NAME = "collected.json"  # in a committed attempt: its files that `grpo gc --retention` removed
 _CHUNK = 1 << 20
-log = logging.getLogger("grpo.storage")
+log = logging.getLogger("grpo.record.storage")
 
 
 class ArtifactError(RuntimeError):
@@ -255,7 +255,7 @@ def remember_digest(fs: AbstractFileSystem, path: str, digest: str) -> None:
 def file_digest(fs: AbstractFileSystem, path: str) -> tuple[int, str]:
     """(size, sha256) of a file; raises FileNotFoundError.
 
-    A file hashed on this machine before, by this process or another (grpo.transfer.StampCache), is not
+    A file hashed on this machine before, by this process or another (grpo.record.io.StampCache), is not
     read again while its stamp is unchanged: a run verifies the same checkpoint in several stages and
     processes, and each re-read of a large model costs seconds.
     """
@@ -594,7 +594,7 @@ class StageWriter:
         origin: InputRef | None = None,
     ):
         self.storage, self.stage_dir = storage, stage_dir
-        self.origin = origin  # a fork's attempt that takes another run's by reference (grpo.fork)
+        self.origin = origin  # a fork's attempt that takes another run's by reference (grpo.record.fork)
         self.run_id, self.iteration, self.stage = run_id, iteration, stage
         self.config, self.inputs = config, inputs
         self.config_hash = config_hash(config)
@@ -658,7 +658,7 @@ class StageWriter:
         self._referenced.append(FileEntry(path=name, size=entry.size, sha256=entry.sha256, uri=entry.uri))
 
     def _own_files(self) -> list[FileEntry]:
-        """The attempt's files with their sha256: as hashed while this process wrote them (grpo.transfer),
+        """The attempt's files with their sha256: as hashed while this process wrote them (grpo.record.io),
         else (a file written in place on a local disk, or by another process) hashed now."""
         fs = self.storage.fs
         found = fs.find(self.attempt_dir, detail=True) if fs.exists(self.attempt_dir) else {}

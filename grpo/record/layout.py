@@ -17,12 +17,12 @@ import unicodedata
 from typing import Literal, get_args
 
 from grpo.errors import LayoutError
-from grpo.storage import Storage
+from grpo.record.storage import Storage
 
 StageName = Literal["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]
 STAGES: tuple[str, ...] = get_args(StageName)  # the order an iteration runs them in
 STATE_STAGE = "state"
-"""Learn k's resume state (STATE_PREFIXES), committed apart after its policy (stages/state.py): no stage of the
+"""Learn k's resume state (STATE_PREFIXES), committed apart after its policy (grpo/record/resume.py): no stage of the
 iteration's order, only the next learn built from files reads it."""
 
 

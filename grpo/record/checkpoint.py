@@ -4,7 +4,7 @@ transformers and vLLM load from a local folder. For a committed checkpoint on a
 local disk that folder is made of symlinks (no copy); on S3 the files are
 downloaded once into a cache keyed by the manifest's hash, several at once.
 Either way each file is checked against its manifest entry as it is read, and
-not hashed again on this machine while its stamp holds (grpo.storage.file_digest).
+not hashed again on this machine while its stamp holds (grpo.record.storage.file_digest).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
-from grpo.storage import (
+from grpo.record.io import cache_root, get_files, put_files, sha256_local
+from grpo.record.storage import (
     CollectedError,
     Committed,
     CorruptArtifactError,
@@ -35,7 +36,6 @@ from grpo.storage import (
     url_to_fs,
     verify_files,
 )
-from grpo.transfer import cache_root, get_files, put_files, sha256_local
 
 CHECKPOINT_PREFIX = "policy/"
 ADAPTER_PREFIX = "adapter/"  # a LoRA policy: peft adapter files on top of the checkpoint under policy/

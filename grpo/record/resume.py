@@ -25,16 +25,17 @@ from pathlib import Path
 
 import fsspec
 
-from grpo.checkpoint import cache_intact, download_verified, remember_copies
 from grpo.config import RunConfig
 from grpo.errors import StageError
-from grpo.fork import reference
 from grpo.gc import running_attempts
-from grpo.layout import STATE_PREFIXES, STATE_STAGE, stage_dir
 from grpo.learner import launch
 from grpo.learner.state import STATE_DCP
-from grpo.lineage import note_committed
-from grpo.storage import (
+from grpo.record.checkpoint import cache_intact, download_verified, remember_copies
+from grpo.record.fork import reference
+from grpo.record.io import cache_root, count_io, counting_io, note_written, put_files
+from grpo.record.layout import STATE_PREFIXES, STATE_STAGE, stage_dir
+from grpo.record.lineage import note_committed
+from grpo.record.storage import (
     Committed,
     StageWriter,
     Storage,
@@ -44,7 +45,6 @@ from grpo.storage import (
     list_attempts,
     load_manifest,
 )
-from grpo.transfer import cache_root, count_io, counting_io, note_written, put_files
 
 log = logging.getLogger("grpo.stages")
 
@@ -285,7 +285,7 @@ def read(storage: Storage, run_id: str, learned: Committed, dest: str) -> str | 
 
 
 def from_origin(storage: Storage, run_id: str, learned: Committed) -> Committed | None:
-    """A fork's learn taken by reference (grpo.fork): the state its origin's run committed after it, taken by
+    """A fork's learn taken by reference (grpo.record.fork): the state its origin's run committed after it, taken by
     reference as well (gc then keeps it for the fork); None otherwise."""
     if learned.manifest.origin is None or committed_state(storage, run_id, learned) is not None:
         return None

@@ -36,7 +36,7 @@ from typing import Iterator
 import fsspec.asyn
 from fsspec import AbstractFileSystem
 
-log = logging.getLogger("grpo.transfer")
+log = logging.getLogger("grpo.record.io")
 CHUNK = 1 << 20
 BATCH = 8  # files in flight at once on S3
 PART_BYTES = 16 << 20  # S3 multipart part size; files of 2 parts and more upload their parts in parallel
