@@ -13,11 +13,11 @@ from prefect.states import Failed, State
 
 from flows.logs import stage_logs_to_prefect
 from flows.tasks import TASKS, checked_uri, failure_line, ok
+from grpo import devices
 from grpo.config import ConfigError, RunConfig
-from grpo.gc import lost_attempts
 from grpo.record.layout import STAGES, StageName, shard_stage, stage_dir
+from grpo.record.liveness import lost_attempts
 from grpo.record.storage import Storage, latest_committed, list_attempts
-from grpo.runtime import devices
 from grpo.runtime.threads import SHARED_MACHINE, apply_threads
 
 WARM_WORKERS = "warm"  # a placement that sends the stage to a long-lived stage worker, not a work pool
@@ -88,7 +88,7 @@ def stages_here(placement: dict[str, str] | None) -> list[str]:
 
 def overlapping(cfg: RunConfig, placement: dict[str, str]) -> bool:
     """Whether iteration k+1 samples (and iteration k's eval runs) while learn k runs: rollout.staleness >= 1, and
-    learn on a pool of its own, or here on another device than the sampler's (grpo.runtime.devices.apart: learn k then
+    learn on a pool of its own, or here on another device than the sampler's (grpo.devices.apart: learn k then
     runs in a thread of this flow run). Never where they share a device in one process: there the sampler sleeps
     while the learner runs, and the learner waits in CPU memory while the sampler does."""
     if cfg.rollout.staleness < 1:

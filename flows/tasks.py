@@ -10,10 +10,10 @@ from prefect import get_run_logger, task
 from prefect.exceptions import FailedRun
 from prefect.states import Failed, State
 
+from grpo import devices
 from grpo.config import ConfigError
 from grpo.errors import StageError, describe, storage_error
 from grpo.record.storage import ArtifactError, Committed, open_storage
-from grpo.runtime import devices
 from schemas import SchemaError
 from stages import stage_function
 from stages.init import init_run, run_config

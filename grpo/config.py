@@ -43,7 +43,7 @@ MIN_TEMPERATURE = 1e-2
 weighs e^10 to 1), so a group's G samples come out alike and carry no signal."""
 
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
-"""What learn.device and rollout.device take (grpo/runtime/devices.py resolves them on the machine)."""
+"""What learn.device and rollout.device take (grpo/devices.py resolves them on the machine)."""
 
 
 def check_device(value: str, where: str) -> None:
@@ -190,8 +190,8 @@ class RolloutConfig:
     cuda:0 where CUDA is available, else the CPU. vLLM in one process samples on cuda:0 (its local rank 0; the CPU
     on a machine without CUDA): backend vllm takes auto, cuda or cuda:0 there, and backend auto picks transformers
     for another device. On another device than learn.device, the sampler stays awake while the learner runs and,
-    with staleness >= 1, samples iteration k+1 while learn k runs in the same process (grpo/runtime/devices.py). Where it
-    samples, not what: no identity covers it (devices of one kind sample the same rows) and it may change for an
+    with staleness >= 1, samples iteration k+1 while learn k runs in the same process (grpo/devices.py). Where
+    it samples, not what: no identity covers it (devices of one kind sample the same rows) and it may change for an
     existing run; checked against the machine before the flow runs anything."""
     min_signal_groups: int | None = None
     """Dynamic sampling (DAPO): while fewer than this many of the iteration's groups have unequal rewards, the
@@ -789,8 +789,8 @@ def _settings(cls=None, prefix: str = "") -> list[str]:
 
 RENAMED = {("learn", "importance_correction"): "behavior_correction"}
 """Settings renamed, (section, old name): new name. A run.json with the old name reads as the new one
-(grpo.record.identity.stored_config) and identities keep the old name (grpo.record.identity.section); a config that names the
-old one is refused, naming the new one."""
+(grpo.record.identity.stored_config) and identities keep the old name (grpo.record.identity.section); a config
+that names the old one is refused, naming the new one."""
 
 
 def _unknown(name: str, where: str, fields: dict) -> str:

@@ -24,7 +24,9 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from grpo.record.storage import file_digest, is_local, url_to_fs
+from grpo.record.counts import is_local
+from grpo.record.digests import file_digest
+from grpo.record.storage import url_to_fs
 from grpo.tasks import Example
 
 log = logging.getLogger("grpo.data")

@@ -19,9 +19,10 @@ from pathlib import Path
 
 from grpo.config import RunConfig, TrackingConfig
 from grpo.errors import StageError
+from grpo.record.counts import is_local
 from grpo.record.fork import fork_of
 from grpo.record.layout import run_dir
-from grpo.record.storage import Storage, is_local
+from grpo.record.storage import Storage
 from grpo.report import iteration_rows
 
 

@@ -18,12 +18,13 @@ from typing import Callable
 from grpo import data
 from grpo.config import ConfigError, RunConfig
 from grpo.errors import StageError
+from grpo.record.commit import StageWriter
+from grpo.record.counts import counting_io
 from grpo.record.fork import reuse
 from grpo.record.identity import config_hash, stage_identity, stored_config
-from grpo.record.io import counting_io
 from grpo.record.layout import no_such_run, run_json, stage_dir
 from grpo.record.lineage import note_committed, raced
-from grpo.record.storage import Committed, StageWriter, Storage, committed_attempts, find_committed, load_manifest
+from grpo.record.storage import Committed, Storage, committed_attempts, find_committed, load_manifest
 from grpo.tasks import Example
 
 log = logging.getLogger("grpo.stages")

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 
+from grpo import devices
 from grpo.config import RunConfig
 from grpo.progress import Progress
 from grpo.record.identity import section
 from grpo.record.layout import stage_dir
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage, committed_attempts, latest_committed
-from grpo.runtime import devices
 from grpo.sampling.base import SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key

@@ -35,11 +35,12 @@ from grpo.record.checkpoint import (
     one_line,
     upload_folder,
 )
+from grpo.record.counts import is_local
 from grpo.record.fork import fork_of
 from grpo.record.identity import CHANGED_DEFAULTS, EVAL_READING, LEARN_PLACEMENT, section, stored_config
 from grpo.record.layout import run_dir, run_json
 from grpo.record.lineage import committed_input
-from grpo.record.storage import Committed, Storage, is_local
+from grpo.record.storage import Committed, Storage
 from grpo.tasks import functions, generates, get_task
 from grpo.tiny_model import build_for_task
 from stages.common import (
@@ -60,10 +61,10 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     result depends on it: the `tracking` and `retention` sections (what is sent where, what gc keeps) and
     learn.num_processes (with learn.sharding=fsdp2 the optimizer state reshards to any number of
     processes; the next learns run with the new number), where the learner's processes run
-    (grpo.record.identity.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s, learn.state_every,
-    learn.device), and when evals run and which figure is the best (grpo.record.identity.EVAL_READING: eval.every,
-    eval.metric; committed evals and skips stay), rollout.shards and reward.shards (1 and N shards commit the same
-    rows: tests/test_shards.py) and rollout.device (where it samples)."""
+    (grpo.record.identity.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s,
+    learn.state_every, learn.device), and when evals run and which figure is the best
+    (grpo.record.identity.EVAL_READING: eval.every, eval.metric; committed evals and skips stay), rollout.shards and
+    reward.shards (1 and N shards commit the same rows: tests/test_shards.py) and rollout.device (where it samples)."""
     path = run_json(storage, run_id)
     if storage.exists(path):
         raw = json.loads(storage.read_bytes(path))

@@ -47,7 +47,7 @@ def warm_state() -> Iterator[WarmState]:
     `grpo run`:
     - the reward worker pool (grpo.scoring.pool.WARM_POOLS): one for all iterations, stopped on exit;
     - the learner one learn hands to the next iteration's (stages.learn.WARM, keyed by the commit it
-      made; on a GPU it waits in CPU memory, unless it has a device of its own: grpo.runtime.devices.apart);
+      made; on a GPU it waits in CPU memory, unless it has a device of its own: grpo.devices.apart);
     - the sampling engine (grpo.sampling's live generators): reloaded in place with each new
       policy, asleep while the learner runs on its device; `grpo.engines.close_generators()` stops it;
     - gc.freeze of what the first iteration loaded (WarmState.loaded), undone on exit.

@@ -15,13 +15,14 @@ import time
 
 from grpo import data
 from grpo.config import RolloutConfig, RunConfig
+from grpo.devices import current, sampler_device
 from grpo.progress import Progress
 from grpo.record.checkpoint import content_hash, non_finite_weights
+from grpo.record.commit import StageWriter
 from grpo.record.identity import section
 from grpo.record.layout import Salt, iteration_seed, round_seed
 from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version
-from grpo.record.storage import Committed, StageWriter, Storage
-from grpo.runtime.devices import current, sampler_device
+from grpo.record.storage import Committed, Storage
 from grpo.sampling.base import Sample, SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
@@ -42,7 +43,8 @@ from stages.shards import ranges, run_sharded
 
 def policy_stamp(storage: Storage, snap: Committed) -> dict:
     """What every row (and the summary) records of the policy that sampled it: policy_version, the learn iteration
-    that committed it (-1: the base, grpo.record.lineage.policy_version), and policy_hash, its checkpoint's content hash."""
+    that committed it (-1: the base, grpo.record.lineage.policy_version), and policy_hash, its checkpoint's content
+    hash."""
     return {"policy_version": frozen_version(storage, snap), "policy_hash": content_hash(snap)[:16]}
 
 

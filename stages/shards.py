@@ -18,12 +18,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from grpo.record.commit import StageWriter
 from grpo.record.layout import shard_stage
-from grpo.record.storage import (
-    Committed,
-    StageWriter,
-    Storage,
-)
+from grpo.record.storage import Committed, Storage
 from schemas import ParquetWriter, iter_row_groups, table_file
 from stages.common import StageError, run_stage
 

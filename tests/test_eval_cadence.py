@@ -13,9 +13,10 @@ from test_stages import TINY
 from flows.cli import main
 from grpo import gc
 from grpo.config import load_config
+from grpo.record.commit import StageWriter
 from grpo.record.layout import run_json, stage_dir
 from grpo.record.lineage import next_iteration
-from grpo.record.storage import StageWriter, committed_attempts, latest_committed, open_storage
+from grpo.record.storage import committed_attempts, latest_committed, open_storage
 from grpo.report import best_iteration, write_report
 from stages import stage_function
 from stages.init import init_run
@@ -226,8 +227,8 @@ def test_export_refuses_a_policy_gc_collected_and_best_before_any_eval(run, tmp_
 
 
 def test_eval_every_and_metric_leave_the_eval_stage_identity_alone():
-    """Existing runs keep their committed evals: eval.every and eval.metric (grpo.record.identity.EVAL_READING) are not part of
-    the eval stage's identity (hashes of the eval stage config before they existed)."""
+    """Existing runs keep their committed evals: eval.every and eval.metric (grpo.record.identity.EVAL_READING) are not
+    part of the eval stage's identity (hashes of the eval stage config before they existed)."""
     from grpo.record.identity import config_hash
     from stages.eval import stage_config
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from test_stages import TINY, learned_path
 
+import grpo.record.digests
 import grpo.record.storage
 import stages.learn
 from flows.cli import main
@@ -19,16 +20,11 @@ from grpo.config import load_config
 from grpo.query import query
 from grpo.record import resume as state
 from grpo.record.checkpoint import local_checkpoint
-from grpo.record.io import counting_io
+from grpo.record.commit import StageWriter
+from grpo.record.counts import counting_io
+from grpo.record.digests import rehashing
 from grpo.record.layout import STAGES, STATE_PREFIXES, STATE_STAGE, stage_dir
-from grpo.record.storage import (
-    StageWriter,
-    committed_attempts,
-    latest_committed,
-    load_manifest,
-    open_storage,
-    rehashing,
-)
+from grpo.record.storage import committed_attempts, latest_committed, load_manifest, open_storage
 from grpo.report import write_report
 from schemas import MANIFEST_NAME
 from stages import stage_function
@@ -112,7 +108,7 @@ def hashed_in_a_new_process(url: str, stage: str, iteration: int, env: dict) -> 
 from grpo.record.checkpoint import local_checkpoint
 from grpo.record.layout import stage_dir
 from grpo.record.storage import latest_committed, open_storage
-from grpo.record.io import counting_io
+from grpo.record.counts import counting_io
 storage = open_storage({url!r})
 with counting_io() as io:
     c = latest_committed(storage, stage_dir(storage, "t", {iteration!r}, {stage!r}))
@@ -140,7 +136,7 @@ def test_a_second_read_of_an_unchanged_file_hashes_nothing_in_any_process(where,
     try:
         storage = open_storage(url)
         base = init_run(storage, "t", load_config(None, TINY))
-        grpo.record.storage._HASHED.clear()  # as a new process: only the stamp cache knows what was hashed
+        grpo.record.digests._HASHED.clear()  # as a new process: only the stamp cache knows what was hashed
         with counting_io() as io:
             latest_committed(storage, stage_dir(storage, "t", None, "base"))
             local_checkpoint(base)
@@ -213,8 +209,8 @@ def test_status_verify_hashes_again_what_this_machine_hashed_before(tmp_path, mo
     storage.fs.pipe_file(w.path("x.bin"), b"abc" * 1000)
     c = w.commit()
     hashed = []
-    real = grpo.record.storage.sha256_file
-    monkeypatch.setattr(grpo.record.storage, "sha256_file", lambda fs, p: hashed.append(p) or real(fs, p))
+    real = grpo.record.digests.sha256_file
+    monkeypatch.setattr(grpo.record.digests, "sha256_file", lambda fs, p: hashed.append(p) or real(fs, p))
     load_manifest(storage, c.attempt_dir, verify=True)
     assert hashed == []  # hashed as it was written
     with rehashing():
@@ -235,7 +231,7 @@ def test_a_lora_run_hashes_the_base_once_per_machine(s3_env, s3_prefix, tmp_path
     assert base.manifest.io["hash_bytes"] >= weights
     for k in range(2):
         for name in STAGES:
-            grpo.record.storage._HASHED.clear()
+            grpo.record.digests._HASHED.clear()
             stages.learn.WARM.take(None)
             c = stage_function(name)(storage, "t", k)
             assert c.manifest.io["hash_bytes"] < weights, (k, name, c.manifest.io)

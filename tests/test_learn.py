@@ -12,8 +12,9 @@ from grpo import core
 from grpo.config import load_config
 from grpo.learner import Batch, PolicyLM, Scores, forward_logprobs
 from grpo.learner.loop import group_tokens, minibatch_step, split_microbatches
+from grpo.record.commit import StageWriter
 from grpo.record.layout import stage_dir
-from grpo.record.storage import StageWriter, latest_committed, open_storage
+from grpo.record.storage import latest_committed, open_storage
 from schemas import read_parquet, write_parquet
 from stages import StageError, stage_function
 from stages.init import build_tiny_base, init_run
@@ -427,8 +428,8 @@ def test_learn_doctests():
 
 @pytest.mark.precision_pinned
 def test_settings_added_later_leave_existing_stage_identities_alone():
-    """At their defaults the settings added after runs were made (grpo.record.identity.ADDED_SETTINGS) are not part of any
-    stage's identity: a run made before them keeps its committed stages (hash of the defaults before them)."""
+    """At their defaults the settings added after runs were made (grpo.record.identity.ADDED_SETTINGS) are not part of
+    any stage's identity: a run made before them keeps its committed stages (hash of the defaults before them)."""
     from grpo.record.identity import config_hash
     from stages import advantages, learn, rewards, rollouts
 

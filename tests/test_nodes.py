@@ -22,7 +22,8 @@ from test_stages import learned_files, make_run
 
 from grpo.learner.nodes import beat_path
 from grpo.record.layout import stage_dir
-from grpo.record.storage import HEARTBEAT_NAME, committed_attempts, list_attempts, open_storage
+from grpo.record.liveness import HEARTBEAT_NAME
+from grpo.record.storage import committed_attempts, list_attempts, open_storage
 from stages import StageError, stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration

@@ -5,7 +5,7 @@ on one device, or at S = 0, it stays in order. A bad device fails in one line, n
 is written.
 
 This machine has one device, the CPU: the flow's test runs force "apart" through the one function that says it
-(grpo.runtime.devices.apart), which both the flow (flows/placement.py overlapping) and the learn stage (no sleeping sampler,
+(grpo.devices.apart), which both the flow (flows/placement.py overlapping) and the learn stage (no sleeping sampler,
 no offloaded learner) ask. Learn k is held after its first optimizer step until rollouts k+1 has written rows (or
 60 s, which then fails the overlap check): the overlap is made certain, not timed. benchmarks/gpu_check.py
 --overlap runs the real thing on two GPUs."""
@@ -22,12 +22,12 @@ from test_staleness import RUN, cold, one_thread  # noqa: F401 (one_thread: a fi
 import schemas.parquet
 from flows.grpo import grpo
 from flows.placement import overlapping
+from grpo import devices
 from grpo.config import ConfigError, load_config
 from grpo.learner import loop
 from grpo.record.layout import STAGES, STATE_STAGE, stage_dir
 from grpo.record.storage import committed_attempts, latest_committed, open_storage
 from grpo.report import overlaps, stage_times
-from grpo.runtime import devices
 from grpo.sampling import engines
 from stages import StageError, learn
 

@@ -6,8 +6,9 @@ from test_stages import make_run
 
 from flows.cli import main
 from grpo.query import committed_files, connect, query
+from grpo.record.commit import StageWriter
 from grpo.record.layout import stage_dir
-from grpo.record.storage import CorruptArtifactError, StageWriter, latest_committed, list_attempts, open_storage
+from grpo.record.storage import CorruptArtifactError, latest_committed, list_attempts, open_storage
 from schemas import read_parquet, write_parquet
 from stages import STAGES, StageError, stage_function
 

@@ -7,8 +7,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+from grpo.record.counts import is_local
 from grpo.record.layout import export_dir, stage_dir
-from grpo.record.storage import Storage, committed_attempts, is_local, url_to_fs
+from grpo.record.storage import Storage, committed_attempts, url_to_fs
 from grpo.report import best_iteration
 from stages import StageError
 

@@ -21,21 +21,11 @@ from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
-from grpo.record.io import cache_root, get_files, put_files, sha256_local
-from grpo.record.storage import (
-    CollectedError,
-    Committed,
-    CorruptArtifactError,
-    StageWriter,
-    check_entry,
-    file_digest,
-    is_local,
-    known_digest,
-    remember_digest,
-    settle,
-    url_to_fs,
-    verify_files,
-)
+from grpo.record.commit import StageWriter
+from grpo.record.counts import cache_root, is_local
+from grpo.record.digests import file_digest, known_digest, remember_digest, settle, sha256_local
+from grpo.record.io import get_files, put_files
+from grpo.record.storage import CollectedError, Committed, CorruptArtifactError, check_entry, url_to_fs, verify_files
 
 CHECKPOINT_PREFIX = "policy/"
 ADAPTER_PREFIX = "adapter/"  # a LoRA policy: peft adapter files on top of the checkpoint under policy/

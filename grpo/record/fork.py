@@ -26,18 +26,18 @@ import fsspec
 
 from grpo.config import ConfigError, RunConfig, load_config
 from grpo.errors import StageError
+from grpo.record.commit import StageWriter
+from grpo.record.counts import is_local
 from grpo.record.identity import config_hash, lineage_identity, stage_identity, stored_config
 from grpo.record.layout import STAGES, no_such_run, run_dir, run_ids, run_json, stage_dir
 from grpo.record.lineage import next_iteration, note_committed
 from grpo.record.storage import (
     ArtifactError,
     Committed,
-    StageWriter,
     Storage,
     committed_attempts,
     file_path,
     find_committed,
-    is_local,
     latest_committed,
     load_manifest,
     verify_files,

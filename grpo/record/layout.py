@@ -112,7 +112,8 @@ def shard_dirs(storage: Storage, run_id: str, iteration: int) -> dict[str, list[
 POLICY_PREFIXES = ("policy/", "adapter/", "master.safetensors")
 """A learn attempt's policy weights: the checkpoint (full fine-tuning) or the LoRA adapters, and the
 float32 master copy of a narrower checkpoint."""
-STATE_PREFIXES = ("optimizer.pt", "rng.pt", "master.safetensors", "dcp/")
+STATE_DCP = "dcp"  # learn.sharding=fsdp2: every process's shards of the weights and AdamW state
+STATE_PREFIXES = ("optimizer.pt", "rng.pt", "master.safetensors", f"{STATE_DCP}/")
 """A learner's optimizer and resume state: AdamW, the RNG states, the master copy, and the torch Distributed
 Checkpoint shards (learn.sharding=fsdp2); in a STATE_STAGE attempt, or in the learn attempt itself (runs made
 before the split, learn.nodes > 1). A file is either's when its path starts with one of these."""

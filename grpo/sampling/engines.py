@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.runtime.devices import sampler_device, vllm_device
+from grpo.devices import sampler_device, vllm_device
 from grpo.sampling.base import Generator, _generation_config_eos
 from grpo.sampling.hf import HFGenerator
 from grpo.sampling.vllm_engine import VLLMGenerator
@@ -76,7 +76,7 @@ VLLM_MIN_PARAMS = 10_000_000  # on 2 CPU cores vLLM samples 2.8x faster at 13M, 
 def choose_backend(setting: str, model_dir: str, device: torch.device | None = None) -> tuple[str, str]:
     """(backend, why) for rollout.backend `setting`: `auto` picks vLLM on a GPU and for models of
     VLLM_MIN_PARAMS and up, transformers for smaller ones on a CPU, where vLLM is not installed, or for a sampler
-    `device` (rollout.device resolved) other than the one vLLM samples on in one process (grpo.runtime.devices)."""
+    `device` (rollout.device resolved) other than the one vLLM samples on in one process (grpo.devices)."""
     if setting != "auto":
         return setting, "rollout.backend"
     import importlib.util
