@@ -20,10 +20,10 @@ from test_sharding import learn_of, relative_gap, weights
 
 from grpo import core
 from grpo.config import load_config
-from grpo.layout import stage_dir
 from grpo.learner import Batch, PolicyLM, Scores
 from grpo.learner.loop import group_tokens, minibatch_step, split_microbatches
-from grpo.storage import latest_committed, open_storage
+from grpo.record.layout import stage_dir
+from grpo.record.storage import latest_committed, open_storage
 from stages import learn as learn_stage
 from stages import stage_function
 from stages.init import build_tiny_base, init_run
@@ -283,7 +283,7 @@ def test_observations_change_the_update_only_as_context(storage, monkeypatch):
 def test_one_turn_rollouts_train_every_token_and_a_mask_of_another_length_fails_naming_it(storage):
     """Today's rollouts stage writes loss_mask all ones (every token sampled), so the learner's mask is the
     responses'; a rollouts file whose loss_mask does not have one entry a response token fails in one line."""
-    from grpo.storage import StageWriter
+    from grpo.record.commit import StageWriter
     from schemas import read_parquet, write_parquet
     from stages import StageError
 
