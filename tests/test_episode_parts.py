@@ -88,7 +88,7 @@ def test_episodes_live_in_workers_without_credentials_and_survive_their_tools(ro
             "secret",
         ]
         workers = Workers(pool, rough, None)
-        keys = [workers.key(i) for i in range(4)]  # episodes 0, 2 in worker 0; 1, 3 in worker 1
+        keys = workers.keys(4)  # episodes 0, 2 in worker 0; 1, 3 in worker 1
         reset = workers.run("reset", [Item(k, 7, ({"prompt": "p"}, 7)) for k in keys])
         assert all(o.value[0] == [] for o in reset)  # Rough's reset adds nothing to the prompt
         out = turn(
@@ -114,7 +114,7 @@ def test_episodes_live_in_workers_without_credentials_and_survive_their_tools(ro
         later = turn(workers, [keys[0], keys[1]], [[ToolCall("echo", {"text": "d"})], [ToolCall("hang", {})]])
         assert later[0].lost == out[0].lost  # not sent again
         assert "ran past 2s; its worker was killed" in later[1].lost
-        fresh = [workers.key(10 + i) for i in range(2)]  # the replaced workers serve new episodes
+        fresh = workers.keys(2)  # the replaced workers serve new episodes
         workers.run("reset", [Item(k, 7, ({}, 7)) for k in fresh])
         assert all(o.value.messages for o in turn(workers, fresh, [[ToolCall("echo", {"text": "e"})]] * 2))
 
@@ -128,8 +128,9 @@ def test_a_tool_past_its_time_limit_is_an_error_the_model_sees(tmp_path):
     source = Source(kind="tools", tools=(f"{path}:nap",), tool_files=(str(path),), timeout_s=0.3)
     with RewardPool(1) as pool:
         workers = Workers(pool, source, None)
-        workers.run("reset", [Item(workers.key(0), 0, ({}, 0))])
-        [out] = turn(workers, [workers.key(0)], [[ToolCall("nap", {"s": 30}), ToolCall("nap", {"s": 0})]], limit=5)
+        [key] = workers.keys(1)
+        workers.run("reset", [Item(key, 0, ({}, 0))])
+        [out] = turn(workers, [key], [[ToolCall("nap", {"s": 30}), ToolCall("nap", {"s": 0})]], limit=5)
     assert [m["content"] for m in out.value.messages] == ["{'error': 'timed out after 0.3s'}", "rested"]
     assert out.value.errors == ["nap: timed out after 0.3s"] and out.seconds < 5
 
@@ -201,7 +202,8 @@ def test_episode_settings_refused_in_one_line(overrides, says):
 def test_the_final_state_is_stored_as_json(rough):
     with RewardPool(1) as pool:
         workers = Workers(pool, rough, None)
-        workers.run("reset", [Item(workers.key(0), 0, ({"prompt": "p"}, 0))])
-        turn(workers, [workers.key(0)], [[ToolCall("echo", {"text": "a"})]])
-        [out] = workers.run("final", [Item(workers.key(0), 0)])
+        [key] = workers.keys(1)
+        workers.run("reset", [Item(key, 0, ({"prompt": "p"}, 0))])
+        turn(workers, [key], [[ToolCall("echo", {"text": "a"})]])
+        [out] = workers.run("final", [Item(key, 0)])
     assert out.value == {"seen": ["a"], "row": {"prompt": "p"}} and json.dumps(out.value)
