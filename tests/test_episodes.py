@@ -25,6 +25,7 @@ from flows.cli import main
 from grpo import data
 from grpo.config import load_config
 from grpo.episodes.chat import observation_tokens, prompt_tokens, with_reset
+from grpo.errors import StageError
 from grpo.query import query
 from grpo.record.layout import STAGES, stage_dir
 from grpo.record.storage import committed_attempts, latest_committed, list_attempts, open_storage
@@ -226,7 +227,8 @@ def test_a_run_killed_with_its_episodes_half_done_resumes_to_the_same_bytes_and_
     per episode and turn from the run's seed). Then `grpo rescore` scores the stored episodes again: no tool runs."""
     whole, killed = (open_storage((tmp_path / name).as_uri()) for name in ("whole", "killed"))
     for storage in (whole, killed):
-        init_run(storage, "r", load_config(None, config(root, *RESUMED)))
+        rewarded = f"reward.functions=[{root / 'rewards.py'}:answered,{root / 'rewards.py'}:tool_turns]"
+        init_run(storage, "r", load_config(None, config(root, *RESUMED, rewarded)))
     monkeypatch.setenv("TOOL_LOG", str(tmp_path / "calls.log"))
     learn.WARM.take(None)
     close_generators()
@@ -267,24 +269,8 @@ def test_a_run_killed_with_its_episodes_half_done_resumes_to_the_same_bytes_and_
     before = pd.read_parquet(
         whole.uri(latest_committed(whole, stage_dir(whole, "r", 1, "rewards")).path("rewards.parquet"))
     )
-    assert (
-        main(
-            [
-                "--storage",
-                whole.url,
-                "rescore",
-                "--run",
-                "r",
-                "--iterations",
-                "0:1",
-                "--set",
-                "reward.weights=[2.0]",
-                "--as",
-                "x",
-            ]
-        )
-        == 0
-    )
+    rescore = ["rescore", "--run", "r", "--iterations", "0:1", "--set", "reward.weights=[2.0,2.0]", "--as", "x"]
+    assert main(["--storage", whole.url, *rescore]) == 0
     assert (tmp_path / "calls.log").read_text() == calls  # the stored episodes were scored, no tool ran again
     after = pd.read_parquet(
         whole.uri(latest_committed(whole, stage_dir(whole, "x", 1, "rewards")).path("rewards.parquet"))
@@ -318,3 +304,23 @@ def test_vllm_episodes_are_the_tokens_it_gave_and_a_rerun_the_same_bytes(root, s
     assert sorted((f.path, f.sha256) for f in again.manifest.files) == sorted(
         (f.path, f.sha256) for f in first.manifest.files
     )
+
+
+def test_an_environment_that_breaks_fails_the_stage_in_one_line_naming_it(root, storage, tmp_path):
+    """A class that cannot start its episode (its server gone) is no episode's error: the stage fails, naming the
+    environment and the episode, and commits nothing."""
+    broken = tmp_path / "broken.py"
+    broken.write_text(
+        "class Remote:\n    def reset(self, **row):\n        raise ConnectionError('env.example:8000 refused')\n\n"
+        "    def multiply(self, a: int, b: int) -> int:\n"
+        '        """Multiply.\n\n        Args:\n            a: one\n            b: two\n        """\n'
+        "        return a * b\n"
+    )
+    init_run(storage, "r", load_config(None, config(root, f"rollout.environment={broken}:Remote", "rollout.tools=[]")))
+    snapshot(storage, "r", 0)
+    with pytest.raises(StageError) as failed:
+        rollouts(storage, "r", 0)
+    said = str(failed.value)
+    assert "\n" not in said and said.startswith(f"environment {broken}:Remote failed in reset of the episode prompt_id")
+    assert said.endswith("ConnectionError: env.example:8000 refused")
+    assert not committed_attempts(storage, stage_dir(storage, "r", 0, "rollouts"))

@@ -56,7 +56,7 @@ class Calculator:
         self.answer = int(kwargs["answer"])
         return " Use the calculator."
 
-    def multiply(self, a: int, b: int) -> str:
+    def multiply(self, a: int, b: int) -> int:
         """Multiply two integers.
 
         Args:
@@ -66,7 +66,7 @@ class Calculator:
         if a * b > 300:
             raise ValueError("too large for this calculator")
         self.products.append(a * b)
-        return str(a * b)
+        return a * b
 
     def get_reward(self) -> float:
         return float(self.answer in self.products)
@@ -84,6 +84,11 @@ def answered(response, ground_truth, prompt, messages):
     """1 when the last assistant turn states the product."""
     last = [m for m in messages if m["role"] == "assistant"][-1]
     return float(str(ground_truth) in (last.get("content") or ""))
+
+
+def tool_turns(response, ground_truth, prompt, messages):
+    """How many tool results the episode read."""
+    return float(sum(m["role"] == "tool" for m in messages))
 
 
 def calculator(response, ground_truth, prompt, environment):

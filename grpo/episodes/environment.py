@@ -37,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from grpo.errors import StageError
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -99,7 +101,7 @@ class Environment(Protocol):
         ...
 
 
-class EnvironmentFailure(RuntimeError):
+class EnvironmentFailure(StageError):
     """An environment that is broken, not an episode that went wrong: the rollouts stage fails in one line."""
 
 
