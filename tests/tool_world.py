@@ -54,7 +54,7 @@ class Calculator:
     def reset(self, **kwargs) -> str | None:
         self.products = []
         self.answer = int(kwargs["answer"])
-        return " Use the calculator."
+        return " Use the calculator."  # tool_world.HINT
 
     def multiply(self, a: int, b: int) -> int:
         """Multiply two integers.
@@ -112,6 +112,9 @@ def multiply_schema() -> dict:
     return get_json_schema(multiply)
 
 
+HINT = " Use the calculator."  # what the TRL class's reset adds to the question
+
+
 def question(a: int, b: int) -> str:
     return f"What is {a} times {b}?"
 
@@ -119,7 +122,8 @@ def question(a: int, b: int) -> str:
 def transcript(a: int, b: int, rng: random.Random) -> list[dict]:
     """A conversation the warm start learns from: a call, its result, the answer; sometimes a second call first."""
     call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
-    turns = [{"role": "user", "content": question(a, b)}]
+    hint = HINT if rng.random() < 0.5 else ""  # as the TRL class's reset appends it
+    turns = [{"role": "user", "content": question(a, b) + hint}]
     if rng.random() < 0.3:  # a wrong first call, then the right one: episodes of three turns
         wrong = {"type": "function", "function": {"name": "multiply", "arguments": {"a": b, "b": a + 1}}}
         turns += [

@@ -14,6 +14,8 @@ One component a file, read in this order:
   chat.py             the chat template's tokens: a prompt with its tools, an observation's ids rendered as a delta
   workers.py          where adapters live: one per episode in a worker process (time limits, memory cap,
                       no credentials, processes reaped), deaths named
+  records.py          what an episode leaves: its tokens, loss mask and log-probs, its turns, its end; the rows
+                      of the rollouts, turns and episodes tables
   loop.py             the episode loop: a turn sampled for every live episode at once, answered, appended, until
                       each ends; token in, token out, the loss mask and the turns
 """
