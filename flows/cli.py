@@ -196,8 +196,8 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser(
         "query",
         help="DuckDB SQL over the committed tables of a run",
-        description="views: rollouts, rewards, advantages, logprobs, learn_metrics, eval "
-        "(newest committed attempt of each iteration; see grpo/query.py), and io (bytes and seconds each "
+        description="views: rollouts, rewards, advantages, logprobs, learn_metrics, eval, with episodes turns and "
+        "episodes (newest committed attempt of each iteration; see grpo/query.py), and io (bytes and seconds each "
         "committed stage moved through storage, from its manifest)",
     )
     sp.add_argument(

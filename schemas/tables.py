@@ -16,7 +16,8 @@ SCHEMA_VERSION = 5  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null 
 # 4: rollouts.policy_version is the policy that sampled the row (rollout.staleness), the checkpoint hash it held
 #    is rollouts.policy_hash; a version 3 rollouts file reads as version 4 (UPGRADES)
 # 5: rollouts.loss_mask (which tokens of an episode the sampler produced) and rollouts.token_versions (the policy that
-#    sampled each token; null: the row's policy_version); an older rollouts file reads as all ones and null
+#    sampled each token; null: the row's policy_version); an older rollouts file reads as all ones and null; the
+#    turns and episodes tables (rollout.tools, rollout.environment)
 
 _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
     pa.field("run_id", pa.string(), nullable=False),
@@ -116,6 +117,36 @@ LEARN_METRICS = pa.schema(
     ]
 )
 
+TURNS = pa.schema(  # episodes (rollout.tools, rollout.environment): a row per sampled assistant turn
+    _SAMPLE_KEYS
+    + [
+        pa.field("turn", pa.int32(), nullable=False),  # 0 first
+        pa.field("start", pa.int32(), nullable=False),  # its sampled ids: the rollout's response_ids[start:end]
+        pa.field("end", pa.int32(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),  # as the model wrote it, its end-of-turn token dropped
+        pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length" (cut off by the token budget)
+        pa.field("tool_names", pa.list_(pa.string()), nullable=False),  # each call's tool, in order ("": unparsed)
+        pa.field("tool_arguments", pa.list_(pa.string()), nullable=False),  # each call's arguments, JSON
+        pa.field("observation", pa.string(), nullable=True),  # what answered it (its messages' contents); null: none
+        pa.field("observation_tokens", pa.int32(), nullable=False),  # tokens appended after it (0: none)
+        pa.field("tool_errors", pa.int32(), nullable=False),  # calls that failed (raised, timed out, unknown, unparsed)
+        pa.field("error", pa.string(), nullable=True),  # the first of them
+        pa.field("policy_version", pa.int32(), nullable=False),  # the policy that sampled it
+    ]
+)
+
+EPISODES = pa.schema(  # episodes: a row per episode (a rollouts row), how it ended and what its environment left
+    _SAMPLE_KEYS
+    + [
+        pa.field("turns", pa.int32(), nullable=False),
+        pa.field("tool_calls", pa.int32(), nullable=False),
+        pa.field("tool_errors", pa.int32(), nullable=False),
+        pa.field("end", pa.string(), nullable=False),  # "done" | "max_turns" | "budget" | "lost" (grpo/episodes)
+        pa.field("messages", pa.string(), nullable=False),  # JSON: the conversation after the prompt
+        pa.field("environment", pa.string(), nullable=True),  # JSON: the environment's final state; null: none
+    ]
+)
+
 EVAL = pa.schema(
     _KEYS
     + [
@@ -133,6 +164,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS,
     "rollouts": ROLLOUTS,
     "draws": DRAWS,
+    "turns": TURNS,
+    "episodes": EPISODES,
     "rewards": REWARDS,
     "advantages": ADVANTAGES,
     "logprobs": LOGPROBS,
@@ -144,6 +177,8 @@ SCHEMAS: dict[str, pa.Schema] = {
 TABLE_FILES: dict[str, tuple[str, str]] = {
     "rollouts": ("rollouts", "rollouts.parquet"),
     "draws": ("rollouts", "draws.parquet"),
+    "turns": ("rollouts", "turns.parquet"),
+    "episodes": ("rollouts", "episodes.parquet"),
     "rewards": ("rewards", "rewards.parquet"),
     "advantages": ("advantages", "advantages.parquet"),
     "logprobs": ("learn", "logprobs.parquet"),
@@ -174,7 +209,7 @@ def rollouts_from_v3(table: pa.Table) -> pa.Table:
     table = table.rename_columns([*table.column_names[:at], "policy_hash", *table.column_names[at + 1 :]])
     version = pc.subtract(table.column("iteration"), pa.scalar(1, pa.int32()))
     table = table.append_column(ROLLOUTS.field("policy_version"), version)
-    return table.select([n for n in ROLLOUTS.names if n in table.column_names])  # in the declared order
+    return table.select([n for n in ROLLOUTS_V4.names if n in table.column_names])  # in the declared order
 
 
 def rollouts_from_v4(table: pa.Table) -> pa.Table:
@@ -200,9 +235,9 @@ UPGRADES = {"rollouts": ((4, ROLLOUTS_V3, rollouts_from_v3), (5, ROLLOUTS_V4, ro
 """Tables whose older files still read: table -> its changes in order, each (the schema version that changed it,
 the schema before, the function that makes a table of the version before that one's)."""
 
-OPTIONAL_TABLES = ("draws",)
-"""Tables a stage commits only with a setting on (draws: rollout.min_signal_groups); `grpo query` skips an
-attempt without one."""
+OPTIONAL_TABLES = ("draws", "turns", "episodes")
+"""Tables a stage commits only with a setting on (draws: rollout.min_signal_groups; turns and episodes: rollout.tools
+or rollout.environment); `grpo query` skips an attempt without one."""
 
 
 def table_file(table: str) -> str:

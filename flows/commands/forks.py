@@ -3,6 +3,8 @@ its rollouts scored again with another reward."""
 
 from __future__ import annotations
 
+import pandas as pd
+
 from flows.commands.hints import grpo_command
 
 
@@ -35,12 +37,12 @@ def cmd_rescore(args, storage):
             f"{row.reward_after:>7.4f}  {row.groups_flipped:>14}"
         )
     for row in table.itertuples():
-        changed, flipped = list(row.changed if row.changed is not None else []), row.flipped
+        changed, flipped = listed(row.changed), listed(row.flipped)
         if changed:
             more = f" ... and {len(changed) - 5} more" if len(changed) > 5 else ""
             print(f"iteration {row.iteration}: reward changed (prompt/sample: before -> after): "
                   f"{', '.join(changed[:5])}{more}")  # fmt: skip
-        if flipped is not None and len(flipped):
+        if flipped:
             groups = ", ".join(map(str, flipped[:20])) + (
                 f" ... and {len(flipped) - 20} more" if len(flipped) > 20 else ""
             )
@@ -49,3 +51,8 @@ def cmd_rescore(args, storage):
         f"rescored into run {fork} (a fork of {args.run}; no rollouts written); per sample: "
         f'{grpo_command(args.storage)} query --run {fork} "SELECT * FROM rescore WHERE reward_changed"'
     )
+
+
+def listed(value) -> list:
+    """A DuckDB list cell as a list: SQL NULL (None, or pandas' NA) is an empty one."""
+    return [] if value is None or value is pd.NA or (isinstance(value, float) and value != value) else list(value)

@@ -2,7 +2,8 @@
 
 A reward function is a plain function `(response, ground_truth, prompt, **row)` returning a
 float, or a dict of named components with `total`; `row` holds the dataset's other columns
-(a function gets those it names, or all of them with `**row`). It is named as
+(a function gets those it names, or all of them with `**row`), and in a run of episodes
+`environment` and `messages` (EPISODE_ARGUMENTS). It is named as
 `path/to/file.py:function` (the file is copied into the run at `grpo init`, so every stage,
 worker and machine scores with the same code) or `package.module:function` (imported by name).
 
@@ -31,7 +32,11 @@ from grpo.tasks import get_task
 REWARD_PREFIX = "reward/"  # where a run's base commit keeps copies of reward files
 
 
-class RewardFunctionError(ValueError):
+class UserCodeError(ValueError):
+    """Code a setting names (a reward function, a tool, an environment class) cannot be found or imported."""
+
+
+class RewardFunctionError(UserCodeError):
     """A reward function cannot be found, imported or called as a reward."""
 
 
@@ -44,19 +49,20 @@ def is_file_spec(spec: str) -> bool:
     return spec.rpartition(":")[0].endswith(".py")
 
 
-def split_spec(spec: str) -> tuple[str, str]:
+def split_spec(spec: str, setting: str = "reward.functions") -> tuple[str, str]:
     """`target:function` -> (target, function); a spec without both fails naming it."""
     target, _, name = spec.rpartition(":")
     if not target or not name.isidentifier():
         raise RewardFunctionError(
-            f"reward.functions: {spec!r} is not of the form path/to/file.py:function or package.module:function"
+            f"{setting}: {spec!r} is not of the form path/to/file.py:function or package.module:function"
         )
     return target, name
 
 
-def committed_name(index: int, spec: str) -> str:
-    """File name of the copy of reward file `index` in the run's base commit."""
-    return f"{REWARD_PREFIX}{index}-{os.path.basename(split_spec(spec)[0])}"
+def committed_name(index: int, spec: str, prefix: str = REWARD_PREFIX) -> str:
+    """File name of the copy of file `index` of a setting (reward.functions; a tool's: `prefix`) in the run's base
+    commit."""
+    return f"{prefix}{index}-{os.path.basename(split_spec(spec)[0])}"
 
 
 def _module_from_file(path: str):
@@ -75,27 +81,34 @@ def _module_from_file(path: str):
     return module
 
 
-def load_function(spec: str, file: str | None = None) -> Callable:
-    """The function `spec` names, checked to take (response, ground_truth, prompt).
-
-    `file` overrides the path of a file spec (the run's committed copy).
-    """
-    target, name = split_spec(spec)
+def load_object(spec: str, file: str | None = None, setting: str = "reward.functions") -> Callable:
+    """The callable (a function, a class) `spec` names; `file` overrides the path of a file spec (the run's committed
+    copy). Errors name `setting`."""
+    target, name = split_spec(spec, setting)
     try:
         if is_file_spec(spec):
             path = file or target
             if not os.path.isfile(path):
-                raise RewardFunctionError(f"reward.functions: {spec!r}: no file {path}")
+                raise RewardFunctionError(f"{setting}: {spec!r}: no file {path}")
             module = _module_from_file(path)
         else:
             module = importlib.import_module(target)
     except RewardFunctionError:
         raise
     except Exception as e:  # noqa: BLE001 (whatever the user's module raises on import)
-        raise RewardFunctionError(f"reward.functions: {spec!r}: import failed: {type(e).__name__}: {e}") from e
+        raise RewardFunctionError(f"{setting}: {spec!r}: import failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise RewardFunctionError(f"reward.functions: {spec!r}: {target} has no function {name!r}")
+        raise RewardFunctionError(f"{setting}: {spec!r}: {target} has no function {name!r}")
+    return fn
+
+
+def load_function(spec: str, file: str | None = None) -> Callable:
+    """The function `spec` names, checked to take (response, ground_truth, prompt).
+
+    `file` overrides the path of a file spec (the run's committed copy).
+    """
+    fn = load_object(spec, file)
     try:
         sig = inspect.signature(fn)
         sig.bind("response", "ground_truth", "prompt", **{n: None for n in required_columns(fn)})
@@ -105,6 +118,12 @@ def load_function(spec: str, file: str | None = None) -> Callable:
             "(response, ground_truth, prompt, **row)"
         ) from e
     return fn
+
+
+EPISODE_ARGUMENTS = ("environment", "messages")
+"""What a reward function of an episode run may take beside the dataset's columns: the episode's environment as it
+ended (grpo.episodes.environment.FinalState; None when it stored nothing) and its conversation after the prompt
+(chat messages: each assistant turn, each tool or observation message appended)."""
 
 
 def required_columns(fn: Callable) -> set[str]:
@@ -160,7 +179,20 @@ class Scorer:
         self, response: str, ground_truth: str, prompt: str, row: dict, calling: Callable[[int], None] | None = None
     ) -> dict[str, float]:
         """The sample's components and `total`; `calling(i)` is told before function i runs (a pool
-        worker's watchdog then names the function that hung or killed the worker)."""
+        worker's watchdog then names the function that hung or killed the worker). An episode whose environment
+        has a reward of its own (a TRL class's get_reward) adds it, weight 1, as the component `environment`."""
+        out = self._functions(response, ground_truth, prompt, row, calling)
+        own = getattr(row.get("environment"), "_state", {}).get("get_reward")
+        if own is None:
+            return out
+        total = out["total"] + float(own)
+        if not math.isfinite(total):
+            raise ValueError(f"non-finite reward {total}: the environment's get_reward() gave {own}")
+        if len(self.fns) == 1 and self.weights == [1.0]:  # the function's own total, kept beside the environment's
+            out = {**out, self.fns[0][0]: out["total"]}
+        return {**out, "environment": float(own), "total": total}
+
+    def _functions(self, response: str, ground_truth: str, prompt: str, row: dict, calling) -> dict[str, float]:
         if len(self.fns) == 1 and self.weights == [1.0]:
             name, fn, keywords = self.fns[0]
             return components_of(fn(response, ground_truth, prompt, **keywords(row)), name)
