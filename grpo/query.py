@@ -32,8 +32,6 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING
 
-import pandas as pd
-
 from grpo.errors import LayoutError
 from grpo.fork import fork_of, origin
 from grpo.layout import no_such_run, run_dir, run_json, stage_dir
@@ -47,12 +45,13 @@ from grpo.storage import (
     verify_files,
 )
 from grpo.transfer import IoCounts
-from schemas.tables import OPTIONAL_TABLES, SCHEMAS, TABLE_FILES
+from schemas.files import OPTIONAL_TABLES, TABLE_FILES
 
-if TYPE_CHECKING:  # imported where used: training imports this module (grpo.report) and needs no DuckDB
+if TYPE_CHECKING:  # imported where used: training and `grpo status` import this module (grpo.report)
     import duckdb
+    import pandas as pd
 
-VIEWS = {table: TABLE_FILES[table] for table in SCHEMAS if table in TABLE_FILES}  # view = table name
+VIEWS = dict(TABLE_FILES)  # view = table name
 _ITER = re.compile(r"iter-(\d+)$")
 
 
@@ -88,9 +87,9 @@ def committed_files(storage: Storage, run_id: str, verify: bool = True) -> dict[
 IO_COLUMNS = ["iteration", "stage", "attempt", *(f.name for f in dataclasses.fields(IoCounts))]
 
 
-def io_rows(storage: Storage, run_id: str) -> pd.DataFrame:
-    """The `io` view: per committed stage (the base, and each stage and shard of each iteration: the newest
-    attempt), its manifest's io record; the counts of a manifest written before the record existed are null."""
+def io_records(storage: Storage, run_id: str) -> list[dict]:
+    """The `io` view's rows: per committed stage (the base, and each stage and shard of each iteration: the newest
+    attempt), its manifest's io record; the counts of a manifest written before the record existed are None."""
     rows, rdir = [], run_dir(storage, run_id)
     folders = [(None, f"{rdir}/base")] + [(k, f"{rdir}/iter-{k:04d}") for k in iterations(storage, run_id)]
     for k, folder in folders:
@@ -102,8 +101,28 @@ def io_rows(storage: Storage, run_id: str) -> pd.DataFrame:
                 continue
             io = found.manifest.io or {}
             name = found.attempt_dir.rsplit("/", 1)[-1]
-            rows.append({"iteration": k, "stage": found.manifest.stage, "attempt": name, **io})
-    return pd.DataFrame(rows, columns=IO_COLUMNS).astype({"iteration": "Int64"})
+            rows.append(
+                {c: None for c in IO_COLUMNS} | io | {"iteration": k, "stage": found.manifest.stage, "attempt": name}
+            )
+    return rows
+
+
+def io_rows(storage: Storage, run_id: str) -> pd.DataFrame:
+    """io_records as a DataFrame (the iteration null for the base)."""
+    import pandas as pd
+
+    return pd.DataFrame(io_records(storage, run_id), columns=IO_COLUMNS).astype({"iteration": "Int64"})
+
+
+def _io_table(con, storage: Storage, run_id: str) -> None:
+    """The `io` view in `con`, from io_records (no DataFrame: `grpo query` prints without pandas)."""
+    types = {"iteration": "BIGINT", "stage": "VARCHAR", "attempt": "VARCHAR"}
+    types |= {f.name: "BIGINT" if f.type in (int, "int") else "DOUBLE" for f in dataclasses.fields(IoCounts)}
+    con.execute("CREATE TABLE _io (" + ", ".join(f"{c} {types[c]}" for c in IO_COLUMNS) + ")")
+    rows = [[r[c] for c in IO_COLUMNS] for r in io_records(storage, run_id)]
+    if rows:
+        con.executemany(f"INSERT INTO _io VALUES ({', '.join('?' * len(IO_COLUMNS))})", rows)
+    con.execute('CREATE VIEW "io" AS SELECT * FROM _io')
 
 
 def _newest(storage: Storage, sdir: str) -> Committed | None:
@@ -152,8 +171,7 @@ def connect(
     if not is_local(storage.fs):
         con.register_filesystem(storage.fs)  # no httpfs needed: DuckDB reads through s3fs
     _create_views(con, storage, run_id, verify, "main")
-    con.register("_io", io_rows(storage, run_id))
-    con.execute('CREATE VIEW "io" AS SELECT * FROM _io')
+    _io_table(con, storage, run_id)
     fork = fork_of(storage, run_id)
     if fork is not None:
         con.execute("CREATE SCHEMA parent")
@@ -208,6 +226,8 @@ def shared_rollouts(storage: Storage, run_id: str, parent: str) -> list[int]:
 
 def _create_views(con, storage: Storage, run_id: str, verify: bool, schema: str) -> None:
     """One view per table of `run_id` in `schema` (main: unqualified) over its committed files."""
+    from schemas.tables import SCHEMAS
+
     files = committed_files(storage, run_id, verify=verify)
     into, empty = _ident(schema), _ident(f"_empty_{schema}")
     con.execute(f"CREATE SCHEMA {empty}")
@@ -216,10 +236,27 @@ def _create_views(con, storage: Storage, run_id: str, verify: bool, schema: str)
             paths = ", ".join(_sql_str(_duckdb_path(storage, u)) for u in uris)
             con.execute(f'CREATE VIEW {into}."{view}" AS SELECT * FROM read_parquet([{paths}])')
         else:  # typed and empty, so `SELECT count(*) FROM rollouts` is 0 rather than an error
-            con.register("_arrow", SCHEMAS[view].empty_table())
-            con.execute(f'CREATE TABLE {empty}."{view}" AS SELECT * FROM _arrow')
-            con.unregister("_arrow")
+            columns = ", ".join(f'"{f.name}" {duckdb_type(f.type)}' for f in SCHEMAS[view])
+            con.execute(f'CREATE TABLE {empty}."{view}" ({columns})')
             con.execute(f'CREATE VIEW {into}."{view}" AS SELECT * FROM {empty}."{view}"')
+
+
+def duckdb_type(arrow_type) -> str:
+    """An Arrow type of schemas/tables.py as DuckDB declares it (an empty view made without handing DuckDB an Arrow
+    table, which would load pandas: seconds of `grpo query`).
+
+    >>> import pyarrow as pa
+    >>> duckdb_type(pa.list_(pa.float32())), duckdb_type(pa.map_(pa.string(), pa.float64()))
+    ('FLOAT[]', 'MAP(VARCHAR, DOUBLE)')
+    """
+    import pyarrow as pa
+
+    if pa.types.is_map(arrow_type):
+        return f"MAP({duckdb_type(arrow_type.key_type)}, {duckdb_type(arrow_type.item_type)})"
+    if pa.types.is_list(arrow_type):
+        return f"{duckdb_type(arrow_type.value_type)}[]"
+    plain = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE"}
+    return {**plain, "bool": "BOOLEAN"}[str(arrow_type)]
 
 
 def query(storage: Storage, run_id: str, sql: str, verify: bool = True, others: tuple[str, ...] = ()) -> pd.DataFrame:

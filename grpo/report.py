@@ -28,7 +28,7 @@ from grpo.storage import (
     latest_committed,
     load_manifest,
 )
-from schemas import read_parquet, table_file
+from schemas import table_file
 
 # (row key, stage, summary key): reward and eval first
 COLUMNS = [
@@ -90,6 +90,8 @@ def last_lr(storage: Storage, learn: Committed) -> float | None:
     committed file never changes), as the flow's progress artifact reads every iteration's again and again."""
     key = (learn.uri, learn.manifest_sha256)
     if key not in _LAST_LR:
+        from schemas import read_parquet
+
         lrs = read_parquet(storage.fs, learn.path(table_file("learn_metrics")), "learn_metrics", columns=["lr"])
         _LAST_LR[key] = lrs.column("lr")[-1].as_py() if lrs.num_rows else None
     return _LAST_LR[key]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from schemas.files import OPTIONAL_TABLES, TABLE_FILES, table_file  # noqa: F401 (where each table lives)
+
 SCHEMA_VERSION = 4  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
 # 3: rollouts.row (the dataset's other columns), eval.avg_at_k and eval.pass_at_k
 # 4: rollouts.policy_version is the policy that sampled the row (rollout.staleness), the checkpoint hash it held
@@ -131,17 +133,6 @@ SCHEMAS: dict[str, pa.Schema] = {
     "eval": EVAL,
 }
 
-# where each table is committed: (stage, file in the stage's attempt); `grpo query` makes a view of each
-TABLE_FILES: dict[str, tuple[str, str]] = {
-    "rollouts": ("rollouts", "rollouts.parquet"),
-    "draws": ("rollouts", "draws.parquet"),
-    "rewards": ("rewards", "rewards.parquet"),
-    "advantages": ("advantages", "advantages.parquet"),
-    "logprobs": ("learn", "logprobs.parquet"),
-    "learn_metrics": ("learn", "metrics.parquet"),
-    "eval": ("eval", "eval.parquet"),
-}
-
 ROLLOUTS_V3 = pa.schema(
     [f for f in ROLLOUTS if f.name not in ("policy_version", "policy_hash")]
     + [pa.field("policy_version", pa.string(), nullable=False)]  # then the checkpoint hash
@@ -169,12 +160,3 @@ def rollouts_from_v3(table: pa.Table) -> pa.Table:
 UPGRADES = {"rollouts": (4, ROLLOUTS_V3, rollouts_from_v3)}
 """Tables whose older files still read: table -> (the schema version that changed it, the schema before, the
 function that makes an older table the current one)."""
-
-OPTIONAL_TABLES = ("draws",)
-"""Tables a stage commits only with a setting on (draws: rollout.min_signal_groups); `grpo query` skips an
-attempt without one."""
-
-
-def table_file(table: str) -> str:
-    """The file name a table is committed under, in its stage's attempt."""
-    return TABLE_FILES[table][1]

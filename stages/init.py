@@ -41,7 +41,6 @@ from grpo.layout import run_dir, run_json
 from grpo.lineage import committed_input
 from grpo.storage import Committed, Storage, is_local
 from grpo.tasks import functions, generates, get_task
-from grpo.tiny_model import build_for_task
 from stages.common import (
     StageError,
     dataset_examples,
@@ -114,6 +113,8 @@ def run_config(storage: Storage, run_id: str, config_path: str | None, overrides
 
 def build_tiny_base(out_dir: str, cfg: RunConfig) -> str:
     """The tiny model `cfg.model` describes, for the vocabulary of `cfg.task`, saved in `out_dir`."""
+    from grpo.tiny_model import build_for_task
+
     return build_for_task(out_dir, cfg.task.name, cfg.task.params, cfg.model, cfg.seed)
 
 
