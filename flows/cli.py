@@ -29,11 +29,11 @@ import importlib  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from grpo import threads  # noqa: E402
 from grpo.errors import describe  # noqa: E402
-from grpo.layout import STAGES  # noqa: E402
 from grpo.progress import show_in_terminal  # noqa: E402
-from grpo.quiet import quiet_libraries  # noqa: E402
+from grpo.record.layout import STAGES  # noqa: E402
+from grpo.runtime import threads  # noqa: E402
+from grpo.runtime.quiet import quiet_libraries  # noqa: E402
 
 # the commands' modules load when their command runs: `grpo --help` and `grpo status` import no torch, Prefect,
 # pyarrow or pandas (tests/test_cli_speed.py); a command names its function as "module:function"
@@ -42,7 +42,7 @@ COMMANDS = "flows.commands"
 ONE_LINE_ERRORS = {
     "grpo.config": "ConfigError",
     "grpo.errors": "StageError",
-    "grpo.storage": "ArtifactError",
+    "grpo.record.storage": "ArtifactError",
     "schemas.parquet": "SchemaError",
 }
 """The errors a user acts on, printed as their one line with exit code 2: (module, class); a module the command
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[threads.ENV] = args.threads
         threads.apply_threads()  # now if torch is loaded, else as torch loads (a command that never needs it)
         module, fn = args.fn.split(":")
-        from grpo.storage import open_storage
+        from grpo.record.storage import open_storage
 
         getattr(importlib.import_module(f"{COMMANDS}.{module}"), fn)(args, open_storage(args.storage))
     except BrokenPipeError:  # `grpo query ... | head`: the reader has what it wanted

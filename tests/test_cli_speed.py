@@ -82,7 +82,7 @@ def test_the_thread_count_reaches_torch_when_it_loads_after_the_setting():
     """`grpo --threads 7` sets nothing in torch until a command loads it; then torch has the count at once (7: no
     machine's own count)."""
     code = (
-        "import sys; from grpo import threads; threads.apply_threads(); assert 'torch' not in sys.modules; "
+        "import sys; from grpo.runtime import threads; threads.apply_threads(); assert 'torch' not in sys.modules; "
         "import torch; print(torch.get_num_threads())"
     )
     env = {k: v for k, v in ENV.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")} | {"GRPO_THREADS": "7"}

@@ -7,8 +7,8 @@ import time
 
 from flows.commands.hints import newest_policy, next_steps
 from grpo.config import load_config_file
-from grpo.layout import SHARDED
-from grpo.lineage import next_iteration, resume_problem
+from grpo.record.layout import SHARDED
+from grpo.record.lineage import next_iteration, resume_problem
 from stages import StageError, stage_function
 from stages.iteration import run_warm
 
@@ -117,9 +117,9 @@ def cmd_demo(args, storage):
 def first_reaching(storage, run_id: str, target: float) -> tuple[int, float] | None:
     """(iteration, exact match) of the first committed eval whose held-out exact match reached `target`; None if
     none did. Reads the evals' manifests alone: a rerun of a finished demo answers at once."""
-    from grpo.layout import stage_dir
     from grpo.query import iterations
-    from grpo.storage import NotCommittedError, latest_committed
+    from grpo.record.layout import stage_dir
+    from grpo.record.storage import NotCommittedError, latest_committed
 
     for k in iterations(storage, run_id):
         try:
