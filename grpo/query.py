@@ -124,8 +124,9 @@ def _io_table(con, storage: Storage, run_id: str) -> None:
     types |= {f.name: "BIGINT" if f.type in (int, "int") else "DOUBLE" for f in dataclasses.fields(IoCounts)}
     con.execute("CREATE TABLE _io (" + ", ".join(f"{c} {types[c]}" for c in IO_COLUMNS) + ")")
     rows = [[r[c] for c in IO_COLUMNS] for r in io_records(storage, run_id)]
-    if rows:
-        con.executemany(f"INSERT INTO _io VALUES ({', '.join('?' * len(IO_COLUMNS))})", rows)
+    if rows:  # one statement: DuckDB's executemany costs ~2 ms a row
+        one = f"({', '.join('?' * len(IO_COLUMNS))})"
+        con.execute(f"INSERT INTO _io VALUES {', '.join([one] * len(rows))}", [v for row in rows for v in row])
     con.execute('CREATE VIEW "io" AS SELECT * FROM _io')
 
 
