@@ -1,6 +1,8 @@
 """`grpo`: create runs, run one stage or whole iterations, and inspect a run.
 
 grpo init --run demo [--config cfg.yaml] [--set learn.lr=1e-3 ...]
+grpo config set --run demo retention.keep_last=5 eval.every=2   # the rest as the run has it
+grpo config show --run demo                  # the run's settings as YAML
 grpo stage rollouts --run demo --iteration 0 [--force]
 grpo stage learn --run demo --iteration 0 --node-rank 1   # node 1 of a learner on learn.nodes machines
 grpo run --run demo --iterations 3          # every stage of each iteration, in order
@@ -91,6 +93,22 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--run", required=True)
     with_config(sp)
     sp.set_defaults(fn="runs:cmd_init")
+    sp = sub.add_parser("config", help="a run's settings: show them, or change those that may change")
+    config = sp.add_subparsers(dest="config_command", required=True)
+    sp = config.add_parser("show", help="the run's settings as YAML (a --config file for another run)")
+    sp.add_argument("--run", required=True)
+    sp.set_defaults(fn="settings:cmd_config_show")
+    sp = config.add_parser(
+        "set",
+        help="change settings of a run, the rest as its run.json holds them",
+        description="Changes what no committed result depends on: tracking, retention, eval.every, eval.metric, "
+        "rollout.shards, rollout.device, reward.shards and where the learner runs (learn.nodes, "
+        "learn.processes_per_node, learn.node_timeout_s, learn.state_every, learn.device; with learn.sharding=fsdp2 "
+        "learn.num_processes). Anything else is refused in one line: `grpo fork` trains on with it.",
+    )
+    sp.add_argument("--run", required=True)
+    sp.add_argument("settings", nargs="+", metavar="SECTION.FIELD=VALUE")
+    sp.set_defaults(fn="settings:cmd_config_set")
     sp = sub.add_parser("stage", help="run one stage of one iteration")
     sp.add_argument("name", choices=STAGES)
     sp.add_argument("--run", required=True)
