@@ -20,6 +20,7 @@ from grpo.record.layout import stage_dir
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage, committed_attempts, latest_committed
 from grpo.sampling.base import SamplingSpec, decode_responses
+from grpo.scoring import files as reward_files
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
 from schemas import table_file, write_parquet
@@ -48,8 +49,10 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
     iteration its caller runs; a forced eval is always due), a skipped eval instead (see `skip`)."""
     cfg = load_run(storage, run_id)
     inputs = {"policy": committed_input(storage, run_id, iteration, "learn")}
-    if cfg.reward.functions or cfg.learn.lora is not None:  # reward files; LoRA: the weights under the adapters
+    if cfg.learn.lora is not None:  # the weights under the adapters
         inputs["base"] = committed_input(storage, run_id, None, "base")
+    if cfg.reward.functions:  # the committed copies of reward files (the base, or a fork's own)
+        inputs |= reward_files.holder_input(storage, run_id)
     check_chain(storage, run_id, iteration, "eval", inputs)
     if not force and not due(iteration, cfg.eval.every, last):
         return skip(storage, run_id, iteration, inputs)
@@ -90,7 +93,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
         owner = list(range(len(greedy))) + [i for i, group in enumerate(sampled) for _ in group]
         items = [(r, p.examples[i].ground_truth, p.texts[i], p.examples[i].row or {}) for r, i in zip(responses, owner)]
         with WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool:
-            scored = score_batch(pool, scorer_key(cfg, inputs.get("base")), cfg.reward, items)
+            scored = score_batch(pool, scorer_key(cfg, reward_files.holder_of(inputs)), cfg.reward, items)
         correct = [exact_match(c) if err is None else 0.0 for _, c, err in scored]
         n = len(greedy)
         per_prompt = [correct[n + i * k : n + (i + 1) * k] for i in range(n)] if k > 1 else [None] * n

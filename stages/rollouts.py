@@ -24,6 +24,7 @@ from grpo.record.layout import Salt, iteration_seed, round_seed
 from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version
 from grpo.record.storage import Committed, Storage
 from grpo.sampling.base import Sample, SamplingSpec, decode_responses
+from grpo.scoring import files as reward_files
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
 from schemas import ParquetWriter, table_file
@@ -253,7 +254,7 @@ def sample_rounds(
     r, n = cfg.rollout, cfg.rollout.prompts_per_iteration
     snap, start = inputs["snapshot"], draw_start(cfg, iteration, inputs)
     stamp, tally = policy_stamp(storage, snap), Tally()
-    key = scorer_key(cfg, inputs.get("base"))
+    key = scorer_key(cfg, reward_files.holder_of(inputs))
     gen = settings = None
     rounds = signal = kept = skipped = 0
     engine_s = score_s = 0.0

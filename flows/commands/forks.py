@@ -21,11 +21,11 @@ def cmd_fork(args, storage):
 def cmd_rescore(args, storage):
     from grpo.record.lineage import next_iteration
     from stages.common import load_run
-    from stages.rescore import changes, rescore, rescore_run_id
+    from stages.rescore import changes, new_files, rescore, rescore_run_id
 
     load_run(storage, args.run)
     first, last = args.iterations if args.iterations else (0, next_iteration(storage, args.run) - 1)
-    fork = args.as_run or rescore_run_id(args.run, first, last, args.set)
+    fork = args.as_run or rescore_run_id(args.run, first, last, args.set, new_files(storage, args.run, args.set))
     rescore(storage, args.run, first, last, args.set, fork)
     table = changes(storage, fork, first, last)
     print(f"{'iteration':>9}  {'samples changed':>15}  {'reward before':>13}  {'after':>7}  {'groups flipped':>14}")
@@ -35,12 +35,12 @@ def cmd_rescore(args, storage):
             f"{row.reward_after:>7.4f}  {row.groups_flipped:>14}"
         )
     for row in table.itertuples():
-        changed, flipped = list(row.changed if row.changed is not None else []), row.flipped
+        changed, flipped = listed(row.changed), listed(row.flipped)
         if changed:
             more = f" ... and {len(changed) - 5} more" if len(changed) > 5 else ""
             print(f"iteration {row.iteration}: reward changed (prompt/sample: before -> after): "
                   f"{', '.join(changed[:5])}{more}")  # fmt: skip
-        if flipped is not None and len(flipped):
+        if flipped:
             groups = ", ".join(map(str, flipped[:20])) + (
                 f" ... and {len(flipped) - 20} more" if len(flipped) > 20 else ""
             )
@@ -49,3 +49,8 @@ def cmd_rescore(args, storage):
         f"rescored into run {fork} (a fork of {args.run}; no rollouts written); per sample: "
         f'{grpo_command(args.storage)} query --run {fork} "SELECT * FROM rescore WHERE reward_changed"'
     )
+
+
+def listed(value) -> list:
+    """A DuckDB list cell as a list: a FILTER that kept no row gives NULL (None, or pandas' NA), not []."""
+    return list(value) if hasattr(value, "__len__") and not isinstance(value, str) else []
