@@ -25,6 +25,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from grpo import trl_names
 from grpo.variants import (
     AdvantageMode,
     AggMode,
@@ -799,6 +800,8 @@ def _unknown(name: str, where: str, fields: dict) -> str:
     full = f"{where}.{name}" if where else name
     if (where, name) in RENAMED:
         return f"setting {full!r} is now {where}.{RENAMED[where, name]}"
+    if trl := trl_names.hint(name):  # a TRL user's GRPOConfig name
+        return f"unknown setting {full!r}: {trl}"
     near = [f"{where}.{f}" if where else f for f in difflib.get_close_matches(name, list(fields), n=3, cutoff=0.7)]
     leaves = {s: s.rsplit(".", 1)[-1] for s in _settings()}
     near += [s for s, leaf in leaves.items() if leaf == name and s != full]

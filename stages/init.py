@@ -268,9 +268,11 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
             folder, source = prepared or prepare_base(cfg, tmp)
             upload_folder(writer, folder)
             for i, spec in enumerate(cfg.reward.functions):  # the code that scores travels with the run
+                into = writer.path(functions.committed_name(i, spec))
                 if functions.is_file_spec(spec):
-                    path = functions.split_spec(spec)[0]
-                    writer.storage.fs.put_file(str(Path(path)), writer.path(functions.committed_name(i, spec)))
+                    writer.storage.fs.put_file(str(Path(functions.split_spec(spec)[0])), into)
+                elif functions.is_pickled_spec(spec):  # a callable handed to grpo.train, cloudpickled
+                    writer.storage.fs.pipe_file(into, functions.pickled_bytes(spec))
             return {"base_model": source, "datasets": datasets}
 
         stage_cfg = {"model": section(cfg, "model"), "task": section(cfg, "task"), "seed": cfg.seed}

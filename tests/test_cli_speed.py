@@ -88,3 +88,10 @@ def test_the_thread_count_reaches_torch_when_it_loads_after_the_setting():
     env = {k: v for k, v in ENV.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")} | {"GRPO_THREADS": "7"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.split() == ["7"], done.stderr
+
+
+def test_import_grpo_and_its_train_load_no_heavy_package():
+    """`from grpo import train` loads the API's module, not what training needs (that loads when train runs)."""
+    code = f"import sys, grpo; from grpo import train; print([m for m in {HEAVY!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr

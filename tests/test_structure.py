@@ -85,9 +85,14 @@ def test_no_import_cycle():
     assert cycles(GRAPH) == []
 
 
+FACE = {("grpo", "flows.api")}
+"""The one import up a floor: the package's face, `from grpo import train` (the Python API beside the command line),
+loaded when asked for."""
+
+
 def test_no_import_runs_up_a_floor():
     upward = sorted((a, b) for a, deps in GRAPH.items() for b in deps if floor(b) > floor(a))
-    assert upward == []
+    assert upward == sorted(FACE)
 
 
 def test_a_stage_imports_another_stage_only_for_its_function_or_identity():

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pandas as pd
@@ -314,7 +315,9 @@ def test_tracking_json_is_replaced_whole_never_half_written(tmp_path, monkeypatc
     storage.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     storage.fs.pipe_file(path, b'{"iterations": [0], "tracker_run_id": "run-1", "backend": "tensorboard"}')
     monkeypatch.setattr(tracking, "iteration_rows", lambda storage, run_id, skip: [{"iteration": 1, "kl": 0.5}])
-    monkeypatch.setitem(tracking.SENDERS, "tensorboard", lambda *args: "run-1")
+    monkeypatch.setattr(tracking.figures, "reward_stats", lambda *args: {})  # no rewards table here
+    monkeypatch.setattr(tracking.figures, "completions", lambda *args: [])
+    monkeypatch.setitem(tracking.SENDERS, "tensorboard", types.SimpleNamespace(send=lambda *args: "run-1"))
     half_writes(storage, monkeypatch)
     with pytest.raises(OSError, match="killed while writing"):
         tracking.track(storage, "t", load_config(None, ["tracking.backend=tensorboard"]))

@@ -50,10 +50,10 @@ def wanted_files(cfg: RunConfig, read_local: bool, held: dict[str, str]) -> dict
     that is neither fails in one line."""
     out = {}
     for i, spec in enumerate(cfg.reward.functions):
-        if not functions.is_file_spec(spec):
+        if not functions.has_copy(spec):
             continue
         name, path = functions.committed_name(i, spec), functions.split_spec(spec)[0]
-        if read_local and Path(path).is_file():
+        if read_local and functions.is_file_spec(spec) and Path(path).is_file():
             out[name] = path
         elif name in held:
             out[name] = None
