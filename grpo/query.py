@@ -239,7 +239,8 @@ def _create_views(con, storage: Storage, run_id: str, verify: bool, schema: str)
     for view, uris in files.items():
         if uris:
             paths = ", ".join(_sql_str(_duckdb_path(storage, u)) for u in uris)
-            con.execute(f'CREATE VIEW {into}."{view}" AS SELECT * FROM read_parquet([{paths}])')
+            # by name: a run's older files lack the columns added since (schemas.tables), which read as null there
+            con.execute(f'CREATE VIEW {into}."{view}" AS SELECT * FROM read_parquet([{paths}], union_by_name = true)')
         else:  # typed and empty, so `SELECT count(*) FROM rollouts` is 0 rather than an error
             columns = ", ".join(f'"{f.name}" {duckdb_type(f.type)}' for f in SCHEMAS[view])
             con.execute(f'CREATE TABLE {empty}."{view}" ({columns})')
@@ -260,8 +261,19 @@ def duckdb_type(arrow_type) -> str:
         return f"MAP({duckdb_type(arrow_type.key_type)}, {duckdb_type(arrow_type.item_type)})"
     if pa.types.is_list(arrow_type):
         return f"{duckdb_type(arrow_type.value_type)}[]"
-    plain = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE"}
-    return {**plain, "bool": "BOOLEAN"}[str(arrow_type)]
+    return DUCKDB_TYPES[str(arrow_type)]
+
+
+DUCKDB_TYPES = {
+    "string": "VARCHAR",
+    "bool": "BOOLEAN",
+    "int8": "TINYINT",
+    "int32": "INTEGER",
+    "int64": "BIGINT",
+    "float": "FLOAT",
+    "double": "DOUBLE",
+}
+"""The plain Arrow types of schemas/tables.py, as DuckDB names them (tests/test_cli_speed.py checks every table)."""
 
 
 def query(storage: Storage, run_id: str, sql: str, verify: bool = True, others: tuple[str, ...] = ()) -> pd.DataFrame:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 from grpo.config import RunConfig
+from grpo.record import reward_files
 from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage
-from grpo.scoring import files as reward_files
 from grpo.scoring.score import score_samples
 from stages.prompts import held_out_split
 

@@ -15,12 +15,12 @@ import time
 from grpo import devices
 from grpo.config import RunConfig
 from grpo.progress import Progress
+from grpo.record import reward_files
 from grpo.record.identity import section
 from grpo.record.layout import stage_dir
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage, committed_attempts, latest_committed
 from grpo.sampling.base import SamplingSpec, decode_responses
-from grpo.scoring import files as reward_files
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
 from schemas import table_file, write_parquet

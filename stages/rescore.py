@@ -14,11 +14,12 @@ import pandas as pd
 
 from grpo.config import ConfigError
 from grpo.query import query
+from grpo.record import reward_files
+from grpo.record.digests import sha256_local
 from grpo.record.fork import fork_config, fork_run
 from grpo.record.identity import config_hash
 from grpo.record.lineage import next_iteration
 from grpo.record.storage import Storage
-from grpo.scoring import files as reward_files
 from grpo.scoring.pool import WARM_POOLS
 from stages import advantages as advantages_stage
 from stages import rewards as rewards_stage
@@ -49,9 +50,9 @@ def new_files(storage: Storage, parent: str, overrides: list[str]) -> dict[str, 
     if not (named and after.reward.functions):
         return {}
     holder = reward_files.holder_of(reward_files.holder_input(storage, parent))
-    changed = reward_files.changed_files(after, True, reward_files.held_digests(holder))
-    want = reward_files.wanted_files(after, True, reward_files.held_digests(holder))
-    return {n: reward_files.sha256_of(want[n]) for n in changed if want.get(n)}
+    changed = reward_files.changed_files(after, True, reward_files.held_files(holder))
+    want = reward_files.wanted_files(after, True, reward_files.held_files(holder))
+    return {n: sha256_local(want[n]) for n in changed if want.get(n)}
 
 
 def check_rescore(storage: Storage, parent: str, first: int, last: int, overrides: list[str]) -> None:

@@ -29,10 +29,10 @@ import pyarrow.parquet as pq
 
 from grpo.config import RunConfig
 from grpo.progress import progress
+from grpo.record import reward_files
 from grpo.record.identity import section
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage
-from grpo.scoring import files as reward_files
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import allowed_errors, batch_items, score_samples, scorer_key
 from grpo.tasks import functions

@@ -17,6 +17,7 @@ from grpo import data
 from grpo.config import RolloutConfig, RunConfig
 from grpo.devices import current, sampler_device
 from grpo.progress import Progress
+from grpo.record import reward_files
 from grpo.record.checkpoint import content_hash, non_finite_weights
 from grpo.record.commit import StageWriter
 from grpo.record.identity import section
@@ -24,7 +25,6 @@ from grpo.record.layout import Salt, iteration_seed, round_seed
 from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version
 from grpo.record.storage import Committed, Storage
 from grpo.sampling.base import Sample, SamplingSpec, decode_responses
-from grpo.scoring import files as reward_files
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
 from schemas import ParquetWriter, table_file
@@ -69,6 +69,7 @@ def chunk_columns(
         "response_ids": [s.response_ids for s in samples],
         "response": decode_responses(p.tokenizer, [s.response_ids for s in samples], p.eos_ids),
         "sampler_logprobs": [s.logprobs for s in samples],
+        "loss_mask": [[1] * len(s.response_ids) for s in samples],  # one turn: every token sampled
         "finish_reason": [s.finish_reason for s in samples],
         "ground_truth": per_sample([e.ground_truth for e in p.examples[chunk]]),
         "row": per_sample([data.row_json(e) for e in p.examples[chunk]]),

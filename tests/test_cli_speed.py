@@ -95,3 +95,20 @@ def test_import_grpo_and_its_train_load_no_heavy_package():
     code = f"import sys, grpo; from grpo import train; print([m for m in {HEAVY!r} if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_every_tables_empty_view_has_the_types_duckdb_reads_from_arrow():
+    """The DDL of an empty view (grpo.query.duckdb_type) against DuckDB's own reading of each Arrow schema."""
+    import duckdb
+
+    from grpo.query import duckdb_type
+    from schemas.tables import SCHEMAS
+
+    con = duckdb.connect()
+    for name, schema in SCHEMAS.items():
+        con.execute(f"CREATE TABLE ddl_{name} ({', '.join(f'{f.name} {duckdb_type(f.type)}' for f in schema)})")
+        con.register("arrow", schema.empty_table())
+        con.execute(f"CREATE TABLE arrow_{name} AS SELECT * FROM arrow")
+        con.unregister("arrow")
+        sql = "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ? ORDER BY 1"
+        assert con.execute(sql, [f"ddl_{name}"]).fetchall() == con.execute(sql, [f"arrow_{name}"]).fetchall(), name

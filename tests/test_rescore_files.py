@@ -10,8 +10,8 @@ from test_stages import make_run
 from flows.cli import main
 from grpo.query import query
 from grpo.record.layout import run_dir, stage_dir
+from grpo.record.reward_files import STAGE
 from grpo.record.storage import latest_committed, open_storage
-from grpo.scoring.files import STAGE
 from stages.iteration import run_iteration, run_warm
 
 EXACT = "def score(response, ground_truth, prompt):\n    return float(response.split() == ground_truth.split())\n"

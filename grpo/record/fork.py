@@ -26,6 +26,7 @@ import fsspec
 
 from grpo.config import ConfigError, RunConfig, load_config
 from grpo.errors import StageError
+from grpo.record import reward_files
 from grpo.record.commit import StageWriter
 from grpo.record.counts import is_local
 from grpo.record.identity import config_hash, lineage_identity, stage_identity, stored_config
@@ -42,7 +43,6 @@ from grpo.record.storage import (
     load_manifest,
     verify_files,
 )
-from grpo.scoring import files as reward_files
 from schemas.manifest import FileEntry, InputRef
 
 log = logging.getLogger("grpo.record.fork")

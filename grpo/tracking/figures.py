@@ -19,7 +19,7 @@ import math
 from grpo.config import RunConfig
 from grpo.record.layout import stage_dir
 from grpo.record.storage import Storage, latest_committed
-from schemas import read_parquet, table_file
+from schemas import table_file
 
 NAMES = {
     **{k: f"train/{k}" for k in ("reward_mean", "reward_std", "response_length", "stop_fraction", "samples")},
@@ -59,6 +59,8 @@ def iteration_metrics(storage: Storage, run_id: str, row: dict) -> dict[str, flo
 def reward_stats(storage: Storage, run_id: str, k: int) -> dict[str, float]:
     """rewards/<component>/mean and /std over iteration k's samples: each reward function's total (its name, or the
     task's components), and each of its components (<function>/<component>); `total` is the weighted sum."""
+    from schemas import read_parquet
+
     rewards = latest_committed(storage, stage_dir(storage, run_id, k, "rewards"), verify=False)
     table = read_parquet(storage.fs, rewards.read_path(table_file("rewards")), "rewards", columns=["components"])
     values: dict[str, list[float]] = {}
@@ -75,6 +77,8 @@ def reward_stats(storage: Storage, run_id: str, k: int) -> dict[str, float]:
 
 def completions(storage: Storage, run_id: str, k: int, n: int = COMPLETIONS) -> list[dict]:
     """[{iteration, prompt_id, prompt, response, reward}] of n sample completions of iteration k (COMPLETIONS)."""
+    from schemas import read_parquet
+
     rollouts, rewards = (latest_committed(storage, stage_dir(storage, run_id, k, s), verify=False) for s in
                          ("rollouts", "rewards"))  # fmt: skip
     keys = ["prompt_id", "sample_index"]

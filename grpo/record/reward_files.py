@@ -10,12 +10,12 @@ the bytes it scored with, and a run without reward files of its own keeps the id
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from grpo.config import RunConfig
 from grpo.errors import StageError
 from grpo.record.commit import StageWriter
+from grpo.record.digests import sha256_local
 from grpo.record.identity import config_hash, stage_identity
 from grpo.record.layout import stage_dir
 from grpo.record.lineage import committed_input, note_committed
@@ -39,7 +39,7 @@ def holder_of(inputs: dict[str, Committed]) -> Committed | None:
     return inputs.get(STAGE) or inputs.get("base")
 
 
-def held_digests(holder: Committed) -> dict[str, str]:
+def held_files(holder: Committed) -> dict[str, str]:
     """{committed file name (reward/<i>-<name>.py): sha256} of the reward files an attempt holds."""
     return {f.path: f.sha256 for f in holder.manifest.files if f.path.startswith(functions.REWARD_PREFIX)}
 
@@ -68,7 +68,7 @@ def wanted_files(cfg: RunConfig, read_local: bool, held: dict[str, str]) -> dict
 def changed_files(cfg: RunConfig, read_local: bool, held: dict[str, str]) -> list[str]:
     """The committed names whose bytes a fork of `cfg` would hold other than its parent's (wanted_files)."""
     want = wanted_files(cfg, read_local, held)
-    return [n for n, path in want.items() if path is not None and sha256_of(path) != held.get(n)] + [
+    return [n for n, path in want.items() if path is not None and sha256_local(path) != held.get(n)] + [
         n for n in held if n not in want
     ]
 
@@ -78,11 +78,11 @@ def commit_for_fork(storage: Storage, run_id: str, parent: str, cfg: RunConfig, 
     where its parent scores with reward_files of its own; None where its base's copies, the parent's by
     reference, are the ones."""
     ((name, holder),) = holder_input(storage, parent).items()
-    held = held_digests(holder)
+    held = held_files(holder)
     if not cfg.reward.functions or (name == "base" and not changed_files(cfg, read_local, held)):
         return None
     want = wanted_files(cfg, read_local, held)
-    digests = {n: sha256_of(p) if p is not None else held[n] for n, p in want.items()}
+    digests = {n: sha256_local(p) if p is not None else held[n] for n, p in want.items()}
     config = {"reward_functions": list(cfg.reward.functions), "sha256": digests}
     sdir = stage_dir(storage, run_id, None, STAGE)
     identity = stage_identity(run_id, None, STAGE, config_hash(config), {})
@@ -97,8 +97,3 @@ def commit_for_fork(storage: Storage, run_id: str, parent: str, cfg: RunConfig, 
         committed = w.commit(summary={"reward_functions": list(cfg.reward.functions), "from": parent})
     note_committed(committed.attempt_dir)
     return committed
-
-
-def sha256_of(path: str) -> str:
-    """The sha256 of a local file's bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
