@@ -13,6 +13,7 @@ grpo report --run demo                       # report.png and report.md in the r
 grpo timeline --run demo                     # each iteration's stages against time (timeline.png)
 grpo export --run demo                       # the newest policy as an HF folder under the run (LoRA merged)
 grpo export --run demo --best ./demo-best    # the best by eval.metric, into a folder named (or --iteration k)
+grpo export --run lora --adapter             # a LoRA run's adapter, unmerged (every export has a model card)
 grpo k8s render [--stage learn]              # each stage's Kubernetes Job from deploy/kubernetes, as YAML
 grpo fork --from demo --at 3 --run demo-gspo --set learn.loss_type=gspo   # iterations 0-2 by reference
 grpo rescore --run demo --iterations 0:4 --set reward.truncated_reward=-1  # rewards again, no sampling
@@ -190,6 +191,12 @@ def parser() -> argparse.ArgumentParser:
     which.add_argument("--iteration", type=int, help="the policy the learn of this iteration committed")
     which.add_argument("--best", action="store_true", help="the best iteration's policy by eval.metric")
     which.add_argument("--latest", action="store_true", help="the newest committed policy (the default)")
+    sp.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: the peft adapter alone, unmerged (adapter_config.json, adapter_model.safetensors, the "
+        "tokenizer), for PeftModel.from_pretrained over the base; default folder exports/iter-000k-adapter",
+    )
     sp.set_defaults(fn="export:cmd_export")
     sp = sub.add_parser("report", help="plot a run's progress: report.png and report.md in its folder")
     sp.add_argument("--run", required=True)
