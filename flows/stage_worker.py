@@ -1,8 +1,12 @@
 """Long-lived stage workers: a Prefect task worker that serves some stages' tasks and keeps what they load
 (the sampling engine, the learner's model and optimizer, the reward pool) between iterations.
 
-    python -m flows.stage_worker rollouts learn eval      # on a GPU machine: sampler and learner stay loaded
+    python -m flows.stage_worker rollouts eval                 # the sampler's GPU: its engine stays loaded
+    python -m flows.stage_worker learn                         # the learner's GPU: model and AdamW stay loaded
     python -m flows.stage_worker rewards advantages snapshot   # on a CPU machine
+
+A worker runs one task at a time, so learn has a worker of its own: with rollout.staleness >= 1 it runs while the
+sampling workers sample the next iteration (README, "Warm stage workers").
 
 The flow `grpo` sends a stage placed on `warm` (`placement={"rollouts": "warm", ...}`) to whichever
 worker serves it (`Task.delay`) and waits; the stage commits to storage as everywhere else, and the

@@ -341,8 +341,11 @@ def stage_times(storage: Storage, run_id: str) -> list[dict]:
     """The timeline of a run from its manifests: per iteration and stage (the newest committed attempt), its start
     and commit in seconds since the run's first stage started, in start order; the learner's state commits
     (STATE_STAGE) too, made beside the next stages. Attempts taken by reference (a fork's) are left out: they ran
-    in another run."""
-    out = []
+    in another run. A placed stage (grpo.record.dispatches) also has `sent`: when the flow sent it off, so that from
+    `sent` to `start` it waited for its process (a worker taking its flow run, the process starting), not working."""
+    from grpo.record.dispatches import sent_times
+
+    out, sent = [], sent_times(storage, run_id)
     for k in iterations(storage, run_id):
         for stage in (*STAGES, STATE_STAGE):
             attempts = committed_attempts(storage, stage_dir(storage, run_id, k, stage))
@@ -350,11 +353,14 @@ def stage_times(storage: Storage, run_id: str) -> list[dict]:
             if manifest is None or manifest.origin is not None or manifest.summary.get("skipped"):
                 continue
             start, end = (dt.datetime.fromisoformat(t) for t in (manifest.started_at, manifest.committed_at))
-            out.append({"iteration": k, "stage": stage, "start": start, "end": end})
+            row = {"iteration": k, "stage": stage, "start": start, "end": end}
+            if (k, stage) in sent and sent[k, stage] <= start:  # sent off, then started: not a reuse
+                row["sent"] = sent[k, stage]
+            out.append(row)
     if not out:
         return []
-    zero = min(r["start"] for r in out)
-    rows = [r | {"start": (r["start"] - zero).total_seconds(), "end": (r["end"] - zero).total_seconds()} for r in out]
+    zero = min(r.get("sent", r["start"]) for r in out)
+    rows = [r | {t: (r[t] - zero).total_seconds() for t in ("sent", "start", "end") if t in r} for r in out]
     return sorted(rows, key=lambda r: (r["start"], r["iteration"]))
 
 
@@ -390,8 +396,15 @@ def timeline_png(rows: list[dict], title: str, dpi: int = 90) -> bytes:
             if r["stage"] in SAMPLER_SIDE
             else "gray"
         )
+        if "sent" in r:  # a placed stage waiting for its flow run's process: start-up, not work
+            startup = "start-up (placed: waiting for its process)"
+            ax.broken_barh([(r["sent"], r["start"] - r["sent"])], (y - 0.25, 0.5), facecolor="none",
+                           edgecolor=color, hatch="///", alpha=0.6, label=startup)  # fmt: skip
         ax.broken_barh([(r["start"], max(r["end"] - r["start"], 1e-3))], (y - 0.4, 0.8), color=color, alpha=0.8)
         ax.text(r["start"], y, str(r["iteration"]), va="center", fontsize=7)
+    if any("sent" in r for r in rows):
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles[:1], labels[:1], loc="lower right", fontsize=8)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first stage started")

@@ -128,10 +128,14 @@ def cmd_timeline(args, storage):
     from grpo.report import write_timeline
 
     png, rows = write_timeline(storage, args.run)
-    print(f"{'iteration':>9}  {'stage':>10}  {'start s':>8}  {'end s':>8}  {'seconds':>8}")
+    placed = any("sent" in r for r in rows)
+    print(f"{'iteration':>9}  {'stage':>10}  {'start s':>8}  {'end s':>8}  {'seconds':>8}" + "  start-up s" * placed)
     for r in rows:
-        seconds = r["end"] - r["start"]
-        print(f"{r['iteration']:>9}  {r['stage']:>10}  {r['start']:>8.1f}  {r['end']:>8.1f}  {seconds:>8.1f}")
+        seconds, waited = r["end"] - r["start"], f"{r['start'] - r['sent']:>11.1f}" if "sent" in r else f"{'-':>11}"
+        line = f"{r['iteration']:>9}  {r['stage']:>10}  {r['start']:>8.1f}  {r['end']:>8.1f}  {seconds:>8.1f}"
+        print(line + ("  " + waited) * placed)
+    if placed:
+        print("(start-up s: a placed stage, from the flow sending it off to its start: a worker and its process)")
     print(png)
 
 
