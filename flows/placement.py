@@ -286,11 +286,21 @@ class Placement:
     def delay(self, stage: str, upstream: str | None, shard: int | None, node_rank: int = 0):
         """The stage's task (or one shard's, or one node's of learn) sent to the long-lived stage workers that
         serve it (flows/stage_worker.py)."""
+        from prefect.client.orchestration import get_client
+
         force = self.force[stage]
         args, kwargs = task_arguments(
             stage, self.url, self.run_id, self.k, upstream, force, shard, node_rank, self.last
         )
-        return TASKS[stage].delay(*args, **kwargs)
+        future = TASKS[stage].delay(*args, **kwargs)
+        name = (
+            f"{stage} {self.k}"
+            + ("" if shard is None else f" shard {shard}")
+            + (f" node {node_rank}" if node_rank else "")
+        )
+        with get_client(sync_client=True) as client:  # named as a task run here is (`eval 3`), not Prefect's `eval-2`
+            client.set_task_run_name(future.task_run_id, name)
+        return future
 
     def wait_tasks(
         self, stage: str, futures: list, upstream: str | None, watch: Watch, shards: bool = False

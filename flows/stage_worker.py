@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 from prefect.task_worker import serve
 
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{threads.SHARED_MACHINE}: this worker and another on one machine)",
     )
     args = p.parse_args(argv)
+    # started with `&` from a script, SIGINT comes ignored, and the Ctrl-C or `kill -INT` (or Prefect's SIGTERM
+    # turned into SIGINT) that stops a worker would do nothing: one signal stops it, as in a terminal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ[threads.ENV] = args.threads
     threads.apply_threads()  # before any stage: its tasks run in this process
     # one task at a time: a stage owns the machine's accelerator while it runs

@@ -24,13 +24,22 @@ from grpo.sampling.base import SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
 from schemas import table_file, write_parquet
-from stages.common import load_run, measured, run_stage
+from stages.common import StageError, load_run, measured, run_stage
 from stages.prompts import eval_prompts, held_out_config, policy_and_prompts, sampler
 
 
-def exact_match(components: dict[str, float]) -> float:
-    """The task's `exact` (sort) or `correct` (math, arithmetic) component, else whether the total is perfect."""
-    return float(components.get("exact", components.get("correct", components.get("total", 0.0) >= 1.0)))
+def exact_match(components: dict[str, float], correct: str | None = None) -> float:
+    """Whether a response counts as correct: the component `correct` names (eval.correct) is >= 1; without one, the
+    task's `exact` (sort) or `correct` (math, arithmetic) component, else whether the total is perfect.
+
+    >>> exact_match({"exact": 0.0, "total": 1.0}), exact_match({"fmt": 1.0, "total": 0.5}, "fmt")
+    (0.0, 1.0)
+    """
+    if correct is None:
+        return float(components.get("exact", components.get("correct", components.get("total", 0.0) >= 1.0)))
+    if correct not in components:
+        raise StageError(f"eval.correct={correct!r}: the reward has no such component; it has {sorted(components)}")
+    return float(components[correct] >= 1.0)
 
 
 def due(iteration: int, every: int, last: bool) -> bool:
@@ -94,7 +103,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
         items = [(r, p.examples[i].ground_truth, p.texts[i], p.examples[i].row or {}) for r, i in zip(responses, owner)]
         with WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool:
             scored = score_batch(pool, scorer_key(cfg, reward_files.holder_of(inputs)), cfg.reward, items)
-        correct = [exact_match(c) if err is None else 0.0 for _, c, err in scored]
+        correct = [exact_match(c, cfg.eval.correct) if err is None else 0.0 for _, c, err in scored]
         n = len(greedy)
         per_prompt = [correct[n + i * k : n + (i + 1) * k] for i in range(n)] if k > 1 else [None] * n
         rows = {

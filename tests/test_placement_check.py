@@ -55,3 +55,18 @@ def test_a_placed_stage_is_recorded_as_sent_and_the_timeline_draws_its_start_up(
     assert Placement({"eval": "gpu"}, storage, "t", 1, cfg)("eval", "file:///learn") == "done" and sent
     after = dispatches.sent_times(storage, "t")
     assert after[0, "learn"] == before and after[1, "eval"] >= before
+
+
+def test_a_stage_sent_to_the_stage_workers_is_named_as_here(prefect_api, tmp_path):
+    """A task run of the stage workers is `eval 1` (or `rollouts 1 shard 0`), as the flow's own are, not Prefect's
+    `eval-2`: sent, and read back from the API before any worker takes it."""
+    from prefect.client.orchestration import get_client
+
+    from flows.placement import Placement
+
+    storage = open_storage((tmp_path / "store").as_uri())
+    cfg = make_run(storage, "w")
+    at = Placement({"eval": "warm", "rollouts": "warm"}, storage, "w", 1, cfg)
+    sent = [at.delay("eval", "file:///learn", None), at.delay("rollouts", "file:///snapshot", 0)]
+    with get_client(sync_client=True) as client:
+        assert [client.read_task_run(f.task_run_id).name for f in sent] == ["eval 1", "rollouts 1 shard 0"]

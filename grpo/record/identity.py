@@ -56,6 +56,7 @@ ADDED_SETTINGS = {
     ),
     "reward": (("overlong_buffer", "overlong_penalty"),),
     "rollout": (("min_signal_groups", "max_sampling_rounds"), ("staleness",)),
+    "eval": (("correct",),),
 }  # fmt: skip
 """Settings added after runs were made without them, per section, in groups that act together: an identity
 leaves a group out while all of it holds its defaults (what runs did before it existed)."""
