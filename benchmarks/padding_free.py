@@ -51,7 +51,18 @@ def make_batch(prompts: int, group: int, lengths: list[int], vocab: int, seed: i
     ids = list(range(n))
     trained = response_mask  # one turn: every token sampled
     return Batch(
-        prompt_ids, prompt_mask, response_ids, response_mask, trained, sampler, advantages, rewards, group, ids, ids
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        trained,
+        sampler,
+        torch.zeros_like(response_ids),
+        advantages,
+        rewards,
+        group,
+        ids,
+        ids,
     )
 
 

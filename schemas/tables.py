@@ -17,7 +17,8 @@ SCHEMA_VERSION = 5  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null 
 # 3: rollouts.row (the dataset's other columns), eval.avg_at_k and eval.pass_at_k
 # 4: rollouts.policy_version is the policy that sampled the row (rollout.staleness), the checkpoint hash it held
 #    is rollouts.policy_hash; a version 3 rollouts file reads as version 4 (UPGRADES)
-# 5: rollouts.loss_mask (which tokens of an episode the sampler produced); an older rollouts file reads as all ones
+# 5: rollouts.loss_mask (which tokens of an episode the sampler produced) and rollouts.token_versions (the policy that
+#    sampled each token; null: the row's policy_version); an older rollouts file reads as all ones and null
 
 _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
     pa.field("run_id", pa.string(), nullable=False),
@@ -54,6 +55,9 @@ ROLLOUTS = pa.schema(
         # the policy that sampled the row: the iteration of the learn that committed it, -1 for the base
         pa.field("policy_version", pa.int32(), nullable=False),
         pa.field("policy_hash", pa.string(), nullable=False),  # its checkpoint's content hash (16 hex digits)
+        # the policy version that sampled each token of response_ids (a response continued across iterations holds
+        # several); null: every token was sampled by the row's policy_version
+        pa.field("token_versions", _IDS, nullable=True),
     ]
 )
 
@@ -138,7 +142,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "eval": EVAL,
 }
 
-ROLLOUTS_V4 = pa.schema([f for f in ROLLOUTS if f.name != "loss_mask"])
+ROLLOUTS_V4 = pa.schema([f for f in ROLLOUTS if f.name not in ("loss_mask", "token_versions")])
 
 ROLLOUTS_V3 = pa.schema(
     [f for f in ROLLOUTS_V4 if f.name not in ("policy_version", "policy_hash")]
@@ -166,11 +170,11 @@ def rollouts_from_v3(table: pa.Table) -> pa.Table:
 
 def rollouts_from_v4(table: pa.Table) -> pa.Table:
     """A rollouts table of schema version 4 as version 5: every token of a response was sampled (loss_mask all ones,
-    as long as its response_ids).
+    as long as its response_ids), by the row's policy (token_versions null).
 
-    >>> old = pa.table({"response_ids": pa.array([[5, 6], [], [7]], pa.list_(pa.int32()))})
-    >>> rollouts_from_v4(old).column("loss_mask").to_pylist()
-    [[1, 1], [], [1]]
+    >>> new = rollouts_from_v4(pa.table({"response_ids": pa.array([[5, 6], [], [7]], pa.list_(pa.int32()))}))
+    >>> new.column("loss_mask").to_pylist(), new.column("token_versions").to_pylist()
+    ([[1, 1], [], [1]], [None, None, None])
     """
     import numpy as np
     import pyarrow.compute as pc
@@ -179,6 +183,7 @@ def rollouts_from_v4(table: pa.Table) -> pa.Table:
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
     ones = pa.array(np.ones(int(lengths.sum()), np.int8))
     table = table.append_column(ROLLOUTS.field("loss_mask"), pa.ListArray.from_arrays(offsets, ones, MASKS))
+    table = table.append_column(ROLLOUTS.field("token_versions"), pa.nulls(len(table), _IDS))
     return table.select([n for n in ROLLOUTS.names if n in table.column_names])  # in the declared order
 
 

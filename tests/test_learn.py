@@ -172,6 +172,7 @@ def test_a_groups_forward_skips_the_batchs_padding_and_gives_the_same_log_probs(
         response_mask,
         response_mask,
         torch.zeros(4, t),
+        torch.zeros(4, t, dtype=torch.long),
         *torch.zeros(2, 4),
         g,
         [0] * 4,

@@ -83,6 +83,7 @@ def cut(batch: Batch) -> Batch:
         response_mask=keep.float()[:, :width],
         loss_mask=keep.float()[:, :width],
         sampler_logprobs=(batch.sampler_logprobs * keep)[:, :width],
+        token_versions=batch.token_versions[:, :width],
     )
 
 

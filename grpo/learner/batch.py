@@ -27,6 +27,7 @@ class Batch:
     # template tokens (context only) and on padding; every loss, KL, metric and token count of the update is over it
     loss_mask: Tensor
     sampler_logprobs: Tensor  # (N, T) the sampler's log-prob of each sampled token (0 where loss_mask is 0)
+    token_versions: Tensor  # (N, T) long: the policy version that sampled each token (the rollouts' policy_version)
     advantages: Tensor  # (N,)
     rewards: Tensor  # (N,)
     group_size: int

@@ -27,10 +27,12 @@ from grpo.config import LearnConfig
 from grpo.errors import LearnError
 from grpo.learner import kernels, sharding
 from grpo.learner.batch import Batch, Scores
+from grpo.learner.loss import within_age
 from grpo.learner.model import forward_logprobs, score
 from grpo.learner.pi_old import OldLogprobs
 from grpo.learner.state import Learner, optimizer_steps
 from grpo.progress import progress
+from grpo.record.lineage import policy_version
 
 log = logging.getLogger("grpo.learner")
 
@@ -181,6 +183,8 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     lcfg, acc, model, opt = learner.cfg.learn, learner.acc, learner.model, learner.opt
     torch.manual_seed(torch_seed)
     batch = batch.to(learner.device)
+    # the tokens this update trains on: the sampled ones, no older than learn.max_token_age
+    batch, ages = within_age(batch, policy_version(iteration, 0), lcfg.max_token_age)
     check_microbatch_tokens(batch, lcfg, iteration)
     g, chunk = batch.group_size, max(1, lcfg.process_microbatch // batch.group_size)
     # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
@@ -270,6 +274,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "grad_norm": last.get("grad_norm"),
         "logprob_gap": gap,
         **(behavior or {}),
+        **ages,
         "old_logprobs": pi_old.source,
         "world_size": world,
         "precision": learner.precision,
