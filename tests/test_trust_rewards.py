@@ -331,8 +331,9 @@ def test_report_files_are_replaced_whole_never_half_written(tmp_path, monkeypatc
     md = f"{run_dir(storage, 't')}/report.md"
     storage.fs.makedirs(run_dir(storage, "t"), exist_ok=True)
     storage.fs.pipe_file(md, b"# Run t\n\nthe old report\n")
-    monkeypatch.setattr(report, "figure_png", lambda rows, title, best=None: b"\x89PNG...")
+    monkeypatch.setattr(report, "figure_png", lambda rows, title, best=None, behavior=True: b"\x89PNG...")
     monkeypatch.setattr(report, "best_iteration", lambda *a: None)  # no run.json here
+    monkeypatch.setattr(report, "behavior_drawn", lambda *a: True)
     half_writes(storage, monkeypatch)
     rows = [{"iteration": 0, "reward_mean": 0.5, "eval_exact_match": 0.25}]
     with pytest.raises(OSError, match="killed while writing"):
