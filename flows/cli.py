@@ -1,6 +1,8 @@
 """`grpo`: create runs, run one stage or whole iterations, and inspect a run.
 
 grpo init --run demo [--config cfg.yaml] [--set learn.lr=1e-3 ...]
+grpo config set --run demo retention.keep_last=5 eval.every=2   # the rest as the run has it
+grpo config show --run demo                  # the run's settings as YAML
 grpo stage rollouts --run demo --iteration 0 [--force]
 grpo stage learn --run demo --iteration 0 --node-rank 1   # node 1 of a learner on learn.nodes machines
 grpo run --run demo --iterations 3          # every stage of each iteration, in order
@@ -11,6 +13,7 @@ grpo report --run demo                       # report.png and report.md in the r
 grpo timeline --run demo                     # each iteration's stages against time (timeline.png)
 grpo export --run demo                       # the newest policy as an HF folder under the run (LoRA merged)
 grpo export --run demo --best ./demo-best    # the best by eval.metric, into a folder named (or --iteration k)
+grpo export --run lora --adapter             # a LoRA run's adapter, unmerged (every export has a model card)
 grpo k8s render [--stage learn]              # each stage's Kubernetes Job from deploy/kubernetes, as YAML
 grpo fork --from demo --at 3 --run demo-gspo --set learn.loss_type=gspo   # iterations 0-2 by reference
 grpo rescore --run demo --iterations 0:4 --set reward.truncated_reward=-1  # rewards again, no sampling
@@ -25,25 +28,34 @@ import os
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import argparse  # noqa: E402
+import importlib  # noqa: E402
 import logging  # noqa: E402
-import sys
+import sys  # noqa: E402
 
-from flows.commands.audit import cmd_query, cmd_report, cmd_status, cmd_timeline
-from flows.commands.cleanup import cmd_delete, cmd_gc
-from flows.commands.export import cmd_export
-from flows.commands.forks import cmd_fork, cmd_rescore
-from flows.commands.k8s import cmd_k8s_render
-from flows.commands.runs import cmd_demo, cmd_init, cmd_run, cmd_stage
-from flows.kubernetes import PREFECT_FILE
-from grpo.config import ConfigError
-from grpo.errors import describe
-from grpo.progress import show_in_terminal
-from grpo.record.layout import STAGES
-from grpo.record.storage import ArtifactError, open_storage
-from grpo.runtime import threads
-from grpo.runtime.quiet import quiet_libraries
-from schemas import SchemaError
-from stages import StageError
+from grpo.errors import describe  # noqa: E402
+from grpo.progress import show_in_terminal  # noqa: E402
+from grpo.record.layout import STAGES  # noqa: E402
+from grpo.runtime import threads  # noqa: E402
+from grpo.runtime.quiet import quiet_libraries  # noqa: E402
+
+# the commands' modules load when their command runs: `grpo --help` and `grpo status` import no torch, Prefect,
+# pyarrow or pandas (tests/test_cli_speed.py); a command names its function as "module:function"
+COMMANDS = "flows.commands"
+
+ONE_LINE_ERRORS = {
+    "grpo.config": "ConfigError",
+    "grpo.errors": "StageError",
+    "grpo.record.storage": "ArtifactError",
+    "schemas.parquet": "SchemaError",
+}
+"""The errors a user acts on, printed as their one line with exit code 2: (module, class); a module the command
+never imported raised none of its errors, so only those loaded are looked at."""
+
+
+def one_line_error(e: BaseException) -> bool:
+    """Whether `e` is one of ONE_LINE_ERRORS."""
+    loaded = [getattr(sys.modules[m], name) for m, name in ONE_LINE_ERRORS.items() if m in sys.modules]
+    return isinstance(e, tuple(loaded))
 
 
 def _iterations_range(text: str) -> tuple[int, int]:
@@ -81,7 +93,23 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("init", help="create a run: config and base model")
     sp.add_argument("--run", required=True)
     with_config(sp)
-    sp.set_defaults(fn=cmd_init)
+    sp.set_defaults(fn="runs:cmd_init")
+    sp = sub.add_parser("config", help="a run's settings: show them, or change those that may change")
+    config = sp.add_subparsers(dest="config_command", required=True)
+    sp = config.add_parser("show", help="the run's settings as YAML (a --config file for another run)")
+    sp.add_argument("--run", required=True)
+    sp.set_defaults(fn="settings:cmd_config_show")
+    sp = config.add_parser(
+        "set",
+        help="change settings of a run, the rest as its run.json holds them",
+        description="Changes what no committed result depends on: tracking, retention, eval.every, eval.metric, "
+        "rollout.shards, rollout.device, reward.shards and where the learner runs (learn.nodes, "
+        "learn.processes_per_node, learn.node_timeout_s, learn.state_every, learn.device; with learn.sharding=fsdp2 "
+        "learn.num_processes). Anything else is refused in one line: `grpo fork` trains on with it.",
+    )
+    sp.add_argument("--run", required=True)
+    sp.add_argument("settings", nargs="+", metavar="SECTION.FIELD=VALUE")
+    sp.set_defaults(fn="settings:cmd_config_set")
     sp = sub.add_parser("stage", help="run one stage of one iteration")
     sp.add_argument("name", choices=STAGES)
     sp.add_argument("--run", required=True)
@@ -99,22 +127,22 @@ def parser() -> argparse.ArgumentParser:
         help="learn with learn.nodes > 1: run node r (1..nodes-1) of the learner on this machine; it joins node 0, "
         "the learn stage run without --node-rank, through storage and returns once node 0 committed",
     )
-    sp.set_defaults(fn=cmd_stage)
+    sp.set_defaults(fn="runs:cmd_stage")
     sp = sub.add_parser("run", help="run whole iterations")
     sp.add_argument("--run", required=True)
     sp.add_argument("--iterations", type=int, default=1)
     sp.add_argument("--start", default="next", type=_iteration, help="first iteration (default: next unfinished)")
-    sp.set_defaults(fn=cmd_run)
+    sp.set_defaults(fn="runs:cmd_run")
     sp = sub.add_parser("demo", help="init (if needed) and train the tiny sort model until it sorts")
     sp.add_argument("--run", default="demo")
     sp.add_argument("--iterations", type=int, default=40, help="at most this many (default 40)")
     sp.add_argument("--target", type=float, default=0.9, help="stop at this held-out exact match (default 0.9)")
     with_config(sp)
-    sp.set_defaults(fn=cmd_demo)
+    sp.set_defaults(fn="runs:cmd_demo")
     sp = sub.add_parser("status", help="iterations x stages of a run")
     sp.add_argument("--run", required=True)
     sp.add_argument("--verify", action="store_true", help="re-hash the newest attempts: 'corrupt' if they changed")
-    sp.set_defaults(fn=cmd_status)
+    sp.set_defaults(fn="audit:cmd_status")
     sp = sub.add_parser("gc", help="list (or --delete) failed and superseded attempts and temporary files")
     sp.add_argument("--run", required=True)
     sp.add_argument("--delete", action="store_true", help="remove them (default: only list)")
@@ -130,7 +158,7 @@ def parser() -> argparse.ArgumentParser:
         help="also the weights and optimizer state of older learns that the run's retention settings "
         "(retention.keep_last, retention.keep_every; the best eval is kept) do not keep; never tables",
     )
-    sp.set_defaults(fn=cmd_gc)
+    sp.set_defaults(fn="cleanup:cmd_gc")
     sp = sub.add_parser("fork", help="a new run from another's committed iterations, by reference, with new settings")
     sp.add_argument("--from", dest="parent", required=True, help="the run to fork")
     sp.add_argument(
@@ -138,7 +166,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--run", required=True, help="the new run's id")
     sp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    sp.set_defaults(fn=cmd_fork)
+    sp.set_defaults(fn="forks:cmd_fork")
     sp = sub.add_parser("rescore", help="score a run's committed rollouts again with another reward, in a fork")
     sp.add_argument("--run", required=True)
     sp.add_argument(
@@ -146,11 +174,11 @@ def parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--set", action="append", default=[], metavar="reward.FIELD=VALUE")
     sp.add_argument("--as", dest="as_run", help="the fork's run id (default RUN-rescore-A-B-<hash of --set>)")
-    sp.set_defaults(fn=cmd_rescore)
+    sp.set_defaults(fn="forks:cmd_rescore")
     sp = sub.add_parser("delete", help="remove a run that no other run (a fork) references")
     sp.add_argument("--run", required=True)
     sp.add_argument("--yes", action="store_true", help="delete it (default: only say what it holds)")
-    sp.set_defaults(fn=cmd_delete)
+    sp.set_defaults(fn="cleanup:cmd_delete")
     sp = sub.add_parser("export", help="write a policy as a self-contained HF folder (LoRA adapters merged)")
     sp.add_argument("--run", required=True)
     sp.add_argument(
@@ -163,7 +191,13 @@ def parser() -> argparse.ArgumentParser:
     which.add_argument("--iteration", type=int, help="the policy the learn of this iteration committed")
     which.add_argument("--best", action="store_true", help="the best iteration's policy by eval.metric")
     which.add_argument("--latest", action="store_true", help="the newest committed policy (the default)")
-    sp.set_defaults(fn=cmd_export)
+    sp.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: the peft adapter alone, unmerged (adapter_config.json, adapter_model.safetensors, the "
+        "tokenizer), for PeftModel.from_pretrained over the base; default folder exports/iter-000k-adapter",
+    )
+    sp.set_defaults(fn="export:cmd_export")
     sp = sub.add_parser("report", help="plot a run's progress: report.png and report.md in its folder")
     sp.add_argument("--run", required=True)
     sp.add_argument(
@@ -172,12 +206,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="RUN",
         help="overlay these runs' curves on the run's (a parent and its forks): compare.png and compare.md",
     )
-    sp.set_defaults(fn=cmd_report)
+    sp.set_defaults(fn="audit:cmd_report")
     sp = sub.add_parser(
         "timeline", help="each iteration's stages against time (timeline.png): where sampling and learning overlap"
     )
     sp.add_argument("--run", required=True)
-    sp.set_defaults(fn=cmd_timeline)
+    sp.set_defaults(fn="audit:cmd_timeline")
     sp = sub.add_parser("k8s", help="Kubernetes: see the Jobs the deploy/kubernetes work pools create")
     k8s = sp.add_subparsers(dest="k8s_command", required=True)
     sp = k8s.add_parser(
@@ -191,8 +225,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--deployment", help="instead, a deployment's flow run: grpo/k8s-gpu, grpo/k8s-placed, ...")
     sp.add_argument("--run", default="k1", help="the run id the flow run is named after (default k1)")
     sp.add_argument("--iteration", type=int, default=0, help="the iteration it is named after (default 0)")
-    sp.add_argument("--prefect-file", default=str(PREFECT_FILE), help="the deployments (default: this checkout's)")
-    sp.set_defaults(fn=cmd_k8s_render)
+    sp.add_argument("--prefect-file", help="the deployments (default: this checkout's deploy/kubernetes/prefect.yaml)")
+    sp.set_defaults(fn="k8s:cmd_k8s_render")
     sp = sub.add_parser(
         "query",
         help="DuckDB SQL over the committed tables of a run",
@@ -208,7 +242,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("sql", help='e.g. "SELECT iteration, avg(reward) FROM rewards GROUP BY 1 ORDER BY 1"')
     sp.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files read")
-    sp.set_defaults(fn=cmd_query)
+    sp.set_defaults(fn="audit:cmd_query")
     return p
 
 
@@ -225,15 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.threads:
             os.environ[threads.ENV] = args.threads
-        threads.apply_threads()
-        args.fn(args, open_storage(args.storage))
+        threads.apply_threads()  # now if torch is loaded, else as torch loads (a command that never needs it)
+        module, fn = args.fn.split(":")
+        from grpo.record.storage import open_storage
+
+        getattr(importlib.import_module(f"{COMMANDS}.{module}"), fn)(args, open_storage(args.storage))
     except BrokenPipeError:  # `grpo query ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 0
-    except (ConfigError, StageError, ArtifactError, SchemaError) as e:
-        print(f"grpo: error: {e}", file=sys.stderr)
-        return 2
     except Exception as e:  # storage, network, OS, parsing: one line; -v or GRPO_DEBUG=1 shows the traceback
+        if one_line_error(e):
+            print(f"grpo: error: {e}", file=sys.stderr)
+            return 2
         if args.verbose or os.environ.get("GRPO_DEBUG"):
             raise
         print(

@@ -36,7 +36,7 @@ from grpo.record.layout import StageName
 from grpo.record.lineage import next_iteration
 from grpo.record.storage import Storage, open_storage
 from grpo.runtime.threads import apply_threads
-from grpo.tracking import track
+from grpo.tracking import track, tracking
 from stages.common import load_run
 from stages.iteration import warm_state
 
@@ -89,27 +89,28 @@ def grpo(
             check_placement(placement)
             ok(create_run(storage.url, run_id, config_path, overrides or [], stages_here(placement)))
             first, cfg = resolve_iteration(storage, run_id, iteration), load_run(storage, run_id)
-            behind = None  # an iteration whose learn runs (on its pool, or in a thread) while the next one samples
+            with tracking(storage, run_id, cfg):  # the tracker run ends FINISHED or FAILED with the flow run
+                behind = None  # an iteration whose learn runs (on its pool, or in a thread) while the next one samples
 
-            def finish(done) -> dict[str, str]:  # its eval; then what one process keeps warm, and the tracker
-                out = done.evaluate()
-                progress.add()
-                warm.loaded()  # pool, learner, engine: kept for the next iteration
-                track(storage, run_id, cfg)
-                return out
+                def finish(done) -> dict[str, str]:  # its eval; then what one process keeps warm, and the tracker
+                    out = done.evaluate()
+                    progress.add()
+                    warm.loaded()  # pool, learner, engine: kept for the next iteration
+                    track(storage, run_id, cfg)
+                    return out
 
-            for k in range(first, first + iterations):
-                force, last = force_stage if k == first else None, k == first + iterations - 1
-                stage = Placement(placement, storage, run_id, k, cfg, force, last)  # runs a stage, here or placed
-                uris = sample(stage)  # snapshot -> rollouts -> rewards -> advantages
-                if behind:
-                    behind.learned()  # learn k-1 ends: iteration k sampled meanwhile
-                learning = stage.learn(uris)  # learn k, where it is placed
-                if behind:
-                    uris = finish(behind)  # eval k-1, beside learn k
-                behind = learning if stage.overlaps and not last else None
-                if not behind:
-                    uris = finish(learning)
+                for k in range(first, first + iterations):
+                    force, last = force_stage if k == first else None, k == first + iterations - 1
+                    stage = Placement(placement, storage, run_id, k, cfg, force, last)  # runs a stage, here or placed
+                    uris = sample(stage)  # snapshot -> rollouts -> rewards -> advantages
+                    if behind:
+                        behind.learned()  # learn k-1 ends: iteration k sampled meanwhile
+                    learning = stage.learn(uris)  # learn k, where it is placed
+                    if behind:
+                        uris = finish(behind)  # eval k-1, beside learn k
+                    behind = learning if stage.overlaps and not last else None
+                    if not behind:
+                        uris = finish(learning)
     except Exception as e:  # a stage's one line, a bad setting or a storage error no retry mends: the run's end
         return failed(e, storage.url)
     return uris

@@ -23,6 +23,7 @@ def stage_logs_to_prefect():
         if any(isinstance(h, APILogHandler) for h in logger.handlers):
             continue  # already sent (PREFECT_LOGGING_EXTRA_LOGGERS names it)
         handler = APILogHandler()
+        handler.addFilter(in_a_run)
         if name == "vllm":  # the run log carries vLLM's warnings that matter, not its INFO
             handler.addFilter(HarmlessFilter())
         added.append((logger, handler, logger.level))
@@ -34,3 +35,13 @@ def stage_logs_to_prefect():
         for logger, handler, level in added:
             logger.removeHandler(handler)
             logger.setLevel(level)
+
+
+def in_a_run(record: logging.LogRecord) -> bool:
+    """Whether a record has a Prefect run to go to: one logged in a flow or task run's context, or naming its flow
+    run. A thread outside those (the learner's background state commit, grpo/record/resume.py) keeps its records in
+    the process's own log, instead of Prefect's UserWarning "attempted to send logs to the API without a flow run
+    id" for each."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return bool(getattr(record, "flow_run_id", None) or FlowRunContext.get() or TaskRunContext.get())

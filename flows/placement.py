@@ -5,6 +5,7 @@ while iteration k+1 samples (on its pool, or here in a thread of this flow run, 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -15,12 +16,14 @@ from flows.logs import stage_logs_to_prefect
 from flows.tasks import TASKS, checked_uri, failure_line, ok
 from grpo import devices
 from grpo.config import ConfigError, RunConfig
+from grpo.record import dispatches
 from grpo.record.layout import STAGES, StageName, shard_stage, stage_dir
 from grpo.record.liveness import lost_attempts
 from grpo.record.storage import Storage, latest_committed, list_attempts
 from grpo.runtime.threads import SHARED_MACHINE, apply_threads
 
 WARM_WORKERS = "warm"  # a placement that sends the stage to a long-lived stage worker, not a work pool
+log = logging.getLogger("grpo.placement")
 WATCH_S = 5.0  # how often a placed stage waited for is checked for a lost process (Watch)
 
 
@@ -75,10 +78,51 @@ def task_arguments(
 
 
 def check_placement(placement: dict[str, str] | None) -> None:
-    """A placement names stages only (a ConfigError, before anything runs, names the others)."""
+    """A placement names stages only, and for each pool it names the deployment `grpo-stage/<pool>` and the work
+    pool exist: a ConfigError, before anything runs, names what is missing and what creates it. `warm` is not
+    looked up (Prefect lists no task workers); a pool no worker polls is logged, not refused (one may start later)."""
     unknown = sorted(set(placement or {}) - set(STAGES))
     if unknown:
         raise ConfigError(f"placement: unknown stage(s) {unknown}; stages: {list(STAGES)}")
+    pools = sorted({pool for pool in (placement or {}).values() if pool != WARM_WORKERS})
+    if pools:
+        check_pools({pool: [s for s, p in placement.items() if p == pool] for pool in pools})
+
+
+def check_pools(stages_on: dict[str, list[str]]) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deploy = "`prefect --no-prompt deploy --all --prefect-file deploy/placement/prefect.yaml`"
+    with get_client(sync_client=True) as client:
+        for pool, stages in stages_on.items():
+            where = f"placement: {', '.join(stages)} on pool {pool!r}"
+            try:
+                deployment = client.read_deployment_by_name(f"grpo-stage/{pool}")
+            except ObjectNotFound:
+                how = deploy if pool in ("gpu", "cpu") else f"a deployment named {pool} like grpo-stage/gpu's in "
+                how += "" if pool in ("gpu", "cpu") else "deploy/placement/prefect.yaml, then " + deploy
+                raise ConfigError(
+                    f"{where}: no deployment grpo-stage/{pool}; create its work pool (`prefect work-pool create "
+                    f"{pool} --type process`) and the deployment: {how} (README, Across machines)"
+                ) from None
+            try:
+                client.read_work_pool(deployment.work_pool_name)
+            except ObjectNotFound:
+                raise ConfigError(
+                    f"{where}: deployment grpo-stage/{pool} sends its flow runs to work pool "
+                    f"{deployment.work_pool_name!r}, which does not exist: `prefect work-pool create "
+                    f"{deployment.work_pool_name} --type process`"
+                ) from None
+            online = [w for w in client.read_workers_for_work_pool(deployment.work_pool_name) if w.status == "ONLINE"]
+            if not online:
+                log.warning(
+                    "%s: no worker of work pool %s is online; the stage waits until one starts (`prefect worker "
+                    "start --pool %s`)",
+                    where,
+                    deployment.work_pool_name,
+                    deployment.work_pool_name,
+                )
 
 
 def stages_here(placement: dict[str, str] | None) -> list[str]:
@@ -142,6 +186,7 @@ class Placement:
         if pool is None:
             return None
         nodes, watch = range(self.nodes if stage == "learn" else 1), self.watch(stage)
+        dispatches.note_sent(self.storage, self.run_id, self.k, stage)  # `grpo timeline`: its start-up apart
         if pool == WARM_WORKERS:
             futures = [self.delay(stage, upstream, None, r) for r in nodes]
             return lambda: self.wait_tasks(stage, futures, upstream, watch)
@@ -241,11 +286,21 @@ class Placement:
     def delay(self, stage: str, upstream: str | None, shard: int | None, node_rank: int = 0):
         """The stage's task (or one shard's, or one node's of learn) sent to the long-lived stage workers that
         serve it (flows/stage_worker.py)."""
+        from prefect.client.orchestration import get_client
+
         force = self.force[stage]
         args, kwargs = task_arguments(
             stage, self.url, self.run_id, self.k, upstream, force, shard, node_rank, self.last
         )
-        return TASKS[stage].delay(*args, **kwargs)
+        future = TASKS[stage].delay(*args, **kwargs)
+        name = (
+            f"{stage} {self.k}"
+            + ("" if shard is None else f" shard {shard}")
+            + (f" node {node_rank}" if node_rank else "")
+        )
+        with get_client(sync_client=True) as client:  # named as a task run here is (`eval 3`), not Prefect's `eval-2`
+            client.set_task_run_name(future.task_run_id, name)
+        return future
 
     def wait_tasks(
         self, stage: str, futures: list, upstream: str | None, watch: Watch, shards: bool = False

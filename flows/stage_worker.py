@@ -1,8 +1,12 @@
 """Long-lived stage workers: a Prefect task worker that serves some stages' tasks and keeps what they load
 (the sampling engine, the learner's model and optimizer, the reward pool) between iterations.
 
-    python -m flows.stage_worker rollouts learn eval      # on a GPU machine: sampler and learner stay loaded
+    python -m flows.stage_worker rollouts eval                 # the sampler's GPU: its engine stays loaded
+    python -m flows.stage_worker learn                         # the learner's GPU: model and AdamW stay loaded
     python -m flows.stage_worker rewards advantages snapshot   # on a CPU machine
+
+A worker runs one task at a time, so learn has a worker of its own: with rollout.staleness >= 1 it runs while the
+sampling workers sample the next iteration (README, "Warm stage workers").
 
 The flow `grpo` sends a stage placed on `warm` (`placement={"rollouts": "warm", ...}`) to whichever
 worker serves it (`Task.delay`) and waits; the stage commits to storage as everywhere else, and the
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 from prefect.task_worker import serve
 
@@ -36,6 +41,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{threads.SHARED_MACHINE}: this worker and another on one machine)",
     )
     args = p.parse_args(argv)
+    # started with `&` from a script, SIGINT comes ignored, and the Ctrl-C or `kill -INT` (or Prefect's SIGTERM
+    # turned into SIGINT) that stops a worker would do nothing: one signal stops it, as in a terminal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ[threads.ENV] = args.threads
     threads.apply_threads()  # before any stage: its tasks run in this process
     # one task at a time: a stage owns the machine's accelerator while it runs

@@ -25,6 +25,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from grpo import trl_names
 from grpo.variants import (
     AdvantageMode,
     AggMode,
@@ -672,7 +673,13 @@ class EvalConfig:
     each `grpo run` or flow call; the others commit a `skipped` eval (summary {"skipped": true}, no metrics)."""
     metric: EvalMetric = "exact_match"
     """The eval summary's figure that picks the best iteration (`grpo status`, the report, `grpo export --best`,
-    gc's retention): `exact_match`, `reward_mean`, or with samples_per_prompt k > 1 `avg_at_k` / `pass_at_k`."""
+    gc's retention): `exact_match` (the share of held-out prompts whose greedy response is correct: eval.correct),
+    `reward_mean`, or with samples_per_prompt k > 1 `avg_at_k` / `pass_at_k`."""
+    correct: str | None = None
+    """The reward component that counts a held-out response as correct (the eval table's `exact`, exact_match,
+    avg@k, pass@k), where it is >= 1: a component of the task (`exact`), a reward function's name (its total), or
+    `function/component` (reward.functions); None: the task's `exact` (sort) or `correct` (math, arithmetic)
+    component, else a total of at least 1."""
 
     @property
     def metric_key(self) -> str:
@@ -686,6 +693,8 @@ class EvalConfig:
             raise ConfigError(f"eval.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
         if self.every < 1:
             raise ConfigError(f"eval.every must be >= 1 (1: every iteration), got {self.every}")
+        if self.correct is not None and not self.correct.strip():
+            raise ConfigError("eval.correct: name a reward component (e.g. exact), or null for the task's own")
         if self.metric.endswith("_at_k") and self.samples_per_prompt < 2:
             raise ConfigError(
                 f"eval.metric {self.metric} needs eval.samples_per_prompt > 1, got {self.samples_per_prompt}"
@@ -861,6 +870,8 @@ def _unknown(name: str, where: str, fields: dict) -> str:
     full = f"{where}.{name}" if where else name
     if (where, name) in RENAMED:
         return f"setting {full!r} is now {where}.{RENAMED[where, name]}"
+    if trl := trl_names.hint(name):  # a TRL user's GRPOConfig name
+        return f"unknown setting {full!r}: {trl}"
     near = [f"{where}.{f}" if where else f for f in difflib.get_close_matches(name, list(fields), n=3, cutoff=0.7)]
     leaves = {s: s.rsplit(".", 1)[-1] for s in _settings()}
     near += [s for s, leaf in leaves.items() if leaf == name and s != full]

@@ -19,15 +19,15 @@ import hashlib
 import json
 import logging
 import random
-from typing import Any, Literal
-
-import numpy as np
-import pandas as pd
+from typing import TYPE_CHECKING, Any, Literal
 
 from grpo.record.counts import is_local
 from grpo.record.digests import file_digest
 from grpo.record.storage import url_to_fs
 from grpo.tasks import Example
+
+if TYPE_CHECKING:  # imported where a dataset is read: a run's manifests alone (`grpo status`) need neither
+    import pandas as pd
 
 log = logging.getLogger("grpo.data")
 
@@ -44,6 +44,8 @@ class DatasetChangedError(DatasetError):
 
 
 def _read_frame(uri: str) -> pd.DataFrame:
+    import pandas as pd
+
     fs, path = url_to_fs(uri)
     if not fs.exists(path):
         raise DatasetError(f"dataset {uri}: no such file or folder")
@@ -71,6 +73,8 @@ def _read_frame(uri: str) -> pd.DataFrame:
 
 def _plain(value: Any) -> Any:
     """A cell as plain Python (numpy arrays and scalars out), so it pickles and JSON-encodes."""
+    import numpy as np
+
     if isinstance(value, np.ndarray):
         return [_plain(v) for v in value.tolist()]
     if isinstance(value, (list, tuple)):
@@ -97,9 +101,12 @@ def _prompt(value: Any, where: str) -> str | list[dict]:
 def _blank(value: Any) -> bool:
     """A cell that holds no prompt or answer: None, NaN, an empty (or all-space) string or list.
 
+    >>> import pandas as pd
     >>> [_blank(v) for v in (None, float("nan"), pd.NA, "", " ", [], "0", 0, [{"role": "user"}])]
     [True, True, True, True, True, True, False, False, False]
     """
+    import pandas as pd
+
     value = _plain(value)
     if isinstance(value, str):
         return not value.strip()

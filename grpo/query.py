@@ -37,8 +37,6 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import pandas as pd
-
 from grpo.config import load_config
 from grpo.errors import LayoutError
 from grpo.record.counts import IoCounts, is_local
@@ -54,12 +52,13 @@ from grpo.record.storage import (
     load_manifest,
     verify_files,
 )
-from schemas.tables import OPTIONAL_TABLES, SCHEMAS, TABLE_FILES
+from schemas.files import OPTIONAL_TABLES, TABLE_FILES
 
-if TYPE_CHECKING:  # imported where used: training imports this module (grpo.report) and needs no DuckDB
+if TYPE_CHECKING:  # imported where used: training and `grpo status` import this module (grpo.report)
     import duckdb
+    import pandas as pd
 
-VIEWS = {table: TABLE_FILES[table] for table in SCHEMAS if table in TABLE_FILES}  # view = table name
+VIEWS = dict(TABLE_FILES)  # view = table name
 _ITER = re.compile(r"iter-(\d+)$")
 
 
@@ -95,9 +94,9 @@ def committed_files(storage: Storage, run_id: str, verify: bool = True) -> dict[
 IO_COLUMNS = ["iteration", "stage", "attempt", *(f.name for f in dataclasses.fields(IoCounts))]
 
 
-def io_rows(storage: Storage, run_id: str) -> pd.DataFrame:
-    """The `io` view: per committed stage (the base, and each stage and shard of each iteration: the newest
-    attempt), its manifest's io record; the counts of a manifest written before the record existed are null."""
+def io_records(storage: Storage, run_id: str) -> list[dict]:
+    """The `io` view's rows: per committed stage (the base, and each stage and shard of each iteration: the newest
+    attempt), its manifest's io record; the counts of a manifest written before the record existed are None."""
     rows, rdir = [], run_dir(storage, run_id)
     folders = [(None, f"{rdir}/base")] + [(k, f"{rdir}/iter-{k:04d}") for k in iterations(storage, run_id)]
     for k, folder in folders:
@@ -109,8 +108,29 @@ def io_rows(storage: Storage, run_id: str) -> pd.DataFrame:
                 continue
             io = found.manifest.io or {}
             name = found.attempt_dir.rsplit("/", 1)[-1]
-            rows.append({"iteration": k, "stage": found.manifest.stage, "attempt": name, **io})
-    return pd.DataFrame(rows, columns=IO_COLUMNS).astype({"iteration": "Int64"})
+            rows.append(
+                {c: None for c in IO_COLUMNS} | io | {"iteration": k, "stage": found.manifest.stage, "attempt": name}
+            )
+    return rows
+
+
+def io_rows(storage: Storage, run_id: str) -> pd.DataFrame:
+    """io_records as a DataFrame (the iteration null for the base)."""
+    import pandas as pd
+
+    return pd.DataFrame(io_records(storage, run_id), columns=IO_COLUMNS).astype({"iteration": "Int64"})
+
+
+def _io_table(con, storage: Storage, run_id: str) -> None:
+    """The `io` view in `con`, from io_records (no DataFrame: `grpo query` prints without pandas)."""
+    types = {"iteration": "BIGINT", "stage": "VARCHAR", "attempt": "VARCHAR"}
+    types |= {f.name: "BIGINT" if f.type in (int, "int") else "DOUBLE" for f in dataclasses.fields(IoCounts)}
+    con.execute("CREATE TABLE _io (" + ", ".join(f"{c} {types[c]}" for c in IO_COLUMNS) + ")")
+    rows = [[r[c] for c in IO_COLUMNS] for r in io_records(storage, run_id)]
+    if rows:  # one statement: DuckDB's executemany costs ~2 ms a row
+        one = f"({', '.join('?' * len(IO_COLUMNS))})"
+        con.execute(f"INSERT INTO _io VALUES {', '.join([one] * len(rows))}", [v for row in rows for v in row])
+    con.execute('CREATE VIEW "io" AS SELECT * FROM _io')
 
 
 def _newest(storage: Storage, sdir: str) -> Committed | None:
@@ -159,8 +179,7 @@ def connect(
     if not is_local(storage.fs):
         con.register_filesystem(storage.fs)  # no httpfs needed: DuckDB reads through s3fs
     _create_views(con, storage, run_id, verify, "main")
-    con.register("_io", io_rows(storage, run_id))
-    con.execute('CREATE VIEW "io" AS SELECT * FROM _io')
+    _io_table(con, storage, run_id)
     fork = fork_of(storage, run_id)
     if fork is not None:
         con.execute("CREATE SCHEMA parent")
@@ -215,6 +234,8 @@ def shared_rollouts(storage: Storage, run_id: str, parent: str) -> list[int]:
 
 def _create_views(con, storage: Storage, run_id: str, verify: bool, schema: str) -> None:
     """One view per table of `run_id` in `schema` (main: unqualified) over its committed files."""
+    from schemas.tables import SCHEMAS
+
     files = committed_files(storage, run_id, verify=verify)
     into, empty = _ident(schema), _ident(f"_empty_{schema}")
     con.execute(f"CREATE SCHEMA {empty}")
@@ -224,10 +245,38 @@ def _create_views(con, storage: Storage, run_id: str, verify: bool, schema: str)
             # by name: a run's older files lack the columns added since (schemas.tables), which read as null there
             con.execute(f'CREATE VIEW {into}."{view}" AS SELECT * FROM read_parquet([{paths}], union_by_name = true)')
         else:  # typed and empty, so `SELECT count(*) FROM rollouts` is 0 rather than an error
-            con.register("_arrow", SCHEMAS[view].empty_table())
-            con.execute(f'CREATE TABLE {empty}."{view}" AS SELECT * FROM _arrow')
-            con.unregister("_arrow")
+            columns = ", ".join(f'"{f.name}" {duckdb_type(f.type)}' for f in SCHEMAS[view])
+            con.execute(f'CREATE TABLE {empty}."{view}" ({columns})')
             con.execute(f'CREATE VIEW {into}."{view}" AS SELECT * FROM {empty}."{view}"')
+
+
+def duckdb_type(arrow_type) -> str:
+    """An Arrow type of schemas/tables.py as DuckDB declares it (an empty view made without handing DuckDB an Arrow
+    table, which would load pandas: seconds of `grpo query`).
+
+    >>> import pyarrow as pa
+    >>> duckdb_type(pa.list_(pa.float32())), duckdb_type(pa.map_(pa.string(), pa.float64()))
+    ('FLOAT[]', 'MAP(VARCHAR, DOUBLE)')
+    """
+    import pyarrow as pa
+
+    if pa.types.is_map(arrow_type):
+        return f"MAP({duckdb_type(arrow_type.key_type)}, {duckdb_type(arrow_type.item_type)})"
+    if pa.types.is_list(arrow_type):
+        return f"{duckdb_type(arrow_type.value_type)}[]"
+    return DUCKDB_TYPES[str(arrow_type)]
+
+
+DUCKDB_TYPES = {
+    "string": "VARCHAR",
+    "bool": "BOOLEAN",
+    "int8": "TINYINT",
+    "int32": "INTEGER",
+    "int64": "BIGINT",
+    "float": "FLOAT",
+    "double": "DOUBLE",
+}
+"""The plain Arrow types of schemas/tables.py, as DuckDB names them (tests/test_cli_speed.py checks every table)."""
 
 
 def query(storage: Storage, run_id: str, sql: str, verify: bool = True, others: tuple[str, ...] = ()) -> pd.DataFrame:

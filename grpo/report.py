@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import json
 import re
 
 from grpo.errors import StageError
@@ -22,7 +23,8 @@ from grpo.query import (  # noqa: F401 (Best, eval_metric: read here by callers)
     iterations,
 )
 from grpo.record.fork import fork_of
-from grpo.record.layout import STAGES, STATE_STAGE, run_dir, stage_dir
+from grpo.record.identity import stored_config
+from grpo.record.layout import STAGES, STATE_STAGE, run_dir, run_json, stage_dir
 from grpo.record.storage import (
     Committed,
     NotCommittedError,
@@ -31,7 +33,7 @@ from grpo.record.storage import (
     latest_committed,
     load_manifest,
 )
-from schemas import read_parquet, table_file
+from schemas import table_file
 
 # (row key, stage, summary key): reward and eval first
 COLUMNS = [
@@ -65,8 +67,10 @@ def iteration_rows(storage: Storage, run_id: str, skip: set[int] | frozenset = f
     avg@k / pass@k (when sampled)} per iteration with a committed eval, ascending.
 
     lr: the learning rate of the iteration's last optimizer step (its learn_metrics table); iteration_s: seconds
-    from start to commit of its six stages, added (rollouts_s, learn_s: of those two); reference_iteration: the
-    iteration whose snapshot the learn's KL reference was (learn.ref_update_every), None for the base model."""
+    from start to commit of its six stages, added (rollouts_s, learn_s: of those two; None for a stage a fork took
+    by reference, which ran in another run, and iteration_s None where any did); reference_iteration: the
+    iteration whose snapshot the learn's KL reference was (learn.ref_update_every), None for the base model.
+    sampler_kl: a k3 estimate, never below 0 (round-off made one -8.8e-12)."""
     rows = []
     for k in iterations(storage, run_id):
         if k in skip:  # not read at all: a tracker that sent them needs none of their manifests
@@ -82,8 +86,12 @@ def iteration_rows(storage: Storage, run_id: str, skip: set[int] | frozenset = f
         row["response_length"] = s["rollouts"]["response_tokens"] / max(s["rollouts"]["samples"], 1)
         row.update({key: v for key, v in s["eval"].items() if key.startswith(("avg@", "pass@"))})
         row["lr"] = last_lr(storage, c["learn"])
-        seconds = {stage: _seconds(c[stage].manifest) for stage in STAGES}
-        row.update(iteration_s=sum(seconds.values()), rollouts_s=seconds["rollouts"], learn_s=seconds["learn"])
+        seconds = {stage: None if c[stage].manifest.origin else _seconds(c[stage].manifest) for stage in STAGES}
+        ran_here = None not in seconds.values()
+        row.update(iteration_s=sum(seconds.values()) if ran_here else None, rollouts_s=seconds["rollouts"])
+        row.update(learn_s=seconds["learn"])
+        if row.get("sampler_kl") is not None:
+            row["sampler_kl"] = max(row["sampler_kl"], 0.0)
         reference = c["learn"].manifest.inputs.get("reference")
         found = _REFERENCE.search(reference.uri) if reference is not None else None
         row["reference_iteration"] = int(found.group(1)) if found else None
@@ -96,6 +104,8 @@ def last_lr(storage: Storage, learn: Committed) -> float | None:
     committed file never changes), as the flow's progress artifact reads every iteration's again and again."""
     key = (learn.uri, learn.manifest_sha256)
     if key not in _LAST_LR:
+        from schemas import read_parquet
+
         lrs = read_parquet(storage.fs, learn.path(table_file("learn_metrics")), "learn_metrics", columns=["lr"])
         _LAST_LR[key] = lrs.column("lr")[-1].as_py() if lrs.num_rows else None
     return _LAST_LR[key]
@@ -124,7 +134,7 @@ PLOTS = [  # (title, row keys); a plot with no value in any row (KL with learn.k
     ("wall time per iteration (s)", ["iteration_s", "rollouts_s", "learn_s"]),
     # the sampler against the learner (rollout.staleness, learn.behavior_correction): weights pi_prox / pi_sampler
     (
-        "behaviour weights, sampler KL",
+        "behaviour weights, sampler KL",  # BEHAVIOR
         ["behavior_weight_mean", "behavior_weight_max", "behavior_clipped_frac", "sampler_kl"],
     ),
     # episodes (rollout.tools, rollout.environment): the rollouts' summary, the turns table per iteration
@@ -145,20 +155,33 @@ def reference_refreshes(rows: list[dict]) -> list[int]:
     return [b["iteration"] for a, b in pairs if a.get("reference_iteration") != b.get("reference_iteration")]
 
 
-def shown_plots(rows: list[dict]) -> list[tuple[str, list[str]]]:
-    """The PLOTS with a value in some row."""
-    return [(name, keys) for name, keys in PLOTS if any(r.get(key) is not None for r in rows for key in keys)]
+BEHAVIOR = "behaviour weights, sampler KL"  # PLOTS' panel of the sampler against the learner
 
 
-def figure_png(rows: list[dict], title: str, dpi: int = 90, best: Best | None = None) -> bytes:
+def shown_plots(rows: list[dict], behavior: bool = True) -> list[tuple[str, list[str]]]:
+    """The PLOTS with a value in some row; the behaviour panel only with `behavior` (behavior_drawn)."""
+    shown = [(name, keys) for name, keys in PLOTS if any(r.get(key) is not None for r in rows for key in keys)]
+    return [(name, keys) for name, keys in shown if behavior or name != BEHAVIOR]
+
+
+def behavior_drawn(storage: Storage, run_id: str) -> bool:
+    """Whether a run's report draws the behaviour panel: it samples stale policies (rollout.staleness) or corrects
+    for the sampler (learn.behavior_correction); with neither, its weights sit at 1 and say nothing."""
+    cfg = stored_config(json.loads(storage.read_bytes(run_json(storage, run_id)))["config"])
+    return cfg.rollout.staleness > 0 or cfg.learn.behavior_correction != "none"
+
+
+def figure_png(rows: list[dict], title: str, dpi: int = 90, best: Best | None = None, behavior: bool = True) -> bytes:
     """The report's figure (`figure`) as PNG bytes at `dpi`."""
-    return _png(figure(rows, title, best), dpi)
+    return _png(figure(rows, title, best, behavior=behavior), dpi)
 
 
-def compare_png(runs: dict[str, list[dict]], title: str, forks: dict[str, int], dpi: int = 90) -> bytes:
+def compare_png(
+    runs: dict[str, list[dict]], title: str, forks: dict[str, int], dpi: int = 90, behavior: bool = True
+) -> bytes:
     """The figure with one line per run (and figure) in each plot, overlaid (`grpo report --compare`); a fork's
     fork point (`forks`: {run: iteration}) a dotted line."""
-    return _png(figure(runs, title, forks=forks), dpi)
+    return _png(figure(runs, title, forks=forks, behavior=behavior), dpi)
 
 
 def _png(fig, dpi: int) -> bytes:
@@ -171,7 +194,11 @@ def _png(fig, dpi: int) -> bytes:
 
 
 def figure(
-    runs: list[dict] | dict[str, list[dict]], title: str, best: Best | None = None, forks: dict[str, int] | None = None
+    runs: list[dict] | dict[str, list[dict]],
+    title: str,
+    best: Best | None = None,
+    forks: dict[str, int] | None = None,
+    behavior: bool = True,
 ):
     """The PLOTS against iteration, a matplotlib Figure (no display; close it with pyplot.close), 4 plots a row,
     every x axis spanning the same iterations (an eval under eval.every has points on some of them); `runs`: one
@@ -186,7 +213,7 @@ def figure(
 
     runs = {"": runs} if isinstance(runs, list) else runs
     every = [r for rows in runs.values() for r in rows]
-    plots = shown_plots(every)
+    plots = shown_plots(every, behavior)
     nrows = -(-len(plots) // COLUMNS_PER_ROW)
     fig, axes = plt.subplots(
         nrows, COLUMNS_PER_ROW, figsize=(16, 3.2 * nrows + 0.4), constrained_layout=True, squeeze=False
@@ -300,7 +327,13 @@ def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) 
     png, md = f"{rdir}/report.png", f"{rdir}/report.md"
     best = best_iteration(storage, run_id, [r["iteration"] for r in rows])
     storage.write_bytes_atomic(  # replaced whole: a reader or a crash never sees half a file
-        png, figure_png(rows, f"run {run_id}: iterations {rows[0]['iteration']}..{rows[-1]['iteration']}", best=best)
+        png,
+        figure_png(
+            rows,
+            f"run {run_id}: iterations {rows[0]['iteration']}..{rows[-1]['iteration']}",
+            best=best,
+            behavior=behavior_drawn(storage, run_id),
+        ),
     )
     fork = fork_of(storage, run_id)
     lineage = (
@@ -328,14 +361,35 @@ def write_compare(storage: Storage, run_id: str, others: list[str]) -> tuple[str
     forks = {r: f["at"] for r in runs if (f := fork_of(storage, r)) is not None}
     rdir = run_dir(storage, run_id)
     png, md = f"{rdir}/compare.png", f"{rdir}/compare.md"
-    storage.write_bytes_atomic(png, compare_png(runs, f"runs {', '.join(runs)}", forks))
+    behavior = any(behavior_drawn(storage, r) for r in runs)
+    storage.write_bytes_atomic(png, compare_png(runs, f"runs {', '.join(runs)}", forks, behavior=behavior))
     lines = [f"# Runs {', '.join(runs)}", "", "![compare](compare.png)", ""]
     for r, rows in runs.items():
         best = best_iteration(storage, r, [row["iteration"] for row in rows])
         lineage = f" (a fork of {fork_of(storage, r)['parent']} at iteration {forks[r]})" if r in forks else ""
         lines += [f"- {r}{lineage}: {headline(rows, best)}"]
+    lines += ["", side_by_side(runs)]
     storage.write_bytes_atomic(md, ("\n".join(lines) + "\n").encode())
     return storage.uri(png), storage.uri(md)
+
+
+def side_by_side(runs: dict[str, list[dict]], keys: tuple[str, ...] = ("reward_mean", "eval_exact_match")) -> str:
+    """compare.md's table: a row per iteration, each run's figures side by side (`-` where a run has no such
+    iteration, or no eval there).
+
+    >>> print(side_by_side({"a": [{"iteration": 0, "reward_mean": 0.5, "eval_exact_match": None}], "b": []}))
+    | iteration | a reward_mean | b reward_mean | a eval_exact_match | b eval_exact_match |
+    |---|---|---|---|---|
+    | 0 | 0.5 | - | - | - |
+    """
+    by_run = {r: {row["iteration"]: row for row in rows} for r, rows in runs.items()}
+    its = sorted({k for rows in by_run.values() for k in rows})
+    table = [
+        {"iteration": k} | {f"{r} {key}": by_run[r].get(k, {}).get(key) for key in keys for r in runs} for k in its
+    ]
+    columns = ["iteration"] + [f"{r} {key}" for key in keys for r in runs]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in table])
 
 
 SAMPLER_SIDE = ("snapshot", "rollouts", "rewards", "advantages", "eval")  # the stages that sample or score
@@ -345,8 +399,11 @@ def stage_times(storage: Storage, run_id: str) -> list[dict]:
     """The timeline of a run from its manifests: per iteration and stage (the newest committed attempt), its start
     and commit in seconds since the run's first stage started, in start order; the learner's state commits
     (STATE_STAGE) too, made beside the next stages. Attempts taken by reference (a fork's) are left out: they ran
-    in another run."""
-    out = []
+    in another run. A placed stage (grpo.record.dispatches) also has `sent`: when the flow sent it off, so that from
+    `sent` to `start` it waited for its process (a worker taking its flow run, the process starting), not working."""
+    from grpo.record.dispatches import sent_times
+
+    out, sent = [], sent_times(storage, run_id)
     for k in iterations(storage, run_id):
         for stage in (*STAGES, STATE_STAGE):
             attempts = committed_attempts(storage, stage_dir(storage, run_id, k, stage))
@@ -354,11 +411,14 @@ def stage_times(storage: Storage, run_id: str) -> list[dict]:
             if manifest is None or manifest.origin is not None or manifest.summary.get("skipped"):
                 continue
             start, end = (dt.datetime.fromisoformat(t) for t in (manifest.started_at, manifest.committed_at))
-            out.append({"iteration": k, "stage": stage, "start": start, "end": end})
+            row = {"iteration": k, "stage": stage, "start": start, "end": end}
+            if (k, stage) in sent and sent[k, stage] <= start:  # sent off, then started: not a reuse
+                row["sent"] = sent[k, stage]
+            out.append(row)
     if not out:
         return []
-    zero = min(r["start"] for r in out)
-    rows = [r | {"start": (r["start"] - zero).total_seconds(), "end": (r["end"] - zero).total_seconds()} for r in out]
+    zero = min(r.get("sent", r["start"]) for r in out)
+    rows = [r | {t: (r[t] - zero).total_seconds() for t in ("sent", "start", "end") if t in r} for r in out]
     return sorted(rows, key=lambda r: (r["start"], r["iteration"]))
 
 
@@ -394,8 +454,15 @@ def timeline_png(rows: list[dict], title: str, dpi: int = 90) -> bytes:
             if r["stage"] in SAMPLER_SIDE
             else "gray"
         )
+        if "sent" in r:  # a placed stage waiting for its flow run's process: start-up, not work
+            startup = "start-up (placed: waiting for its process)"
+            ax.broken_barh([(r["sent"], r["start"] - r["sent"])], (y - 0.25, 0.5), facecolor="none",
+                           edgecolor=color, hatch="///", alpha=0.6, label=startup)  # fmt: skip
         ax.broken_barh([(r["start"], max(r["end"] - r["start"], 1e-3))], (y - 0.4, 0.8), color=color, alpha=0.8)
         ax.text(r["start"], y, str(r["iteration"]), va="center", fontsize=7)
+    if any("sent" in r for r in rows):
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles[:1], labels[:1], loc="lower right", fontsize=8)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first stage started")

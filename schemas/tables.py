@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from schemas.files import OPTIONAL_TABLES, TABLE_FILES, table_file  # noqa: F401 (where each table lives)
+
 SCHEMA_VERSION = 5  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
 # 3: rollouts.row (the dataset's other columns), eval.avg_at_k and eval.pass_at_k
 # 4: rollouts.policy_version is the policy that sampled the row (rollout.staleness), the checkpoint hash it held
@@ -121,8 +123,8 @@ TURNS = pa.schema(  # episodes (rollout.tools, rollout.environment): a row per s
     _SAMPLE_KEYS
     + [
         pa.field("turn", pa.int32(), nullable=False),  # 0 first
-        pa.field("start", pa.int32(), nullable=False),  # its sampled ids: the rollout's response_ids[start:end]
-        pa.field("end", pa.int32(), nullable=False),
+        pa.field("token_start", pa.int32(), nullable=False),  # its sampled ids: response_ids[token_start:token_end]
+        pa.field("token_end", pa.int32(), nullable=False),
         pa.field("text", pa.string(), nullable=False),  # as the model wrote it, its end-of-turn token dropped
         pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length" (cut off by the token budget)
         pa.field("tool_names", pa.list_(pa.string()), nullable=False),  # each call's tool, in order ("": unparsed)
@@ -141,7 +143,7 @@ EPISODES = pa.schema(  # episodes: a row per episode (a rollouts row), how it en
         pa.field("turns", pa.int32(), nullable=False),
         pa.field("tool_calls", pa.int32(), nullable=False),
         pa.field("tool_errors", pa.int32(), nullable=False),
-        pa.field("end", pa.string(), nullable=False),  # "done" | "max_turns" | "budget" | "lost" (grpo/episodes)
+        pa.field("ended_by", pa.string(), nullable=False),  # "done" | "max_turns" | "budget" | "lost" (grpo/episodes)
         pa.field("messages", pa.string(), nullable=False),  # JSON: the conversation after the prompt
         pa.field("environment", pa.string(), nullable=True),  # JSON: the environment's final state; null: none
     ]
@@ -171,19 +173,6 @@ SCHEMAS: dict[str, pa.Schema] = {
     "logprobs": LOGPROBS,
     "learn_metrics": LEARN_METRICS,
     "eval": EVAL,
-}
-
-# where each table is committed: (stage, file in the stage's attempt); `grpo query` makes a view of each
-TABLE_FILES: dict[str, tuple[str, str]] = {
-    "rollouts": ("rollouts", "rollouts.parquet"),
-    "draws": ("rollouts", "draws.parquet"),
-    "turns": ("rollouts", "turns.parquet"),
-    "episodes": ("rollouts", "episodes.parquet"),
-    "rewards": ("rewards", "rewards.parquet"),
-    "advantages": ("advantages", "advantages.parquet"),
-    "logprobs": ("learn", "logprobs.parquet"),
-    "learn_metrics": ("learn", "metrics.parquet"),
-    "eval": ("eval", "eval.parquet"),
 }
 
 ROLLOUTS_V4 = pa.schema([f for f in ROLLOUTS if f.name not in ("loss_mask", "token_versions")])
@@ -234,12 +223,3 @@ def rollouts_from_v4(table: pa.Table) -> pa.Table:
 UPGRADES = {"rollouts": ((4, ROLLOUTS_V3, rollouts_from_v3), (5, ROLLOUTS_V4, rollouts_from_v4))}
 """Tables whose older files still read: table -> its changes in order, each (the schema version that changed it,
 the schema before, the function that makes a table of the version before that one's)."""
-
-OPTIONAL_TABLES = ("draws", "turns", "episodes")
-"""Tables a stage commits only with a setting on (draws: rollout.min_signal_groups; turns and episodes: rollout.tools
-or rollout.environment); `grpo query` skips an attempt without one."""
-
-
-def table_file(table: str) -> str:
-    """The file name a table is committed under, in its stage's attempt."""
-    return TABLE_FILES[table][1]

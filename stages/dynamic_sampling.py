@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from grpo.config import RunConfig
+from grpo.record import reward_files
 from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage
 from grpo.scoring.score import score_samples
@@ -21,7 +22,7 @@ def dynamic_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int
     start (draw_start)."""
     inputs = {}
     if cfg.reward.functions:
-        inputs["base"] = committed_input(storage, run_id, None, "base")
+        inputs |= reward_files.holder_input(storage, run_id)
     if cfg.task.dataset and iteration > 0:
         inputs["previous"] = committed_input(storage, run_id, iteration - 1, "rollouts")
     return inputs

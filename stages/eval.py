@@ -16,7 +16,9 @@ import time
 
 from grpo import devices
 from grpo.config import RunConfig
+from grpo.episodes import adapters
 from grpo.progress import Progress
+from grpo.record import reward_files
 from grpo.record.identity import section
 from grpo.record.layout import Salt, iteration_seed, stage_dir
 from grpo.record.lineage import check_chain, committed_input
@@ -25,14 +27,23 @@ from grpo.sampling.base import SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
 from schemas import table_file, write_parquet
-from stages.common import load_run, measured, run_stage
-from stages.prompts import environments, episode_files, eval_prompts, held_out_config, policy_and_prompts, sampler
+from stages.common import StageError, load_run, measured, run_stage
+from stages.prompts import environments, eval_prompts, held_out_config, policy_and_prompts, sampler
 from stages.samples import reward_arguments, sample_all
 
 
-def exact_match(components: dict[str, float]) -> float:
-    """The task's `exact` (sort) or `correct` (math, arithmetic) component, else whether the total is perfect."""
-    return float(components.get("exact", components.get("correct", components.get("total", 0.0) >= 1.0)))
+def exact_match(components: dict[str, float], correct: str | None = None) -> float:
+    """Whether a response counts as correct: the component `correct` names (eval.correct) is >= 1; without one, the
+    task's `exact` (sort) or `correct` (math, arithmetic) component, else whether the total is perfect.
+
+    >>> exact_match({"exact": 0.0, "total": 1.0}), exact_match({"fmt": 1.0, "total": 0.5}, "fmt")
+    (0.0, 1.0)
+    """
+    if correct is None:
+        return float(components.get("exact", components.get("correct", components.get("total", 0.0) >= 1.0)))
+    if correct not in components:
+        raise StageError(f"eval.correct={correct!r}: the reward has no such component; it has {sorted(components)}")
+    return float(components[correct] >= 1.0)
 
 
 def due(iteration: int, every: int, last: bool) -> bool:
@@ -51,8 +62,12 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
     iteration its caller runs; a forced eval is always due), a skipped eval instead (see `skip`)."""
     cfg = load_run(storage, run_id)
     inputs = {"policy": committed_input(storage, run_id, iteration, "learn")}
-    if cfg.reward.functions or cfg.learn.lora is not None or episode_files(cfg):  # code files; LoRA: the base
+    if cfg.learn.lora is not None or adapters.names_files(
+        cfg.rollout
+    ):  # the weights under the adapters; tool and environment files
         inputs["base"] = committed_input(storage, run_id, None, "base")
+    if cfg.reward.functions:  # the committed copies of reward files (the base, or a fork's own)
+        inputs |= reward_files.holder_input(storage, run_id)
     check_chain(storage, run_id, iteration, "eval", inputs)
     if not force and not due(iteration, cfg.eval.every, last):
         return skip(storage, run_id, iteration, inputs)
@@ -85,8 +100,8 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
         rows = [(p.examples[i].row or {}) | extra for i, extra in zip(owner, reward_arguments(flat))]
         items = [(r, p.examples[i].ground_truth, texts[i], row) for r, i, row in zip(responses, owner, rows)]
         with WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool:
-            scored = score_batch(pool, scorer_key(cfg, inputs.get("base")), cfg.reward, items)
-        correct = [exact_match(c) if err is None else 0.0 for _, c, err in scored]
+            scored = score_batch(pool, scorer_key(cfg, reward_files.holder_of(inputs)), cfg.reward, items)
+        correct = [exact_match(c, cfg.eval.correct) if err is None else 0.0 for _, c, err in scored]
         n = len(greedy)
         per_prompt = [correct[n + i * k : n + (i + 1) * k] for i in range(n)] if k > 1 else [None] * n
         rows = {

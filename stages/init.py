@@ -45,7 +45,6 @@ from grpo.record.layout import run_dir, run_json
 from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage
 from grpo.tasks import functions, generates, get_task
-from grpo.tiny_model import build_for_task
 from stages.common import (
     StageError,
     dataset_examples,
@@ -57,7 +56,6 @@ from stages.common import (
     run_datasets,
     run_stage,
 )
-from stages.prompts import episode_files
 
 
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
@@ -119,6 +117,8 @@ def run_config(storage: Storage, run_id: str, config_path: str | None, overrides
 
 def build_tiny_base(out_dir: str, cfg: RunConfig) -> str:
     """The tiny model `cfg.model` describes, for the vocabulary of `cfg.task`, saved in `out_dir`."""
+    from grpo.tiny_model import build_for_task
+
     return build_for_task(out_dir, cfg.task.name, cfg.task.params, cfg.model, cfg.seed)
 
 
@@ -312,20 +312,19 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
         def body(writer):
             folder, source = prepared or prepare_base(cfg, tmp)
             upload_folder(writer, folder)
-            for specs, prefix in code_files(
-                cfg
-            ):  # the code that scores, and tools and environments, travel with the run
+            for specs, prefix in code_files(cfg):  # the code that scores, tools and environments travel with the run
                 for i, spec in enumerate(specs):
+                    into = writer.path(functions.committed_name(i, spec, prefix))
                     if functions.is_file_spec(spec):
-                        path = functions.split_spec(spec)[0]
-                        name = functions.committed_name(i, spec, prefix)
-                        writer.storage.fs.put_file(str(Path(path)), writer.path(name))
+                        writer.storage.fs.put_file(str(Path(functions.split_spec(spec)[0])), into)
+                    elif functions.is_pickled_spec(spec):  # a callable handed to grpo.train, cloudpickled
+                        writer.storage.fs.pipe_file(into, functions.pickled_bytes(spec))
             return {"base_model": source, "datasets": datasets}
 
         stage_cfg = {"model": section(cfg, "model"), "task": section(cfg, "task"), "seed": cfg.seed}
         if cfg.reward.functions:
             stage_cfg["reward_functions"] = cfg.reward.functions
-        if episode_files(cfg):  # runs without them keep their base's identity
+        if adapters.names_files(cfg.rollout):  # runs without them keep their base's identity
             stage_cfg["episode_files"] = [s for specs, _ in code_files(cfg)[1:] for s in specs]
         base = run_stage(storage, run_id, None, "base", config=stage_cfg, inputs={}, body=body, force=force)
     data.pin(base.manifest.summary.get("datasets"))  # what the base recorded: the later stages of this process

@@ -11,7 +11,7 @@ from typing import Iterator
 from grpo.record.layout import STAGES
 from grpo.record.storage import Committed, Storage
 from grpo.scoring.pool import WARM_POOLS
-from grpo.tracking import track
+from grpo.tracking import track, tracking
 from stages import stage_function
 from stages.common import load_run
 
@@ -72,7 +72,7 @@ def run_warm(storage: Storage, run_id: str, first: int, iterations: int) -> Iter
     eval.every says: a resumed call (first = next_iteration) ending where the stopped one would have evaluates
     and commits what one uninterrupted call does."""
     cfg = load_run(storage, run_id)
-    with warm_state() as warm:
+    with warm_state() as warm, tracking(storage, run_id, cfg):  # the tracker run ended with the iterations
         for k in range(first, first + iterations):
             out = run_iteration(storage, run_id, k, last=k == first + iterations - 1)
             warm.loaded()

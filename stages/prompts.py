@@ -182,11 +182,6 @@ def environment_source(cfg: RunConfig, base: Committed | None) -> adapters.Sourc
     return adapters.source(r, files)
 
 
-def episode_files(cfg: RunConfig) -> bool:
-    """Whether the run's episode settings name files (copied into the base commit: a stage reads it then)."""
-    return any(functions.is_file_spec(s) for s in cfg.rollout.tools + [cfg.rollout.environment or ""])
-
-
 @contextmanager
 def environments(cfg: RunConfig, base: Committed | None):
     """The workers a stage's episodes live in (grpo.episodes.workers; forked before the sampler starts) and their

@@ -14,6 +14,8 @@ import pandas as pd
 
 from grpo.config import ConfigError
 from grpo.query import query
+from grpo.record import reward_files
+from grpo.record.digests import sha256_local
 from grpo.record.fork import fork_config, fork_run
 from grpo.record.identity import config_hash
 from grpo.record.lineage import next_iteration
@@ -27,13 +29,30 @@ RESCORE_SETTINGS = ("reward.", "task.params", "advantage.")
 """What a rescore may change: how samples are scored and their advantages computed."""
 
 
-def rescore_run_id(parent: str, first: int, last: int, overrides: list[str]) -> str:
-    """The fork a rescore makes unless named: the same rescore again finds it (and reuses its stages).
+def rescore_run_id(
+    parent: str, first: int, last: int, overrides: list[str], files: dict[str, str] | None = None
+) -> str:
+    """The fork a rescore makes unless named: the same rescore again finds it (and reuses its stages); `files`,
+    {committed name: sha256} of reward files whose bytes changed (new_files), name another fork per fix.
 
     >>> rescore_run_id("demo", 0, 4, ["reward.truncated_reward=-1"])
     'demo-rescore-0-4-b4001306'
     """
-    return f"{parent}-rescore-{first}-{last}-{config_hash(sorted(overrides))[:8]}"
+    key = [sorted(overrides), files] if files else sorted(overrides)
+    return f"{parent}-rescore-{first}-{last}-{config_hash(key)[:8]}"
+
+
+def new_files(storage: Storage, parent: str, overrides: list[str]) -> dict[str, str]:
+    """{committed name: sha256} of the reward files a rescore with `overrides` scores with whose bytes differ from
+    what `parent` scores with: files named by a `reward.functions` in `overrides`, read here (grpo.scoring.files)."""
+    _, after = fork_config(storage, parent, overrides)
+    named = any(o.split("=", 1)[0].strip() == "reward.functions" for o in overrides)
+    if not (named and after.reward.functions):
+        return {}
+    holder = reward_files.holder_of(reward_files.holder_input(storage, parent))
+    changed = reward_files.changed_files(after, True, reward_files.held_files(holder))
+    want = reward_files.wanted_files(after, True, reward_files.held_files(holder))
+    return {n: sha256_local(want[n]) for n in changed if want.get(n)}
 
 
 def check_rescore(storage: Storage, parent: str, first: int, last: int, overrides: list[str]) -> None:
@@ -58,8 +77,11 @@ def check_rescore(storage: Storage, parent: str, first: int, last: int, override
             f"(`grpo status --run {parent}`)"
         )
     read = (rewards_stage.stage_config, advantages_stage.stage_config)
-    if all(f(before) == f(after) for f in read):
-        raise ConfigError(f"--set {' '.join(overrides)}: changes nothing the rewards or advantages of {parent} read")
+    if all(f(before) == f(after) for f in read) and not new_files(storage, parent, overrides):
+        raise ConfigError(
+            f"--set {' '.join(overrides)}: changes nothing the rewards or advantages of {parent} read "
+            "(a reward file named in reward.functions counts where its bytes differ from the run's copy)"
+        )
 
 
 def rescore(storage: Storage, parent: str, first: int, last: int, overrides: list[str], run_id: str) -> None:

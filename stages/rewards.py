@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from grpo.config import RunConfig
 from grpo.progress import progress
+from grpo.record import reward_files
 from grpo.record.identity import section
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage
@@ -51,7 +52,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
     rollouts = committed_input(storage, run_id, iteration, "rollouts")
     inputs = {"rollouts": rollouts}
     if cfg.reward.functions:  # the committed copies of reward files, and their hashes in the identity
-        inputs["base"] = committed_input(storage, run_id, None, "base")
+        inputs |= reward_files.holder_input(storage, run_id)
     check_chain(storage, run_id, iteration, "rewards", inputs)
     path = rollouts.path(table_file("rollouts"))
 
@@ -72,7 +73,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
             WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool,
             ParquetWriter(storage.fs, writer.path(table_file("rewards")), "rewards") as out,
         ):
-            key, left_before = scorer_key(cfg, inputs.get("base")), pool.left_running
+            key, left_before = scorer_key(cfg, reward_files.holder_of(inputs)), pool.left_running
             for batch in batches_in(path, rows):
                 finish = batch.column("finish_reason").to_pylist()
                 lengths = pc.list_value_length(batch.column("response_ids")).to_pylist()

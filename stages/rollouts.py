@@ -17,7 +17,9 @@ import time
 
 from grpo.config import RunConfig
 from grpo.devices import current, sampler_device
+from grpo.episodes import adapters
 from grpo.progress import Progress
+from grpo.record import reward_files
 from grpo.record.checkpoint import content_hash, non_finite_weights
 from grpo.record.commit import StageWriter
 from grpo.record.identity import section
@@ -33,7 +35,6 @@ from stages.dynamic_sampling import draw_start, dynamic_inputs, flat_epoch, grou
 from stages.prompts import (
     Prompts,
     environments,
-    episode_files,
     held_out_config,
     iteration_prompts,
     policy_and_prompts,
@@ -64,7 +65,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
     inputs = {"snapshot": snap}
     if cfg.rollout.min_signal_groups is not None:
         inputs.update(dynamic_inputs(storage, cfg, run_id, iteration))
-    if episode_files(cfg):  # the copies of the files rollout.tools and rollout.environment name
+    if adapters.names_files(cfg.rollout):  # the copies of the files rollout.tools and rollout.environment name
         inputs["base"] = committed_input(storage, run_id, None, "base")
     check_chain(storage, run_id, iteration, "rollouts", inputs)
     r = cfg.rollout
@@ -199,7 +200,7 @@ def sample_rounds(
     r, n = cfg.rollout, cfg.rollout.prompts_per_iteration
     snap, start = inputs["snapshot"], draw_start(cfg, iteration, inputs)
     stamp, tally = policy_stamp(storage, snap), Tally()
-    key = scorer_key(cfg, inputs.get("base"))
+    key = scorer_key(cfg, reward_files.holder_of(inputs))
     gen = settings = None
     rounds = signal = kept = skipped = 0
     engine_s = score_s = 0.0

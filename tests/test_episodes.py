@@ -112,27 +112,26 @@ def check_token_in_token_out(
         conversation = json.loads(ep.messages)
         history, at = list(messages), 0
         for k, turn in enumerate(mine.sort_values("turn").itertuples()):
-            assert turn.turn == k and turn.start == at
-            context = tuple(list(row.prompt_ids) + ids[: turn.start])
-            sampled = [int(i) for i in ids[turn.start : turn.end]]
-            assert logps[turn.start : turn.end] == pytest.approx(spy.take(context, sampled))  # token in, token out
-            assert mask[turn.start : turn.end] == [1] * len(sampled)  # token out: exactly what it gave, trained on
+            start, end = turn.token_start, turn.token_end
+            assert turn.turn == k and start == at
+            context = tuple(list(row.prompt_ids) + ids[:start])
+            sampled = [int(i) for i in ids[start:end]]
+            assert logps[start:end] == pytest.approx(spy.take(context, sampled))  # token in, token out
+            assert mask[start:end] == [1] * len(sampled)  # token out: exactly what it gave, trained on
             history.append(conversation.pop(0))  # the assistant turn, parsed
-            at = turn.end + turn.observation_tokens
-            assert mask[turn.end : at] == [0] * turn.observation_tokens and logps[turn.end : at] == [0.0] * (
-                at - turn.end
-            )
+            at = end + turn.observation_tokens
+            assert mask[end:at] == [0] * turn.observation_tokens and logps[end:at] == [0.0] * (at - end)
             if turn.observation_tokens:
                 new = [conversation.pop(0) for _ in range(len(turn.tool_names))]
                 ended = tok.decode(sampled[-1:]) if sampled[-1] in eos else None
                 turn_ends = [tok.decode([i]) for i in eos]
                 text, obs = observation_tokens(tok, history, new, tools, ended, turn_ends)
-                assert ids[turn.end : at] == obs and text.endswith("<|im_start|>assistant\n")
+                assert ids[end:at] == obs and text.endswith("<|im_start|>assistant\n")
                 assert all(f"<tool_response>\n{m['content']}\n</tool_response>" in text for m in new)
                 history += new
         assert at == len(ids) and not conversation  # nothing else was appended
         assert ep.turns == len(mine) <= 3
-        assert (row.finish_reason == "length") == (ep.end == "budget")
+        assert (row.finish_reason == "length") == (ep.ended_by == "budget")
     assert not any(spy.calls.values())  # and every sampler call is some episode's turn
 
 

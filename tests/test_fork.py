@@ -268,7 +268,7 @@ def test_a_fork_is_a_tracker_run_of_its_own_tagged_with_its_parent_and_fork_poin
         "grpo.parent": "p",
         "grpo.fork_at": "2",
     }
-    got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward_mean"))
+    got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/reward_mean"))
     want = [current(storage, "p", k, "advantages").manifest.summary["reward_mean"] for k in (0, 1)]
     assert [k for k, _ in got] == [0, 1] and [v for _, v in got] == pytest.approx(want)
 

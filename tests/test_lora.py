@@ -2,6 +2,7 @@
 adapters (a small fraction of a full run's bytes), samplers serve them exactly, export merges them, and
 fsdp2 with 2 processes gives the adapters of 1 process."""
 
+import json
 import os
 import subprocess
 import sys
@@ -192,3 +193,47 @@ def test_adapters_saved_by_two_processes_are_the_same_bytes(tmp_path):
         for seed in ("1", "2", "3")
     }
     assert len(digests) == 1
+
+
+@pytest.mark.precision_pinned
+def test_export_adapter_writes_the_unmerged_peft_adapter_and_every_export_a_model_card(storage, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    make_run(storage, "lora", extra=LORA)
+    out = run_iteration(storage, "lora", 0)
+    url = storage.uri(storage.path())
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert main(["--storage", url, "export", "--run", "lora", "--adapter", "--out", str(adapter)]) == 0
+    assert "its LoRA adapter unmerged" in capsys.readouterr().out
+    assert main(["--storage", url, "export", "--run", "lora", "--out", str(merged)]) == 0
+    names = {p.name for p in adapter.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "grpo_export.json"} <= names
+    assert not names & {"model.safetensors", "config.json"}  # the adapter alone, not the base's weights
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] is None  # tiny base
+    base = latest_committed(storage, stage_dir(storage, "lora", None, "base"))
+    assert main(["--storage", url, "export", "--run", "lora", "--iteration", "-1", "--out", str(tmp_path / "b")]) == 0
+    peft_lm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "b", dtype=torch.float32),
+                                        adapter)  # fmt: skip
+    AutoTokenizer.from_pretrained(adapter)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():  # the adapter over its base is the merged export
+        want = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(ids).logits
+        assert torch.allclose(peft_lm(ids).logits, want, atol=1e-5)
+
+    eval_0 = out["eval"].manifest.summary
+    for folder, form in ((adapter, "library_name: peft"), (merged, "library_name: transformers")):
+        card = (folder / "README.md").read_text()
+        assert card.startswith("---\n" + form) and "# lora, iteration 0" in card
+        assert f"exact_match {eval_0['exact_match']:.4g}" in card and out["learn"].uri in card
+        assert "| `learn.lora` |" in card and "| `learn.kl_coef` | `0.05` |" in card
+    assert "PeftModel.from_pretrained(base" in (adapter / "README.md").read_text()
+    assert (
+        base.uri in (tmp_path / "b" / "README.md").read_text()
+        and "# lora, base model" in (tmp_path / "b" / "README.md").read_text()
+    )
+
+    make_run(storage, "full")  # a run without LoRA: one line, nothing written
+    run_iteration(storage, "full", 0)
+    rc = main(["--storage", url, "export", "--run", "full", "--adapter", "--out", str(tmp_path / "x")])
+    assert rc == 2 and "learn.lora is null" in capsys.readouterr().err and not (tmp_path / "x").exists()

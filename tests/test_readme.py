@@ -24,7 +24,7 @@ ENV = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_", "VLLM_"
 ENV["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 COMMAND = re.compile(r"^(\S*\.venv/bin/\S+|\./setup\.sh|grpo|vllm|[A-Z_]+=\S+|\(cd|mkdir|export)\s")
-WALKED = ("r1", "r2", "r3", "f1", "s1")  # the recipes' run ids
+WALKED = ("r1", "r2", "r3", "f1", "s1", "async")  # the recipes' run ids
 # tiny settings: one iteration, and a run made with 64 prompts (32 held out) unless the recipe sets its chunks
 TINY = {r"--iterations 10\b": "--iterations 1", r"iter-0009\b": "iter-0000"}  # the export of its last iteration
 TINY_INIT = ["--set", "rollout.prompts_per_iteration=64", "--set", "eval.n_prompts=32"]
@@ -37,7 +37,8 @@ ELSEWHERE = {
     r"prefect|flows\.stage_worker|flows\.grpo|PREFECT_": "a Prefect server and workers: test_flow_e2e.py, "
     "test_placement_e2e.py, test_stage_workers_e2e.py; without a server: test_prefect_quiet.py",
     r"--run x1\b|/tmp/\w+-machine": "several machines: test_nodes.py, test_placement_e2e.py",
-    r"--run async\b|grpo timeline": "learn on a pool of its own beside the sampling: test_overlap_e2e.py",
+    r"--run apart\b": "learn on a pool of its own beside the sampling: test_overlap_e2e.py; a pool or deployment "
+    "missing: test_placement_check.py",
     r"grpo fork|grpo rescore|grpo delete|--compare": "forks and rescoring on a 5-iteration run: test_fork.py",
     r"k8s render": "the Kubernetes jobs rendered offline: test_kubernetes.py",
 }
@@ -123,6 +124,7 @@ def test_readme_recipe_runs_as_written(run, tmp_path):
         if "pipeline(" in line:  # the exported policy generates the sort answer's 5 tokens, no sixth
             text = eval(done.stdout.strip())[0]["generated_text"]
             assert len(text.split(":", 1)[1].split()) <= 5, text
+            assert "[transformers]" not in done.stderr, done.stderr  # none of its warnings (max_new_tokens as a kwarg)
     if run == "r1":
         audit = next(body for lang, body in code_blocks(README) if lang == "python" and "committed_files" in body)
         done = subprocess.run([sys.executable, "-c", audit], cwd=tmp_path, env=ENV, capture_output=True, text=True)

@@ -169,14 +169,14 @@ def test_tracking_sends_each_committed_iteration_once_and_a_resume_continues_the
     want = [(k, outs[k]["advantages"].manifest.summary["reward_mean"]) for k in range(3)]
     if backend == "tensorboard":
         cfg = load_config(None, TINY)
-        got = tensorboard_scalars(event_dir(storage, "t", cfg.tracking), "reward_mean")
+        got = tensorboard_scalars(event_dir(storage, "t", cfg.tracking), "train/reward_mean")
     else:
         import mlflow
 
         client = mlflow.tracking.MlflowClient(uri)
         runs = client.search_runs([client.get_experiment_by_name("grpo-flow").experiment_id])
         assert [r.info.run_id for r in runs] == [state["tracker_run_id"]]  # one MLflow run for the whole run
-        got = [(m.step, m.value) for m in client.get_metric_history(state["tracker_run_id"], "reward_mean")]
+        got = [(m.step, m.value) for m in client.get_metric_history(state["tracker_run_id"], "train/reward_mean")]
     assert [k for k, _ in sorted(got)] == [0, 1, 2]  # each iteration once
     assert [v for _, v in sorted(got)] == pytest.approx([v for _, v in want], rel=1e-6)
 
@@ -360,7 +360,7 @@ def test_mlflow_ui_serves_a_tracked_runs_metrics(storage, tmp_path):
                 pass
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(1)
-        query = f"run_id={tracker}&metric_key=reward_mean"
+        query = f"run_id={tracker}&metric_key=train/reward_mean"
         with urllib.request.urlopen(f"{url}/api/2.0/mlflow/metrics/get-history?{query}", timeout=30) as r:
             history = json.loads(r.read())["metrics"]
         want = [outs[k]["advantages"].manifest.summary["reward_mean"] for k in (0, 1)]

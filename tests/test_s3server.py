@@ -213,3 +213,30 @@ def test_server_lifecycle_restart_and_cleanup(tmp_path):
         os.killpg(pgid, 0)  # the whole group is gone
     assert not _port_open(ep.endpoint_url)
     assert _weed_pids(tmp_path) == []
+
+
+def test_started_in_the_background_of_a_script_one_sigint_stops_it(tmp_path):
+    """A job started with `&` by a non-interactive shell inherits SIGINT ignored; `python -m tools.s3server` takes
+    it back, so one Ctrl-C or `kill -INT` stops it (and its SeaweedFS) as in a terminal, not only a second signal."""
+    import signal
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    log = tmp_path / "s3.log"
+    script = f"{sys.executable} -m tools.s3server {tmp_path / 'wd'} > {log} 2>&1 & echo $!"
+    pid = int(subprocess.run(["bash", "-c", script], cwd=root, capture_output=True, text=True, check=True).stdout)
+    try:
+        deadline = time.monotonic() + 180
+        while "export AWS_ENDPOINT_URL" not in log.read_text():
+            assert time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"), log.read_text()
+            time.sleep(0.5)
+        with open(f"/proc/{pid}/status") as f:  # the shell's rule: the job's SIGINT was ignored at its start
+            assert int(next(line for line in f if line.startswith("SigIgn")).split()[1], 16) & 2 == 0
+        os.kill(pid, signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{pid}") and "State:\tZ" not in open(f"/proc/{pid}/status").read():
+            assert time.monotonic() < deadline, "still running after one SIGINT"
+            time.sleep(0.5)
+    finally:
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, signal.SIGKILL)

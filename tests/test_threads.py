@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_stages import TINY
 
 from grpo.runtime import threads
@@ -84,7 +85,7 @@ def test_cpu_watch_counts_other_processes_busy_cores():
 
 def test_an_oversubscribed_learner_logs_one_warning(caplog, monkeypatch):
     monkeypatch.setattr(threads, "_busy_s", iter([0.0, 0.0, 2.0 * 1.2 + 1.0]).__next__)  # others: 2 cores
-    monkeypatch.setattr(threads.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     with caplog.at_level("WARNING", logger="grpo.runtime.threads"), cpu_watch("learn 3"):
         time.sleep(1.2)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pandas as pd
@@ -314,7 +315,9 @@ def test_tracking_json_is_replaced_whole_never_half_written(tmp_path, monkeypatc
     storage.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     storage.fs.pipe_file(path, b'{"iterations": [0], "tracker_run_id": "run-1", "backend": "tensorboard"}')
     monkeypatch.setattr(tracking, "iteration_rows", lambda storage, run_id, skip: [{"iteration": 1, "kl": 0.5}])
-    monkeypatch.setitem(tracking.SENDERS, "tensorboard", lambda *args: "run-1")
+    monkeypatch.setattr(tracking.figures, "reward_stats", lambda *args: {})  # no rewards table here
+    monkeypatch.setattr(tracking.figures, "completions", lambda *args: [])
+    monkeypatch.setitem(tracking.SENDERS, "tensorboard", types.SimpleNamespace(send=lambda *args: "run-1"))
     half_writes(storage, monkeypatch)
     with pytest.raises(OSError, match="killed while writing"):
         tracking.track(storage, "t", load_config(None, ["tracking.backend=tensorboard"]))
@@ -328,8 +331,9 @@ def test_report_files_are_replaced_whole_never_half_written(tmp_path, monkeypatc
     md = f"{run_dir(storage, 't')}/report.md"
     storage.fs.makedirs(run_dir(storage, "t"), exist_ok=True)
     storage.fs.pipe_file(md, b"# Run t\n\nthe old report\n")
-    monkeypatch.setattr(report, "figure_png", lambda rows, title, best=None: b"\x89PNG...")
+    monkeypatch.setattr(report, "figure_png", lambda rows, title, best=None, behavior=True: b"\x89PNG...")
     monkeypatch.setattr(report, "best_iteration", lambda *a: None)  # no run.json here
+    monkeypatch.setattr(report, "behavior_drawn", lambda *a: True)
     half_writes(storage, monkeypatch)
     rows = [{"iteration": 0, "reward_mean": 0.5, "eval_exact_match": 0.25}]
     with pytest.raises(OSError, match="killed while writing"):

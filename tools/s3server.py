@@ -349,6 +349,7 @@ if __name__ == "__main__":  # manual use: .venv/bin/python -m tools.s3server [wo
 
     wd = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="s3server-"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # run the cleanup on SIGTERM too
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # started with `&` from a script it comes ignored
     with s3_server(wd) as _ep:
         for _k, _v in _ep.env().items():  # for the shells of the worker and the CLI
             print(f"export {_k}={_v}")

@@ -128,20 +128,47 @@ def cmd_timeline(args, storage):
     from grpo.report import write_timeline
 
     png, rows = write_timeline(storage, args.run)
-    print(f"{'iteration':>9}  {'stage':>10}  {'start s':>8}  {'end s':>8}  {'seconds':>8}")
+    placed = any("sent" in r for r in rows)
+    print(f"{'iteration':>9}  {'stage':>10}  {'start s':>8}  {'end s':>8}  {'seconds':>8}" + "  start-up s" * placed)
     for r in rows:
-        seconds = r["end"] - r["start"]
-        print(f"{r['iteration']:>9}  {r['stage']:>10}  {r['start']:>8.1f}  {r['end']:>8.1f}  {seconds:>8.1f}")
+        seconds, waited = r["end"] - r["start"], f"{r['start'] - r['sent']:>11.1f}" if "sent" in r else f"{'-':>11}"
+        line = f"{r['iteration']:>9}  {r['stage']:>10}  {r['start']:>8.1f}  {r['end']:>8.1f}  {seconds:>8.1f}"
+        print(line + ("  " + waited) * placed)
+    if placed:
+        print("(start-up s: a placed stage, from the flow sending it off to its start: a worker and its process)")
     print(png)
 
 
 def cmd_query(args, storage):
     import duckdb
 
-    from grpo.query import query
+    from grpo.query import connect
 
     try:
-        df = query(storage, args.run[0], args.sql, verify=not args.no_verify, others=tuple(args.run[1:]))
+        con = connect(storage, args.run[0], verify=not args.no_verify, others=tuple(args.run[1:]))
+        try:
+            result = con.execute(args.sql)
+            names, rows = [d[0] for d in result.description], result.fetchall()
+        finally:
+            con.close()
     except duckdb.Error as e:
         raise StageError(f"query failed: {e}") from e
-    print(df.to_string(index=False) if len(df) else f"(no rows; columns: {', '.join(df.columns)})")
+    print(table_text(names, rows) if rows else f"(no rows; columns: {', '.join(names)})")
+
+
+def table_text(names: list[str], rows: list[tuple]) -> str:
+    """Rows under their column names, right-aligned; floats to 6 significant digits, NULL for a null (no pandas:
+    `grpo query` answers at once).
+
+    >>> print(table_text(["iteration", "reward"], [(0, 0.0601234567), (1, None)]))
+    iteration     reward
+            0  0.0601235
+            1       NULL
+    """
+
+    def cell(v) -> str:
+        return "NULL" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)
+
+    cells = [names] + [[cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(names))]
+    return "\n".join("  ".join(f"{c:>{w}}" for c, w in zip(r, widths)) for r in cells)

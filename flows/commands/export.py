@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from flows.commands.card import model_card
 from grpo.record.checkpoint import WEIGHT_SUFFIXES, checkpoint_dtype, policy_folders
 from grpo.record.counts import is_local
 from grpo.record.layout import export_dir, stage_dir
@@ -29,7 +30,7 @@ def cmd_export(args, storage):
     from grpo.record.lineage import committed_input
     from stages.common import load_run
 
-    load_run(storage, args.run)
+    cfg = load_run(storage, args.run)
     if args.dir is not None and args.out is not None:
         raise StageError("export: name the folder to write once: `grpo export --run R DIR` or `--out DIR`")
     which = ""
@@ -44,21 +45,42 @@ def cmd_export(args, storage):
                 "export --latest or --iteration K"
             )
         k, which = best.iteration, f" (the best: {best.metric} {best.value:.4g})"
+    if args.adapter and (cfg.learn.lora is None or k < 0):
+        why = "its learner trains whole weights (learn.lora is null)" if cfg.learn.lora is None else "no learn yet"
+        raise StageError(f"--adapter: run {args.run} has no LoRA adapter to export: {why}; export without --adapter")
     base = committed_input(storage, args.run, None, "base")
     policy = base if k < 0 else export_source(storage, args.run, k)
-    out = args.dir or args.out or default_export(storage, args.run, None if k < 0 else k)
+    out = args.dir or args.out or default_export(storage, args.run, None if k < 0 else k, adapter=args.adapter)
     what = f"{'the base model' if k < 0 else f'the policy of iteration {k}'} of run {args.run}{which}"
+    what += ", its LoRA adapter unmerged" if args.adapter else ""
     source = {"run_id": args.run, "iteration": None if k < 0 else k, **dataclasses.asdict(policy.ref())}
+    source |= {"adapter": True} if args.adapter else {}
     fs, root = url_to_fs(out)
     try:
-        export_policy(policy, base, out)
+        if args.adapter:
+            export_adapter(policy, base, out, cfg.model.base_model)
+        else:
+            export_policy(policy, base, out)
     except FileExistsError as e:
         if args.dir is None and args.out is None and _exported_from(fs, root) == source:
             print(f"{what}: exported already, {shown_path(out)}")
             return
         raise StageError(str(e)) from e
+    evaluated = None if k < 0 else eval_summary(storage, args.run, k)
+    card = model_card(cfg, args.run, None if k < 0 else k, policy.uri, evaluated, args.adapter, shown_path(out))
+    fs.pipe_file(f"{root}/README.md", card.encode())  # the model card
     fs.pipe_file(f"{root}/{EXPORT_SOURCE}", json.dumps(source, indent=1).encode())  # last: the export is whole
     print(f"{what}: {shown_path(out)}")
+
+
+def eval_summary(storage, run_id: str, k: int) -> dict | None:
+    """Iteration k's committed eval summary (None: none committed)."""
+    from grpo.record.storage import NotCommittedError, latest_committed
+
+    try:
+        return latest_committed(storage, stage_dir(storage, run_id, k, "eval"), verify=False).manifest.summary
+    except NotCommittedError:
+        return None
 
 
 EXPORT_SOURCE = "grpo_export.json"
@@ -66,9 +88,10 @@ EXPORT_SOURCE = "grpo_export.json"
 the default folder knows it is there already)."""
 
 
-def default_export(storage: Storage, run_id: str, k: int | None) -> str:
-    """Where `grpo export` writes without a folder named (layout.export_dir): a local path, or a URL."""
-    path = export_dir(storage, run_id, k)
+def default_export(storage: Storage, run_id: str, k: int | None, adapter: bool = False) -> str:
+    """Where `grpo export` writes without a folder named (layout.export_dir, `-adapter` after it with --adapter): a
+    local path, or a URL."""
+    path = export_dir(storage, run_id, k) + ("-adapter" if adapter else "")
     return path if is_local(storage.fs) else storage.uri(path)
 
 
@@ -100,6 +123,27 @@ def export_source(storage, run_id: str, k: int):
     if any(p.startswith((CHECKPOINT_PREFIX, ADAPTER_PREFIX)) for p in policy.collected):
         raise StageError(f"run {run_id}: the policy of iteration {k} was collected by `grpo gc --retention`")
     return policy
+
+
+def export_adapter(policy: Committed, base: Committed, out: str, base_model: str | None) -> str:
+    """Write a LoRA learn's peft adapter, unmerged, as a folder at `out` (new): adapter_config.json (its
+    base_model_name_or_path the run's model.base_model where it names one) and adapter_model.safetensors, with the
+    base's tokenizer and chat template beside them. Returns `out`."""
+    fs, root = url_to_fs(out)
+    if fs.exists(root):
+        raise FileExistsError(f"{out} exists; export writes a new folder (name another, or remove it)")
+    _, model_dir, adapter_dir = policy_folders(policy, base)
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in Path(adapter_dir).iterdir():
+            shutil.copyfile(f, Path(tmp, f.name))
+        config = json.loads(Path(tmp, "adapter_config.json").read_text())
+        config["base_model_name_or_path"] = base_model  # None for a tiny model built here: the card says so
+        Path(tmp, "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        for f in Path(model_dir).iterdir():  # tokenizer, chat template (not the base's config or weights)
+            if f.name not in ("config.json", "generation_config.json") and not f.name.endswith(WEIGHT_SUFFIXES):
+                shutil.copyfile(f, Path(tmp, f.name))
+        fs.put(tmp.rstrip("/") + "/", root, recursive=True)
+    return out
 
 
 def export_policy(policy: Committed, base: Committed | None, out: str) -> str:

@@ -3,8 +3,6 @@ its rollouts scored again with another reward."""
 
 from __future__ import annotations
 
-import pandas as pd
-
 from flows.commands.hints import grpo_command
 
 
@@ -23,11 +21,11 @@ def cmd_fork(args, storage):
 def cmd_rescore(args, storage):
     from grpo.record.lineage import next_iteration
     from stages.common import load_run
-    from stages.rescore import changes, rescore, rescore_run_id
+    from stages.rescore import changes, new_files, rescore, rescore_run_id
 
     load_run(storage, args.run)
     first, last = args.iterations if args.iterations else (0, next_iteration(storage, args.run) - 1)
-    fork = args.as_run or rescore_run_id(args.run, first, last, args.set)
+    fork = args.as_run or rescore_run_id(args.run, first, last, args.set, new_files(storage, args.run, args.set))
     rescore(storage, args.run, first, last, args.set, fork)
     table = changes(storage, fork, first, last)
     print(f"{'iteration':>9}  {'samples changed':>15}  {'reward before':>13}  {'after':>7}  {'groups flipped':>14}")
@@ -54,5 +52,5 @@ def cmd_rescore(args, storage):
 
 
 def listed(value) -> list:
-    """A DuckDB list cell as a list: SQL NULL (None, or pandas' NA) is an empty one."""
-    return [] if value is None or value is pd.NA or (isinstance(value, float) and value != value) else list(value)
+    """A DuckDB list cell as a list: a FILTER that kept no row gives NULL (None, or pandas' NA), not []."""
+    return list(value) if hasattr(value, "__len__") and not isinstance(value, str) else []

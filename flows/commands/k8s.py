@@ -9,15 +9,16 @@ from stages import StageError
 def cmd_k8s_render(args, storage):
     from flows import kubernetes as k8s
 
+    prefect_file = args.prefect_file or k8s.PREFECT_FILE
     if args.deployment:
-        found = k8s.deployments(args.prefect_file)
+        found = k8s.deployments(prefect_file)
         if args.deployment not in found:
-            raise StageError(f"--deployment {args.deployment}: {args.prefect_file} has {', '.join(sorted(found))}")
+            raise StageError(f"--deployment {args.deployment}: {prefect_file} has {', '.join(sorted(found))}")
         d = found[args.deployment]
-        job = k8s.render_job(d, k8s.job_template(args.prefect_file), {"run_id": args.run}, args.run)
+        job = k8s.render_job(d, k8s.job_template(prefect_file), {"run_id": args.run}, args.run)
         what = f"deployment {args.deployment}: a flow run on pool {d['work_pool']['name']}"
         print(k8s.as_yaml([(what, job)]), end="")
         return
-    jobs = k8s.stage_jobs(args.stage or STAGES, args.run, args.iteration, args.prefect_file)
+    jobs = k8s.stage_jobs(args.stage or STAGES, args.run, args.iteration, prefect_file)
     shown = [(f"stage {s}: a flow run of deployment {name}", job) for s, (name, job) in jobs.items()]
     print(k8s.as_yaml(shown), end="")

@@ -116,8 +116,16 @@ def cmd_demo(args, storage):
 
 def first_reaching(storage, run_id: str, target: float) -> tuple[int, float] | None:
     """(iteration, exact match) of the first committed eval whose held-out exact match reached `target`; None if
-    none did."""
-    from grpo.report import iteration_rows
+    none did. Reads the evals' manifests alone: a rerun of a finished demo answers at once."""
+    from grpo.query import iterations
+    from grpo.record.layout import stage_dir
+    from grpo.record.storage import NotCommittedError, latest_committed
 
-    rows = iteration_rows(storage, run_id)
-    return next(((r["iteration"], e) for r in rows if (e := r["eval_exact_match"]) is not None and e >= target), None)
+    for k in iterations(storage, run_id):
+        try:
+            found = latest_committed(storage, stage_dir(storage, run_id, k, "eval"), verify=False)
+        except NotCommittedError:
+            continue
+        if (exact := found.manifest.summary.get("exact_match")) is not None and exact >= target:
+            return k, exact
+    return None

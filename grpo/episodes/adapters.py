@@ -89,3 +89,11 @@ def source(rollout, files: dict[str, str]) -> Source | None:
         tool_files=tuple(files.get(spec) for spec in rollout.tools),
         timeout_s=rollout.tool_timeout_s,
     )
+
+
+def names_files(rollout) -> bool:
+    """Whether rollout.tools or rollout.environment name files (copied into the run's base commit at `grpo init`:
+    the stages that run them read that commit)."""
+    from grpo.tasks import functions
+
+    return any(functions.is_file_spec(s) for s in rollout.tools + [rollout.environment or ""])

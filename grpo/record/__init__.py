@@ -10,8 +10,10 @@ One component a file, read in this order (each imports only those above it):
   liveness.py    heartbeats: whether an attempt's writer is alive (gc, placement, the state commit ask here)
   commit.py      StageWriter: a new attempt, its files, the manifest written last
   lineage.py     which attempt is current, what is stale, where a run resumes, which policy samples what
+  reward_files.py  the reward files a run scores with: its base's copies, or a fork's own after a fix
   fork.py        runs that start from another's committed history, by reference
   checkpoint.py  HF-format checkpoints in storage: upload a folder, get a local folder to load
+  dispatches.py  when the orchestrating flow sent each placed stage off (`grpo timeline`'s start-up)
   resume.py      the learner's resume state, committed after its policy in the background
 
 A stage's output is committed by a manifest written last; nothing here imports a stage, the learner or Prefect.

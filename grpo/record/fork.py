@@ -26,6 +26,7 @@ import fsspec
 
 from grpo.config import ConfigError, RunConfig, load_config
 from grpo.errors import StageError
+from grpo.record import reward_files
 from grpo.record.commit import StageWriter
 from grpo.record.counts import is_local
 from grpo.record.identity import config_hash, lineage_identity, stage_identity, stored_config
@@ -148,7 +149,7 @@ def reuse(
 def fork_config(storage: Storage, parent: str, overrides: list[str]) -> tuple[RunConfig, RunConfig]:
     """(the parent's config, the fork's: the parent's with `overrides`), refusing in one line what a fork cannot
     change: the model (the fork trains the parent's policy on), LoRA on or off (the form its policy is
-    committed in), and reward files (`reward.functions` file specs: they are copied into the parent's base)."""
+    committed in). Reward files: grpo.scoring.files."""
     if not storage.exists(run_json(storage, parent)):
         raise StageError(no_such_run(storage, parent))
     try:
@@ -164,12 +165,6 @@ def fork_config(storage: Storage, parent: str, overrides: list[str]) -> tuple[Ru
         )
     if (old["learn"]["lora"] is None) != (new["learn"]["lora"] is None):
         raise ConfigError("learn.lora: a fork keeps its parent's form of policy (LoRA adapters or full weights)")
-    for i, spec in enumerate(after.reward.functions):
-        if functions.is_file_spec(spec) and before.reward.functions[i : i + 1] != [spec]:
-            raise ConfigError(
-                f"reward.functions: {spec!r} is a file, and a fork scores with the reward files its parent's base "
-                "holds (copied at `grpo init`); name a module (package.module:function) or start a new run"
-            )
     b, a = before.rollout, after.rollout  # episodes: the tool and environment files are the parent base's too
     for setting, old, new in (("tools", b.tools, a.tools), ("environment", [b.environment], [a.environment])):
         for i, spec in enumerate(new):
@@ -254,6 +249,8 @@ def fork_run(storage: Storage, parent: str, at: int, run_id: str, overrides: lis
     for source in history:
         inputs = {name: made[ref.uri] for name, ref in source.manifest.inputs.items()}
         made[source.uri] = reference(storage, run_id, source, inputs)
+    named = any(o.split("=", 1)[0].strip() == "reward.functions" for o in overrides)  # read the files again
+    reward_files.commit_for_fork(storage, run_id, parent, cfg, read_local=named)
     data = json.dumps(record, indent=1, sort_keys=True).encode()
     if is_local(storage.fs):
         storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)

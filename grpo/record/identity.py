@@ -59,6 +59,7 @@ ADDED_SETTINGS = {
         ("min_signal_groups", "max_sampling_rounds"), ("staleness",),
         ("tools", "environment", "max_turns", "tool_timeout_s", "tool_workers", "tool_max_memory_mb"),
     ),
+    "eval": (("correct",),),
 }  # fmt: skip
 """Settings added after runs were made without them, per section, in groups that act together: an identity
 leaves a group out while all of it holds its defaults (what runs did before it existed)."""

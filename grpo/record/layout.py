@@ -15,10 +15,12 @@ import enum
 import hashlib
 import re
 import unicodedata
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from grpo.errors import LayoutError
-from grpo.record.storage import Storage
+
+if TYPE_CHECKING:  # the CLI reads STAGES before it knows whether its command needs storage
+    from grpo.record.storage import Storage
 
 StageName = Literal["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]
 STAGES: tuple[str, ...] = get_args(StageName)  # the order an iteration runs them in

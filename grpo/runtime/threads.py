@@ -10,12 +10,13 @@ one each); unset, torch's own. `grpo --threads`, `python -m flows.grpo`, the flo
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import os
+import sys
 import time
 from contextlib import contextmanager
-
-import torch
 
 from grpo.errors import StageError
 
@@ -50,17 +51,44 @@ def parse_threads(text: str, n_cores: int) -> int:
     )
 
 
-def apply_threads(default: str | None = None) -> int:
+def apply_threads(default: str | None = None) -> None:
     """Set torch's CPU threads from GRPO_THREADS, else from `default` (a GRPO_THREADS value; None leaves
-    torch's); the count is exported as GRPO_THREADS so the grpo processes this one starts use it too.
-    Returns the count."""
+    torch's); the count is exported as GRPO_THREADS so the grpo processes this one starts use it too. Where torch
+    is not loaded yet, the count is set the moment it loads: a command that never needs torch (`grpo status`)
+    does not pay its import (seconds)."""
     text = os.environ.get(ENV) or default
-    if text:
-        n = parse_threads(text, cores())
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
-        os.environ[ENV] = str(n)
-    return torch.get_num_threads()
+    if not text:
+        return
+    n = parse_threads(text, cores())
+    os.environ[ENV] = str(n)
+    if "torch" in sys.modules:
+        _set_torch_threads(sys.modules["torch"], n)
+    elif not any(isinstance(f, _OnTorchImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnTorchImport())
+
+
+def _set_torch_threads(torch, n: int) -> None:
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+class _OnTorchImport(importlib.abc.MetaPathFinder):
+    """Finds torch as Python would, and sets its threads (GRPO_THREADS, as it is then) once its import ends."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)  # once; and the lookup below must not find this finder again
+        spec = importlib.util.find_spec("torch")
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            if text := os.environ.get(ENV):
+                _set_torch_threads(module, parse_threads(text, cores()))
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def oversubscribed(threads: int, others: float, n_cores: int) -> bool:
@@ -86,6 +114,8 @@ def cpu_watch(what: str, on: bool = True):
     t0, own0, busy0 = time.perf_counter(), _own_s(), _busy_s()
     yield out
     wall = time.perf_counter() - t0
+    import torch  # loaded by now: the block ran the learner
+
     own, busy = _own_s() - own0, _busy_s() - busy0
     threads, n_cores = torch.get_num_threads(), os.cpu_count() or 1
     others = max(busy - own, 0.0) / wall if wall > 0 else 0.0

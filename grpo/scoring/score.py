@@ -51,11 +51,11 @@ def scorer_key(cfg: RunConfig, base: Committed | None) -> tuple:
     reward functions with the local paths of the files committed in `base`."""
     specs = tuple(cfg.reward.functions)
     files: list[str | None] = [None] * len(specs)
-    if any(functions.is_file_spec(s) for s in specs):
+    if any(functions.has_copy(s) for s in specs):
         folder = local_checkpoint(base, prefix=functions.REWARD_PREFIX)
         files = [
             f"{folder}/{functions.committed_name(i, s)[len(functions.REWARD_PREFIX) :]}"
-            if functions.is_file_spec(s)
+            if functions.has_copy(s)
             else None
             for i, s in enumerate(specs)
         ]

@@ -5,7 +5,11 @@ float, or a dict of named components with `total`; `row` holds the dataset's oth
 (a function gets those it names, or all of them with `**row`), and in a run of episodes
 `environment` and `messages` (EPISODE_ARGUMENTS). It is named as
 `path/to/file.py:function` (the file is copied into the run at `grpo init`, so every stage,
-worker and machine scores with the same code) or `package.module:function` (imported by name).
+worker and machine scores with the same code), `package.module:function` (imported by name), or a callable
+handed to `grpo.train` (cloudpickled, named `pickled/<name>-<sha256>.pkl:<name>`, its bytes copied into the run
+as a file's are). A function in TRL's shape, `(completions, **kwargs) -> list[float]` (a parameter named
+`completions`), is called one sample at a time with lists of one: `prompts`, `completions`, `ground_truth` and
+each dataset column.
 
 With several functions, a sample's reward is the weighted sum of their totals; each one's
 total is stored under its name and its other components as `name/component`.
@@ -47,6 +51,87 @@ def is_file_spec(spec: str) -> bool:
     (True, False)
     """
     return spec.rpartition(":")[0].endswith(".py")
+
+
+PICKLED = "pickled/"  # the pseudo-folder of a pickled callable's spec
+
+_PICKLES: dict[str, bytes] = {}
+"""spec -> the cloudpickled bytes of a callable handed to grpo.train in this process (`grpo init` copies them into
+the run; later processes read the run's copy)."""
+
+
+def is_pickled_spec(spec: str) -> bool:
+    """Whether `spec` names a cloudpickled callable (pickle_callable).
+
+    >>> is_pickled_spec("pickled/exact-0123456789abcdef.pkl:exact"), is_pickled_spec("r.py:exact")
+    (True, False)
+    """
+    return spec.startswith(PICKLED) and spec.rpartition(":")[0].endswith(".pkl")
+
+
+def has_copy(spec: str) -> bool:
+    """Whether the run keeps a copy of what `spec` names (a file, or a pickled callable)."""
+    return is_file_spec(spec) or is_pickled_spec(spec)
+
+
+def pickle_callable(fn: Callable, index: int) -> str:
+    """The spec of `fn`, cloudpickled and kept in this process for `grpo init` to copy; named after the function
+    (reward_<index> for a lambda) and its bytes' hash. A function of a script or of a module of your own travels by
+    value (its code in the bytes: a later process needs no import of it); one of an installed package (or of
+    grpo) by reference."""
+    import cloudpickle
+
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    by_value = module is not None and module.__name__ != "__main__" and _own_code(module)
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        data = cloudpickle.dumps(fn)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+    name = getattr(fn, "__name__", "")
+    name = name if name.isidentifier() else f"reward_{index}"
+    spec = f"{PICKLED}{name}-{hashlib.sha256(data).hexdigest()[:16]}.pkl:{name}"
+    _PICKLES[spec] = data
+    return spec
+
+
+def _own_code(module) -> bool:
+    """A module of the user's own: neither installed (site-packages) nor grpo-flow's, nor built in."""
+    path = getattr(module, "__file__", None) or ""
+    installed = any(part in ("site-packages", "dist-packages") for part in path.split(os.sep))
+    return bool(path) and not installed and module.__name__.split(".")[0] not in ("grpo", "stages", "flows")
+
+
+def pickled_bytes(spec: str) -> bytes:
+    """The bytes of a pickled callable handed to grpo.train in this process."""
+    if spec not in _PICKLES:
+        raise RewardFunctionError(
+            f"reward.functions: {spec!r} is a callable that grpo.train pickled in another process, and this run holds "
+            "no copy of it yet: pass the callable to grpo.train again"
+        )
+    return _PICKLES[spec]
+
+
+def per_sample(fn: Callable) -> Callable:
+    """A reward function in TRL's shape, `(completions, **kwargs) -> list`, as one of (response, ground_truth,
+    prompt, **row): called with lists of one sample.
+
+    >>> f = per_sample(lambda completions, ground_truth, **_: [float(completions == ground_truth)])
+    >>> f("3 4", "3 4", "sort: 4 3"), f("4 3", "3 4", "sort: 4 3", level=2)
+    (1.0, 0.0)
+    """
+
+    @functools.wraps(fn)
+    def reward(response, ground_truth, prompt, **row):
+        got = fn(
+            prompts=[prompt], completions=[response], ground_truth=[ground_truth], **{k: [v] for k, v in row.items()}
+        )
+        return got[0] if isinstance(got, (list, tuple)) and len(got) == 1 else got
+
+    del reward.__wrapped__  # its signature is the per-sample one
+    return reward
 
 
 def split_spec(spec: str, setting: str = "reward.functions") -> tuple[str, str]:
@@ -104,11 +189,30 @@ def load_object(spec: str, file: str | None = None, setting: str = "reward.funct
 
 
 def load_function(spec: str, file: str | None = None) -> Callable:
-    """The function `spec` names, checked to take (response, ground_truth, prompt).
+    """The function `spec` names (a file's, a module's, or a callable grpo.train pickled), checked to take
+    (response, ground_truth, prompt); `file` overrides the path of a file spec (the run's committed copy)."""
+    target, name = split_spec(spec)
+    fn = _unpickled(spec, file) if is_pickled_spec(spec) else load_object(spec, file)
+    return _checked(spec, fn, target, name)
 
-    `file` overrides the path of a file spec (the run's committed copy).
-    """
-    fn = load_object(spec, file)
+
+def _unpickled(spec: str, file: str | None) -> Callable:
+    """A pickled callable: from the run's copy (`file`), else from this process (pickled_bytes)."""
+    import cloudpickle
+
+    data = open(file, "rb").read() if file else pickled_bytes(spec)
+    try:
+        return cloudpickle.loads(data)
+    except Exception as e:  # noqa: BLE001 (a module the callable needs is missing here, ...)
+        raise RewardFunctionError(f"reward.functions: {spec!r}: unpickling failed: {type(e).__name__}: {e}") from e
+
+
+def _checked(spec: str, fn, target: str, name: str) -> Callable:
+    """`fn`, in TRL's shape made per sample, checked to take (response, ground_truth, prompt)."""
+    if not callable(fn):
+        raise RewardFunctionError(f"reward.functions: {spec!r}: {target} has no function {name!r}")
+    if "completions" in inspect.signature(fn).parameters:
+        fn = per_sample(fn)
     try:
         sig = inspect.signature(fn)
         sig.bind("response", "ground_truth", "prompt", **{n: None for n in required_columns(fn)})

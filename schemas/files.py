@@ -1,0 +1,24 @@
+"""Where each table is committed: its stage and its file in the stage's attempt. Plain names, no pyarrow: a
+reader of manifests (`grpo status`) finds a table's file without loading the schemas of schemas/tables.py."""
+
+# (stage, file in the stage's attempt); `grpo query` makes a view of each
+TABLE_FILES: dict[str, tuple[str, str]] = {
+    "rollouts": ("rollouts", "rollouts.parquet"),
+    "draws": ("rollouts", "draws.parquet"),
+    "turns": ("rollouts", "turns.parquet"),
+    "episodes": ("rollouts", "episodes.parquet"),
+    "rewards": ("rewards", "rewards.parquet"),
+    "advantages": ("advantages", "advantages.parquet"),
+    "logprobs": ("learn", "logprobs.parquet"),
+    "learn_metrics": ("learn", "metrics.parquet"),
+    "eval": ("eval", "eval.parquet"),
+}
+
+OPTIONAL_TABLES = ("draws", "turns", "episodes")
+"""Tables a stage commits only with a setting on (draws: rollout.min_signal_groups; turns and episodes: rollout.tools
+or rollout.environment); `grpo query` skips an attempt without one."""
+
+
+def table_file(table: str) -> str:
+    """The file name a table is committed under, in its stage's attempt."""
+    return TABLE_FILES[table][1]
