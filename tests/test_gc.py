@@ -6,15 +6,17 @@ import os
 import time
 
 import pytest
+from load import load_factor
 
 from flows.cli import main
 from grpo.config import RetentionConfig, load_config
-from grpo.gc import held_summary, lost_attempts, plan, remove
+from grpo.gc import LEASE_BEATS, held_summary, lost_attempts, plan, remove
 from grpo.layout import stage_dir
 from grpo.storage import (
     HEARTBEAT_NAME,
     AttemptRemovedError,
     StageWriter,
+    heartbeat_interval_s,
     is_committed,
     is_local,
     list_attempts,
@@ -29,7 +31,9 @@ HOUR = 3600.0
 
 @pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
 def storage(request, tmp_path, monkeypatch):
-    monkeypatch.setenv("GRPO_HEARTBEAT_S", "0.1")
+    # a beat every 0.1 s on a quiet machine, its lease of LEASE_BEATS beats 1 s; longer on a loaded one, where a
+    # live writer's beats come late
+    monkeypatch.setenv("GRPO_HEARTBEAT_S", f"{0.1 * load_factor():.3f}")
     if request.param == "file":
         storage = open_storage((tmp_path / "store").as_uri())
     else:
@@ -109,7 +113,7 @@ def test_a_dead_attempt_goes(storage, capsys):
     assert "closed_at" in beat(storage, failed)
     out = gc(storage, capsys)
     assert "held back: 1 live attempt (recent heartbeat) left alone; 1 attempt newer than 1 h left alone" in out
-    time.sleep(2.5)
+    time.sleep(max(2.5, 1.5 * LEASE_BEATS * heartbeat_interval_s()))  # past --older-than-s and the crashed lease
     out = gc(storage, capsys, "--delete", "--older-than-s", "2")
     assert out.count("failed") == 2 and "held back" not in out and "removed 2 item(s)" in out
     assert not files_under(storage, crashed.attempt_dir) and not files_under(storage, failed.attempt_dir)
@@ -118,10 +122,10 @@ def test_a_dead_attempt_goes(storage, capsys):
 
 def test_lost_attempts_are_the_uncommitted_ones_whose_writer_stopped_beating(storage, monkeypatch):
     """What the flow asks of a placed stage it waits for (flows/placement.py Watch): an attempt whose writer was killed
-    is lost once it missed LEASE_BEATS beats (1 s at 0.1 s a beat); a live, a failed (closed) or a committed one
+    is lost once it missed LEASE_BEATS beats (1 s at 0.1 s a beat, quiet); a live, a failed (closed) or a committed one
     never is."""
     crashed, failed, done = (writer(storage, stage="learn") for _ in range(3))
-    monkeypatch.setenv("GRPO_HEARTBEAT_S", "1")  # a live writer beating slower: 10 s of lease, however loaded
+    monkeypatch.setenv("GRPO_HEARTBEAT_S", f"{load_factor():.3f}")  # a live writer beating slower: 10 s of lease+
     live = writer(storage, stage="learn")
     crashed._heartbeat.stop()  # as if killed: the last beat stays
     failed.close()

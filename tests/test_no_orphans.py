@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from load import scaled
 from test_stages import TINY, make_run
 
 from grpo.config import load_config
@@ -101,8 +102,13 @@ def test_learner_processes_die_with_the_stage_or_torchrun_killed_by_sigkill(stor
     """The stage (or its torchrun) is SIGKILLed while the ranks train: they are gone within seconds, not
     alive until their next write to a closed pipe."""
     learn_ready(storage, "p")
+    inside = tmp_path / "in-train"  # each rank says it is in train, then sleeps there
+    inside.mkdir()
     hook = hook_dir(
-        tmp_path, "    import grpo.learner.loop\n    grpo.learner.loop.train = lambda *a, **k: time.sleep(300)\n"
+        tmp_path,
+        "    import grpo.learner.loop\n"
+        f"    grpo.learner.loop.train = lambda *a, **k: open({str(inside)!r} + '/' + os.environ['RANK'], 'w').close() "
+        "or time.sleep(300)\n",
     )
     script = (
         "from grpo.storage import open_storage\nfrom stages import stage_function\n"
@@ -121,15 +127,18 @@ def test_learner_processes_die_with_the_stage_or_torchrun_killed_by_sigkill(stor
                 break
             time.sleep(0.5)
         assert len(ranks) == 2, f"no ranks started (stage exit {stage.poll()})"
-        time.sleep(2)  # into train (sleeping)
+        while len(list(inside.iterdir())) < 2 and time.monotonic() < deadline and stage.poll() is None:
+            time.sleep(0.1)  # into train (sleeping)
+        assert len(list(inside.iterdir())) == 2, f"the ranks never reached train (stage exit {stage.poll()})"
         family = descendants(stage.pid)
         torchrun = {_parent(p) for p in ranks}
         assert len(torchrun) == 1 and torchrun != {stage.pid}
         os.kill(stage.pid if killed == "stage" else torchrun.pop(), signal.SIGKILL)
-        deadline = time.monotonic() + 10
+        bound_s = scaled(10)
+        deadline = time.monotonic() + bound_s
         while time.monotonic() < deadline and [p for p in family if _alive(p)]:
             time.sleep(0.2)
-        assert not [p for p in family if _alive(p)], f"still running after 10 s: {family}"
+        assert not [p for p in family if _alive(p)], f"still running after {bound_s:.0f} s: {family}"
     finally:
         for p in [stage.pid, *family]:
             if _alive(p):
