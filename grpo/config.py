@@ -265,8 +265,8 @@ class RewardConfig:
     pass_env: list[str] = field(default_factory=list)
     """Names of credential variables reward functions may read (e.g. [OPENAI_API_KEY] for a judge): workers
     start without every AWS_*, *_TOKEN, *_KEY, *SECRET*, *PASSWORD* (grpo/scoring/secrets.py) but these, and
-    the values of the rest are redacted from errors, component names and printed output. Not part of the
-    stage's identity."""
+    the values of all of them, these included, are redacted from errors, component names and printed output.
+    Not part of the stage's identity."""
     shards: int = 1
     """Split the samples into this many ranges, each scored by its own task run (on its own worker where the
     stage is placed) and committed on its own, so a failed shard reruns alone; the stage commits their rows

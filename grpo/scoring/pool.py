@@ -187,12 +187,12 @@ class _Worker:
 class RewardPool:
     """Worker processes forked from this one, each watched by the parent (see the note above); they start
     without this process's credentials but those named in `pass_env` (reward.pass_env), and what they
-    answer or print reaches the caller and the log with the values of the others redacted."""
+    answer or print reaches the caller and the log with the values of all of them redacted."""
 
     def __init__(self, workers: int, pass_env: tuple[str, ...] = ()):
         self.workers: list[_Worker] = []
         self.pass_env = tuple(pass_env)
-        self.secrets: dict[str, str] = {}  # value -> name of each credential kept from the workers
+        self.secrets: dict[str, str] = {}  # value -> name of each credential, kept from the workers or passed
         self.left_running = 0  # processes its jobs left running (killed), since the pool started
         self.printed, self.printed_head = 0, b""  # what workers printed since the last log, its first bytes
         try:
