@@ -151,16 +151,40 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
         except data.DatasetError as e:
             raise ConfigError(f"task.prompt_format={cfg.task.prompt_format}: {e}") from e
     columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
-    for spec in cfg.reward.functions:
-        try:
-            missing = functions.required_columns(functions.load_function(spec)) - columns
-        except functions.RewardFunctionError as e:
-            raise ConfigError(str(e)) from e
+    for spec, needed in reward_columns(cfg).items():
+        missing = set(needed) - columns
         if missing:
             raise ConfigError(
                 f"reward.functions: {spec!r} needs dataset column(s) {sorted(missing)}, which "
                 f"{cfg.task.dataset or 'the task generator'} lacks (columns: {sorted(columns)})"
             )
+
+
+IMPORT_TIMEOUT_S = 120.0
+"""How long a reward file may take to import and be checked at `grpo init`."""
+
+
+def reward_columns(cfg: RunConfig) -> dict[str, list[str]]:
+    """{spec: the dataset columns it needs} of reward.functions, each imported and checked in a reward worker (no
+    credentials but reward.pass_env's, what it prints logged redacted), as the rewards stage runs them: a reward
+    file's module-level code never runs in this process, and an import that exits, crashes or hangs is one line."""
+    from grpo.scoring.pool import RewardPool
+
+    found = {}
+    with RewardPool(1, tuple(cfg.reward.pass_env)) as pool:
+        for spec in cfg.reward.functions:
+            try:
+                found[spec] = pool.apply(functions.columns_needed, (spec,), timeout=IMPORT_TIMEOUT_S)
+            except RuntimeError as e:
+                raise ConfigError(
+                    f"reward.functions: {spec!r}: importing it in a reward worker failed ({one_line(e)}): a reward "
+                    "file must import without exiting, crashing or hanging; run `python -c 'import <file>'` to see"
+                ) from e
+            finally:
+                pool.log_printed()
+            if isinstance(found[spec], str):
+                raise ConfigError(found[spec])
+    return found
 
 
 def usable_cores() -> int:

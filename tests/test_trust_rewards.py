@@ -448,3 +448,42 @@ def test_a_worker_holds_no_credential_in_its_environment_block(tmp_path):
 def test_pass_env_takes_variable_names():
     with pytest.raises(ConfigError, match=r"^reward.pass_env lists environment variable names .* got \['AWS_\*'\]"):
         load_config(None, ["reward.pass_env=[AWS_*]"])
+
+
+AT_IMPORT = {  # module-level code of a reward file, run when `grpo init` checks it
+    "reads": "import os\n"
+    "open(os.environ['SEEN_FILE'], 'w').write(os.environ.get('AWS_SECRET_ACCESS_KEY', 'absent'))\n"
+    "print('the module sees', open(os.environ['TRUST_LEAK_FILE']).read())\n",
+    "exits": "import os\nos._exit(0)\n",
+    "crashes": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n",
+}
+SCORE = "\ndef score(response, ground_truth, prompt):\n    return 1.0\n"
+
+
+def init_with(tmp_path, module: str) -> subprocess.CompletedProcess:
+    """`grpo init` (a process of its own: an os._exit must not end the test) with reward file `module`."""
+    (tmp_path / f"{module}.py").write_text(AT_IMPORT[module] + SCORE)
+    (tmp_path / "secret").write_text(SECRET)
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": SECRET, "SEEN_FILE": str(tmp_path / "seen")}
+    env |= {"TRUST_LEAK_FILE": str(tmp_path / "secret"), "PYTHONPATH": str(ROOT)}
+    sets = [f"--set={s}" for s in TINY + [f"reward.functions=[{tmp_path / module}.py:score]"]]
+    argv = [sys.executable, "-m", "flows.cli", "--storage", str(tmp_path / "store"), "init", "--run", "t", *sets]
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_init_imports_reward_files_in_a_worker_without_credentials(tmp_path):
+    """grpo init imports a reward file where the rewards stage runs it: a reward worker, no credentials in its
+    environment, what it prints logged with the secrets it found anyway redacted."""
+    done = init_with(tmp_path, "reads")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "seen").read_text() == "absent"
+    assert SECRET not in done.stdout + done.stderr
+    assert "the module sees <AWS_SECRET_ACCESS_KEY redacted>" in done.stderr
+
+
+@pytest.mark.parametrize("module, how", [("exits", "exit code 0"), ("crashes", "killed by SIGSEGV")])
+def test_a_reward_file_that_exits_or_crashes_as_it_imports_fails_init_in_one_line(tmp_path, module, how):
+    done = init_with(tmp_path, module)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    assert f"reward.functions: '{tmp_path / module}.py:score': importing it in a reward worker failed" in done.stderr
+    assert how in done.stderr and not (tmp_path / "store" / "runs" / "t").exists()

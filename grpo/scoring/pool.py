@@ -266,12 +266,18 @@ class RewardPool:
                 events.append((w, job, "died", None))
         return events
 
-    def apply(self, fn, args: tuple = ()):
-        """fn(*args) in an idle worker (a warm pool's pid, a check); raises RuntimeError if it fails."""
+    def apply(self, fn, args: tuple = (), timeout: float | None = None):
+        """fn(*args) in an idle worker (a warm pool's pid, a check); raises RuntimeError if it fails, kills the
+        worker or runs past `timeout` s (the worker is then replaced)."""
         w = self.idle()[0]
         self.submit(w, fn, args)
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            for _, _, kind, payload in self.wait(None):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self.replace(w)
+                raise RuntimeError(f"reward worker gave no answer within {timeout:g} s")
+            for _, _, kind, payload in self.wait(left):
                 if kind == "died":
                     raise RuntimeError(f"reward worker died: {self.replace(w)}")
                 if kind == "failed":

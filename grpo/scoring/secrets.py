@@ -55,7 +55,8 @@ def secret_values(environ: Mapping[str, str], pass_env: Iterable[str] = ()) -> d
     pass_env passes to the workers too (a judge's API key is read, never committed or logged), and every variable
     pass_env names; longest value first, each long enough to be worth redacting.
 
-    >>> secret_values({"AWS_SECRET_ACCESS_KEY": "s" * 9, "JUDGE_URL": "https://judge", "HOME": "/home/me"}, ["JUDGE_URL"])
+    >>> env = {"AWS_SECRET_ACCESS_KEY": "s" * 9, "JUDGE_URL": "https://judge", "HOME": "/home/me"}
+    >>> secret_values(env, ["JUDGE_URL"])
     {'https://judge': 'JUDGE_URL', 'sssssssss': 'AWS_SECRET_ACCESS_KEY'}
     """
     names = [*credential_names(environ), *(k for k in pass_env if k in environ)]

@@ -107,6 +107,19 @@ def load_function(spec: str, file: str | None = None) -> Callable:
     return fn
 
 
+def columns_needed(spec: str) -> list[str] | str:
+    """The dataset columns the function `spec` names needs, sorted; or the line saying why it does not load. What
+    `grpo init` asks a reward worker, so that a reward file's module-level code runs where scoring runs it.
+
+    >>> columns_needed("grpo.tasks.functions:nothing")
+    "reward.functions: 'grpo.tasks.functions:nothing': grpo.tasks.functions has no function 'nothing'"
+    """
+    try:
+        return sorted(required_columns(load_function(spec)))
+    except RewardFunctionError as e:
+        return str(e)
+
+
 def required_columns(fn: Callable) -> set[str]:
     """Dataset columns `fn` needs: its parameters after the first three that have no default."""
     params = list(inspect.signature(fn).parameters.values())[3:]
