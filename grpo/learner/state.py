@@ -9,21 +9,20 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from grpo.checkpoint import checkpoint_dtype
 from grpo.config import RunConfig
 from grpo.devices import learner_device
 from grpo.learner import sharding
 from grpo.learner.batch import Batch
 from grpo.learner.model import PolicyLM, score
 from grpo.learner.precision import autocast_precision
+from grpo.record.checkpoint import checkpoint_dtype
+from grpo.record.digests import hashed_writer
+from grpo.record.layout import STATE_DCP
 
 MASTER_WEIGHTS = "master.safetensors"  # float32 weights, written when the checkpoint's dtype is narrower
 
 
 ADAPTER_DIR = "adapter"  # a LoRA learn's policy: peft's adapter files (the base is the run's base model)
-
-
-STATE_DCP = "dcp"  # learn.sharding=fsdp2: every process's shards of the weights and AdamW state
 
 
 def optimizer_steps(opt) -> int:
@@ -180,9 +179,11 @@ class Learner:
         if self.sharded and shards:
             self.save_shards(held)
         elif main and not self.sharded:
-            torch.save(self.opt.state_dict(), held / "optimizer.pt")
+            with hashed_writer(held / "optimizer.pt") as f:  # its commit lists it without reading it back
+                torch.save(self.opt.state_dict(), f)
         if main:
-            torch.save({"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()}, held / "rng.pt")
+            with hashed_writer(held / "rng.pt") as f:
+                torch.save({"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()}, f)
 
     def save_shards(self, state_dir: str | Path) -> None:
         """Every process (fsdp2) writes its shards of the float32 weights and AdamW state into state_dir/dcp/."""
