@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import random
+import re
 from typing import Any, Literal
 
 import numpy as np
@@ -208,14 +209,50 @@ def _content_digest(fs, path: str, uri: str, size: int | None) -> str:
     return h.hexdigest()
 
 
+def _is_http(fs) -> bool:
+    return any(p in ("http", "https") for p in ([fs.protocol] if isinstance(fs.protocol, str) else fs.protocol))
+
+
+_DIGEST = re.compile(r"[0-9a-f]{32}|[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def content_validator(info: dict) -> str | None:
+    """What a web server says of an object that changes with its content, as `size:tag`: a Content-MD5 or
+    Digest, or an ETag that is a content digest (32, 40 or 64 hex digits: MD5, SHA-1, SHA-256, as S3 behind a
+    CDN or the Hugging Face Hub send); None for a weak validator (W/), and for an ETag made of the file's size
+    and modification time, as nginx ("5f3c1a2b-1a4") and Apache ("1a4-5f3c1a2b3c4d5") make theirs: an edit that
+    keeps both (cp -p, rsync -t) keeps the tag.
+
+    >>> content_validator({"size": 420, "ETag": '"5f3c1a2b-1a4"'}), content_validator({"size": 4, "ETag": 'W/"x"'})
+    (None, None)
+    >>> content_validator({"size": 420, "ETag": '"d41d8cd98f00b204e9800998ecf8427e"'})
+    '420:d41d8cd98f00b204e9800998ecf8427e'
+    """
+    tag = next((str(info[k]) for k in ("Content-MD5", "Digest") if info.get(k)), None)
+    etag = str(info.get("ETag") or "").strip()
+    if tag is None and not etag.startswith("W/") and _DIGEST.fullmatch(etag.strip('"').lower()):
+        tag = etag.strip('"').lower()
+    return None if tag is None else f"{info.get('size')}:{tag}"
+
+
+def validator(uri: str) -> str | None:
+    """content_validator of a dataset on a web server, which `grpo init` records beside its fingerprint: a later
+    read checks the dataset by it without a download; None elsewhere (and where the server gives none: each
+    check then reads the bytes)."""
+    fs, path = url_to_fs(uri)
+    return content_validator(fs.info(path)) if _is_http(fs) and not fs.isdir(path) else None
+
+
 def fingerprint(uri: str) -> str:
     """What identifies the dataset's bytes: `sha256:` of a local file's content (of each file's name and
     content in a save_to_disk folder), `etag:` a hash of each object's size and content tag (ETag) on
-    object storage and web servers, `sha256:` of each object's bytes where the store gives no tag (an
-    HTTP server without ETag: a same-size edit is seen); a DatasetError when it gives neither.
+    object storage, `sha256:` of each object's bytes where the store gives no tag and on a web server,
+    whatever its ETag says (nginx's and Apache's are the file's size and mtime: a same-size edit that keeps
+    the mtime keeps them); a DatasetError when the bytes do not read whole.
 
     Local files are hashed once a process while their stat stamp holds (grpo.record.storage.file_digest);
-    tagged objects cost one metadata request each, untagged ones a download each time.
+    tagged objects cost one metadata request each, web servers' and untagged ones a download each time
+    (pinned_version spares it while a server's content_validator holds).
     """
     fs, path = url_to_fs(uri)
     if not fs.exists(path):
@@ -230,7 +267,7 @@ def fingerprint(uri: str) -> str:
     else:
         infos = fs.find(path, detail=True) if folder else {path: fs.info(path)}
         tags = {f: _object_version(info) for f, info in infos.items()}
-        if all(tags.values()):
+        if all(tags.values()) and not _is_http(fs):
             parts = [(f[len(path) :], tags[f]) for f in sorted(infos)]
             kind = "etag"
         else:
@@ -241,7 +278,7 @@ def fingerprint(uri: str) -> str:
     return f"{kind}:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()}"
 
 
-_PINNED: dict[str, tuple[str, str]] = {}  # dataset uri -> (its config field, the fingerprint grpo init recorded)
+_PINNED: dict[str, tuple[str, str, str | None]] = {}  # dataset uri -> (config field, fingerprint, validator) of init
 
 
 def pin(datasets: dict[str, dict] | None) -> None:
@@ -250,7 +287,9 @@ def pin(datasets: dict[str, dict] | None) -> None:
     before. None (a run made before fingerprints were recorded) pins nothing: its datasets are read as
     they are."""
     global _PINNED
-    _PINNED = {facts["uri"]: (name, facts["fingerprint"]) for name, facts in (datasets or {}).items()}  # whole
+    _PINNED = {
+        facts["uri"]: (name, facts["fingerprint"], facts.get("validator")) for name, facts in (datasets or {}).items()
+    }  # swapped whole
 
 
 def _short(fingerprint_: str) -> str:
@@ -259,31 +298,38 @@ def _short(fingerprint_: str) -> str:
     return f"{kind}:{digest[:12]}"
 
 
-def _size_only(uri: str) -> str:
-    """The fingerprint a file on a store without content tags (an HTTP server without ETag) got before its bytes
-    were hashed: its size alone."""
+def _size_only(uri: str, tagged: bool = False) -> str:
+    """The fingerprint a file on a web server got before its bytes were hashed: its size alone where the server
+    gave no ETag, its size and ETag with `tagged`."""
     fs, path = url_to_fs(uri)
-    parts = [("", f"{fs.info(path).get('size')}:")]
+    info = fs.info(path)
+    parts = [("", (_object_version(info) if tagged else None) or f"{info.get('size')}:")]
     return f"etag:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()}"
 
 
-_SIZE_PINNED: set[str] = set()  # datasets of runs pinned by size alone, said once a process
+_SIZE_PINNED: set[str] = set()  # datasets of runs pinned by size (and ETag) alone, said once a process
 
 
 def pinned_version(uri: str) -> str:
-    """The dataset's fingerprint; a DatasetChangedError when the run pinned it (`pin`) to another. A run made
-    when an untagged object was pinned by its size alone goes on while the size holds, said once (its bytes
-    were never recorded: a new run pins them)."""
+    """The dataset's fingerprint; a DatasetChangedError when the run pinned it (`pin`) to another. On a web server
+    whose content_validator still is the one recorded, the recorded fingerprint without a download. A run made
+    when a web server's file was pinned by its size (and ETag) alone goes on while they hold, said once (its
+    bytes were never recorded: a new run pins them)."""
+    name, then, checked = _PINNED.get(uri, ("", None, None))
+    if then is not None and checked is not None and validator(uri) == checked:
+        return then
     now = fingerprint(uri)
-    name, then = _PINNED.get(uri, ("", now))
-    if now != then and now.startswith("sha256:") and then.startswith("etag:") and then == _size_only(uri):
+    then = now if then is None else then
+    legacy = {_size_only(uri, tagged=True): "size and ETag", _size_only(uri): "size"}  # no ETag: the size
+    if now != then and now.startswith("sha256:") and then in legacy:
         if uri not in _SIZE_PINNED:
             _SIZE_PINNED.add(uri)
             log.warning(
-                "%s %s was pinned by its size alone when the run was made (its store gives no ETag): an edit of the "
-                "same size goes unseen in this run; a new run pins its bytes",
+                "%s %s was pinned by its %s alone when the run was made: an edit of the same size (that keeps the "
+                "file's time) goes unseen in this run; a new run pins its bytes",
                 name,
                 uri,
+                legacy[then],
             )
         return now
     if now != then:
