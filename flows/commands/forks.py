@@ -18,6 +18,18 @@ def cmd_fork(args, storage):
     )
 
 
+def listed(cell) -> list:
+    """A list cell of a DuckDB result as a list: NULL (None or pandas' NA, as the FILTER of no row gives) is [].
+
+    >>> import pandas as pd
+    >>> listed(pd.NA), listed(None), listed(["1/0: 0 -> 1"])
+    ([], [], ['1/0: 0 -> 1'])
+    """
+    import pandas as pd
+
+    return list(cell) if cell is not None and cell is not pd.NA else []
+
+
 def cmd_rescore(args, storage):
     from grpo.record.lineage import next_iteration
     from stages.common import load_run
@@ -35,16 +47,19 @@ def cmd_rescore(args, storage):
             f"{row.reward_after:>7.4f}  {row.groups_flipped:>14}"
         )
     for row in table.itertuples():
-        changed, flipped = list(row.changed if row.changed is not None else []), row.flipped
+        changed, flipped = listed(row.changed), listed(row.flipped)
         if changed:
             more = f" ... and {len(changed) - 5} more" if len(changed) > 5 else ""
             print(f"iteration {row.iteration}: reward changed (prompt/sample: before -> after): "
                   f"{', '.join(changed[:5])}{more}")  # fmt: skip
-        if flipped is not None and len(flipped):
+        if flipped:
             groups = ", ".join(map(str, flipped[:20])) + (
                 f" ... and {len(flipped) - 20} more" if len(flipped) > 20 else ""
             )
             print(f"iteration {row.iteration}: advantage sign flipped in groups (prompt_id) {groups}")
+    for what, column in (("sample's reward changed", "changed"), ("group's advantage flipped sign", "flipped")):
+        if not any(listed(v) for v in table[column]):
+            print(f"no {what} in iterations {first}..{last}")
     print(
         f"rescored into run {fork} (a fork of {args.run}; no rollouts written); per sample: "
         f'{grpo_command(args.storage)} query --run {fork} "SELECT * FROM rescore WHERE reward_changed"'
