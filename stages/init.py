@@ -211,6 +211,42 @@ def check_reward_workers(cfg: RunConfig) -> None:
         )
 
 
+BYTES_PER_TOKEN = 32
+"""What a sampled token costs at least while an iteration runs: its id and log-probs in the rollouts table and the
+learner's batch (int64 ids, float32 sampler, old, reference log-probs, mask, advantage), before any activation."""
+
+
+def machine_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_sizes(cfg: RunConfig, memory: int | None = None) -> None:
+    """rollout.prompts_per_iteration x group_size and eval.n_prompts x samples_per_prompt: no more samples than
+    this machine's memory can hold at BYTES_PER_TOKEN a token of (rollout.max_prompt_tokens or 1) + max_tokens,
+    a bound no real run comes near; past it a stage would grow until the machine runs out, silently."""
+    memory = memory or machine_memory()
+    if memory is None:
+        return
+    r, e = cfg.rollout, cfg.eval
+    tokens = (r.max_prompt_tokens or 1) + r.max_tokens
+    sizes = {
+        ("rollout.prompts_per_iteration", "rollout.group_size"): r.prompts_per_iteration * r.group_size,
+        ("eval.n_prompts", "eval.samples_per_prompt"): e.n_prompts * e.samples_per_prompt,
+    }
+    for (fix, times), samples in sizes.items():
+        what = f"{fix} x {times}"
+        need = samples * tokens * BYTES_PER_TOKEN
+        if need > memory:
+            raise ConfigError(
+                f"{what} = {samples:,} samples of up to {tokens} tokens need at least {need / 2**30:,.0f} GiB, more "
+                f"than this machine's {memory / 2**30:,.0f} GiB; lower {fix}"
+            )
+
+
 def check_held_out(datasets: dict[str, dict]) -> None:
     """eval.dataset must not be task.dataset (the same URI or the same bytes): its prompts would be trained on."""
     train, held = datasets.get("task.dataset"), datasets.get("eval.dataset")
@@ -281,6 +317,7 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
             datasets = dataset_facts(cfg)
         else:
             data.pin(None)  # a new run: nothing recorded yet (a run loaded before in this process pins no more)
+            check_sizes(cfg)
             check_reward_workers(cfg)
             datasets = dataset_facts(cfg)  # before anything is written
             check_held_out(datasets)
