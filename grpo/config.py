@@ -46,6 +46,13 @@ DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 """What learn.device and rollout.device take (grpo/devices.py resolves them on the machine)."""
 
 
+def check_seed(value: int, where: str) -> None:
+    """A seed torch's generators take: a 64-bit integer (a larger one failed in the stage that seeded with it, as
+    "Overflow when unpacking long long")."""
+    if not -(2**63) <= value < 2**63:
+        raise ConfigError(f"{where} must be a 64-bit integer (-2**63 <= {where} < 2**63), got {value}")
+
+
 def check_device(value: str, where: str) -> None:
     """A device setting is auto, cpu, cuda or cuda:N (whether the machine has it is checked where a stage runs)."""
     if not DEVICE.fullmatch(value):
@@ -106,6 +113,9 @@ class ModelConfig:
     def check(self) -> None:
         if self.initializer_range <= 0:
             raise ConfigError(f"model.initializer_range must be > 0, got {self.initializer_range}")
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -618,6 +628,7 @@ class EvalConfig:
         return self.metric.replace("_at_k", f"@{self.samples_per_prompt}")
 
     def check(self) -> None:
+        check_seed(self.seed, "eval.seed")
         if self.n_prompts < 1:
             raise ConfigError(f"eval.n_prompts must be >= 1, got {self.n_prompts}")
         if self.samples_per_prompt < 1:
@@ -871,6 +882,7 @@ def load_config_file(path: str | None, overrides: list[str] | None = None) -> Ru
 def validate(cfg: RunConfig) -> None:
     """Check every setting before any work starts: each section's own fields (its `check`, beside them), then
     what ties sections together; each error names its field."""
+    check_seed(cfg.seed, "seed")
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if hasattr(section, "check"):

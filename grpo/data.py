@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import logging
 import random
@@ -65,9 +66,28 @@ def _read_frame(uri: str) -> pd.DataFrame:
                 return pd.read_parquet(f)
             if kind == "csv":
                 return pd.read_csv(f, dtype=str, keep_default_na=False)
-            return pd.read_json(f, lines=path.endswith(".jsonl"), dtype=False)
+            raw = f.read()
+            if _SURROGATE.search(raw):  # pandas' JSON reader drops a lone surrogate without a word: Python's keeps it
+                return _json_checked(raw, path.endswith(".jsonl"), uri)
+            return pd.read_json(io.BytesIO(raw), lines=path.endswith(".jsonl"), dtype=False)
+        except DatasetError:
+            raise
         except Exception as e:  # noqa: BLE001 (pandas and arrow raise many kinds; name the file)
             raise DatasetError(f"dataset {uri}: cannot be read as {kind}: {type(e).__name__}: {e}") from e
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # JSON's escape of a UTF-16 surrogate
+
+
+def _json_checked(raw: bytes, lines: bool, uri: str) -> pd.DataFrame:
+    """A JSON dataset that escapes UTF-16 surrogates, read by Python's json: a pair is one character, a lone one is
+    refused naming its row and column."""
+    rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()] if lines else json.loads(raw)
+    for i, row in enumerate(rows if isinstance(rows, list) else []):
+        for column, value in row.items() if isinstance(row, dict) else ():
+            if isinstance(value, str):
+                _text(value, f"dataset {uri} row {i}'s {column}")
+    return pd.DataFrame(rows)
 
 
 def _plain(value: Any) -> Any:
@@ -83,13 +103,31 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _text(value: str, where: str) -> str:
+    """`value`, refused where it is no valid Unicode: a lone surrogate (JSON's "\\ud800") the tokenizer drops
+    without a word and Arrow cannot write.
+
+    >>> _text("3 + 4 " + chr(0xD800) + " =", "row 7")
+    Traceback (most recent call last):
+    grpo.data.DatasetError: row 7 holds a lone surrogate (U+D800 at character 6), no valid Unicode; fix the file
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DatasetError(
+            f"{where} holds a lone surrogate (U+{ord(value[e.start]):04X} at character {e.start}), no valid "
+            "Unicode; fix the file"
+        ) from None
+    return value
+
+
 def _prompt(value: Any, where: str) -> str | list[dict]:
     """A prompt cell: a string, or a list of {role, content} messages."""
     value = _plain(value)
     if isinstance(value, str):
-        return value
+        return _text(value, f"{where}'s prompt")
     if isinstance(value, list) and value and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value):
-        return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+        return [{"role": str(m["role"]), "content": _text(str(m["content"]), f"{where}'s prompt")} for m in value]
     raise DatasetError(
         f"{where}: a prompt must be a string or a list of {{role, content}} messages, got {str(value)[:80]!r}"
     )
@@ -155,7 +193,8 @@ def load_examples(
         if i in skip:
             continue
         row = {str(c): _plain(rec[c]) for c in others}
-        out.append(Example(_prompt(rec[prompt_column], f"dataset {uri} row {i}"), str(rec[answer_column]), row))
+        answer = _text(str(rec[answer_column]), f"dataset {uri} row {i}'s {answer_column}")
+        out.append(Example(_prompt(rec[prompt_column], f"dataset {uri} row {i}"), answer, row))
     if not out:
         raise DatasetError(
             f"dataset {uri}: no rows" + (f" ({len(skip)} without a prompt or a ground truth)" if skip else "")

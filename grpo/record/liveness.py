@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import fsspec
 
+from grpo.errors import StageError
 from grpo.record.counts import uncounted
 from grpo.record.layout import run_dir
 from grpo.record.storage import ArtifactError, Storage, load_manifest
@@ -29,8 +31,19 @@ LEASE_BEATS = 10  # a heartbeat is live for this many of its writer's beats at l
 
 
 def heartbeat_interval_s() -> float:
-    """Seconds between two beats of a writer's heartbeat: $GRPO_HEARTBEAT_S, else 30."""
-    return float(os.environ.get("GRPO_HEARTBEAT_S", "30"))
+    """Seconds between two beats of a writer's heartbeat: $GRPO_HEARTBEAT_S (a number > 0), else 30; a StageError
+    naming the variable otherwise."""
+    text = os.environ.get("GRPO_HEARTBEAT_S", "30")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise StageError(
+            f"GRPO_HEARTBEAT_S={text!r}: give the seconds between a running stage's heartbeats, a number > 0 "
+            "(unset: 30)"
+        )
+    return value
 
 
 class Heartbeat:
