@@ -10,7 +10,9 @@ state of older learns, and nothing else: tables, manifests, run.json and summari
 iteration still answers `grpo query`. A learn's policy stays when it is among the last
 `keep_last` learns, its iteration a multiple of `keep_every`, the best by eval (eval.metric), or the next learn's
 KL reference (learn.ref_update_every) or a policy the next iterations sample (rollout.staleness); its optimizer
-state only in the newest learn. Before removing
+state only in the newest learn, or, where the newest learns' states were never committed (learn.state_every, a
+state commit killed), in the newest learn that has one, with the policies the next learn replays from it
+(replay_chain). Before removing
 them gc lists them in the attempt's collected.json (grpo.record.storage.mark_collected): verification skips
 them, a stage that needs one fails naming it.
 
@@ -62,8 +64,10 @@ from grpo.record.liveness import (
     running_attempts,
     storage_clock,
 )
+from grpo.record.resume import committed_state
 from grpo.record.storage import (
     MERGED_SHARD,
+    Committed,
     Storage,
     committed_attempts,
     is_committed,
@@ -203,6 +207,16 @@ def _retention(
     for m in range(n, n + staleness + 1):  # rollout.staleness: the next snapshots freeze older learns' policies
         if policy_version(m, staleness) >= 0:
             kept.setdefault(policy_version(m, staleness), f"the policy iteration {m} samples")
+    resumes = {}  # {iteration: why} of the older states a learn built from files reads, replaying the learns after
+    for start in sorted(whole):
+        replayed, read = replay_chain(storage, run_id, learned, start)
+        for m in replayed:  # each replay starts from the policy before it, is checked against its own, and has a KL
+            at = reference_iteration(m, config["learn"].get("ref_update_every"))  # reference
+            for j in [m - 1, m] + ([policy_version(at, staleness)] if at is not None else []):
+                if j >= 0:
+                    kept.setdefault(j, f"replayed by the learn after iteration {start} (its state is not committed)")
+        if read is not None and read not in whole:
+            resumes[read] = f"the learn after iteration {start} replays iterations {read + 1}..{start} from it"
     dropped = [f"not among the last {rules.keep_last}"] if rules.keep_last else []
     dropped += [f"not a multiple of {rules.keep_every}"] if rules.keep_every else []
     dropped += [f"not the best eval (iteration {best})" if best is not None else "no eval committed"]
@@ -217,8 +231,10 @@ def _retention(
         state = [f for f in here if f.path.startswith(STATE_PREFIXES)]  # runs made before the state's own commit
         policy = [f for f in here if f.path.startswith(POLICY_PREFIXES) and f not in state]
         why = f"optimizer state of iteration {k}: only the newest learn ({newest}) keeps it"
+        if k in resumes:
+            out.kept.append(f"iteration {k}: optimizer state ({resumes[k]})")
         for held, files in [(attempt, state), *_states(storage, run_id, k, listing, live, forks, out)]:
-            if files:
+            if files and k not in resumes:
                 size = sum(f.size for f in files)
                 out.garbage.append(Garbage(held, "state", size, tuple(f.path for f in files), why))
         if k in kept and (policy or not shared):  # a policy a fork keeps whole is said so above
@@ -228,6 +244,22 @@ def _retention(
             out.garbage.append(
                 Garbage(attempt, "policy", sum(f.size for f in policy), tuple(f.path for f in policy), why)
             )
+
+
+def replay_chain(storage: Storage, run_id: str, learned: dict[int, str], start: int) -> tuple[list[int], int | None]:
+    """(the learns a learn built from files after learn `start` replays, newest first: those back from `start` whose
+    resume state was never committed (learn.state_every, a state commit killed); the iteration whose committed
+    state the first replay reads, or None where the replays go back to the first learn). `learned`: {iteration:
+    committed learn attempt}."""
+    replayed, k = [], start
+    while k in learned:
+        manifest, sha = load_manifest(storage, learned[k], verify=False)
+        inside = any(f.path.startswith(STATE_PREFIXES) for f in manifest.files)  # runs made before the state split
+        if inside or committed_state(storage, run_id, Committed(storage, learned[k], manifest, sha)) is not None:
+            return replayed, k
+        replayed.append(k)
+        k -= 1
+    return replayed, None
 
 
 def _unshared(storage: Storage, attempt: str, listing: dict, forks: dict, out: Plan, k: int) -> tuple[list, list]:
