@@ -1,0 +1,77 @@
+"""The run record under a copy, a fork, a verify and a kill (issue 44, D5-D7, D11 and the record's minor cases): a
+run copied or moved is whole where it lands, and old manifests still read."""
+
+import dataclasses
+import hashlib
+import json
+import shutil
+
+import pytest
+from test_stages import make_run
+
+from flows.cli import main
+from grpo.learner.warm import WARM
+from grpo.record.layout import run_dir
+from grpo.record.storage import load_manifest, open_storage
+from stages.iteration import run_warm
+
+
+def cli(storage, capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(["--storage", storage.url, *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture
+def two_iterations(tmp_path, monkeypatch):
+    """Storage `a` holding run r, two iterations in."""
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage((tmp_path / "a").as_uri())
+    make_run(storage, "r")
+    for _ in run_warm(storage, "r", 0, 2):
+        pass
+    return storage
+
+
+def as_version_2(storage, run_id: str) -> None:
+    """Rewrite a run's manifests as the code before version 3 wrote them: every URI absolute. Each manifest's
+    sha256 changes, and with it the pin of every manifest that reads it (rewritten in commit order)."""
+    paths = [p for p in storage.fs.find(run_dir(storage, run_id)) if p.endswith("/_manifest.json")]
+    now = {}  # a manifest's sha256 before -> after
+    for path in sorted(paths, key=lambda p: json.loads(storage.read_bytes(p))["committed_at"]):
+        manifest, sha = load_manifest(storage, path.rsplit("/", 1)[0], verify=False)  # absolute in memory
+        pins = {k: dataclasses.replace(r, manifest_sha256=now.get(r.manifest_sha256, r.manifest_sha256))
+                for k, r in manifest.inputs.items()}  # fmt: skip
+        data = dataclasses.replace(manifest, inputs=pins, manifest_version=2).to_json()
+        assert b'"uri": "file:///' in data or not pins
+        storage.fs.pipe_file(path, data)
+        now[sha] = hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("written", ["now", "version 2"])
+def test_a_copied_run_is_whole_where_it_lands_and_the_original_may_go(two_iterations, tmp_path, capsys, written):
+    """cp -a of the storage, the original moved away: the copy verifies, a stage forced in it makes its own later
+    stages stale (not the original's), and it trains on. Before, every manifest named its inputs and referenced
+    files by absolute URIs: the copy checked staleness against the original, and failed once it moved. A run
+    written before (version 2: absolute URIs) still reads where it is."""
+    if written == "version 2":
+        as_version_2(two_iterations, "r")
+        rc, out, err = cli(two_iterations, capsys, "status", "--run", "r", "--verify")
+        assert rc == 0 and "corrupt x" not in out and "stale x" not in out, out + err
+        WARM.take(None)
+        assert cli(two_iterations, capsys, "run", "--run", "r")[0] == 0  # an old run trains on
+        return
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    (tmp_path / "a").rename(tmp_path / "moved")
+    copy = open_storage((tmp_path / "b").as_uri())
+    rc, out, err = cli(copy, capsys, "status", "--run", "r", "--verify")
+    assert rc == 0 and "corrupt x" not in out and "stale x" not in out, out + err
+    rc, _, err = cli(copy, capsys, "stage", "rewards", "--run", "r", "--iteration", "1", "--force")
+    assert rc == 0, err
+    rc, out, _ = cli(copy, capsys, "status", "--run", "r")
+    assert rc == 0 and "stale x" in out  # iteration 1's advantages, learn and eval read the replaced rewards
+    WARM.take(None)  # a new process
+    rc, _, err = cli(copy, capsys, "run", "--run", "r", "--start", "1")
+    assert rc == 0, err
+    assert not (tmp_path / "a").exists()  # nothing written where the original was
