@@ -54,7 +54,13 @@ from grpo.record.layout import (
     shard_dirs,
     stage_dir,
 )
-from grpo.record.lineage import collected_learn_files, next_iteration, policy_version, reference_iteration
+from grpo.record.lineage import (
+    collected_learn_files,
+    next_iteration,
+    policy_version,
+    reference_iteration,
+    replay_chain,
+)
 from grpo.record.liveness import (
     LEASE_BEATS,
     beat_interval,
@@ -64,10 +70,8 @@ from grpo.record.liveness import (
     running_attempts,
     storage_clock,
 )
-from grpo.record.resume import committed_state
 from grpo.record.storage import (
     MERGED_SHARD,
-    Committed,
     Storage,
     committed_attempts,
     is_committed,
@@ -244,22 +248,6 @@ def _retention(
             out.garbage.append(
                 Garbage(attempt, "policy", sum(f.size for f in policy), tuple(f.path for f in policy), why)
             )
-
-
-def replay_chain(storage: Storage, run_id: str, learned: dict[int, str], start: int) -> tuple[list[int], int | None]:
-    """(the learns a learn built from files after learn `start` replays, newest first: those back from `start` whose
-    resume state was never committed (learn.state_every, a state commit killed); the iteration whose committed
-    state the first replay reads, or None where the replays go back to the first learn). `learned`: {iteration:
-    committed learn attempt}."""
-    replayed, k = [], start
-    while k in learned:
-        manifest, sha = load_manifest(storage, learned[k], verify=False)
-        inside = any(f.path.startswith(STATE_PREFIXES) for f in manifest.files)  # runs made before the state split
-        if inside or committed_state(storage, run_id, Committed(storage, learned[k], manifest, sha)) is not None:
-            return replayed, k
-        replayed.append(k)
-        k -= 1
-    return replayed, None
 
 
 def _unshared(storage: Storage, attempt: str, listing: dict, forks: dict, out: Plan, k: int) -> tuple[list, list]:

@@ -75,3 +75,24 @@ def test_a_copied_run_is_whole_where_it_lands_and_the_original_may_go(two_iterat
     rc, _, err = cli(copy, capsys, "run", "--run", "r", "--start", "1")
     assert rc == 0, err
     assert not (tmp_path / "a").exists()  # nothing written where the original was
+
+
+def test_a_fork_whose_resume_state_was_collected_is_refused_naming_a_fork_that_works(tmp_path, capsys, monkeypatch):
+    """retention.keep_every=1 keeps every policy and the newest learn's optimizer state only: a fork at 2 continues
+    from learn 1's state, gone. It was accepted, and its first learn then failed every time with "listed in the
+    manifest but missing"; now refused before anything is written, naming the fork point that works."""
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage((tmp_path / "s").as_uri())
+    make_run(storage, "p", extra=["retention.keep_every=1"])
+    for _ in run_warm(storage, "p", 0, 3):
+        pass
+    assert cli(storage, capsys, "gc", "--run", "p", "--retention", "--delete")[0] == 0
+    rc, _, err = cli(storage, capsys, "fork", "--from", "p", "--at", "2", "--run", "f", "--set", "learn.lr=1e-3")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "learn 2 continues from run p's optimizer state after learn 1" in err and "optimizer.pt" in err
+    assert "nothing written" in err and "`grpo fork --from p --at 3`" in err
+    assert not storage.exists(run_dir(storage, "f"))
+    rc, _, err = cli(storage, capsys, "fork", "--from", "p", "--at", "3", "--run", "f", "--set", "learn.lr=1e-3")
+    assert rc == 0, err
+    WARM.take(None)
+    assert cli(storage, capsys, "run", "--run", "f", "--iterations", "1")[0] == 0  # the fork point it named works

@@ -30,7 +30,7 @@ from grpo.record.commit import StageWriter
 from grpo.record.counts import is_local
 from grpo.record.identity import config_hash, lineage_identity, stage_identity, stored_config
 from grpo.record.layout import STAGES, no_such_run, run_dir, run_ids, run_json, stage_dir
-from grpo.record.lineage import next_iteration, note_committed
+from grpo.record.lineage import committed_state, next_iteration, note_committed, replay_chain
 from grpo.record.storage import (
     ArtifactError,
     Committed,
@@ -215,6 +215,23 @@ def _history(storage: Storage, parent: str, at: int) -> list[Committed]:
     return order
 
 
+def resume_gone(storage: Storage, parent: str, history: list[Committed], at: int) -> str | None:
+    """What of `parent` the fork's learn `at` reads that gc collected, as "run p's optimizer state after learn 2
+    (<uri>: optimizer.pt)": learn at-1's policy and resume state, or, where that state was never committed, the
+    state and policies its replay reads (grpo.record.lineage.replay_chain); None where all is there."""
+    learned = {c.manifest.iteration: c for c in history if c.manifest.stage == "learn"}
+    replayed, read = replay_chain(storage, parent, {k: c.attempt_dir for k, c in learned.items()}, at - 1)
+    needs = [(f"policy of learn {k}", learned[k]) for k in sorted({at - 1, *replayed, *(m - 1 for m in replayed)})
+             if k in learned]  # fmt: skip
+    if read is not None:
+        held = committed_state(storage, parent, learned[read]) or learned[read]  # runs before the split: inside
+        needs.append((f"optimizer state after learn {read}", held))
+    for what, c in needs:
+        if c.collected:
+            return f"run {parent}'s {what} ({c.uri}: {', '.join(sorted(c.collected)[:2])})"
+    return None
+
+
 def fork_run(storage: Storage, parent: str, at: int, run_id: str, overrides: list[str]) -> Forked:
     """Make run `run_id` a fork of `parent` at iteration `at` (see the module's docstring). Everything is
     checked before anything is written; run.json is written last, so an interrupted fork is finished by
@@ -235,13 +252,12 @@ def fork_run(storage: Storage, parent: str, at: int, run_id: str, overrides: lis
             f"fork at {done} or earlier"
         )
     history = _history(storage, parent, at)
-    if at > 0 and (gone := [p for p in history if p.manifest.stage == "learn" and p.collected]):
-        last = [p for p in gone if p.manifest.iteration == at - 1]
-        if last:
-            raise StageError(
-                f"--at {at}: {sorted(last[0].collected)[0]} of run {parent}'s learn {at - 1} was collected by "
-                f"`grpo gc --retention`, and learn {at} continues from it; fork where the previous learn is whole"
-            )
+    if at > 0 and (gone := resume_gone(storage, parent, history, at)):
+        raise StageError(
+            f"--at {at}: learn {at} continues from {gone}, which `grpo gc --retention` collected; nothing written. "
+            f"Fork where the previous learn is whole: `grpo fork --from {parent} --at {done}` (the newest learn keeps "
+            "everything)"
+        )
     made: dict[str, Committed] = {}
     for source in history:
         inputs = {name: made[ref.uri] for name, ref in source.manifest.inputs.items()}
