@@ -38,7 +38,7 @@ from flows.kubernetes import PREFECT_FILE
 from grpo.config import ConfigError
 from grpo.errors import describe
 from grpo.progress import show_in_terminal
-from grpo.record.layout import STAGES
+from grpo.record.layout import STAGES, STATE_STAGE
 from grpo.record.storage import ArtifactError, open_storage
 from grpo.runtime import threads
 from grpo.runtime.quiet import quiet_libraries
@@ -82,8 +82,10 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--run", required=True)
     with_config(sp)
     sp.set_defaults(fn=cmd_init)
-    sp = sub.add_parser("stage", help="run one stage of one iteration")
-    sp.add_argument("name", choices=STAGES)
+    sp = sub.add_parser(
+        "stage", help="run one stage of one iteration (or `state`: remake a learn's resume state by replaying it)"
+    )
+    sp.add_argument("name", choices=[*STAGES, STATE_STAGE])
     sp.add_argument("--run", required=True)
     sp.add_argument("--iteration", required=True, type=_iteration, help="an integer >= 0, or 'next'")
     sp.add_argument("--force", action="store_true", help="write a new attempt even if one is committed")

@@ -11,8 +11,9 @@ from test_stages import make_run
 
 from flows.cli import main
 from grpo.learner.warm import WARM
-from grpo.record.layout import run_dir
-from grpo.record.storage import load_manifest, open_storage
+from grpo.record import resume as state
+from grpo.record.layout import run_dir, stage_dir
+from grpo.record.storage import latest_committed, load_manifest, open_storage
 from stages.iteration import run_warm
 
 
@@ -96,3 +97,34 @@ def test_a_fork_whose_resume_state_was_collected_is_refused_naming_a_fork_that_w
     assert rc == 0, err
     WARM.take(None)
     assert cli(storage, capsys, "run", "--run", "f", "--iterations", "1")[0] == 0  # the fork point it named works
+
+
+def test_verify_rehashes_the_resume_state_and_the_command_it_names_remakes_it(two_iterations, capsys):
+    """A byte of learn 1's optimizer state flipped (a disk's rot, a bad copy): `status --verify` said rc 0, and
+    `grpo run` then advised `grpo stage state ... --force`, which the CLI rejected. Now --verify names it and the
+    command, which replays learn 1's update into a new state attempt, and the run goes on to the bytes of a run
+    whose state was never damaged."""
+    storage = two_iterations
+    make_run(storage, "twin")
+    for _ in run_warm(storage, "twin", 0, 3):
+        pass
+    held = state.committed_state(storage, "r", latest_committed(storage, stage_dir(storage, "r", 1, "learn")))
+    path = held.attempt_dir + "/optimizer.pt"
+    data = bytearray(storage.read_bytes(path))
+    data[len(data) // 2] ^= 0xFF
+    storage.fs.pipe_file(path, bytes(data))
+    rc, out, err = cli(storage, capsys, "status", "--run", "r", "--verify")
+    assert rc == 2 and "iteration 1 state: corrupt" in out, out + err
+    command = "grpo stage state --run r --iteration 1 --force"
+    assert err.count("\n") == 1 and command in err, err
+    WARM.take(None)  # a new process: learn 2 reads the state
+    rc, _, err = cli(storage, capsys, "run", "--run", "r")
+    assert rc == 2 and err.count("\n") == 1 and command in err and "optimizer.pt" in err, err
+    rc, out, err = cli(storage, capsys, *command.split()[1:])
+    assert rc == 0 and "state iteration 1: committed" in out, err
+    assert cli(storage, capsys, "status", "--run", "r", "--verify")[0] == 0
+    WARM.take(None)
+    assert cli(storage, capsys, "run", "--run", "r")[0] == 0
+    policy = [latest_committed(storage, stage_dir(storage, r, 2, "learn")).manifest.file("policy/model.safetensors")
+              for r in ("r", "twin")]  # fmt: skip
+    assert policy[0].sha256 == policy[1].sha256
