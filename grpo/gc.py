@@ -41,7 +41,7 @@ from grpo import query
 from grpo.config import RetentionConfig
 from grpo.errors import StageError
 from grpo.record.counts import is_local
-from grpo.record.fork import referenced_by
+from grpo.record.fork import being_made, referenced_by
 from grpo.record.layout import (
     POLICY_PREFIXES,
     SHARD_FOLDER,
@@ -262,6 +262,15 @@ def _unshared(storage: Storage, attempt: str, listing: dict, forks: dict, out: P
     return [f for f in here if f not in shared], shared
 
 
+def half_made(storage: Storage, run_id: str) -> str:
+    """gc's line on a fork killed before its run.json (grpo.record.fork.being_made), which it keeps files for."""
+    made = being_made(storage, run_id)
+    return (
+        f"run {run_id}: a fork of {made.get('parent')} at {made.get('at')} killed while it was made: `grpo fork` "
+        f"with the same arguments finishes it, `grpo delete --run {run_id} --yes` removes it"
+    )
+
+
 def _states(storage: Storage, run_id: str, k: int, listing: dict, live: set, forks: dict, out: Plan) -> list:
     """[(attempt, its files retention may collect)] of iteration k's committed state attempts (STATE_STAGE)."""
     found = []
@@ -305,6 +314,7 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
                 out.held.append(Held(path, f"attempt{{s}} newer than {span}", f"uncommitted, written {_span(a)} ago"))
     live = read_by_live(storage, beats)
     forks = referenced_by(storage, run_id)  # what other runs (forks) reference here: never garbage
+    out.kept += [half_made(storage, r) for r in sorted(set().union(*forks.values())) if being_made(storage, r)]
     used = set(live)  # uris that kept manifests or live attempts read or reference
     for path in kept:
         manifest, _ = load_manifest(storage, path, verify=False)
@@ -419,7 +429,7 @@ def merged_shard_tables(storage: Storage, run_id: str, iteration: int) -> list[t
 def run_files(storage: Storage, run_id: str) -> tuple[int, int]:
     """(files, bytes) a run's folder holds; refused in one line while another run (a fork) references any of
     them or a stage of the run is running."""
-    if not storage.exists(run_json(storage, run_id)):
+    if not storage.exists(run_json(storage, run_id)) and being_made(storage, run_id) is None:  # half made: removable
         raise StageError(no_such_run(storage, run_id))
     if forks := referenced_by(storage, run_id):
         runs = sorted(set().union(*forks.values()))
@@ -436,5 +446,6 @@ def run_files(storage: Storage, run_id: str) -> tuple[int, int]:
 def delete_run(storage: Storage, run_id: str) -> None:
     """Remove a run's folder, run.json first (the run is gone for every reader at once); see run_files."""
     run_files(storage, run_id)
-    storage.fs.rm_file(run_json(storage, run_id))
+    if storage.exists(run_json(storage, run_id)):
+        storage.fs.rm_file(run_json(storage, run_id))
     storage.fs.rm(run_dir(storage, run_id), recursive=True)

@@ -128,3 +128,43 @@ def test_verify_rehashes_the_resume_state_and_the_command_it_names_remakes_it(tw
     policy = [latest_committed(storage, stage_dir(storage, r, 2, "learn")).manifest.file("policy/model.safetensors")
               for r in ("r", "twin")]  # fmt: skip
     assert policy[0].sha256 == policy[1].sha256
+
+
+def test_a_fork_killed_before_its_run_json_is_seen_kept_for_and_finished_or_removed(tmp_path, capsys, monkeypatch):
+    """A fork killed while it takes its parent's attempts by reference (before its run.json): the parent's gc
+    keeps what it references and says how to go on, `grpo fork` again finishes it, `grpo delete` removes one. It
+    was invisible to both: gc removed what it referenced, and delete said "no such run"."""
+    import grpo.record.fork
+
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage((tmp_path / "s").as_uri())
+    make_run(storage, "p")
+    for _ in run_warm(storage, "p", 0, 2):
+        pass
+    real, made = grpo.record.fork.reference, []
+
+    def killed_midway(*args):
+        if len(made) == 8:  # iteration 0 taken, 1 not yet
+            raise KeyboardInterrupt  # the process killed mid-fork
+        made.append(real(*args))
+        return made[-1]
+
+    monkeypatch.setattr(grpo.record.fork, "reference", killed_midway)
+    fork = ["fork", "--from", "p", "--at", "2", "--set", "learn.lr=1e-3", "--run"]
+    for run_id in ("f", "g"):
+        made.clear()
+        with pytest.raises(KeyboardInterrupt):
+            cli(storage, capsys, *fork, run_id)
+    monkeypatch.setattr(grpo.record.fork, "reference", real)
+    assert not storage.exists(f"{run_dir(storage, 'f')}/run.json") and storage.exists(run_dir(storage, "f"))
+    rc, _, err = cli(storage, capsys, "stage", "eval", "--run", "p", "--iteration", "0", "--force")
+    assert rc == 0, err  # p's eval 0, which f and g reference, superseded
+    rc, out, _ = cli(storage, capsys, "gc", "--run", "p", "--delete", "--older-than-s", "0")
+    assert rc == 0 and "superseded" not in out.split("held back")[0].replace("superseded attempt", ""), out
+    assert "run f: a fork of p at 2 killed while it was made: `grpo fork` with the same arguments finishes it" in out
+    assert "`grpo delete --run g --yes` removes it" in out
+    rc, _, err = cli(storage, capsys, *fork, "f")  # finished
+    assert rc == 0, err
+    assert cli(storage, capsys, "status", "--run", "f", "--verify")[0] == 0
+    rc, out, err = cli(storage, capsys, "delete", "--run", "g", "--yes")  # removed
+    assert rc == 0 and not storage.exists(run_dir(storage, "g")), err

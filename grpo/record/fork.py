@@ -29,7 +29,16 @@ from grpo.errors import StageError
 from grpo.record.commit import StageWriter
 from grpo.record.counts import is_local
 from grpo.record.identity import config_hash, lineage_identity, stage_identity, stored_config
-from grpo.record.layout import STAGES, no_such_run, run_dir, run_ids, run_json, stage_dir
+from grpo.record.layout import (
+    STAGES,
+    forking_json,
+    half_made_forks,
+    no_such_run,
+    run_dir,
+    run_ids,
+    run_json,
+    stage_dir,
+)
 from grpo.record.lineage import committed_state, next_iteration, note_committed, replay_chain
 from grpo.record.storage import (
     ArtifactError,
@@ -65,6 +74,17 @@ def fork_of(storage: Storage, run_id: str) -> dict | None:
     """{"parent": run id, "at": iteration} of a fork; None for a run that is none."""
     fork = run_record(storage, run_id).get("fork")
     return fork if isinstance(fork, dict) else None
+
+
+def being_made(storage: Storage, run_id: str) -> dict | None:
+    """{"parent", "at"} of a half-made fork (killed before its run.json: layout.forking_json); None otherwise."""
+    if storage.exists(run_json(storage, run_id)):
+        return None
+    try:
+        made = json.loads(storage.read_bytes(forking_json(storage, run_id)))
+    except (FileNotFoundError, ValueError):
+        return None
+    return made if isinstance(made, dict) else None
 
 
 def ancestors(storage: Storage, run_id: str) -> list[str]:
@@ -258,14 +278,18 @@ def fork_run(storage: Storage, parent: str, at: int, run_id: str, overrides: lis
             f"Fork where the previous learn is whole: `grpo fork --from {parent} --at {done}` (the newest learn keeps "
             "everything)"
         )
+    if is_local(storage.fs):
+        storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)
+    if not storage.exists(run_json(storage, run_id)):  # seen while half made (layout.forking_json)
+        storage.write_bytes_atomic(forking_json(storage, run_id), json.dumps(record["fork"]).encode())
     made: dict[str, Committed] = {}
     for source in history:
         inputs = {name: made[ref.uri] for name, ref in source.manifest.inputs.items()}
         made[source.uri] = reference(storage, run_id, source, inputs)
     data = json.dumps(record, indent=1, sort_keys=True).encode()
-    if is_local(storage.fs):
-        storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)
     storage.write_bytes_atomic(run_json(storage, run_id), data)
+    if storage.exists(forking_json(storage, run_id)):
+        storage.fs.rm_file(forking_json(storage, run_id))
     n_bytes = sum(f.size for c in history for f in c.manifest.files)
     return Forked(run_id, parent, at, len(history), n_bytes)
 
@@ -273,11 +297,12 @@ def fork_run(storage: Storage, parent: str, at: int, run_id: str, overrides: lis
 def referenced_by(storage: Storage, run_id: str) -> dict[str, set[str]]:
     """{uri under run `run_id`: the other runs that reference it}: the files, inputs and origins that the
     committed manifests of every other run name there (forks, and forks of forks: a fork's reference names the
-    file where it lives). gc keeps them, and `grpo delete` refuses the run while any exist."""
+    file where it lives), a half-made one's too (being_made). gc keeps them, and `grpo delete` refuses the run while
+    any exist."""
     prefix = storage.uri(run_dir(storage, run_id)).rstrip("/") + "/"
     out: dict[str, set[str]] = {}
-    for other in run_ids(storage):
-        if other == run_id or fork_of(storage, other) is None:
+    for other in run_ids(storage) + half_made_forks(storage):
+        if other == run_id or (fork_of(storage, other) is None and being_made(storage, other) is None):
             continue
         for path in storage.fs.find(run_dir(storage, other)):
             if not path.endswith("/_manifest.json"):
