@@ -4,7 +4,12 @@ run copied or moved is whole where it lands, and old manifests still read."""
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_stages import make_run
@@ -14,7 +19,10 @@ from grpo.learner.warm import WARM
 from grpo.record import resume as state
 from grpo.record.layout import run_dir, stage_dir
 from grpo.record.storage import latest_committed, load_manifest, open_storage
+from stages import stage_function
 from stages.iteration import run_warm
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(storage, capsys, *args) -> tuple[int, str, str]:
@@ -168,3 +176,51 @@ def test_a_fork_killed_before_its_run_json_is_seen_kept_for_and_finished_or_remo
     assert cli(storage, capsys, "status", "--run", "f", "--verify")[0] == 0
     rc, out, err = cli(storage, capsys, "delete", "--run", "g", "--yes")  # removed
     assert rc == 0 and not storage.exists(run_dir(storage, "g")), err
+
+
+def test_a_resume_does_not_wait_for_a_state_writer_this_host_sees_gone(tmp_path, monkeypatch):
+    """SIGKILL in learn 0's state commit, the policy committed: the next learn looked at the state's attempt, saw a
+    heartbeat of 30 s ago at most, and waited 64-90 s for it to stop counting, though the writer's pid on this very
+    host is gone. Now it sees the writer gone at once, replays the state, and goes on."""
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GRPO_HEARTBEAT_S", raising=False)  # the default: a beat every 30 s
+    storage = open_storage((tmp_path / "s").as_uri())
+    make_run(storage, "k")
+    for s in ("snapshot", "rollouts", "rewards", "advantages"):
+        stage_function(s)(storage, "k", 0)
+    code = (
+        "import os, signal, sys\n"
+        "from grpo.record import resume\n"
+        "from grpo.record.storage import open_storage\n"
+        "from stages import stage_function\n"
+        "resume._commit = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # in the state commit's thread\n"
+        "stage_function('learn')(open_storage(sys.argv[1]), 'k', 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, storage.url], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    learned = latest_committed(storage, stage_dir(storage, "k", 0, "learn"))
+    assert not state.being_written(storage, "k", learned)  # was True for 90 s: a heartbeat this fresh
+    WARM.take(None)
+    for s in ("snapshot", "rollouts", "rewards", "advantages", "learn"):
+        stage_function(s)(storage, "k", 1)  # learn 1 replays learn 0's state
+    assert state.committed_state(storage, "k", learned) is not None
+
+
+def test_a_killed_process_s_staging_folder_in_the_cache_is_removed_by_the_next(tmp_path, monkeypatch):
+    """A learn killed while writing its policy left <GRPO_CACHE>/checkpoints/.tmp-* (12 bytes a parameter), which
+    nothing cleaned; the next staging folder made on this host removes those of processes that are gone."""
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    code = (
+        "import os, signal\n"
+        "from grpo.record.checkpoint import staging_folder\n"
+        "open(os.path.join(staging_folder(), 'model.safetensors'), 'wb').write(b'w' * 1000)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == -signal.SIGKILL
+    cache = tmp_path / "cache" / "checkpoints"
+    (left,) = cache.glob(".tmp-*")
+    from grpo.record.checkpoint import staging_folder
+
+    mine = staging_folder()  # this live process's own stays
+    assert not left.exists() and [p.name for p in cache.glob(".tmp-*")] == [os.path.basename(mine)]

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -163,7 +164,26 @@ def running_attempts(storage: Storage, run_id: str, beats: int = 3) -> set[str]:
         return set()
     clock = storage_clock(storage, rdir)
     live = {p: last_beat(storage, p, listing, clock) for p in paths}
-    return {p for p, b in live.items() if b is not None and b[0] < beats * beat_interval(b[1])}
+    return {p for p, b in live.items() if b is not None and b[0] < beats * beat_interval(b[1]) and not gone(b[1])}
+
+
+def gone(beat: dict) -> bool:
+    """Whether a heartbeat's writer ran on this host and its process is no more: dead now, not only once its beats
+    stop counting (a resume waiting for the state its killed writer was committing waited 64-90 s). A pid taken
+    since by another process reads as alive: then the beats decide, as for a writer on another host.
+
+    >>> gone({"host": socket.gethostname(), "pid": os.getpid()}), gone({"host": "elsewhere", "pid": 1})
+    (False, False)
+    """
+    if beat.get("host") != socket.gethostname() or not isinstance(beat.get("pid"), int) or beat["pid"] <= 0:
+        return False
+    try:
+        os.kill(beat["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: it exists
+        return False
+    return False
 
 
 def lost_attempts(storage: Storage, folder: str) -> dict[str, float]:
