@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,11 +58,12 @@ def _worker_init() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
-def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
+def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...], parent: int) -> None:
     """A worker: runs the (fn, args) jobs `conn` brings, answers ("done", result) or ("failed", error
     line); meanwhile a job may tell the parent of samples that erred (`_tell`).
 
-    It starts without the stage's credentials (grpo/scoring/secrets.py; `pass_env` names those it keeps).
+    It starts without the stage's credentials (grpo/scoring/secrets.py; `pass_env` names those it keeps), and ends
+    once `parent`, the process that forked it, is gone.
     Its stdout and stderr go to the file `out`, which the parent reads and empties after each job. It
     closes the parent's ends of the other workers' pipes, so that when the parent dies every worker
     reads EOF and ends.
@@ -71,6 +73,7 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
     secrets.remove_credentials(pass_env)
     os.setpgid(0, 0)  # its own process group, and (Linux) every process its jobs start stays below it
     become_subreaper()
+    threading.Thread(target=_end_when_orphaned, args=(parent,), name="grpo-orphan-watch", daemon=True).start()
     _PROGRESS, _CONN = progress, conn
     _mapped_at_start()  # what reward.max_memory_mb is counted from
     os.dup2(out, 1)
@@ -94,6 +97,17 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
             conn.send(reply)
     finally:  # asked to stop, the parent gone (EOF, a broken pipe), a SystemExit: nothing left behind
         _end_leftovers()
+
+
+def _end_when_orphaned(parent: int) -> None:
+    """End this worker, and what its job started, once the process that forked it is gone (a stage SIGKILLed): the
+    job would otherwise run on, a function starting processes sample after sample (~46 more seen), until it ends
+    and the pipe says EOF. Whether the parent lives is asked of the process, not of the forking thread, which
+    may end while the pool serves on (a warm pool)."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    kill_descendants(os.getpid(), group=True)
+    os._exit(1)
 
 
 def _next_job(conn):
@@ -216,7 +230,8 @@ class RewardPool:
                 stream.flush()
             except (AttributeError, OSError, ValueError):
                 pass
-        process = ctx.Process(target=_worker_main, args=(child, progress, out, self.pass_env), daemon=True)
+        args = (child, progress, out, self.pass_env, os.getpid())
+        process = ctx.Process(target=_worker_main, args=args, daemon=True)
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             process.start()
