@@ -178,7 +178,8 @@ class RolloutConfig:
     """Stop strings (every eos id of the tokenizer and generation_config.json always stops)."""
     max_prompt_tokens: int | None = None
     """Longer prompts are skipped (counted in the manifest summary as `skipped_prompts`); prompts that
-    leave no room for a response within the model's context are skipped too. None: no limit of its own."""
+    leave no room for a response within the model's context are skipped too, one whose characters alone say so
+    without being tokenized (grpo.data.surely_longer). None: no limit of its own."""
     chunk_prompts: int = 512
     """Prompts generated and written per Parquet row group; bounds memory. Each chunk's sampler call is seeded
     from the stage's seed alone, so another chunk size samples other rows (as another seed would)."""

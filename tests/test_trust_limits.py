@@ -103,3 +103,37 @@ def test_grpo_run_checks_learn_device_before_any_stage_commits(tmp_path, capsys)
     rc, _, err = grpo(tmp_path, capsys, "run", "--run", "t")
     assert rc == 2 and err.count("\n") == 1 and "learn.device=cuda:7: this machine has" in err, err
     assert not (tmp_path / "store" / "runs" / "t" / "iter-0000").exists()
+
+
+def test_a_huge_prompt_is_skipped_without_tokenizing_it(tmp_path, monkeypatch):
+    """Three 10 MB prompts took 4.8 GB to tokenize before they were skipped as over-long: a prompt surely longer
+    than the limit (its characters alone say so) is skipped and counted without reaching the tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    from grpo.config import load_config
+    from grpo.record.storage import open_storage
+    from stages import stage_function
+    from stages.init import init_run
+
+    small = [{"prompt": "1 + 2 =", "ground_truth": "3"}] * 11  # with the huge one, 12 rows: each drawn once
+    huge = {"prompt": "1 + " * 500_000 + "1 =", "ground_truth": "500001"}  # 2 MB
+    for name, rows in (("big", small + [huge]), ("held", small)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    real, seen = PreTrainedTokenizerFast.__call__, []
+
+    def call(self, text, *args, **kwargs):
+        seen.append(max(map(len, text)) if isinstance(text, list) else len(text))
+        return real(self, text, *args, **kwargs)
+
+    storage = open_storage((tmp_path / "store").as_uri())
+    extra = [
+        "task.name=arithmetic",
+        f"task.dataset={tmp_path / 'big.jsonl'}",
+        f"eval.dataset={tmp_path / 'held.jsonl'}",
+    ]
+    extra += ["rollout.prompts_per_iteration=12", "learn.minibatch_size=16", "rollout.max_prompt_tokens=16"]
+    init_run(storage, "big", load_config(None, TINY + extra))
+    stage_function("snapshot")(storage, "big", 0)
+    monkeypatch.setattr(PreTrainedTokenizerFast, "__call__", call)
+    out = stage_function("rollouts")(storage, "big", 0)
+    assert out.manifest.summary["skipped_prompts"] == 1 and seen and max(seen) < 1000, max(seen)
