@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
+SCHEMA_VERSION = 5  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
 # 3: rollouts.row (the dataset's other columns), eval.avg_at_k and eval.pass_at_k
 # 4: rollouts.policy_version is the policy that sampled the row (rollout.staleness), the checkpoint hash it held
 #    is rollouts.policy_hash; a version 3 rollouts file reads as version 4 (UPGRADES)
+# 5: rollouts.loss_mask (which tokens of an episode the sampler produced); an older rollouts file reads as all ones
 
 _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
     pa.field("run_id", pa.string(), nullable=False),
@@ -24,6 +25,7 @@ _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the gro
 _SAMPLE_KEYS = _KEYS + [pa.field("sample_index", pa.int32(), nullable=False)]
 _IDS = pa.list_(pa.int32())
 FLOAT_LISTS = pa.list_(pa.float32())
+MASKS = pa.list_(pa.int8())
 
 PROMPTS = pa.schema(
     _KEYS
@@ -40,7 +42,10 @@ ROLLOUTS = pa.schema(
         pa.field("prompt_ids", _IDS, nullable=False),
         pa.field("response", pa.string(), nullable=False),
         pa.field("response_ids", _IDS, nullable=False),
-        pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),  # log-prob of each sampled token
+        pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),  # log-prob of each sampled token, 0.0 elsewhere
+        # one entry per token of response_ids: 1 where the sampler produced it, 0 on the observation, tool-result and
+        # chat-template tokens an episode appends between turns; the learner trains on the 1s only
+        pa.field("loss_mask", MASKS, nullable=False),
         pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
         pa.field("ground_truth", pa.string(), nullable=False),
         pa.field("row", pa.string(), nullable=False),  # JSON object: the dataset row's other columns
@@ -142,8 +147,10 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
     "eval": ("eval", "eval.parquet"),
 }
 
+ROLLOUTS_V4 = pa.schema([f for f in ROLLOUTS if f.name != "loss_mask"])
+
 ROLLOUTS_V3 = pa.schema(
-    [f for f in ROLLOUTS if f.name not in ("policy_version", "policy_hash")]
+    [f for f in ROLLOUTS_V4 if f.name not in ("policy_version", "policy_hash")]
     + [pa.field("policy_version", pa.string(), nullable=False)]  # then the checkpoint hash
 )
 
@@ -166,9 +173,27 @@ def rollouts_from_v3(table: pa.Table) -> pa.Table:
     return table.select([n for n in ROLLOUTS.names if n in table.column_names])  # in the declared order
 
 
-UPGRADES = {"rollouts": (4, ROLLOUTS_V3, rollouts_from_v3)}
-"""Tables whose older files still read: table -> (the schema version that changed it, the schema before, the
-function that makes an older table the current one)."""
+def rollouts_from_v4(table: pa.Table) -> pa.Table:
+    """A rollouts table of schema version 4 as version 5: every token of a response was sampled (loss_mask all ones,
+    as long as its response_ids).
+
+    >>> old = pa.table({"response_ids": pa.array([[5, 6], [], [7]], pa.list_(pa.int32()))})
+    >>> rollouts_from_v4(old).column("loss_mask").to_pylist()
+    [[1, 1], [], [1]]
+    """
+    import numpy as np
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(table.column("response_ids")).to_numpy(zero_copy_only=False)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
+    ones = pa.array(np.ones(int(lengths.sum()), np.int8))
+    table = table.append_column(ROLLOUTS.field("loss_mask"), pa.ListArray.from_arrays(offsets, ones, MASKS))
+    return table.select([n for n in ROLLOUTS.names if n in table.column_names])  # in the declared order
+
+
+UPGRADES = {"rollouts": ((4, ROLLOUTS_V3, rollouts_from_v3), (5, ROLLOUTS_V4, rollouts_from_v4))}
+"""Tables whose older files still read: table -> its changes in order, each (the schema version that changed it,
+the schema before, the function that makes a table of the version before that one's)."""
 
 OPTIONAL_TABLES = ("draws",)
 """Tables a stage commits only with a setting on (draws: rollout.min_signal_groups); `grpo query` skips an

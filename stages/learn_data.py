@@ -37,7 +37,7 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
         storage.fs,
         rollouts_in.read_path(table_file("rollouts")),
         "rollouts",
-        columns=KEYS + ["prompt_ids", "response_ids", "sampler_logprobs"],
+        columns=KEYS + ["prompt_ids", "response_ids", "sampler_logprobs", "loss_mask"],
     )
     ad = read_parquet(
         storage.fs,
@@ -71,6 +71,13 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
         )
     responses, lengths = _padded(ro.column("response_ids"), take, pad_id, np.int64)
     sampler, _ = _padded(ro.column("sampler_logprobs"), take, 0.0, np.float32)
+    loss_mask, mask_lengths = _padded(ro.column("loss_mask"), take, 0, np.float32)
+    if (mask_lengths != lengths).any():
+        i = int(np.argmax(mask_lengths != lengths))
+        raise StageError(
+            f"{rollouts_in.uri}: prompt_id {pid[i]} sample {ro_idx[take][i]} has {mask_lengths[i]} loss_mask entries "
+            f"for {lengths[i]} response_ids; the rollouts table needs one a token"
+        )
     response_mask = np.arange(responses.shape[1]) < lengths[:, None]
     prompt_mask = np.arange(prompts.shape[1]) >= prompts.shape[1] - prompt_len[::group_size, None]
     adv, reward = (ad.column(c).to_numpy()[kept][order] for c in ("advantage", "reward"))
@@ -79,6 +86,7 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
         prompt_mask=torch.from_numpy(prompt_mask).long(),
         response_ids=torch.from_numpy(responses),
         response_mask=torch.from_numpy(response_mask).float(),
+        loss_mask=torch.from_numpy(loss_mask),
         sampler_logprobs=torch.from_numpy(sampler),
         group_size=group_size,
         advantages=torch.from_numpy(adv).float(),

@@ -68,6 +68,7 @@ def chunk_columns(
         "response_ids": [s.response_ids for s in samples],
         "response": decode_responses(p.tokenizer, [s.response_ids for s in samples], p.eos_ids),
         "sampler_logprobs": [s.logprobs for s in samples],
+        "loss_mask": [[1] * len(s.response_ids) for s in samples],  # one turn: every token sampled
         "finish_reason": [s.finish_reason for s in samples],
         "ground_truth": per_sample([e.ground_truth for e in p.examples[chunk]]),
         "row": per_sample([data.row_json(e) for e in p.examples[chunk]]),

@@ -13,6 +13,7 @@ from grpo.config import RunConfig
 from grpo.devices import learner_device
 from grpo.learner import sharding
 from grpo.learner.batch import Batch
+from grpo.learner.loss import loss_spec
 from grpo.learner.model import PolicyLM, score
 from grpo.learner.precision import autocast_precision
 from grpo.record.checkpoint import checkpoint_dtype
@@ -56,6 +57,7 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
+        self.loss = loss_spec(cfg)  # the loss the math computes: names and floats, made once
         lcfg = cfg.learn
         # mixed precision by torch.autocast, not Accelerator(mixed_precision=...): Accelerate's state is one per
         # process and refuses a second setting, and a warm process may serve runs with either. Its device is one per
