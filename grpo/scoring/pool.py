@@ -18,14 +18,13 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any, Sequence
 
-from grpo.runtime.procs import become_subreaper, kill_descendants
+from grpo.runtime.procs import become_subreaper, ends_with, kill_descendants
 from grpo.scoring import secrets
 
 log = logging.getLogger("grpo.scoring")
@@ -73,7 +72,7 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...], parent: in
     secrets.remove_credentials(pass_env)
     os.setpgid(0, 0)  # its own process group, and (Linux) every process its jobs start stays below it
     become_subreaper()
-    threading.Thread(target=_end_when_orphaned, args=(parent,), name="grpo-orphan-watch", daemon=True).start()
+    ends_with(parent)  # a stage SIGKILLed: its job would run on, a function starting a process a sample
     _PROGRESS, _CONN = progress, conn
     _mapped_at_start()  # what reward.max_memory_mb is counted from
     os.dup2(out, 1)
@@ -97,17 +96,6 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...], parent: in
             conn.send(reply)
     finally:  # asked to stop, the parent gone (EOF, a broken pipe), a SystemExit: nothing left behind
         _end_leftovers()
-
-
-def _end_when_orphaned(parent: int) -> None:
-    """End this worker, and what its job started, once the process that forked it is gone (a stage SIGKILLed): the
-    job would otherwise run on, a function starting processes sample after sample (~46 more seen), until it ends
-    and the pipe says EOF. Whether the parent lives is asked of the process, not of the forking thread, which
-    may end while the pool serves on (a warm pool)."""
-    while os.getppid() == parent:
-        time.sleep(0.2)
-    kill_descendants(os.getpid(), group=True)
-    os._exit(1)
 
 
 def _next_job(conn):
