@@ -47,6 +47,13 @@ DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 """What learn.device and rollout.device take (grpo/devices.py resolves them on the machine)."""
 
 
+def check_seed(value: int, where: str) -> None:
+    """A seed torch's generators take: a 64-bit integer (a larger one failed in the stage that seeded with it, as
+    "Overflow when unpacking long long")."""
+    if not -(2**63) <= value < 2**63:
+        raise ConfigError(f"{where} must be a 64-bit integer (-2**63 <= {where} < 2**63), got {value}")
+
+
 def check_device(value: str, where: str) -> None:
     """A device setting is auto, cpu, cuda or cuda:N (whether the machine has it is checked where a stage runs)."""
     if not DEVICE.fullmatch(value):
@@ -107,6 +114,9 @@ class ModelConfig:
     def check(self) -> None:
         if self.initializer_range <= 0:
             raise ConfigError(f"model.initializer_range must be > 0, got {self.initializer_range}")
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -169,7 +179,8 @@ class RolloutConfig:
     """Stop strings (every eos id of the tokenizer and generation_config.json always stops)."""
     max_prompt_tokens: int | None = None
     """Longer prompts are skipped (counted in the manifest summary as `skipped_prompts`); prompts that
-    leave no room for a response within the model's context are skipped too. None: no limit of its own."""
+    leave no room for a response within the model's context are skipped too, one whose characters alone say so
+    without being tokenized (grpo.data.surely_longer). None: no limit of its own."""
     chunk_prompts: int = 512
     """Prompts generated and written per Parquet row group; bounds memory. Each chunk's sampler call is seeded
     from the stage's seed alone, so another chunk size samples other rows (as another seed would)."""
@@ -315,8 +326,8 @@ class RewardConfig:
     pass_env: list[str] = field(default_factory=list)
     """Names of credential variables reward functions may read (e.g. [OPENAI_API_KEY] for a judge): workers
     start without every AWS_*, *_TOKEN, *_KEY, *SECRET*, *PASSWORD* (grpo/scoring/secrets.py) but these, and
-    the values of the rest are redacted from errors, component names and printed output. Not part of the
-    stage's identity."""
+    the values of all of them, these included, are redacted from errors, component names and printed output.
+    Not part of the stage's identity."""
     shards: int = 1
     """Split the samples into this many ranges, each scored by its own task run (on its own worker where the
     stage is placed) and committed on its own, so a failed shard reruns alone; the stage commits their rows
@@ -687,6 +698,7 @@ class EvalConfig:
         return self.metric.replace("_at_k", f"@{self.samples_per_prompt}")
 
     def check(self) -> None:
+        check_seed(self.seed, "eval.seed")
         if self.n_prompts < 1:
             raise ConfigError(f"eval.n_prompts must be >= 1, got {self.n_prompts}")
         if self.samples_per_prompt < 1:
@@ -944,6 +956,7 @@ def load_config_file(path: str | None, overrides: list[str] | None = None) -> Ru
 def validate(cfg: RunConfig) -> None:
     """Check every setting before any work starts: each section's own fields (its `check`, beside them), then
     what ties sections together; each error names its field."""
+    check_seed(cfg.seed, "seed")
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if hasattr(section, "check"):

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import logging
 import random
+import re
 from typing import TYPE_CHECKING, Any, Literal
 
 from grpo.record.counts import is_local
@@ -66,9 +68,30 @@ def _read_frame(uri: str) -> pd.DataFrame:
                 return pd.read_parquet(f)
             if kind == "csv":
                 return pd.read_csv(f, dtype=str, keep_default_na=False)
-            return pd.read_json(f, lines=path.endswith(".jsonl"), dtype=False)
+            raw = f.read()
+            if _SURROGATE.search(raw):  # pandas' JSON reader drops a lone surrogate without a word: Python's keeps it
+                return _json_checked(raw, path.endswith(".jsonl"), uri)
+            return pd.read_json(io.BytesIO(raw), lines=path.endswith(".jsonl"), dtype=False)
+        except DatasetError:
+            raise
         except Exception as e:  # noqa: BLE001 (pandas and arrow raise many kinds; name the file)
             raise DatasetError(f"dataset {uri}: cannot be read as {kind}: {type(e).__name__}: {e}") from e
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # JSON's escape of a UTF-16 surrogate
+
+
+def _json_checked(raw: bytes, lines: bool, uri: str) -> pd.DataFrame:
+    """A JSON dataset that escapes UTF-16 surrogates, read by Python's json: a pair is one character, a lone one is
+    refused naming its row and column."""
+    import pandas as pd
+
+    rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()] if lines else json.loads(raw)
+    for i, row in enumerate(rows if isinstance(rows, list) else []):
+        for column, value in row.items() if isinstance(row, dict) else ():
+            if isinstance(value, str):
+                _text(value, f"dataset {uri} row {i}'s {column}")
+    return pd.DataFrame(rows)
 
 
 def _plain(value: Any) -> Any:
@@ -86,13 +109,31 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _text(value: str, where: str) -> str:
+    """`value`, refused where it is no valid Unicode: a lone surrogate (JSON's "\\ud800") the tokenizer drops
+    without a word and Arrow cannot write.
+
+    >>> _text("3 + 4 " + chr(0xD800) + " =", "row 7")
+    Traceback (most recent call last):
+    grpo.data.DatasetError: row 7 holds a lone surrogate (U+D800 at character 6), no valid Unicode; fix the file
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DatasetError(
+            f"{where} holds a lone surrogate (U+{ord(value[e.start]):04X} at character {e.start}), no valid "
+            "Unicode; fix the file"
+        ) from None
+    return value
+
+
 def _prompt(value: Any, where: str) -> str | list[dict]:
     """A prompt cell: a string, or a list of {role, content} messages."""
     value = _plain(value)
     if isinstance(value, str):
-        return value
+        return _text(value, f"{where}'s prompt")
     if isinstance(value, list) and value and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value):
-        return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+        return [{"role": str(m["role"]), "content": _text(str(m["content"]), f"{where}'s prompt")} for m in value]
     raise DatasetError(
         f"{where}: a prompt must be a string or a list of {{role, content}} messages, got {str(value)[:80]!r}"
     )
@@ -161,7 +202,8 @@ def load_examples(
         if i in skip:
             continue
         row = {str(c): _plain(rec[c]) for c in others}
-        out.append(Example(_prompt(rec[prompt_column], f"dataset {uri} row {i}"), str(rec[answer_column]), row))
+        answer = _text(str(rec[answer_column]), f"dataset {uri} row {i}'s {answer_column}")
+        out.append(Example(_prompt(rec[prompt_column], f"dataset {uri} row {i}"), answer, row))
     if not out:
         raise DatasetError(
             f"dataset {uri}: no rows" + (f" ({len(skip)} without a prompt or a ground truth)" if skip else "")
@@ -215,14 +257,50 @@ def _content_digest(fs, path: str, uri: str, size: int | None) -> str:
     return h.hexdigest()
 
 
+def _is_http(fs) -> bool:
+    return any(p in ("http", "https") for p in ([fs.protocol] if isinstance(fs.protocol, str) else fs.protocol))
+
+
+_DIGEST = re.compile(r"[0-9a-f]{32}|[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def content_validator(info: dict) -> str | None:
+    """What a web server says of an object that changes with its content, as `size:tag`: a Content-MD5 or
+    Digest, or an ETag that is a content digest (32, 40 or 64 hex digits: MD5, SHA-1, SHA-256, as S3 behind a
+    CDN or the Hugging Face Hub send); None for a weak validator (W/), and for an ETag made of the file's size
+    and modification time, as nginx ("5f3c1a2b-1a4") and Apache ("1a4-5f3c1a2b3c4d5") make theirs: an edit that
+    keeps both (cp -p, rsync -t) keeps the tag.
+
+    >>> content_validator({"size": 420, "ETag": '"5f3c1a2b-1a4"'}), content_validator({"size": 4, "ETag": 'W/"x"'})
+    (None, None)
+    >>> content_validator({"size": 420, "ETag": '"d41d8cd98f00b204e9800998ecf8427e"'})
+    '420:d41d8cd98f00b204e9800998ecf8427e'
+    """
+    tag = next((str(info[k]) for k in ("Content-MD5", "Digest") if info.get(k)), None)
+    etag = str(info.get("ETag") or "").strip()
+    if tag is None and not etag.startswith("W/") and _DIGEST.fullmatch(etag.strip('"').lower()):
+        tag = etag.strip('"').lower()
+    return None if tag is None else f"{info.get('size')}:{tag}"
+
+
+def validator(uri: str) -> str | None:
+    """content_validator of a dataset on a web server, which `grpo init` records beside its fingerprint: a later
+    read checks the dataset by it without a download; None elsewhere (and where the server gives none: each
+    check then reads the bytes)."""
+    fs, path = url_to_fs(uri)
+    return content_validator(fs.info(path)) if _is_http(fs) and not fs.isdir(path) else None
+
+
 def fingerprint(uri: str) -> str:
     """What identifies the dataset's bytes: `sha256:` of a local file's content (of each file's name and
     content in a save_to_disk folder), `etag:` a hash of each object's size and content tag (ETag) on
-    object storage and web servers, `sha256:` of each object's bytes where the store gives no tag (an
-    HTTP server without ETag: a same-size edit is seen); a DatasetError when it gives neither.
+    object storage, `sha256:` of each object's bytes where the store gives no tag and on a web server,
+    whatever its ETag says (nginx's and Apache's are the file's size and mtime: a same-size edit that keeps
+    the mtime keeps them); a DatasetError when the bytes do not read whole.
 
     Local files are hashed once a process while their stat stamp holds (grpo.record.storage.file_digest);
-    tagged objects cost one metadata request each, untagged ones a download each time.
+    tagged objects cost one metadata request each, web servers' and untagged ones a download each time
+    (pinned_version spares it while a server's content_validator holds).
     """
     fs, path = url_to_fs(uri)
     if not fs.exists(path):
@@ -237,7 +315,7 @@ def fingerprint(uri: str) -> str:
     else:
         infos = fs.find(path, detail=True) if folder else {path: fs.info(path)}
         tags = {f: _object_version(info) for f, info in infos.items()}
-        if all(tags.values()):
+        if all(tags.values()) and not _is_http(fs):
             parts = [(f[len(path) :], tags[f]) for f in sorted(infos)]
             kind = "etag"
         else:
@@ -248,7 +326,7 @@ def fingerprint(uri: str) -> str:
     return f"{kind}:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()}"
 
 
-_PINNED: dict[str, tuple[str, str]] = {}  # dataset uri -> (its config field, the fingerprint grpo init recorded)
+_PINNED: dict[str, tuple[str, str, str | None]] = {}  # dataset uri -> (config field, fingerprint, validator) of init
 
 
 def pin(datasets: dict[str, dict] | None) -> None:
@@ -257,7 +335,9 @@ def pin(datasets: dict[str, dict] | None) -> None:
     before. None (a run made before fingerprints were recorded) pins nothing: its datasets are read as
     they are."""
     global _PINNED
-    _PINNED = {facts["uri"]: (name, facts["fingerprint"]) for name, facts in (datasets or {}).items()}  # whole
+    _PINNED = {
+        facts["uri"]: (name, facts["fingerprint"], facts.get("validator")) for name, facts in (datasets or {}).items()
+    }  # swapped whole
 
 
 def _short(fingerprint_: str) -> str:
@@ -266,31 +346,38 @@ def _short(fingerprint_: str) -> str:
     return f"{kind}:{digest[:12]}"
 
 
-def _size_only(uri: str) -> str:
-    """The fingerprint a file on a store without content tags (an HTTP server without ETag) got before its bytes
-    were hashed: its size alone."""
+def _size_only(uri: str, tagged: bool = False) -> str:
+    """The fingerprint a file on a web server got before its bytes were hashed: its size alone where the server
+    gave no ETag, its size and ETag with `tagged`."""
     fs, path = url_to_fs(uri)
-    parts = [("", f"{fs.info(path).get('size')}:")]
+    info = fs.info(path)
+    parts = [("", (_object_version(info) if tagged else None) or f"{info.get('size')}:")]
     return f"etag:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()}"
 
 
-_SIZE_PINNED: set[str] = set()  # datasets of runs pinned by size alone, said once a process
+_SIZE_PINNED: set[str] = set()  # datasets of runs pinned by size (and ETag) alone, said once a process
 
 
 def pinned_version(uri: str) -> str:
-    """The dataset's fingerprint; a DatasetChangedError when the run pinned it (`pin`) to another. A run made
-    when an untagged object was pinned by its size alone goes on while the size holds, said once (its bytes
-    were never recorded: a new run pins them)."""
+    """The dataset's fingerprint; a DatasetChangedError when the run pinned it (`pin`) to another. On a web server
+    whose content_validator still is the one recorded, the recorded fingerprint without a download. A run made
+    when a web server's file was pinned by its size (and ETag) alone goes on while they hold, said once (its
+    bytes were never recorded: a new run pins them)."""
+    name, then, checked = _PINNED.get(uri, ("", None, None))
+    if then is not None and checked is not None and validator(uri) == checked:
+        return then
     now = fingerprint(uri)
-    name, then = _PINNED.get(uri, ("", now))
-    if now != then and now.startswith("sha256:") and then.startswith("etag:") and then == _size_only(uri):
+    then = now if then is None else then
+    legacy = {_size_only(uri, tagged=True): "size and ETag", _size_only(uri): "size"}  # no ETag: the size
+    if now != then and now.startswith("sha256:") and then in legacy:
         if uri not in _SIZE_PINNED:
             _SIZE_PINNED.add(uri)
             log.warning(
-                "%s %s was pinned by its size alone when the run was made (its store gives no ETag): an edit of the "
-                "same size goes unseen in this run; a new run pins its bytes",
+                "%s %s was pinned by its %s alone when the run was made: an edit of the same size (that keeps the "
+                "file's time) goes unseen in this run; a new run pins its bytes",
                 name,
                 uri,
+                legacy[then],
             )
         return now
     if now != then:
@@ -393,19 +480,39 @@ def apply_template(tokenizer, messages: list[dict], tools: list[dict] | None, ad
 
 
 def tokenize_prompts(
-    tokenizer, examples: list[Example], fmt: PromptFormat, system_prompt: str | None, tools: list[dict] | None = None
-) -> tuple[list[str], list[list[int]]]:
-    """Rendered texts and token ids; a templated prompt carries its own special tokens. `tools`: render's."""
+    tokenizer,
+    examples: list[Example],
+    fmt: PromptFormat,
+    system_prompt: str | None,
+    tools: list[dict] | None = None,
+    limit: int | None = None,
+) -> tuple[list[str], list[list[int] | None]]:
+    """Rendered texts and token ids; a templated prompt carries its own special tokens. `tools`: render's. With
+    `limit`, a text surely longer than `limit` tokens (surely_longer) is not tokenized, its ids None: three 10 MB
+    prompts took 4.8 GB to tokenize before they were skipped."""
     rendered = [render(tokenizer, e.prompt, fmt, system_prompt, tools) for e in examples]
     texts = [t for t, _ in rendered]
-    ids: list[list[int]] = [[] for _ in texts]
+    ids: list[list[int] | None] = [[] for _ in texts]
+    skip = {i for i, t in enumerate(texts) if limit is not None and surely_longer(tokenizer, t, limit)}
+    for i in skip:
+        ids[i] = None
     for templated in (False, True):
-        idx = [i for i, (_, t) in enumerate(rendered) if t == templated]
+        idx = [i for i, (_, t) in enumerate(rendered) if t == templated and i not in skip]
         if idx:
             enc = tokenizer([texts[i] for i in idx], add_special_tokens=not templated)["input_ids"]
             for i, row in zip(idx, enc):
                 ids[i] = row
     return texts, ids
+
+
+def surely_longer(tokenizer, text: str, limit: int) -> bool:
+    """Whether `text` has more than `limit` tokens, told without tokenizing it: no token holds more characters than
+    the vocabulary's longest entry, so a text of more than 4 x `limit` x that many characters other than spaces (4:
+    room for normalizers that drop some) has more tokens. Only a text that long is asked the vocabulary."""
+    if len(text) <= 4 * limit:
+        return False
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    return len(text) - sum(c.isspace() for c in text) > 4 * limit * longest
 
 
 def row_json(example: Example) -> str:

@@ -10,7 +10,9 @@ state of older learns, and nothing else: tables, manifests, run.json and summari
 iteration still answers `grpo query`. A learn's policy stays when it is among the last
 `keep_last` learns, its iteration a multiple of `keep_every`, the best by eval (eval.metric), or the next learn's
 KL reference (learn.ref_update_every) or a policy the next iterations sample (rollout.staleness); its optimizer
-state only in the newest learn. Before removing
+state only in the newest learn, or, where the newest learns' states were never committed (learn.state_every, a
+state commit killed), in the newest learn that has one, with the policies the next learn replays from it
+(replay_chain). Before removing
 them gc lists them in the attempt's collected.json (grpo.record.storage.mark_collected): verification skips
 them, a stage that needs one fails naming it.
 
@@ -39,7 +41,7 @@ from grpo import query
 from grpo.config import RetentionConfig
 from grpo.errors import StageError
 from grpo.record.counts import is_local
-from grpo.record.fork import referenced_by
+from grpo.record.fork import being_made, referenced_by
 from grpo.record.layout import (
     POLICY_PREFIXES,
     SHARD_FOLDER,
@@ -52,7 +54,13 @@ from grpo.record.layout import (
     shard_dirs,
     stage_dir,
 )
-from grpo.record.lineage import collected_learn_files, next_iteration, policy_version, reference_iteration
+from grpo.record.lineage import (
+    collected_learn_files,
+    next_iteration,
+    policy_version,
+    reference_iteration,
+    replay_chain,
+)
 from grpo.record.liveness import (
     LEASE_BEATS,
     beat_interval,
@@ -203,6 +211,16 @@ def _retention(
     for m in range(n, n + staleness + 1):  # rollout.staleness: the next snapshots freeze older learns' policies
         if policy_version(m, staleness) >= 0:
             kept.setdefault(policy_version(m, staleness), f"the policy iteration {m} samples")
+    resumes = {}  # {iteration: why} of the older states a learn built from files reads, replaying the learns after
+    for start in sorted(whole):
+        replayed, read = replay_chain(storage, run_id, learned, start)
+        for m in replayed:  # each replay starts from the policy before it, is checked against its own, and has a KL
+            at = reference_iteration(m, config["learn"].get("ref_update_every"))  # reference
+            for j in [m - 1, m] + ([policy_version(at, staleness)] if at is not None else []):
+                if j >= 0:
+                    kept.setdefault(j, f"replayed by the learn after iteration {start} (its state is not committed)")
+        if read is not None and read not in whole:
+            resumes[read] = f"the learn after iteration {start} replays iterations {read + 1}..{start} from it"
     dropped = [f"not among the last {rules.keep_last}"] if rules.keep_last else []
     dropped += [f"not a multiple of {rules.keep_every}"] if rules.keep_every else []
     dropped += [f"not the best eval (iteration {best})" if best is not None else "no eval committed"]
@@ -217,8 +235,10 @@ def _retention(
         state = [f for f in here if f.path.startswith(STATE_PREFIXES)]  # runs made before the state's own commit
         policy = [f for f in here if f.path.startswith(POLICY_PREFIXES) and f not in state]
         why = f"optimizer state of iteration {k}: only the newest learn ({newest}) keeps it"
+        if k in resumes:
+            out.kept.append(f"iteration {k}: optimizer state ({resumes[k]})")
         for held, files in [(attempt, state), *_states(storage, run_id, k, listing, live, forks, out)]:
-            if files:
+            if files and k not in resumes:
                 size = sum(f.size for f in files)
                 out.garbage.append(Garbage(held, "state", size, tuple(f.path for f in files), why))
         if k in kept and (policy or not shared):  # a policy a fork keeps whole is said so above
@@ -240,6 +260,15 @@ def _unshared(storage: Storage, attempt: str, listing: dict, forks: dict, out: P
         runs = sorted({r for f in shared for r in forks[storage.uri(f"{attempt}/{f.path}")]})
         out.kept.append(f"iteration {k}: {len(shared)} file(s) referenced by run {', '.join(runs)} (a fork)")
     return [f for f in here if f not in shared], shared
+
+
+def half_made(storage: Storage, run_id: str) -> str:
+    """gc's line on a fork killed before its run.json (grpo.record.fork.being_made), which it keeps files for."""
+    made = being_made(storage, run_id)
+    return (
+        f"run {run_id}: a fork of {made.get('parent')} at {made.get('at')} killed while it was made: `grpo fork` "
+        f"with the same arguments finishes it, `grpo delete --run {run_id} --yes` removes it"
+    )
 
 
 def _states(storage: Storage, run_id: str, k: int, listing: dict, live: set, forks: dict, out: Plan) -> list:
@@ -285,6 +314,7 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
                 out.held.append(Held(path, f"attempt{{s}} newer than {span}", f"uncommitted, written {_span(a)} ago"))
     live = read_by_live(storage, beats)
     forks = referenced_by(storage, run_id)  # what other runs (forks) reference here: never garbage
+    out.kept += [half_made(storage, r) for r in sorted(set().union(*forks.values())) if being_made(storage, r)]
     used = set(live)  # uris that kept manifests or live attempts read or reference
     for path in kept:
         manifest, _ = load_manifest(storage, path, verify=False)
@@ -399,7 +429,7 @@ def merged_shard_tables(storage: Storage, run_id: str, iteration: int) -> list[t
 def run_files(storage: Storage, run_id: str) -> tuple[int, int]:
     """(files, bytes) a run's folder holds; refused in one line while another run (a fork) references any of
     them or a stage of the run is running."""
-    if not storage.exists(run_json(storage, run_id)):
+    if not storage.exists(run_json(storage, run_id)) and being_made(storage, run_id) is None:  # half made: removable
         raise StageError(no_such_run(storage, run_id))
     if forks := referenced_by(storage, run_id):
         runs = sorted(set().union(*forks.values()))
@@ -416,5 +446,6 @@ def run_files(storage: Storage, run_id: str) -> tuple[int, int]:
 def delete_run(storage: Storage, run_id: str) -> None:
     """Remove a run's folder, run.json first (the run is gone for every reader at once); see run_files."""
     run_files(storage, run_id)
-    storage.fs.rm_file(run_json(storage, run_id))
+    if storage.exists(run_json(storage, run_id)):
+        storage.fs.rm_file(run_json(storage, run_id))
     storage.fs.rm(run_dir(storage, run_id), recursive=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-MANIFEST_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: before the `io` record
+MANIFEST_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: before the `io` record; 2: URIs absolute (3: relative to the run folder)
 MANIFEST_NAME = "_manifest.json"
 
 
@@ -21,13 +21,15 @@ class FileEntry:
     size: int
     sha256: str
     uri: str | None = None
-    """Set when the file lives elsewhere in storage and is referenced, not copied."""
+    """Set when the file lives elsewhere in storage and is referenced, not copied: on disk relative to the run
+    folder (version 3; grpo.record.storage.relative_manifest), absolute once read."""
 
 
 @dataclass(frozen=True)
 class InputRef:
     uri: str
-    """URI of the input stage's attempt folder."""
+    """URI of the input stage's attempt folder: on disk relative to the run folder where it is in the same storage
+    (version 3), absolute once read."""
     manifest_sha256: str
     """sha256 of the input's manifest bytes: pins the exact committed input."""
 

@@ -144,13 +144,16 @@ def dataset_examples(cfg: RunConfig, name: str, uri: str) -> tuple[Example, ...]
 
 
 def dataset_facts(cfg: RunConfig) -> dict[str, dict]:
-    """{config field: {uri, fingerprint, rows, skipped_rows}} of each dataset: what the base manifest's
-    summary records, the run's pins (data.pin)."""
+    """{config field: {uri, fingerprint, rows, skipped_rows}} of each dataset, and the web server's `validator`
+    where it sends one that follows the content: what the base manifest's summary records, the run's pins
+    (data.pin)."""
     t, facts = cfg.task, {}
     for name, uri in run_datasets(cfg).items():
         rows = dataset_examples(cfg, name, uri)
         skipped = data.blank_row_count(uri, t.prompt_column, t.answer_column) if t.skip_invalid_rows else 0
         facts[name] = {"uri": uri, "fingerprint": data.pinned_version(uri), "rows": len(rows), "skipped_rows": skipped}
+        if checked := data.validator(uri):
+            facts[name]["validator"] = checked
     return facts
 
 

@@ -157,13 +157,10 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
             raise ConfigError(f"task.prompt_format={cfg.task.prompt_format}: {e}") from e
     check_episodes(cfg, tokenizer)
     columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
-    for spec in cfg.reward.functions:
-        try:
-            missing = functions.required_columns(functions.load_function(spec)) - columns
-            if adapters.kind_of(cfg.rollout) is not None:  # an episode's environment and conversation
-                missing -= set(functions.EPISODE_ARGUMENTS)
-        except functions.RewardFunctionError as e:
-            raise ConfigError(str(e)) from e
+    for spec, needed in reward_columns(cfg).items():
+        missing = set(needed) - columns
+        if adapters.kind_of(cfg.rollout) is not None:  # an episode's environment and conversation
+            missing -= set(functions.EPISODE_ARGUMENTS)
         if missing:
             raise ConfigError(
                 f"reward.functions: {spec!r} needs dataset column(s) {sorted(missing)}, which "
@@ -210,6 +207,33 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
         raise ConfigError(f"rollout.tools: the model's chat template does not render tools: {e}") from e
 
 
+IMPORT_TIMEOUT_S = 120.0
+"""How long a reward file may take to import and be checked at `grpo init`."""
+
+
+def reward_columns(cfg: RunConfig) -> dict[str, list[str]]:
+    """{spec: the dataset columns it needs} of reward.functions, each imported and checked in a reward worker (no
+    credentials but reward.pass_env's, what it prints logged redacted), as the rewards stage runs them: a reward
+    file's module-level code never runs in this process, and an import that exits, crashes or hangs is one line."""
+    from grpo.scoring.pool import RewardPool
+
+    found = {}
+    with RewardPool(1, tuple(cfg.reward.pass_env)) as pool:
+        for spec in cfg.reward.functions:
+            try:
+                found[spec] = pool.apply(functions.columns_needed, (spec,), timeout=IMPORT_TIMEOUT_S)
+            except RuntimeError as e:
+                raise ConfigError(
+                    f"reward.functions: {spec!r}: importing it in a reward worker failed ({one_line(e)}): a reward "
+                    "file must import without exiting, crashing or hanging; run `python -c 'import <file>'` to see"
+                ) from e
+            finally:
+                pool.log_printed()
+            if isinstance(found[spec], str):
+                raise ConfigError(found[spec])
+    return found
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity, as taskset and container limits set it)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -231,6 +255,42 @@ def check_reward_workers(cfg: RunConfig) -> None:
             f"reward.workers={rc.workers} is more than the {cores} CPU core(s) this machine gives grpo: workers "
             f"beyond them share cores, each sample runs slower against reward.timeout_s; set reward.workers <= {cores}"
         )
+
+
+BYTES_PER_TOKEN = 32
+"""What a sampled token costs at least while an iteration runs: its id and log-probs in the rollouts table and the
+learner's batch (int64 ids, float32 sampler, old, reference log-probs, mask, advantage), before any activation."""
+
+
+def machine_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_sizes(cfg: RunConfig, memory: int | None = None) -> None:
+    """rollout.prompts_per_iteration x group_size and eval.n_prompts x samples_per_prompt: no more samples than
+    this machine's memory can hold at BYTES_PER_TOKEN a token of (rollout.max_prompt_tokens or 1) + max_tokens,
+    a bound no real run comes near; past it a stage would grow until the machine runs out, silently."""
+    memory = memory or machine_memory()
+    if memory is None:
+        return
+    r, e = cfg.rollout, cfg.eval
+    tokens = (r.max_prompt_tokens or 1) + r.max_tokens
+    sizes = {
+        ("rollout.prompts_per_iteration", "rollout.group_size"): r.prompts_per_iteration * r.group_size,
+        ("eval.n_prompts", "eval.samples_per_prompt"): e.n_prompts * e.samples_per_prompt,
+    }
+    for (fix, times), samples in sizes.items():
+        what = f"{fix} x {times}"
+        need = samples * tokens * BYTES_PER_TOKEN
+        if need > memory:
+            raise ConfigError(
+                f"{what} = {samples:,} samples of up to {tokens} tokens need at least {need / 2**30:,.0f} GiB, more "
+                f"than this machine's {memory / 2**30:,.0f} GiB; lower {fix}"
+            )
 
 
 def check_held_out(datasets: dict[str, dict]) -> None:
@@ -303,6 +363,7 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
             datasets = dataset_facts(cfg)
         else:
             data.pin(None)  # a new run: nothing recorded yet (a run loaded before in this process pins no more)
+            check_sizes(cfg)
             check_reward_workers(cfg)
             datasets = dataset_facts(cfg)  # before anything is written
             check_held_out(datasets)

@@ -8,6 +8,7 @@ import gc
 from contextlib import contextmanager
 from typing import Iterator
 
+from grpo import devices
 from grpo.record.layout import STAGES
 from grpo.record.storage import Committed, Storage
 from grpo.scoring.pool import WARM_POOLS
@@ -70,8 +71,11 @@ def run_warm(storage: Storage, run_id: str, first: int, iterations: int) -> Iter
     """Iterations first.. in this process, warm: yields (k, run_iteration's committed outputs); each
     committed iteration goes to the experiment tracker (tracking.backend). The last one is evaluated whatever
     eval.every says: a resumed call (first = next_iteration) ending where the stopped one would have evaluates
-    and commits what one uninterrupted call does."""
+    and commits what one uninterrupted call does. The devices every stage runs on exist here (a ConfigError naming
+    the field), checked before the first stage commits anything."""
     cfg = load_run(storage, run_id)
+    if iterations > 0:
+        devices.check(cfg, set(STAGES))
     with warm_state() as warm, tracking(storage, run_id, cfg):  # the tracker run ended with the iterations
         for k in range(first, first + iterations):
             out = run_iteration(storage, run_id, k, last=k == first + iterations - 1)

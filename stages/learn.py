@@ -152,6 +152,15 @@ def replayed_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: st
     return state.read(storage, run_id, learned, f"{tmp}/state-{k}")
 
 
+def remake_state(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
+    """`grpo stage state`: learn `iteration`'s resume state, committed, or with `force` (a damaged one) replayed."""
+    cfg, learned = load_run(storage, run_id), committed_input(storage, run_id, iteration, "learn")
+    if force or state.committed_state(storage, run_id, learned) is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            replayed_state(storage, cfg, learned, tmp)
+    return state.committed_state(storage, run_id, learned)
+
+
 @dataclass
 class Update:
     """One learn's update as its launcher runs it: a learner built from `folders` (or `learner`, kept warm in this

@@ -136,16 +136,17 @@ def policy_and_prompts(
     max_len = config.max_position_embeddings
     if cfg.rollout.backend != "hf" and cfg.rollout.vllm.max_model_len:  # the engine's own limit
         max_len = min(max_len, cfg.rollout.vllm.max_model_len)
+    limit = min(max_len - 1, cfg.rollout.max_prompt_tokens or max_len)
     try:
-        texts, ids = data.tokenize_prompts(tokenizer, examples, cfg.task.prompt_format, cfg.task.system_prompt, tools)
+        t = cfg.task
+        texts, ids = data.tokenize_prompts(tokenizer, examples, t.prompt_format, t.system_prompt, tools, limit)
     except data.DatasetError as e:
         raise StageError(f"{cfg.task.dataset or cfg.task.name}: {e}") from e
-    limit = min(max_len - 1, cfg.rollout.max_prompt_tokens or max_len)
     if word_level(tokenizer):
         for t, p in zip(texts, ids):
-            if tokenizer.unk_token_id in p:
-                raise StageError(f"prompt {t!r} has words outside the model's vocabulary")
-    keep = [i for i, p in enumerate(ids) if len(p) <= limit]
+            if p is not None and tokenizer.unk_token_id in p:
+                raise StageError(f"prompt {t[:200]!r} has words outside the model's vocabulary")
+    keep = [i for i, p in enumerate(ids) if p is not None and len(p) <= limit]
     if not keep:
         raise StageError(
             f"all {len(ids)} prompts are longer than {limit} tokens (rollout.max_prompt_tokens or "

@@ -59,7 +59,13 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
     def score(writer, shard_k: int = 0) -> dict:
         rollouts.read_path(table_file("rollouts"))  # its size and sha256 checked before any row is read
         with storage.fs.open(path, "rb") as f:
-            rows = ranges(pq.ParquetFile(f).metadata.num_rows, cfg.reward.shards)[shard_k]
+            sampled = pq.ParquetFile(f).metadata.num_rows
+        if sampled == 0:
+            raise StageError(f"{rollouts.uri}: rollouts.parquet has no rows")
+        rows = ranges(sampled, cfg.reward.shards)[shard_k]
+        if not rows:  # more shards than samples (prompts skipped as over-long): this one's range holds none
+            ParquetWriter(storage.fs, writer.path(table_file("rewards")), "rewards").close()  # a table of no rows
+            return {"samples": 0, "errors": 0, "reward_mean": None, "processes_left": 0}
         n = n_err = 0
         total, biggest = 0.0, (0.0, {})  # the sum of the rewards; the largest in magnitude and its components
         allowed = allowed_errors(cfg.reward.max_error_fraction, len(rows))
@@ -90,8 +96,6 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
                 total += sum(cols["reward"])
                 biggest = max([biggest] + [(r, c) for r, c, _ in scored], key=lambda rc: abs(rc[0]))
             left = pool.left_running - left_before  # processes the functions left running (killed; logged)
-        if n == 0:
-            raise StageError(f"{rollouts.uri}: rollouts.parquet has no rows")
         if n_err / n > cfg.reward.max_error_fraction:
             raise StageError(
                 f"rewards: {n_err}/{n} samples failed (> reward.max_error_fraction="
@@ -142,6 +146,6 @@ def stage_config(cfg: RunConfig) -> dict:
 def merged_summary(parts: list[dict]) -> dict:
     """The rewards summary of its shards'."""
     samples = sum(s["samples"] for s in parts)
-    mean = sum(s["reward_mean"] * s["samples"] for s in parts) / samples
+    mean = sum(s["reward_mean"] * s["samples"] for s in parts if s["samples"]) / samples  # an empty shard: no mean
     left = sum(s.get("processes_left", 0) for s in parts)
     return {"samples": samples, "errors": sum(s["errors"] for s in parts), "reward_mean": mean, "processes_left": left}

@@ -9,10 +9,12 @@ import pytest
 
 from tools.s3server import S3Endpoint, S3ServerError, find_weed, s3_server
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # the README's test command runs two pytest workers (pytest-xdist) on CI's 2 cores: one torch thread each,
-    # for them and every process they start, or each worker's threads spin against the other's (5x slower)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+THREADS = {"OMP_NUM_THREADS": "1", "GRPO_THREADS": "1"}
+"""One torch thread in every test and in every process a test starts (CLI runs, stage workers, placed stages, torchrun
+ranks), however pytest was started (`-n 2`, `-n 0`, one test): float32 reductions round otherwise with another count,
+and tests compare the bytes their own process commits with those of the processes they start; and the README's two
+pytest workers on 2 cores would spin against each other's threads (5x slower)."""
+os.environ.update(THREADS)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -85,6 +87,16 @@ def prefect_api():
         mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         with prefect_test_harness(server_startup_timeout=180):  # slow to start on a busy machine
             yield
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread(monkeypatch: pytest.MonkeyPatch):
+    """THREADS for each test, whatever an earlier one in this process left (an in-process `grpo --threads 2`)."""
+    import torch
+
+    for key, value in THREADS.items():
+        monkeypatch.setenv(key, value)
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

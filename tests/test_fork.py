@@ -16,7 +16,7 @@ from grpo.record import resume as state
 from grpo.record.fork import fork_of
 from grpo.record.identity import lineage_identity, stage_identity
 from grpo.record.layout import STAGES, run_dir, run_ids, stage_dir
-from grpo.record.storage import file_path, latest_committed, open_storage
+from grpo.record.storage import file_path, latest_committed, load_manifest, open_storage
 from grpo.tracking import track
 from schemas.manifest import InputRef, Manifest
 from stages.common import load_run
@@ -202,6 +202,18 @@ def test_rescore_reports_changed_rewards_and_flipped_groups_and_writes_no_rollou
     )
 
 
+def test_a_rescore_that_flips_nothing_says_so_and_succeeds(history, capsys):
+    """advantage.mode=centered keeps every advantage's sign (r - mean, not divided by the std): nothing changes,
+    nothing flips, and the rescore says so and exits 0 (it crashed on the NULL lists after committing)."""
+    before = listing(history, "p")
+    args = ["rescore", "--run", "p", "--iterations", "0:1", "--set", "advantage.mode=centered", "--as", "c"]
+    rc, out, err = cli(history, capsys, *args)
+    assert rc == 0 and err == "", err
+    assert "no sample's reward changed in iterations 0..1" in out
+    assert "no group's advantage flipped sign in iterations 0..1" in out and "rescored into run c" in out
+    assert listing(history, "p") == before
+
+
 def test_gc_keeps_every_file_forks_reference_and_deleting_them_frees_it(tmp_path, capsys):
     storage = open_storage((tmp_path / "store").as_uri())
     make_run(storage, "p", extra=["retention.keep_last=1"])
@@ -217,7 +229,7 @@ def test_gc_keeps_every_file_forks_reference_and_deleting_them_frees_it(tmp_path
         for run in ("f", "g"):
             for path in storage.fs.find(run_dir(storage, run)):
                 if path.endswith("_manifest.json"):
-                    manifest = Manifest.from_json(storage.read_bytes(path), path)
+                    manifest = load_manifest(storage, path.rsplit("/", 1)[0], verify=False)[0]  # URIs absolute
                     out |= {f.uri for f in manifest.files if f.uri}
         return out
 

@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+from load import load_factor
 
 from flows.cli import main
 from grpo.config import RetentionConfig, load_config
@@ -13,7 +14,7 @@ from grpo.gc import held_summary, plan, remove
 from grpo.record.commit import StageWriter
 from grpo.record.counts import is_local
 from grpo.record.layout import stage_dir
-from grpo.record.liveness import HEARTBEAT_NAME, lost_attempts
+from grpo.record.liveness import HEARTBEAT_NAME, LEASE_BEATS, heartbeat_interval_s, lost_attempts
 from grpo.record.storage import AttemptRemovedError, is_committed, list_attempts, open_storage, read_collected
 from stages.common import run_stage
 from stages.init import write_run_json
@@ -23,7 +24,9 @@ HOUR = 3600.0
 
 @pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
 def storage(request, tmp_path, monkeypatch):
-    monkeypatch.setenv("GRPO_HEARTBEAT_S", "0.1")
+    # a beat every 0.1 s on a quiet machine, its lease of LEASE_BEATS beats 1 s; longer on a loaded one, where a
+    # live writer's beats come late
+    monkeypatch.setenv("GRPO_HEARTBEAT_S", f"{0.1 * load_factor():.3f}")
     if request.param == "file":
         storage = open_storage((tmp_path / "store").as_uri())
     else:
@@ -103,7 +106,7 @@ def test_a_dead_attempt_goes(storage, capsys):
     assert "closed_at" in beat(storage, failed)
     out = gc(storage, capsys)
     assert "held back: 1 live attempt (recent heartbeat) left alone; 1 attempt newer than 1 h left alone" in out
-    time.sleep(2.5)
+    time.sleep(max(2.5, 1.5 * LEASE_BEATS * heartbeat_interval_s()))  # past --older-than-s and the crashed lease
     out = gc(storage, capsys, "--delete", "--older-than-s", "2")
     assert out.count("failed") == 2 and "held back" not in out and "removed 2 item(s)" in out
     assert not files_under(storage, crashed.attempt_dir) and not files_under(storage, failed.attempt_dir)
@@ -112,10 +115,10 @@ def test_a_dead_attempt_goes(storage, capsys):
 
 def test_lost_attempts_are_the_uncommitted_ones_whose_writer_stopped_beating(storage, monkeypatch):
     """What the flow asks of a placed stage it waits for (flows/placement.py Watch): an attempt whose writer was killed
-    is lost once it missed LEASE_BEATS beats (1 s at 0.1 s a beat); a live, a failed (closed) or a committed one
+    is lost once it missed LEASE_BEATS beats (1 s at 0.1 s a beat, quiet); a live, a failed (closed) or a committed one
     never is."""
     crashed, failed, done = (writer(storage, stage="learn") for _ in range(3))
-    monkeypatch.setenv("GRPO_HEARTBEAT_S", "1")  # a live writer beating slower: 10 s of lease, however loaded
+    monkeypatch.setenv("GRPO_HEARTBEAT_S", f"{load_factor():.3f}")  # a live writer beating slower: 10 s of lease+
     live = writer(storage, stage="learn")
     crashed._heartbeat.stop()  # as if killed: the last beat stays
     failed.close()

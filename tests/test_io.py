@@ -245,7 +245,7 @@ def test_a_manifest_of_version_1_reads_with_no_io_record(tmp_path):
         w = StageWriter(storage, storage.path("s"), run_id="r", iteration=0, stage="s", config={}, inputs={})
         storage.fs.pipe_file(w.path("x.bin"), b"abc")
         c = w.commit(io=io)
-    assert c.manifest.manifest_version == 2 and c.manifest.io["write_bytes"] == 3
+    assert c.manifest.manifest_version == 3 and c.manifest.io["write_bytes"] == 3
     path = f"{c.attempt_dir}/{MANIFEST_NAME}"
     raw = json.loads(storage.read_bytes(path))
     del raw["io"]
@@ -253,9 +253,9 @@ def test_a_manifest_of_version_1_reads_with_no_io_record(tmp_path):
     storage.fs.pipe_file(path, json.dumps(raw).encode())
     old, _ = load_manifest(storage, c.attempt_dir)
     assert old.io is None and old.manifest_version == 1 and old.files == c.manifest.files
-    raw["manifest_version"] = 3
+    raw["manifest_version"] = 4
     storage.fs.pipe_file(path, json.dumps(raw).encode())
-    with pytest.raises(grpo.record.storage.CorruptArtifactError, match="manifest_version 3"):
+    with pytest.raises(grpo.record.storage.CorruptArtifactError, match="manifest_version 4"):
         load_manifest(storage, c.attempt_dir)
 
 

@@ -7,6 +7,7 @@ forced stage shown `ok`, shards that `grpo status` and `grpo gc` did not see.
 """
 
 import functools
+import hashlib
 import http.server
 import json
 import logging
@@ -88,18 +89,26 @@ def test_a_run_left_stale_past_a_collected_learn_says_how_its_policy_goes_on(sto
 # ---------------------------------------------------------------- 5b. a web server's dataset is pinned by its bytes
 
 
+ETAGS = {  # what web servers send as a file's ETag
+    "nginx": lambda path, st: f'"{int(st.st_mtime):x}-{st.st_size:x}"',  # its mtime and size
+    "apache": lambda path, st: f'"{st.st_size:x}-{int(st.st_mtime * 1e6):x}"',  # its size and mtime in microseconds
+    "md5": lambda path, st: '"%s"' % hashlib.md5(open(path, "rb").read()).hexdigest(),  # its content (S3 behind a CDN)
+}
+
+
 class Server:
     """A static file server on loopback (python's http.server: Last-Modified and Content-Length, no ETag);
-    `etag` adds an ETag, `short` names files whose body stops short of their Content-Length."""
+    `etag` adds an ETag of ETAGS' kind, `short` names files whose body stops short of their Content-Length."""
 
-    def __init__(self, folder, etag: bool = False, short: tuple[str, ...] = ()):
+    def __init__(self, folder, etag: str | None = None, short: tuple[str, ...] = ()):
         class Handler(http.server.SimpleHTTPRequestHandler):
             def log_message(self, *args):
                 pass
 
             def end_headers(self):
-                if etag:
-                    self.send_header("ETag", '"%x"' % os.stat(self.translate_path(self.path)).st_size)
+                path = self.translate_path(self.path)
+                if etag and os.path.isfile(path):
+                    self.send_header("ETag", ETAGS[etag](path, os.stat(path)))
                 super().end_headers()
 
             def copyfile(self, source, outputfile):
@@ -190,12 +199,45 @@ def test_a_url_with_neither_a_content_tag_nor_bytes_that_read_whole_is_refused_a
     assert not storage.exists(run_dir(storage, "b"))
 
 
-def test_a_server_s_etag_pins_the_dataset_without_downloading_it(tmp_path, monkeypatch):
-    write_jsonl(tmp_path / "arith.jsonl", arithmetic(24))
-    server = Server(str(tmp_path), etag=True)
+@pytest.mark.parametrize("etag", ["nginx", "apache"])
+def test_a_same_size_edit_behind_an_etag_of_size_and_time_is_refused(storage, tmp_path, etag):
+    """nginx's and Apache's ETags are the file's size and mtime: an edit that keeps both keeps the ETag. The run is
+    pinned by the bytes, and checked by them on each read."""
+    folder = tmp_path / "www"
+    folder.mkdir()
+    write_jsonl(folder / "arith.jsonl", arithmetic(24))
+    server = Server(str(folder), etag=etag)
     try:
+        base = init_run(storage, "r", config(f"task.dataset={server.url}/arith.jsonl"))
+        facts = base.manifest.summary["datasets"]["task.dataset"]
+        assert facts["fingerprint"].startswith("sha256:") and "validator" not in facts
+        stage_function("snapshot")(storage, "r", 0)
+        same_size_edit(folder / "arith.jsonl")
+        with pytest.raises(StageError, match=r"^task\.dataset http://127\.0\.0\.1:\d+/arith\.jsonl changed since"):
+            stage_function("rollouts")(storage, "r", 0)
+    finally:
+        server.close()
+
+
+def test_a_server_s_content_digest_checks_the_dataset_without_downloading_it(storage, tmp_path, monkeypatch):
+    """An ETag that is the content's MD5 is recorded at init beside the bytes' sha256: a later read checks it with a
+    metadata request, and an edit (a new MD5) is refused."""
+    folder = tmp_path / "www"
+    folder.mkdir()
+    write_jsonl(folder / "arith.jsonl", arithmetic(24))
+    server = Server(str(folder), etag="md5")
+    try:
+        base = init_run(storage, "r", config(f"task.dataset={server.url}/arith.jsonl"))
+        facts = base.manifest.summary["datasets"]["task.dataset"]
+        assert facts["fingerprint"] == data.fingerprint(str(folder / "arith.jsonl"))  # the bytes, as a file's
+        assert facts["validator"].endswith(hashlib.md5((folder / "arith.jsonl").read_bytes()).hexdigest())
+        real = data._content_digest
         monkeypatch.setattr(data, "_content_digest", None)  # read, it would fail
-        assert data.fingerprint(f"{server.url}/arith.jsonl").startswith("etag:")
+        check_datasets(storage, "r")
+        monkeypatch.setattr(data, "_content_digest", real)
+        same_size_edit(folder / "arith.jsonl")
+        with pytest.raises(StageError, match="changed since grpo init"):
+            check_datasets(storage, "r")
     finally:
         server.close()
 

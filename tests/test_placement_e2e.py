@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 from test_stages import TINY
 
@@ -77,7 +78,9 @@ def test_an_iteration_with_stages_on_two_pools_commits_what_one_process_does(s3,
         homes = {pool: tmp_path / f"machine-{pool}" for pool in ("gpu", "cpu")}  # no shared folder
         for home in homes.values():
             home.mkdir()
-        env = lambda pool: {**s3_env, "GRPO_CACHE": str(homes[pool] / "cache")}  # noqa: E731
+        # placed stages take cores/2 unless told, and float32 sums round otherwise with another thread count: one
+        # thread there as in this process (conftest.py), on a machine of any size
+        env = lambda pool: {**s3_env, "GRPO_CACHE": str(homes[pool] / "cache"), "GRPO_THREADS": "1"}  # noqa: E731
         with process_worker(server, "gpu", cwd=homes["gpu"], env=env("gpu")):
             with process_worker(server, "cpu", cwd=homes["cpu"], env=env("cpu")):
                 run = server.wait_for_flow_run(placed_run(server, storage_url, "placed"), 900)
@@ -95,7 +98,8 @@ def test_an_iteration_with_stages_on_two_pools_commits_what_one_process_does(s3,
     assert len(on_gpu) == 4  # rollouts x2, learn, eval
     assert all(t(a, "end_time") <= t(b, "start_time") for a, b in zip(on_gpu, on_gpu[1:]))
 
-    # the same rows and checkpoints as the stages run in one process
+    # the same rows and checkpoints as the stages run in one process, on one thread as the placed stages
+    assert torch.get_num_threads() == 1
     for key, value in {**s3_env, "GRPO_CACHE": str(tmp_path / "cache")}.items():
         monkeypatch.setenv(key, value)
     storage = open_storage(storage_url)

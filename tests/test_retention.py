@@ -3,8 +3,10 @@ go, on file:// and a real S3 server; tables, manifests and summaries stay, and t
 answers queries, verifies, reruns its newest stages and resumes to what an uncollected run gives."""
 
 import doctest
+import time
 
 import pytest
+from load import load_factor
 from test_stages import make_run
 
 import grpo.gc
@@ -12,7 +14,7 @@ from flows.cli import main
 from grpo.config import RetentionConfig
 from grpo.gc import POLICY_PREFIXES, STATE_PREFIXES, plan
 from grpo.record.layout import STATE_STAGE, run_dir, stage_dir
-from grpo.record.storage import latest_committed, open_storage
+from grpo.record.storage import committed_attempts, latest_committed, open_storage
 from stages.iteration import run_warm
 
 RETENTION = ["retention.keep_last=1", "retention.keep_every=2"]
@@ -127,3 +129,40 @@ def test_retention_collects_weights_and_state_and_the_run_goes_on(storage, capsy
     assert {(g.why, g.path) for g in found.garbage} == {("state", held(storage, "b", k).attempt_dir) for k in range(4)}
     assert [line.split(":")[0] for line in found.kept] == [f"iteration {k}" for k in range(5)]
     assert "iteration 0: policy (no retention rule set)" in found.kept
+
+
+@pytest.mark.parametrize("why", ["state_every", "killed"])
+def test_retention_keeps_the_newest_state_a_resume_replays_from(storage, capsys, monkeypatch, why):
+    """The newest learn's state was never committed (learn.state_every=2 skips iteration 2's; or the process died
+    in its background commit, and its attempt stopped beating): the next learn built from files replays learn 2 from
+    state 1 and policy 1, so retention keeps those, and `grpo run` goes on to the bytes of an uncollected run
+    (before, gc removed them and every later `grpo run` failed)."""
+    from grpo.learner.warm import WARM
+    from grpo.record import resume
+    from grpo.record.liveness import lost_attempts
+
+    monkeypatch.setenv("GRPO_HEARTBEAT_S", f"{0.1 * load_factor():.3f}")  # a dead writer's lease: 1 s quiet
+    real = resume._commit
+    extra = ["retention.keep_last=1"] + (["learn.state_every=2"] if why == "state_every" else [])
+    for run_id in ("a", "b"):  # b: the same run, never collected
+        make_run(storage, run_id, extra=extra)
+        for k, _ in run_warm(storage, run_id, 0, 3):
+            if why == "killed" and k == 1:  # learn 2's state commit dies with its process: the beats stop
+                monkeypatch.setattr(resume, "_commit", lambda storage, writer, *a: writer._heartbeat.stop())
+        resume.settled()
+        monkeypatch.setattr(resume, "_commit", real)
+        folder = stage_dir(storage, run_id, 2, STATE_STAGE)
+        while why == "killed" and not lost_attempts(storage, folder):  # its lease runs out
+            time.sleep(0.1)
+    assert not committed_attempts(storage, stage_dir(storage, "a", 2, STATE_STAGE))
+    rc, out, _ = cli(storage, capsys, "gc", "--run", "a", "--retention", "--delete", "--older-than-s", "0")
+    assert rc == 0
+    for run_id in ("a", "b"):
+        WARM.take(None)  # a new process: learn 3 is built from files
+        rc, _, err = cli(storage, capsys, "run", "--run", run_id)
+        assert rc == 0, err
+    assert weights(storage, "a", 3) == weights(storage, "b", 3) and weights(storage, "a", 3)
+    assert "iteration 1: optimizer state (the learn after iteration 2 replays iterations 2..2 from it)" in out
+    assert {"optimizer.pt", "rng.pt", "policy/model.safetensors"} <= present(storage, "a", 1)
+    if why == "killed":  # older states still go (with learn.state_every=2 iteration 0 committed none)
+        assert not any(f.startswith(STATE_PREFIXES) for f in present(storage, "a", 0))

@@ -115,3 +115,26 @@ def test_the_cli_runs_one_shard_then_the_rest_and_refuses_a_shard_that_is_not(st
 def test_shard_settings_are_checked(setting, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, CHUNKED + [setting])
+
+
+def test_reward_shards_beyond_the_samples_left_after_skipped_prompts_commit_empty(storage, tmp_path):
+    """Half the dataset's prompts are over rollout.max_prompt_tokens and skipped: fewer samples are left than the
+    16 (4 prompts x 4) reward.shards=16 was checked against at init. The shards past them hold no rows and commit
+    empty; the stage commits the rows one shard commits (every rerun failed with 'rollouts.parquet has no rows')."""
+    import json
+
+    rows = [{"prompt": "1 + 2 =", "ground_truth": "3"}, {"prompt": "1 + 2 + 3 + 1 + 2 + 3 + 1 =", "ground_truth": "13"}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
+    extra = [f"task.dataset={tmp_path / 'mixed.jsonl'}", "task.name=arithmetic", "eval.split_fraction=0.25"]
+    extra += ["rollout.prompts_per_iteration=4", "rollout.max_prompt_tokens=8", "learn.minibatch_size=16"]
+    outs = {}
+    for run_id, shards in (("one", 1), ("many", 16)):
+        init_run(storage, run_id, load_config(None, TINY + extra + [f"reward.shards={shards}"]))
+        for stage in ("snapshot", "rollouts"):
+            stage_function(stage)(storage, run_id, 0)
+        outs[run_id] = stage_function("rewards")(storage, run_id, 0)
+    left = outs["one"].manifest.summary["samples"]
+    assert 0 < left < 16 and outs["many"].manifest.summary["samples"] == left  # some prompts skipped
+    assert outs["many"].manifest.summary["shards"] == 16
+    pd.testing.assert_frame_equal(*(content(storage, o, "rewards.parquet") for o in outs.values()))
+    assert outs["many"].manifest.summary["reward_mean"] == outs["one"].manifest.summary["reward_mean"]

@@ -3,6 +3,13 @@ and per rollouts row, refused from any other source; learn.behavior_correction w
 without a correction updates as before, byte for byte; a stale run stopped between stages resumes to the bytes of an
 uninterrupted one."""
 
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -27,7 +34,7 @@ RUN = TINY + [F32, "learn.epochs=1", "learn.lr=3e-3", "learn.lr_decay_steps=0", 
 
 @pytest.fixture
 def one_thread():
-    """One torch thread, as the committed hashes below were made (and as the suite's workers run); torch's count is
+    """One torch thread, as the code before (BEFORE) runs below (and as the suite's workers run); torch's count is
     the process's, so a learn in another thread takes it too."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -45,29 +52,57 @@ def committed(storage, run_id, k, stage):
     return latest_committed(storage, stage_dir(storage, run_id, k, stage))
 
 
-# learn 1's policy/model.safetensors of the run below as the code before rollout.staleness and
-# learn.behavior_correction (9fc5dde) committed it, float32 and one thread, on each kind of CPU it was made on:
-# float32 matmuls take other kernels (and round otherwise) on AVX2 than on AVX512. To add a kind:
-# `git worktree add /tmp/before 9fc5dde` and run this test's steps there with PYTHONPATH=/tmp/before.
-BEFORE = {
-    "c0aae93656b90aff4ad47e0c7078d24b00d235b33a746c1eadc8495ae69e8ea6": "AMD EPYC, AVX2",
-    "019a3292157337aedea6bf77d3855c806d191b2d92d8f09cbc6eee6a20839a80": "Intel Xeon, AVX512 with BF16 and AMX",
-}
+BEFORE = "9fc5dde"
+"""The last commit before rollout.staleness and learn.behavior_correction existed: the code whose update S = 0
+without a correction must commit, byte for byte."""
+BEFORE_LEARN_1 = """
+import sys, torch
+torch.set_num_threads(1)
+from grpo.config import load_config
+from grpo.storage import open_storage
+from stages.init import init_run
+from stages.iteration import run_iteration
+storage = open_storage(sys.argv[1])
+init_run(storage, "g", load_config(None, sys.argv[2:]))
+for k in range(2):
+    out = run_iteration(storage, "g", k)
+print({f.path: f.sha256 for f in out["learn"].manifest.files}["policy/model.safetensors"])
+"""
+
+
+def learn_1_before(tmp_path, overrides: list[str]) -> str:
+    """The sha256 of learn 1's policy as the code of BEFORE commits it, on this CPU, one thread: that commit's
+    tree out of git, run in a process of its own. Float32 matmuls take other kernels (and round otherwise) on AVX2
+    than on AVX512, so these bytes are made here, beside the ones they are compared with, not kept per CPU."""
+    root = Path(__file__).resolve().parents[1]
+    tree = tmp_path / "before"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", BEFORE], capture_output=True)
+    if archive.returncode != 0:  # a checkout without history: a release tarball, a shallow clone
+        pytest.skip(f"commit {BEFORE} is not in this checkout's git history: {archive.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tree, filter="data")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_")}
+    env |= {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "GRPO_CACHE": str(tmp_path / "before-cache")}
+    done = subprocess.run(
+        [sys.executable, "-c", BEFORE_LEARN_1, (tmp_path / "before-store").as_uri(), *overrides],
+        cwd=tree, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()[-1]
 
 
 def test_no_staleness_and_no_correction_commit_the_weights_of_the_code_before_them(tmp_path, one_thread):
-    """The policy of learn 1 at the defaults (S = 0, behavior_correction none), float32, one thread: the sha256 the
-    code before rollout.staleness and learn.behavior_correction existed committed for this very run (BEFORE)."""
+    """The policy of learn 1 at the defaults (S = 0, behavior_correction none), float32, one thread: the bytes the
+    code before rollout.staleness and learn.behavior_correction existed (BEFORE) commits for this very run, made in
+    the same test on the same CPU."""
     storage = open_storage((tmp_path / "s").as_uri())
     init_run(storage, "g", load_config(None, TINY + [F32]))
     cold()
     for k in range(2):
         out = run_iteration(storage, "g", k)
-    files = {f.path: f.sha256 for f in out["learn"].manifest.files}
-    assert files["policy/model.safetensors"] in BEFORE, (
-        f"torch {torch.backends.cpu.get_cpu_capability()}: learn 1 committed {files['policy/model.safetensors']}; "
-        "a CPU of a kind not in BEFORE? (see above)"
-    )
+    now = out["learn"].manifest.file("policy/model.safetensors").sha256
+    assert now == learn_1_before(tmp_path, TINY + [F32])
     assert out["learn"].manifest.summary["behavior_weight_mean"] == 1.0  # recorded, not applied
 
 

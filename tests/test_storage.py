@@ -17,6 +17,7 @@ from grpo.record.storage import (
     find_committed,
     latest_committed,
     list_attempts,
+    load_manifest,
     open_storage,
 )
 from schemas import MANIFEST_NAME, read_parquet, write_parquet
@@ -149,7 +150,10 @@ def test_manifest_records_inputs_config_and_code(storage):
     storage.fs.pipe_file(w.path("x.bin"), b"abc")
     c = w.commit()
     raw = json.loads(storage.read_bytes(f"{c.attempt_dir}/{MANIFEST_NAME}"))
-    assert raw["inputs"]["prompts"] == {"uri": upstream.uri, "manifest_sha256": upstream.manifest_sha256}
+    # named relative to the run folder on disk (a copied run is whole), absolute once read
+    relative = upstream.attempt_dir.split("/runs/r/")[-1]  # iter-0000/prompts/attempt-0001-...
+    assert raw["inputs"]["prompts"] == {"uri": relative, "manifest_sha256": upstream.manifest_sha256}
+    assert c.manifest.inputs["prompts"] == upstream.ref() == load_manifest(storage, c.attempt_dir)[0].inputs["prompts"]
     assert raw["config"] == {"a": 1} and len(raw["config_hash"]) == 64
     assert raw["code_version"] and raw["started_at"] <= raw["committed_at"]
     assert raw["files"][0]["sha256"] == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"

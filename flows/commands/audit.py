@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flows.commands.hints import grpo_command, newest_policy
 from grpo.record.digests import rehashing
-from grpo.record.layout import STAGES, run_ids, shard_dirs, stage_dir
+from grpo.record.layout import STAGES, STATE_STAGE, run_ids, shard_dirs, stage_dir
 from grpo.record.lineage import next_iteration, stale_attempt
 from grpo.record.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest
 from grpo.report import best_iteration
@@ -44,6 +44,7 @@ def cmd_status(args, storage):
                 stale_from = k
         print(f"{k:>9}  " + "  ".join(f"{c:>10}" for c in cells))
         shard_lines += shard_line(storage, args.run, k, running, args.verify, after_stale, corrupt)
+        shard_lines += state_line(storage, args.run, k, args.verify, corrupt)
     for line in shard_lines:
         print(line)
     print(
@@ -79,6 +80,16 @@ def shard_line(storage, run_id: str, k: int, running: set[str], verify: bool, af
             if state == "corrupt"
         ]
     return [f"iteration {k} shards: {'; '.join(stages)}"] if stages else []
+
+
+def state_line(storage, run_id: str, k: int, verify: bool, corrupt: list) -> list[str]:
+    """With `verify`: [the line of iteration k's resume state (grpo/record/resume.py) when its newest committed
+    attempt's files changed (`iteration 3 state: corrupt`)], its remaking command added to `corrupt`; else []."""
+    done = committed_attempts(storage, stage_dir(storage, run_id, k, STATE_STAGE)) if verify else []
+    if not done or not _corrupt(storage, done[-1]):
+        return []
+    corrupt.append(f"grpo stage {STATE_STAGE} --run {run_id} --iteration {k} --force")
+    return [f"iteration {k} {STATE_STAGE}: corrupt (learn {k}'s optimizer state; the learn after it reads it)"]
 
 
 def stage_cell(storage, d: str, running: set[str], verify: bool, after_stale: bool) -> tuple[str, str]:

@@ -18,6 +18,18 @@ def cmd_fork(args, storage):
     )
 
 
+def listed(cell) -> list:
+    """A list cell of a DuckDB result as a list: NULL (None or pandas' NA, as the FILTER of no row gives) is [].
+
+    >>> import pandas as pd
+    >>> listed(pd.NA), listed(None), listed(["1/0: 0 -> 1"])
+    ([], [], ['1/0: 0 -> 1'])
+    """
+    import pandas as pd
+
+    return list(cell) if cell is not None and cell is not pd.NA else []
+
+
 def cmd_rescore(args, storage):
     from grpo.record.lineage import next_iteration
     from stages.common import load_run
@@ -45,12 +57,10 @@ def cmd_rescore(args, storage):
                 f" ... and {len(flipped) - 20} more" if len(flipped) > 20 else ""
             )
             print(f"iteration {row.iteration}: advantage sign flipped in groups (prompt_id) {groups}")
+    for what, column in (("sample's reward changed", "changed"), ("group's advantage flipped sign", "flipped")):
+        if not any(listed(v) for v in table[column]):
+            print(f"no {what} in iterations {first}..{last}")
     print(
         f"rescored into run {fork} (a fork of {args.run}; no rollouts written); per sample: "
         f'{grpo_command(args.storage)} query --run {fork} "SELECT * FROM rescore WHERE reward_changed"'
     )
-
-
-def listed(value) -> list:
-    """A DuckDB list cell as a list: a FILTER that kept no row gives NULL (None, or pandas' NA), not []."""
-    return list(value) if hasattr(value, "__len__") and not isinstance(value, str) else []

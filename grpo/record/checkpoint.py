@@ -14,7 +14,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -23,7 +22,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from grpo.errors import one_line
 from grpo.record.commit import StageWriter
-from grpo.record.counts import cache_root, is_local
+from grpo.record.counts import cache_root, cache_temp, is_local
 from grpo.record.digests import WRITTEN_SIDECAR, file_digest, known_digest, remember_digest, settle, sha256_local
 from grpo.record.io import get_files, put_files
 from grpo.record.storage import CollectedError, Committed, CorruptArtifactError, check_entry, url_to_fs, verify_files
@@ -164,7 +163,7 @@ def local_checkpoint(committed: Committed, prefix: str = CHECKPOINT_PREFIX) -> s
     if target.exists():  # an edited or truncated download: never load it under the committed version
         shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    tmp = Path(cache_temp(target.parent))
     if is_local(fs):
         for name, path in files.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
@@ -192,8 +191,7 @@ def _cached(key: str) -> Path:
 
 def staging_folder() -> str:
     """A new folder on the checkpoint cache's disk for files that keep_written may later take in (a rename)."""
-    (cache_root() / "checkpoints").mkdir(parents=True, exist_ok=True)
-    return tempfile.mkdtemp(dir=cache_root() / "checkpoints", prefix=".tmp-")
+    return cache_temp(cache_root() / "checkpoints")
 
 
 def keep_written(committed: Committed, folder: str, prefix: str = CHECKPOINT_PREFIX) -> None:

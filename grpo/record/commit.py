@@ -30,6 +30,7 @@ from grpo.record.storage import (
     attempt_number,
     list_attempts,
     now,
+    relative_manifest,
 )
 from schemas.manifest import MANIFEST_NAME, FileEntry, InputRef, Manifest
 
@@ -194,7 +195,7 @@ class StageWriter:
             origin=self.origin,
             io=None if io is None else io.record(),
         )
-        data = manifest.to_json()
+        data = relative_manifest(self.storage, self.attempt_dir, manifest).to_json()  # in memory: absolute URIs
         self._check_attempt()  # hashing a large checkpoint takes a while: still there?
         self.storage.write_bytes_atomic(f"{self.attempt_dir}/{MANIFEST_NAME}", data)
         self._committed = True

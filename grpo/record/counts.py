@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import os
+import shutil
+import socket
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,6 +26,29 @@ from fsspec import AbstractFileSystem
 def cache_root() -> Path:
     """This machine's cache folder: $GRPO_CACHE, else ~/.cache/grpo-flow (downloaded checkpoints, hashes)."""
     return Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-flow"))
+
+
+def cache_temp(folder: Path) -> str:
+    """A new folder `.tmp-<pid>-<host>-*` in the cache folder `folder` (files a stage writes there first, then
+    renames into place); leftovers of processes of this host that are gone (a killed learn's weights, 12 bytes a
+    parameter) are removed first."""
+    folder.mkdir(parents=True, exist_ok=True)
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40]
+    for old in folder.glob(f".tmp-*-{host}-*"):
+        pid = old.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(dir=folder, prefix=f".tmp-{os.getpid()}-{host}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: it exists
+        pass
+    return True
 
 
 def is_local(fs: AbstractFileSystem) -> bool:

@@ -30,8 +30,17 @@ from grpo.record import reward_files
 from grpo.record.commit import StageWriter
 from grpo.record.counts import is_local
 from grpo.record.identity import config_hash, lineage_identity, stage_identity, stored_config
-from grpo.record.layout import STAGES, no_such_run, run_dir, run_ids, run_json, stage_dir
-from grpo.record.lineage import next_iteration, note_committed
+from grpo.record.layout import (
+    STAGES,
+    forking_json,
+    half_made_forks,
+    no_such_run,
+    run_dir,
+    run_ids,
+    run_json,
+    stage_dir,
+)
+from grpo.record.lineage import committed_state, next_iteration, note_committed, replay_chain
 from grpo.record.storage import (
     ArtifactError,
     Committed,
@@ -66,6 +75,17 @@ def fork_of(storage: Storage, run_id: str) -> dict | None:
     """{"parent": run id, "at": iteration} of a fork; None for a run that is none."""
     fork = run_record(storage, run_id).get("fork")
     return fork if isinstance(fork, dict) else None
+
+
+def being_made(storage: Storage, run_id: str) -> dict | None:
+    """{"parent", "at"} of a half-made fork (killed before its run.json: layout.forking_json); None otherwise."""
+    if storage.exists(run_json(storage, run_id)):
+        return None
+    try:
+        made = json.loads(storage.read_bytes(forking_json(storage, run_id)))
+    except (FileNotFoundError, ValueError):
+        return None
+    return made if isinstance(made, dict) else None
 
 
 def ancestors(storage: Storage, run_id: str) -> list[str]:
@@ -218,6 +238,23 @@ def _history(storage: Storage, parent: str, at: int) -> list[Committed]:
     return order
 
 
+def resume_gone(storage: Storage, parent: str, history: list[Committed], at: int) -> str | None:
+    """What of `parent` the fork's learn `at` reads that gc collected, as "run p's optimizer state after learn 2
+    (<uri>: optimizer.pt)": learn at-1's policy and resume state, or, where that state was never committed, the
+    state and policies its replay reads (grpo.record.lineage.replay_chain); None where all is there."""
+    learned = {c.manifest.iteration: c for c in history if c.manifest.stage == "learn"}
+    replayed, read = replay_chain(storage, parent, {k: c.attempt_dir for k, c in learned.items()}, at - 1)
+    needs = [(f"policy of learn {k}", learned[k]) for k in sorted({at - 1, *replayed, *(m - 1 for m in replayed)})
+             if k in learned]  # fmt: skip
+    if read is not None:
+        held = committed_state(storage, parent, learned[read]) or learned[read]  # runs before the split: inside
+        needs.append((f"optimizer state after learn {read}", held))
+    for what, c in needs:
+        if c.collected:
+            return f"run {parent}'s {what} ({c.uri}: {', '.join(sorted(c.collected)[:2])})"
+    return None
+
+
 def fork_run(storage: Storage, parent: str, at: int, run_id: str, overrides: list[str]) -> Forked:
     """Make run `run_id` a fork of `parent` at iteration `at` (see the module's docstring). Everything is
     checked before anything is written; run.json is written last, so an interrupted fork is finished by
@@ -238,13 +275,16 @@ def fork_run(storage: Storage, parent: str, at: int, run_id: str, overrides: lis
             f"fork at {done} or earlier"
         )
     history = _history(storage, parent, at)
-    if at > 0 and (gone := [p for p in history if p.manifest.stage == "learn" and p.collected]):
-        last = [p for p in gone if p.manifest.iteration == at - 1]
-        if last:
-            raise StageError(
-                f"--at {at}: {sorted(last[0].collected)[0]} of run {parent}'s learn {at - 1} was collected by "
-                f"`grpo gc --retention`, and learn {at} continues from it; fork where the previous learn is whole"
-            )
+    if at > 0 and (gone := resume_gone(storage, parent, history, at)):
+        raise StageError(
+            f"--at {at}: learn {at} continues from {gone}, which `grpo gc --retention` collected; nothing written. "
+            f"Fork where the previous learn is whole: `grpo fork --from {parent} --at {done}` (the newest learn keeps "
+            "everything)"
+        )
+    if is_local(storage.fs):
+        storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)
+    if not storage.exists(run_json(storage, run_id)):  # seen while half made (layout.forking_json)
+        storage.write_bytes_atomic(forking_json(storage, run_id), json.dumps(record["fork"]).encode())
     made: dict[str, Committed] = {}
     for source in history:
         inputs = {name: made[ref.uri] for name, ref in source.manifest.inputs.items()}
@@ -252,9 +292,9 @@ def fork_run(storage: Storage, parent: str, at: int, run_id: str, overrides: lis
     named = any(o.split("=", 1)[0].strip() == "reward.functions" for o in overrides)  # read the files again
     reward_files.commit_for_fork(storage, run_id, parent, cfg, read_local=named)
     data = json.dumps(record, indent=1, sort_keys=True).encode()
-    if is_local(storage.fs):
-        storage.fs.makedirs(run_dir(storage, run_id), exist_ok=True)
     storage.write_bytes_atomic(run_json(storage, run_id), data)
+    if storage.exists(forking_json(storage, run_id)):
+        storage.fs.rm_file(forking_json(storage, run_id))
     n_bytes = sum(f.size for c in history for f in c.manifest.files)
     return Forked(run_id, parent, at, len(history), n_bytes)
 
@@ -262,11 +302,12 @@ def fork_run(storage: Storage, parent: str, at: int, run_id: str, overrides: lis
 def referenced_by(storage: Storage, run_id: str) -> dict[str, set[str]]:
     """{uri under run `run_id`: the other runs that reference it}: the files, inputs and origins that the
     committed manifests of every other run name there (forks, and forks of forks: a fork's reference names the
-    file where it lives). gc keeps them, and `grpo delete` refuses the run while any exist."""
+    file where it lives), a half-made one's too (being_made). gc keeps them, and `grpo delete` refuses the run while
+    any exist."""
     prefix = storage.uri(run_dir(storage, run_id)).rstrip("/") + "/"
     out: dict[str, set[str]] = {}
-    for other in run_ids(storage):
-        if other == run_id or fork_of(storage, other) is None:
+    for other in run_ids(storage) + half_made_forks(storage):
+        if other == run_id or (fork_of(storage, other) is None and being_made(storage, other) is None):
             continue
         for path in storage.fs.find(run_dir(storage, other)):
             if not path.endswith("/_manifest.json"):

@@ -63,6 +63,23 @@ def run_ids(storage: Storage) -> list[str]:
     return [n for n in names if storage.exists(run_json(storage, n))]
 
 
+def forking_json(storage: Storage, run_id: str) -> str:
+    """A fork being made (grpo.record.fork): its parent and fork point, written before the first attempt it takes
+    by reference and removed once its run.json is written, so that a fork killed in between is seen (a half-made
+    fork: `grpo fork` again finishes it, `grpo delete` removes it, the parent's gc keeps what it references)."""
+    return f"{run_dir(storage, run_id)}/forking.json"
+
+
+def half_made_forks(storage: Storage) -> list[str]:
+    """The run folders under runs/ holding a forking.json and no run.json."""
+    try:
+        folders = storage.fs.ls(storage.path("runs"), detail=False)
+    except FileNotFoundError:
+        return []
+    names = sorted(f.rstrip("/").rsplit("/", 1)[-1] for f in folders)
+    return [n for n in names if storage.exists(forking_json(storage, n)) and not storage.exists(run_json(storage, n))]
+
+
 def no_such_run(storage: Storage, run_id: str) -> str:
     """The one line for a run id that storage does not hold: which runs it does hold."""
     runs = run_ids(storage)

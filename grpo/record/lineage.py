@@ -210,6 +210,34 @@ def reference_iteration(iteration: int, every: int | None) -> int | None:
     return None if every is None or iteration < every else iteration // every * every
 
 
+def committed_state(storage: Storage, run_id: str, learned: Committed) -> Committed | None:
+    """The newest committed resume state made after learn `learned` (an attempt of stage STATE_STAGE whose input is
+    that very commit: grpo/record/resume.py)."""
+    sdir = stage_dir(storage, run_id, learned.manifest.iteration, STATE_STAGE)
+    ref = learned.ref()
+    for attempt in reversed(committed_attempts(storage, sdir)):
+        manifest, sha = load_manifest(storage, attempt, verify=False)
+        if manifest.inputs.get("learn") == ref:  # what gc collected of it fails a read naming that
+            return Committed(storage, attempt, manifest, sha, collected_files(storage, attempt, manifest))
+    return None
+
+
+def replay_chain(storage: Storage, run_id: str, learned: dict[int, str], start: int) -> tuple[list[int], int | None]:
+    """(the learns a learn built from files after learn `start` replays, newest first: those back from `start` whose
+    resume state was never committed (learn.state_every, a state commit killed); the iteration whose committed
+    state the first replay reads, or None where the replays go back to the first learn). `learned`: {iteration:
+    committed learn attempt}."""
+    replayed, k = [], start
+    while k in learned:
+        manifest, sha = load_manifest(storage, learned[k], verify=False)
+        inside = any(f.path.startswith(STATE_PREFIXES) for f in manifest.files)  # runs made before the state split
+        if inside or committed_state(storage, run_id, Committed(storage, learned[k], manifest, sha)) is not None:
+            return replayed, k
+        replayed.append(k)
+        k -= 1
+    return replayed, None
+
+
 def collected_learn_files(storage: Storage, run_id: str, k: int) -> dict[str, list[str]]:
     """{attempt: the files `grpo gc --retention` collected of it} of iteration k's newest committed learn and
     state (STATE_STAGE) attempts, those that lost any."""

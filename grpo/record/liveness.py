@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass
 
 import fsspec
 
+from grpo.errors import StageError
 from grpo.record.counts import uncounted
 from grpo.record.layout import run_dir
 from grpo.record.storage import ArtifactError, Storage, load_manifest
@@ -29,8 +32,19 @@ LEASE_BEATS = 10  # a heartbeat is live for this many of its writer's beats at l
 
 
 def heartbeat_interval_s() -> float:
-    """Seconds between two beats of a writer's heartbeat: $GRPO_HEARTBEAT_S, else 30."""
-    return float(os.environ.get("GRPO_HEARTBEAT_S", "30"))
+    """Seconds between two beats of a writer's heartbeat: $GRPO_HEARTBEAT_S (a number > 0), else 30; a StageError
+    naming the variable otherwise."""
+    text = os.environ.get("GRPO_HEARTBEAT_S", "30")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise StageError(
+            f"GRPO_HEARTBEAT_S={text!r}: give the seconds between a running stage's heartbeats, a number > 0 "
+            "(unset: 30)"
+        )
+    return value
 
 
 class Heartbeat:
@@ -150,7 +164,26 @@ def running_attempts(storage: Storage, run_id: str, beats: int = 3) -> set[str]:
         return set()
     clock = storage_clock(storage, rdir)
     live = {p: last_beat(storage, p, listing, clock) for p in paths}
-    return {p for p, b in live.items() if b is not None and b[0] < beats * beat_interval(b[1])}
+    return {p for p, b in live.items() if b is not None and b[0] < beats * beat_interval(b[1]) and not gone(b[1])}
+
+
+def gone(beat: dict) -> bool:
+    """Whether a heartbeat's writer ran on this host and its process is no more: dead now, not only once its beats
+    stop counting (a resume waiting for the state its killed writer was committing waited 64-90 s). A pid taken
+    since by another process reads as alive: then the beats decide, as for a writer on another host.
+
+    >>> gone({"host": socket.gethostname(), "pid": os.getpid()}), gone({"host": "elsewhere", "pid": 1})
+    (False, False)
+    """
+    if beat.get("host") != socket.gethostname() or not isinstance(beat.get("pid"), int) or beat["pid"] <= 0:
+        return False
+    try:
+        os.kill(beat["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: it exists
+        return False
+    return False
 
 
 def lost_attempts(storage: Storage, folder: str) -> dict[str, float]:

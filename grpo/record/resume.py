@@ -34,9 +34,9 @@ from grpo.record.digests import WRITTEN_SIDECAR, note_written
 from grpo.record.fork import reference
 from grpo.record.io import put_files
 from grpo.record.layout import STATE_DCP, STATE_PREFIXES, STATE_STAGE, stage_dir
-from grpo.record.lineage import note_committed
+from grpo.record.lineage import committed_state, note_committed
 from grpo.record.liveness import running_attempts
-from grpo.record.storage import Committed, Storage, collected_files, committed_attempts, list_attempts, load_manifest
+from grpo.record.storage import Committed, Storage, list_attempts, load_manifest
 from grpo.runtime import exits
 
 log = logging.getLogger("grpo.stages")
@@ -245,17 +245,6 @@ def _kept(committed: Committed) -> str | None:
     """The cached copy of a committed state, where this machine wrote it and it is intact (its stamps known)."""
     target = _cached(committed)
     return str(target) if cache_intact(committed, target, prefix="") else None
-
-
-def committed_state(storage: Storage, run_id: str, learned: Committed) -> Committed | None:
-    """The newest committed state made after learn `learned` (an attempt whose input is that very commit)."""
-    sdir = stage_dir(storage, run_id, learned.manifest.iteration, STAGE)
-    ref = learned.ref()
-    for attempt in reversed(committed_attempts(storage, sdir)):
-        manifest, sha = load_manifest(storage, attempt, verify=False)
-        if manifest.inputs.get("learn") == ref:  # what gc collected of it fails a read naming that
-            return Committed(storage, attempt, manifest, sha, collected_files(storage, attempt, manifest))
-    return None
 
 
 def being_written(storage: Storage, run_id: str, learned: Committed) -> bool:

@@ -18,10 +18,12 @@ skips them, and reading one fails naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
 import os
+import posixpath
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -156,14 +158,58 @@ def committed_attempts(storage: Storage, stage_dir: str) -> list[str]:
     return [d for d in dirs if is_committed(storage, d)]
 
 
+def run_folder(storage: Storage, attempt_dir: str) -> str | None:
+    """The run folder (runs/<id>) an attempt folder is in, whatever run its manifest names (a copied run's); None
+    outside runs/."""
+    runs = storage.path("runs") + "/"
+    return runs + attempt_dir[len(runs) :].split("/", 1)[0] if attempt_dir.startswith(runs) else None
+
+
+def _relocated(manifest: Manifest, where) -> Manifest:
+    """`manifest` with `where` applied to every URI it names: its referenced files', inputs' and origin's."""
+    moved = lambda ref: None if ref is None else dataclasses.replace(ref, uri=where(ref.uri))  # noqa: E731
+    return dataclasses.replace(
+        manifest,
+        files=[moved(f) if f.uri else f for f in manifest.files],
+        inputs={name: moved(ref) for name, ref in manifest.inputs.items()},
+        origin=moved(manifest.origin),
+    )
+
+
+def relative_manifest(storage: Storage, attempt_dir: str, manifest: Manifest) -> Manifest:
+    """`manifest` as written: each URI in the storage named relative to the attempt's run folder (`iter-0002/learn/
+    attempt-0001-3fa2c1`, another run's `../parent/iter-...`), so a run copied or moved with its storage (cp -a,
+    aws s3 sync) is whole where it lands; one elsewhere stays absolute."""
+    run, root = run_folder(storage, attempt_dir), storage.uri(storage.root).rstrip("/") + "/"
+    if run is None:
+        return manifest
+    return _relocated(
+        manifest,
+        lambda uri: posixpath.relpath(storage.path(uri[len(root) :]), run) if uri.startswith(root) else uri,
+    )
+
+
+def absolute_manifest(storage: Storage, attempt_dir: str, manifest: Manifest) -> Manifest:
+    """`manifest` as read: each relative URI (relative_manifest) resolved against the run folder the attempt is in
+    now; the absolute ones of manifests written before (version 2) as they are."""
+    run = run_folder(storage, attempt_dir)
+    if run is None:
+        return manifest
+    return _relocated(
+        manifest,
+        lambda uri: uri if "://" in uri or uri.startswith("/") else storage.uri(posixpath.normpath(f"{run}/{uri}")),
+    )
+
+
 def load_manifest(storage: Storage, attempt_dir: str, verify: bool = True) -> tuple[Manifest, str]:
-    """Manifest of one attempt and the sha256 of its bytes; with `verify`, check every file."""
+    """Manifest of one attempt and the sha256 of its bytes, its URIs absolute (absolute_manifest); with `verify`,
+    check every file."""
     mpath = f"{attempt_dir}/{MANIFEST_NAME}"
     if not storage.exists(mpath):
         raise NotCommittedError(f"{storage.uri(attempt_dir)}: not committed (no {MANIFEST_NAME})")
     data = storage.read_bytes(mpath)
     try:
-        manifest = Manifest.from_json(data, storage.uri(mpath))
+        manifest = absolute_manifest(storage, attempt_dir, Manifest.from_json(data, storage.uri(mpath)))
     except ValueError as e:
         raise CorruptArtifactError(str(e)) from e
     if verify:

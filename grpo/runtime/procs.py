@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,6 +99,20 @@ def tied_to_this_process(sig: int = signal.SIGTERM):
     _libc()  # loaded here, before the fork
     parent = os.getpid()
     return lambda: die_with_parent(sig, parent)
+
+
+def ends_with(parent: int, poll_s: float = 0.2) -> None:
+    """End this process, and what it started (its process group), once process `parent` is gone, asked of the
+    process every `poll_s` by a daemon thread: not of the thread that forked this one, which PR_SET_PDEATHSIG
+    follows and a warm reward pool outlives."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        kill_descendants(os.getpid(), group=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="grpo-parent-watch", daemon=True).start()
 
 
 def become_subreaper() -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any, Sequence
 
-from grpo.runtime.procs import become_subreaper, kill_descendants
+from grpo.runtime.procs import become_subreaper, ends_with, kill_descendants
 from grpo.scoring import secrets
 
 log = logging.getLogger("grpo.scoring")
@@ -58,11 +58,12 @@ def _worker_init() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
-def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
+def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...], parent: int) -> None:
     """A worker: runs the (fn, args) jobs `conn` brings, answers ("done", result) or ("failed", error
     line); meanwhile a job may tell the parent of samples that erred (`_tell`).
 
-    It starts without the stage's credentials (grpo/scoring/secrets.py; `pass_env` names those it keeps).
+    It starts without the stage's credentials (grpo/scoring/secrets.py; `pass_env` names those it keeps), and ends
+    once `parent`, the process that forked it, is gone.
     Its stdout and stderr go to the file `out`, which the parent reads and empties after each job. It
     closes the parent's ends of the other workers' pipes, so that when the parent dies every worker
     reads EOF and ends.
@@ -72,6 +73,7 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
     secrets.remove_credentials(pass_env)
     os.setpgid(0, 0)  # its own process group, and (Linux) every process its jobs start stays below it
     become_subreaper()
+    ends_with(parent)  # a stage SIGKILLed: its job would run on, a function starting a process a sample
     _PROGRESS, _CONN = progress, conn
     _mapped_at_start()  # what reward.max_memory_mb is counted from
     os.dup2(out, 1)
@@ -195,12 +197,12 @@ class _Worker:
 class RewardPool:
     """Worker processes forked from this one, each watched by the parent (see the note above); they start
     without this process's credentials but those named in `pass_env` (reward.pass_env), and what they
-    answer or print reaches the caller and the log with the values of the others redacted."""
+    answer or print reaches the caller and the log with the values of all of them redacted."""
 
     def __init__(self, workers: int, pass_env: tuple[str, ...] = ()):
         self.workers: list[_Worker] = []
         self.pass_env = tuple(pass_env)
-        self.secrets: dict[str, str] = {}  # value -> name of each credential kept from the workers
+        self.secrets: dict[str, str] = {}  # value -> name of each credential, kept from the workers or passed
         self.left_running = 0  # processes its jobs left running (killed), since the pool started
         self.printed, self.printed_head = 0, b""  # what workers printed since the last log, its first bytes
         try:
@@ -224,7 +226,8 @@ class RewardPool:
                 stream.flush()
             except (AttributeError, OSError, ValueError):
                 pass
-        process = ctx.Process(target=_worker_main, args=(child, progress, out, self.pass_env), daemon=True)
+        args = (child, progress, out, self.pass_env, os.getpid())
+        process = ctx.Process(target=_worker_main, args=args, daemon=True)
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             process.start()
@@ -274,12 +277,18 @@ class RewardPool:
                 events.append((w, job, "died", None))
         return events
 
-    def apply(self, fn, args: tuple = ()):
-        """fn(*args) in an idle worker (a warm pool's pid, a check); raises RuntimeError if it fails."""
+    def apply(self, fn, args: tuple = (), timeout: float | None = None):
+        """fn(*args) in an idle worker (a warm pool's pid, a check); raises RuntimeError if it fails, kills the
+        worker or runs past `timeout` s (the worker is then replaced)."""
         w = self.idle()[0]
         self.submit(w, fn, args)
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            for _, _, kind, payload in self.wait(None):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self.replace(w)
+                raise RuntimeError(f"reward worker gave no answer within {timeout:g} s")
+            for _, _, kind, payload in self.wait(left):
                 if kind == "died":
                     raise RuntimeError(f"reward worker died: {self.replace(w)}")
                 if kind == "failed":

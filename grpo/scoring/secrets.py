@@ -1,7 +1,7 @@
 """Credentials kept from reward code: a reward worker starts with every credential variable removed from its
 environment (and from the environment block /proc/self/environ shows), and what comes back from it (errors,
-component names, printed output) has the values of those variables replaced by their names before the stage
-commits or logs it.
+component names, printed output) has the values of those variables, and of those reward.pass_env passes on, replaced
+by their names before the stage commits or logs it.
 
 Reward code is untrusted (a user's function, or a code-execution reward running what the model wrote), and a
 forked worker would otherwise inherit AWS_SECRET_ACCESS_KEY, tokens and API keys. Redaction is the backstop
@@ -51,8 +51,16 @@ def credential_names(environ: Mapping[str, str], pass_env: Iterable[str] = ()) -
 
 
 def secret_values(environ: Mapping[str, str], pass_env: Iterable[str] = ()) -> dict[str, str]:
-    """{value: variable name} of the credentials a worker loses, longest value first, each worth redacting."""
-    found = {environ[k]: k for k in credential_names(environ, pass_env) if len(environ[k]) >= MIN_REDACTED}
+    """{value: variable name} of what comes back from reward code redacted: every credential of `environ`, those
+    pass_env passes to the workers too (a judge's API key is read, never committed or logged), and every variable
+    pass_env names; longest value first, each long enough to be worth redacting.
+
+    >>> env = {"AWS_SECRET_ACCESS_KEY": "s" * 9, "JUDGE_URL": "https://judge", "HOME": "/home/me"}
+    >>> secret_values(env, ["JUDGE_URL"])
+    {'https://judge': 'JUDGE_URL', 'sssssssss': 'AWS_SECRET_ACCESS_KEY'}
+    """
+    names = [*credential_names(environ), *(k for k in pass_env if k in environ)]
+    found = {environ[k]: k for k in names if len(environ[k]) >= MIN_REDACTED}
     return dict(sorted(found.items(), key=lambda kv: -len(kv[0])))
 
 

@@ -230,6 +230,19 @@ ended (grpo.episodes.environment.FinalState; None when it stored nothing) and it
 (chat messages: each assistant turn, each tool or observation message appended)."""
 
 
+def columns_needed(spec: str) -> list[str] | str:
+    """The dataset columns the function `spec` names needs, sorted; or the line saying why it does not load. What
+    `grpo init` asks a reward worker, so that a reward file's module-level code runs where scoring runs it.
+
+    >>> columns_needed("grpo.tasks.functions:nothing")
+    "reward.functions: 'grpo.tasks.functions:nothing': grpo.tasks.functions has no function 'nothing'"
+    """
+    try:
+        return sorted(required_columns(load_function(spec)))
+    except RewardFunctionError as e:
+        return str(e)
+
+
 def required_columns(fn: Callable) -> set[str]:
     """Dataset columns `fn` needs: its parameters after the first three that have no default."""
     params = list(inspect.signature(fn).parameters.values())[3:]
@@ -245,14 +258,28 @@ def _row_keywords(fn: Callable) -> Callable[[dict], dict]:
     return lambda row: {k: v for k, v in row.items() if k in names}
 
 
+MAX_COMPONENTS = 256
+"""Named components a reward function may return for one sample (each is a column entry of every row)."""
+
+
 def components_of(value, where: str) -> dict[str, float]:
-    """A reward function's return value as named float components with `total`."""
+    """A reward function's return value as named float components with `total`, each finite (a NaN component
+    would be committed beside a finite total, and poison any mean of it).
+
+    >>> components_of({"total": 1.0, "format": float("nan")}, "score")
+    Traceback (most recent call last):
+    ValueError: score: non-finite component 'format': nan
+    """
     comps = {"total": value} if isinstance(value, (int, float)) else value
     if not isinstance(comps, dict) or "total" not in comps:
         raise TypeError(f"{where} returned {type(value).__name__}; return a float or a dict with 'total'")
+    if len(comps) > MAX_COMPONENTS:
+        raise ValueError(f"{where} returned {len(comps)} components; return at most {MAX_COMPONENTS}")
     out = {str(k): float(v) for k, v in comps.items()}
     if not math.isfinite(out["total"]):
         raise ValueError(f"{where}: non-finite reward {out['total']}")
+    if bad := next((k for k, v in out.items() if not math.isfinite(v)), None):
+        raise ValueError(f"{where}: non-finite component {bad!r}: {out[bad]}")
     return out
 
 
