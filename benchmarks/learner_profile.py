@@ -48,7 +48,7 @@ PHASES = [  # (label, where) in the order the learn stage meets them
     ("data movement", "grpo.learner.batch:Batch.to"),
     ("data movement", "grpo.learner.state:Learner.to"),
     ("old log-probs", "grpo.learner.pi_old:OLD_LOGPROBS"),
-    ("old log-probs", "grpo.learner.loop:settle_deferred"),
+    ("old log-probs", "grpo.learner.pi_old:OldLogprobs.settle"),
     ("reference forward", "grpo.learner.state:Learner.reference_scores"),
     ("policy forward/backward", "grpo.learner.loop:minibatch_step"),
     ("grad clip", "grpo.learner.state:Learner.clip_grad_norm"),

@@ -49,7 +49,21 @@ def make_batch(prompts: int, group: int, lengths: list[int], vocab: int, seed: i
     advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).flatten()
     sampler = -torch.rand(n, t, generator=gen) * response_mask
     ids = list(range(n))
-    return Batch(prompt_ids, prompt_mask, response_ids, response_mask, sampler, advantages, rewards, group, ids, ids)
+    trained = response_mask  # one turn: every token sampled
+    return Batch(
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        trained,
+        sampler,
+        torch.zeros_like(response_ids),
+        advantages,
+        rewards,
+        group,
+        ids,
+        ids,
+    )
 
 
 def run_case(model: str, batch, padding_free: bool, seed: int) -> tuple:

@@ -90,6 +90,14 @@ def grpo(
             ok(create_run(storage.url, run_id, config_path, overrides or [], stages_here(placement)))
             first, cfg = resolve_iteration(storage, run_id, iteration), load_run(storage, run_id)
             behind = None  # an iteration whose learn runs (on its pool, or in a thread) while the next one samples
+
+            def finish(done) -> dict[str, str]:  # its eval; then what one process keeps warm, and the tracker
+                out = done.evaluate()
+                progress.add()
+                warm.loaded()  # pool, learner, engine: kept for the next iteration
+                track(storage, run_id, cfg)
+                return out
+
             for k in range(first, first + iterations):
                 force, last = force_stage if k == first else None, k == first + iterations - 1
                 stage = Placement(placement, storage, run_id, k, cfg, force, last)  # runs a stage, here or placed
@@ -97,13 +105,11 @@ def grpo(
                 if behind:
                     behind.learned()  # learn k-1 ends: iteration k sampled meanwhile
                 learning = stage.learn(uris)  # learn k, where it is placed
-                ended = [behind] if behind else []  # eval k-1 runs beside learn k
+                if behind:
+                    uris = finish(behind)  # eval k-1, beside learn k
                 behind = learning if stage.overlaps and not last else None
-                for done in ended + ([] if behind else [learning]):
-                    uris = done.evaluate()
-                    progress.add()
-                    warm.loaded()  # pool, learner, engine: kept for the next iteration
-                    track(storage, run_id, cfg)
+                if not behind:
+                    uris = finish(learning)
     except Exception as e:  # a stage's one line, a bad setting or a storage error no retry mends: the run's end
         return failed(e, storage.url)
     return uris

@@ -517,6 +517,12 @@ class LearnConfig:
     logits at a time, recomputed in backward; `liger`, Liger's fused linear cross-entropy kernel (CUDA, the
     liger-kernel package: the `gpu` extra); `auto`, liger where both are there, else torch
     (grpo/learner/kernels.py). The learn manifest records which (`kernels`)."""
+    max_token_age: int | None = None
+    """Mask out of the loss every token sampled by a policy more than this many versions older than the one the
+    update starts from (age = learn k - 1 minus the token's policy version: rollout.staleness S gives every token of
+    a row age S; a response carried across iterations, older ones); None: every token trains. The learn manifest
+    records the trained tokens of each age (`token_ages`), the largest (`largest_token_age`) and, set, those masked
+    for it (`tokens_too_old`)."""
     max_logprob_gap: float | None = None
     """Fail the stage when the mean |sampler - learner| log-prob of the sampled tokens exceeds this (a
     sampler serving stale weights shows as a jump); None: only recorded (`logprob_gap`)."""
@@ -558,6 +564,8 @@ class LearnConfig:
                 f"learn.device={self.device} names the in-process learner's device, but learn.num_processes="
                 f"{self.num_processes} runs it under torchrun, one GPU a process by local rank: leave learn.device auto"
             )
+        if self.max_token_age is not None and self.max_token_age < 0:
+            raise ConfigError(f"learn.max_token_age must be >= 0 or null (no limit), got {self.max_token_age}")
         if self.microbatch_tokens is not None and self.microbatch_tokens < 1:
             raise ConfigError(
                 f"learn.microbatch_tokens must be >= 1 (tokens a forward/backward) or null (microbatch_size samples), "

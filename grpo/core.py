@@ -24,6 +24,7 @@ Shapes: B responses, T response tokens (right-padded), V vocab, G groups of K.
 Variants are picked by name from small registries; unknown names raise ValueError.
 """
 
+from dataclasses import dataclass
 from typing import Callable, get_args
 
 import torch
@@ -451,40 +452,69 @@ def _actor_metrics(meta: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
     }
 
 
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss grpo_microbatch_step computes, fixed for a run: variant names and plain floats, built once from the
+    config where the learner is set up (grpo/learner/loss.py), never a config object in the math.
+
+    loss_type, clip_eps, clip_eps_high, dual_clip_c: policy_gradient_loss's; agg_mode and max_tokens (the constant
+    divisor of seq_mean_token_sum_norm): aggregate_loss's; kl_coef, kl_estimator: the KL term (kl_penalty);
+    behavior_correction, behavior_level, tis_cap, mis_bounds, icepop_bounds: behavior_weights'. Unknown names fail
+    when the spec is made, listing the valid ones.
+    """
+
+    loss_type: LossType
+    agg_mode: AggMode
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip_c: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    max_tokens: float | None = None
+    behavior_correction: BehaviorCorrection = "none"
+    behavior_level: BehaviorLevel = "token"
+    tis_cap: float = 2.0
+    mis_bounds: tuple[float, float] = (0.0, 2.0)
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)
+
+    def __post_init__(self):
+        _lookup(_PG_LOSSES, self.loss_type, "loss_type")
+        _lookup(_AGGREGATIONS, self.agg_mode, "agg mode")
+        _lookup(_KL_ESTIMATORS, self.kl_estimator, "KL estimator")
+        _lookup(_BEHAVIOR, self.behavior_correction, "behavior correction")
+        _lookup(_LEVELS, self.behavior_level, "behavior level")
+        if self.dual_clip_c is not None and self.loss_type not in get_args(DualClipLossType):
+            valid = list(get_args(DualClipLossType))
+            raise ValueError(f"dual_clip_c applies to loss_type {valid}, not {self.loss_type!r}")
+
+    @property
+    def behavior(self) -> tuple:
+        """behavior_weights' arguments after the log-probs and mask: (correction, level, cap, mis, icepop)."""
+        return self.behavior_correction, self.behavior_level, self.tis_cap, self.mis_bounds, self.icepop_bounds
+
+
 def grpo_microbatch_step(
+    spec: LossSpec,
     logprobs: Tensor,
     response_mask: Tensor,
     *,
     gradient_accumulation_steps: int,
-    loss_type: LossType,
-    agg_mode: AggMode,
     raw_rewards: Tensor | None = None,
     advantages: Tensor | None = None,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: KLEstimator = "k3",
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    dual_clip_c: float | None = None,
-    max_tokens: float | None = None,
+    sampler_logprobs: Tensor | None = None,
     token_normalizer: float | Tensor | None = None,
     sequence_normalizer: float | None = None,
-    sampler_logprobs: Tensor | None = None,
-    behavior_correction: BehaviorCorrection = "none",
-    behavior_level: BehaviorLevel = "token",
-    tis_cap: float = 2.0,
-    mis_bounds: tuple[float, float] = (0.0, 2.0),
-    icepop_bounds: tuple[float, float] = (0.5, 5.0),
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss of one microbatch, scaled by 1/gradient_accumulation_steps, then .backward().
+    """Loss of one microbatch under `spec`, scaled by 1/gradient_accumulation_steps, then .backward().
 
-    logprobs, response_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards,
-    advantages: (B, 1); sampler_logprobs (B, T), needed by a behavior_correction other than "none", which
-    weighs each token's policy-gradient loss by behavior_weights(old_logprobs, sampler_logprobs, ...) (decoupled
-    PPO: the clip is to old_logprobs = pi_prox, the weight pi_prox / pi_sampler corrected). The loss and its
-    clip_eps, clip_eps_high and dual_clip_c are policy_gradient_loss's. The KL term is added only when
-    kl_coef > 0; with kl_coef == 0 a given ref_logprobs is still reported as loss/kl. Equal-size microbatches
+    logprobs, response_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards, advantages: (B, 1); response_mask is 1
+    on the tokens the loss counts (the loss, KL, metrics and behaviour weights see only those). sampler_logprobs
+    (B, T), needed by a spec.behavior_correction other than "none", which weighs each token's policy-gradient loss
+    by behavior_weights(old_logprobs, sampler_logprobs, ...) (decoupled PPO: the clip is to old_logprobs = pi_prox,
+    the weight pi_prox / pi_sampler corrected). The KL term is added only when spec.kl_coef > 0; with kl_coef == 0
+    a given ref_logprobs is still reported as loss/kl. Equal-size microbatches
     reproduce the full-batch gradient for the seq_* modes (each sequence weighs 1 / (B x steps)). token_mean
     divides the microbatch's token sum by token_normalizer: given the minibatch's response tokens (every
     microbatch's, every rank's) / (gradient_accumulation_steps x ranks averaging their gradients), every token
@@ -497,41 +527,43 @@ def grpo_microbatch_step(
     """
     if gradient_accumulation_steps < 1:
         raise ValueError("gradient_accumulation_steps must be >= 1")
-    if kl_coef > 0 and ref_logprobs is None:
+    if spec.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 requires `ref_logprobs`")
+    # a token outside the mask counts for nothing, whatever log-probs it holds (an observation's, padding's): its
+    # ratio is 1 and its KL 0, so no inf or nan can reach the gradient through it
+    keep, own = response_mask.bool(), logprobs.detach()
+    old_logprobs, ref_logprobs, sampler_logprobs = (
+        None if x is None else torch.where(keep, x, own) for x in (old_logprobs, ref_logprobs, sampler_logprobs)
+    )
     pg_loss, meta = policy_gradient_loss(
-        loss_type,
+        spec.loss_type,
         logprobs,
         response_mask=response_mask,
         raw_rewards=raw_rewards,
         advantages=advantages,
         old_logprobs=old_logprobs,
-        clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        dual_clip_c=dual_clip_c,
+        clip_eps=spec.clip_eps,
+        clip_eps_high=spec.clip_eps_high,
+        dual_clip_c=spec.dual_clip_c,
     )
     behavior = {}
-    if behavior_correction != "none":  # none: the loss as it always was, not multiplied by 1
+    if spec.behavior_correction != "none":  # none: the loss as it always was, not multiplied by 1
         weights, behavior = behavior_weights(
             _require(old_logprobs, "old_logprobs", "behavior_correction"),
             _require(sampler_logprobs, "sampler_logprobs", "behavior_correction"),
             response_mask,
-            behavior_correction,
-            behavior_level,
-            tis_cap,
-            mis_bounds,
-            icepop_bounds,
+            *spec.behavior,
         )  # (B, T)
         pg_loss = pg_loss * weights
     per_token = pg_loss  # (B, T)
-    norms = (max_tokens, token_normalizer, sequence_normalizer)
-    metrics = {"loss/pg": aggregate_loss(pg_loss, response_mask, agg_mode, *norms).detach()}
+    norms = (spec.max_tokens, token_normalizer, sequence_normalizer)
+    metrics = {"loss/pg": aggregate_loss(pg_loss, response_mask, spec.agg_mode, *norms).detach()}
     if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)  # (B, T)
-        metrics["loss/kl"] = aggregate_loss(kl, response_mask, agg_mode, *norms).detach()
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * kl
-    loss = aggregate_loss(per_token, response_mask, agg_mode, *norms)
+        kl = kl_penalty(logprobs, ref_logprobs, spec.kl_estimator)  # (B, T)
+        metrics["loss/kl"] = aggregate_loss(kl, response_mask, spec.agg_mode, *norms).detach()
+        if spec.kl_coef > 0:
+            per_token = per_token + spec.kl_coef * kl
+    loss = aggregate_loss(per_token, response_mask, spec.agg_mode, *norms)
     loss = loss / gradient_accumulation_steps
     loss.backward()
     metrics.update(_actor_metrics(meta, response_mask))

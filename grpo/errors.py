@@ -45,3 +45,10 @@ def describe(e: BaseException, storage_url: str = "") -> str:
 
 class LearnError(StageError):
     """The update cannot be committed: non-finite loss, gradients or weights, or a sampler gap."""
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's type and message on one line, cut at `limit` characters (transformers' messages
+    run to a screenful)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit] + '…' if len(text) > limit else text}"

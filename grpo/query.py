@@ -221,7 +221,8 @@ def _create_views(con, storage: Storage, run_id: str, verify: bool, schema: str)
     for view, uris in files.items():
         if uris:
             paths = ", ".join(_sql_str(_duckdb_path(storage, u)) for u in uris)
-            con.execute(f'CREATE VIEW {into}."{view}" AS SELECT * FROM read_parquet([{paths}])')
+            # by name: a run's older files lack the columns added since (schemas.tables), which read as null there
+            con.execute(f'CREATE VIEW {into}."{view}" AS SELECT * FROM read_parquet([{paths}], union_by_name = true)')
         else:  # typed and empty, so `SELECT count(*) FROM rollouts` is 0 rather than an error
             con.register("_arrow", SCHEMAS[view].empty_table())
             con.execute(f'CREATE TABLE {empty}."{view}" AS SELECT * FROM _arrow')

@@ -15,8 +15,9 @@ SCHEMA_VERSION = 5  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null 
 # 3: rollouts.row (the dataset's other columns), eval.avg_at_k and eval.pass_at_k
 # 4: rollouts.policy_version is the policy that sampled the row (rollout.staleness), the checkpoint hash it held
 #    is rollouts.policy_hash; a version 3 rollouts file reads as version 4 (UPGRADES)
-# 5: rollouts.loss_mask (episodes: 0 on the tokens appended between sampled turns), a version 4 rollouts file reads
-#    with every token's 1; the turns and episodes tables
+# 5: rollouts.loss_mask (which tokens of an episode the sampler produced) and rollouts.token_versions (the policy that
+#    sampled each token; null: the row's policy_version); an older rollouts file reads as all ones and null; the
+#    turns and episodes tables (episodes: rollout.tools, rollout.environment)
 
 _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
     pa.field("run_id", pa.string(), nullable=False),
@@ -26,6 +27,7 @@ _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the gro
 _SAMPLE_KEYS = _KEYS + [pa.field("sample_index", pa.int32(), nullable=False)]
 _IDS = pa.list_(pa.int32())
 FLOAT_LISTS = pa.list_(pa.float32())
+MASKS = pa.list_(pa.int8())
 
 PROMPTS = pa.schema(
     _KEYS
@@ -42,15 +44,19 @@ ROLLOUTS = pa.schema(
         pa.field("prompt_ids", _IDS, nullable=False),
         pa.field("response", pa.string(), nullable=False),
         pa.field("response_ids", _IDS, nullable=False),
-        pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),  # log-prob of each sampled token (0.0: appended)
-        # per response token: 1 sampled (trained on), 0 appended (an episode's observations and template tokens)
-        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),  # log-prob of each sampled token, 0.0 elsewhere
+        # one entry per token of response_ids: 1 where the sampler produced it, 0 on the observation, tool-result and
+        # chat-template tokens an episode appends between turns; the learner trains on the 1s only
+        pa.field("loss_mask", MASKS, nullable=False),
         pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
         pa.field("ground_truth", pa.string(), nullable=False),
         pa.field("row", pa.string(), nullable=False),  # JSON object: the dataset row's other columns
         # the policy that sampled the row: the iteration of the learn that committed it, -1 for the base
         pa.field("policy_version", pa.int32(), nullable=False),
         pa.field("policy_hash", pa.string(), nullable=False),  # its checkpoint's content hash (16 hex digits)
+        # the policy version that sampled each token of response_ids (a response continued across iterations holds
+        # several); null: every token was sampled by the row's policy_version
+        pa.field("token_versions", _IDS, nullable=True),
     ]
 )
 
@@ -180,7 +186,8 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
     "eval": ("eval", "eval.parquet"),
 }
 
-ROLLOUTS_V4 = pa.schema([f for f in ROLLOUTS if f.name != "loss_mask"])
+ROLLOUTS_V4 = pa.schema([f for f in ROLLOUTS if f.name not in ("loss_mask", "token_versions")])
+
 ROLLOUTS_V3 = pa.schema(
     [f for f in ROLLOUTS_V4 if f.name not in ("policy_version", "policy_hash")]
     + [pa.field("policy_version", pa.string(), nullable=False)]  # then the checkpoint hash
@@ -206,25 +213,27 @@ def rollouts_from_v3(table: pa.Table) -> pa.Table:
 
 
 def rollouts_from_v4(table: pa.Table) -> pa.Table:
-    """A rollouts table of schema version 4 as version 5: every response token was sampled (loss_mask 1).
+    """A rollouts table of schema version 4 as version 5: every token of a response was sampled (loss_mask all ones,
+    as long as its response_ids), by the row's policy (token_versions null).
 
-    >>> old = pa.table({"response_ids": pa.array([[5, 6], [], [7]], _IDS)})
-    >>> rollouts_from_v4(old).column("loss_mask").to_pylist()
-    [[1, 1], [], [1]]
+    >>> new = rollouts_from_v4(pa.table({"response_ids": pa.array([[5, 6], [], [7]], pa.list_(pa.int32()))}))
+    >>> new.column("loss_mask").to_pylist(), new.column("token_versions").to_pylist()
+    ([[1, 1], [], [1]], [None, None, None])
     """
     import numpy as np
+    import pyarrow.compute as pc
 
-    ids = table.column("response_ids").combine_chunks()
-    offsets = ids.offsets.to_numpy() - ids.offsets[0].as_py()
-    ones = pa.array(np.ones(int(offsets[-1]), dtype=np.int8))
-    mask = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), ones, type=ROLLOUTS.field("loss_mask").type)
-    table = table.append_column(ROLLOUTS.field("loss_mask"), mask)
-    return table.select([n for n in ROLLOUTS.names if n in table.column_names])
+    lengths = pc.list_value_length(table.column("response_ids")).to_numpy(zero_copy_only=False)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
+    ones = pa.array(np.ones(int(lengths.sum()), np.int8))
+    table = table.append_column(ROLLOUTS.field("loss_mask"), pa.ListArray.from_arrays(offsets, ones, MASKS))
+    table = table.append_column(ROLLOUTS.field("token_versions"), pa.nulls(len(table), _IDS))
+    return table.select([n for n in ROLLOUTS.names if n in table.column_names])  # in the declared order
 
 
 UPGRADES = {"rollouts": ((4, ROLLOUTS_V3, rollouts_from_v3), (5, ROLLOUTS_V4, rollouts_from_v4))}
 """Tables whose older files still read: table -> its changes in order, each (the schema version that changed it,
-the schema before, the function that makes a table of the schema before that version's)."""
+the schema before, the function that makes a table of the version before that one's)."""
 
 OPTIONAL_TABLES = ("draws", "turns", "episodes")
 """Tables a stage commits only with a setting on (draws: rollout.min_signal_groups; turns and episodes: rollout.tools

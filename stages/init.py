@@ -30,12 +30,12 @@ from pathlib import Path
 from grpo import data
 from grpo.config import ConfigError, RunConfig, load_config_file
 from grpo.episodes import adapters
+from grpo.errors import one_line
 from grpo.record.checkpoint import (
     ModelNotFoundError,
     checkpoint_problem,
     fetch_model,
     non_finite_weights,
-    one_line,
     upload_folder,
 )
 from grpo.record.counts import is_local

@@ -37,7 +37,8 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
         storage.fs,
         rollouts_in.read_path(table_file("rollouts")),
         "rollouts",
-        columns=KEYS + ["prompt_ids", "response_ids", "sampler_logprobs"],
+        columns=KEYS
+        + ["prompt_ids", "response_ids", "sampler_logprobs", "loss_mask", "policy_version", "token_versions"],
     )
     ad = read_parquet(
         storage.fs,
@@ -71,6 +72,14 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
         )
     responses, lengths = _padded(ro.column("response_ids"), take, pad_id, np.int64)
     sampler, _ = _padded(ro.column("sampler_logprobs"), take, 0.0, np.float32)
+    loss_mask, mask_lengths = _padded(ro.column("loss_mask"), take, 0, np.float32)
+    if (mask_lengths != lengths).any():
+        i = int(np.argmax(mask_lengths != lengths))
+        raise StageError(
+            f"{rollouts_in.uri}: prompt_id {pid[i]} sample {ro_idx[take][i]} has {mask_lengths[i]} loss_mask entries "
+            f"for {lengths[i]} response_ids; the rollouts table needs one a token"
+        )
+    versions = token_versions(ro, take, lengths, responses.shape[1], rollouts_in.uri)
     response_mask = np.arange(responses.shape[1]) < lengths[:, None]
     prompt_mask = np.arange(prompts.shape[1]) >= prompts.shape[1] - prompt_len[::group_size, None]
     adv, reward = (ad.column(c).to_numpy()[kept][order] for c in ("advantage", "reward"))
@@ -79,6 +88,8 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
         prompt_mask=torch.from_numpy(prompt_mask).long(),
         response_ids=torch.from_numpy(responses),
         response_mask=torch.from_numpy(response_mask).float(),
+        loss_mask=torch.from_numpy(loss_mask),
+        token_versions=torch.from_numpy(versions),
         sampler_logprobs=torch.from_numpy(sampler),
         group_size=group_size,
         advantages=torch.from_numpy(adv).float(),
@@ -86,3 +97,18 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
         prompt_id=pid.tolist(),
         sample_index=ro_idx[take].tolist(),
     )
+
+
+def token_versions(ro, take: np.ndarray, lengths: np.ndarray, width: int, uri: str) -> np.ndarray:
+    """(len(take), width) the policy version that sampled each response token of the rows `take`: its
+    token_versions, or where null the row's policy_version (every token sampled by that policy)."""
+    listed, counts = _padded(ro.column("token_versions"), take, 0, np.int64)
+    null = ro.column("token_versions").is_null().to_numpy(zero_copy_only=False)[take]
+    if (~null & (counts != lengths)).any():
+        i = int(np.argmax(~null & (counts != lengths)))
+        raise StageError(
+            f"{uri}: a row of prompt_id {ro.column('prompt_id').to_numpy()[take][i]} has {counts[i]} token_versions "
+            f"for {lengths[i]} response_ids; the rollouts table needs one a token, or null"
+        )
+    listed = np.pad(listed, ((0, 0), (0, width - listed.shape[1])))[:, :width]
+    return np.where(null[:, None], ro.column("policy_version").to_numpy()[take][:, None].astype(np.int64), listed)

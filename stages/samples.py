@@ -46,6 +46,7 @@ def chunk_columns(
         "response": decode_responses(p.tokenizer, [s.response_ids for s in samples], p.eos_ids),
         "sampler_logprobs": [s.logprobs for s in samples],
         "loss_mask": [s.loss_mask if episodes else [1] * len(s.response_ids) for s in samples],
+        "token_versions": [None] * n,  # every token by the row's policy_version
         "finish_reason": [s.finish_reason for s in samples],
         "ground_truth": per_sample([e.ground_truth for e in p.examples[chunk]]),
         "row": per_sample([data.row_json(e) for e in p.examples[chunk]]),

@@ -1,5 +1,6 @@
 """Pure-math tests for grpo.core: hand-computed values, invariants, loop vs vectorized."""
 
+import dataclasses
 import math
 from typing import get_args
 
@@ -11,6 +12,7 @@ from grpo.core import (
     AdvantageMode,
     AggMode,
     KLEstimator,
+    LossSpec,
     LossType,
     aggregate_loss,
     chunked_token_logprobs,
@@ -566,7 +568,7 @@ def _batch(seed=6, b=4, t=5):
     )
 
 
-STEP_KW = dict(loss_type="grpo_clip", agg_mode="seq_mean_token_mean", kl_coef=0.1, clip_eps=0.2)
+STEP_SPEC = LossSpec(loss_type="grpo_clip", agg_mode="seq_mean_token_mean", kl_coef=0.1, clip_eps=0.2)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo_clip", "gspo", "cispo"])
@@ -575,13 +577,14 @@ def test_two_microbatches_match_full_batch_gradient(agg_mode, loss_type):
     """Microbatches of 7 and 5 response tokens; token_mean divides by the minibatch's tokens per microbatch
     (the seq_* modes ignore token_normalizer)."""
     d = _batch()
-    kw = {**STEP_KW, "agg_mode": agg_mode, "max_tokens": 5.0, "loss_type": loss_type}
+    spec = dataclasses.replace(STEP_SPEC, agg_mode=agg_mode, max_tokens=5.0, loss_type=loss_type)
 
     def run(slices, steps):
         theta = d["logprobs"].clone().requires_grad_(True)
         total = 0.0
         for s in slices:
             loss, _ = grpo_microbatch_step(
+                spec,
                 theta[s],
                 d["mask"][s],
                 gradient_accumulation_steps=steps,
@@ -589,7 +592,6 @@ def test_two_microbatches_match_full_batch_gradient(agg_mode, loss_type):
                 old_logprobs=d["old_logprobs"][s],
                 ref_logprobs=d["ref_logprobs"][s],
                 token_normalizer=d["mask"].sum() / steps,
-                **kw,
             )
             total += loss.item()
         return total, theta.grad
@@ -604,13 +606,13 @@ def test_microbatch_step_matches_per_sequence_loop():
     d = _batch()
     theta = d["logprobs"].clone().requires_grad_(True)
     loss, metrics = grpo_microbatch_step(
+        STEP_SPEC,
         theta,
         d["mask"],
         gradient_accumulation_steps=3,
         advantages=d["advantages"],
         old_logprobs=d["old_logprobs"],
         ref_logprobs=d["ref_logprobs"],
-        **STEP_KW,
     )
     per_seq = []
     for i in range(4):  # token by token, straight from the formulas
@@ -636,13 +638,13 @@ def test_microbatch_metrics_are_namespaced_detached_and_masked():
     d["old_logprobs"][1, 4] -= 50.0  # padding
     theta = d["logprobs"].clone().requires_grad_(True)
     _, m = grpo_microbatch_step(
+        STEP_SPEC,
         theta,
         d["mask"],
         gradient_accumulation_steps=1,
         advantages=d["advantages"],
         old_logprobs=d["old_logprobs"],
         ref_logprobs=d["ref_logprobs"],
-        **STEP_KW,
     )
     assert {"loss/pg", "loss/kl", "actor/clip_frac", "actor/ratio_mean", "actor/ratio_max", "actor/ratio_min"} <= set(m)
     assert all(not v.requires_grad and v.dim() == 0 for v in m.values())
@@ -659,13 +661,13 @@ def test_microbatch_loss_scales_with_accumulation_steps():
     for steps in (1, 4):
         theta = d["logprobs"].clone().requires_grad_(True)
         loss, _ = grpo_microbatch_step(
+            STEP_SPEC,
             theta,
             d["mask"],
             gradient_accumulation_steps=steps,
             advantages=d["advantages"],
             old_logprobs=d["old_logprobs"],
             ref_logprobs=d["ref_logprobs"],
-            **STEP_KW,
         )
         losses.append(loss.item())
     assert losses[1] == pytest.approx(losses[0] / 4)
@@ -674,16 +676,16 @@ def test_microbatch_loss_scales_with_accumulation_steps():
 def test_kl_enters_the_loss_only_when_kl_coef_positive():
     d = _batch()
 
-    def loss_with(**kw):
+    def loss_with(kl_coef, **kw):
         theta = d["logprobs"].clone().requires_grad_(True)
-        args = {**STEP_KW, **kw}
         return grpo_microbatch_step(
+            dataclasses.replace(STEP_SPEC, kl_coef=kl_coef),
             theta,
             d["mask"],
             gradient_accumulation_steps=1,
             advantages=d["advantages"],
             old_logprobs=d["old_logprobs"],
-            **args,
+            **kw,
         )
 
     no_ref, _ = loss_with(kl_coef=0.0)
@@ -740,23 +742,25 @@ def test_unknown_name_raises_listing_valid_names(entry, literal):
         assert repr(name) in str(err.value)
 
 
-def test_unknown_name_in_microbatch_step_raises():
-    with pytest.raises(ValueError, match="grpo_clip"):
-        grpo_microbatch_step(
-            torch.zeros(1, 2, requires_grad=True),
-            torch.ones(1, 2),
-            gradient_accumulation_steps=1,
-            loss_type="ppo",
-            agg_mode="token_mean",
-            advantages=torch.ones(1, 1),
-        )
+def test_unknown_name_in_a_loss_spec_raises_listing_the_valid_ones():
+    """A spec with a name no registry holds fails when it is made, not at the first microbatch."""
+    for bad, valid in [
+        (dict(loss_type="ppo"), "grpo_clip"),
+        (dict(agg_mode="mean"), "token_mean"),
+        (dict(kl_estimator="k4"), "k3"),
+        (dict(behavior_correction="clip"), "icepop"),
+        (dict(behavior_level="row"), "geometric"),
+        (dict(loss_type="cispo", dual_clip_c=3.0), "gspo"),
+    ]:
+        with pytest.raises(ValueError, match=valid):
+            dataclasses.replace(STEP_SPEC, **bad)
 
 
 def test_module_is_pure_torch():
     src = open(core.__file__).read()
     imports = {line.split()[1] for line in src.splitlines() if line.startswith(("import ", "from "))}
     # torch, and the variant names declared once for the math and the config (Literals, no code)
-    assert {m.split(".")[0] for m in imports} - {"grpo"} <= {"typing", "torch"}
+    assert {m.split(".")[0] for m in imports} - {"grpo"} <= {"dataclasses", "typing", "torch"}
     assert {m for m in imports if m.startswith("grpo")} <= {"grpo.variants"}
 
 
@@ -785,16 +789,13 @@ def test_tis_weighs_each_token_by_the_truncated_ratio_hand_computed():
     logp = old.clone().requires_grad_(True)
     mask = torch.ones(1, 3)
     loss, m = grpo_microbatch_step(
+        LossSpec("grpo_clip", "token_mean", behavior_correction="tis", tis_cap=1.5),
         logp,
         mask,
         gradient_accumulation_steps=1,
-        loss_type="grpo_clip",
-        agg_mode="token_mean",
         advantages=torch.ones(1, 1),
         old_logprobs=old,
         sampler_logprobs=sampler,
-        behavior_correction="tis",
-        tis_cap=1.5,
     )
     # per-token loss -A * ratio * w = -w at ratio 1; token mean: -(1.5 + 0.5 + 1) / 3 = -1
     assert loss.item() == pytest.approx(-1.0)
@@ -804,15 +805,13 @@ def test_tis_weighs_each_token_by_the_truncated_ratio_hand_computed():
     assert m["behavior/clipped_frac"].item() == pytest.approx(1 / 3)
     plain = old.clone().requires_grad_(True)
     loss_none, _ = grpo_microbatch_step(
+        LossSpec("grpo_clip", "token_mean", behavior_correction="none"),
         plain,
         mask,
         gradient_accumulation_steps=1,
-        loss_type="grpo_clip",
-        agg_mode="token_mean",
         advantages=torch.ones(1, 1),
         old_logprobs=old,
         sampler_logprobs=sampler,
-        behavior_correction="none",
     )
     assert loss_none.item() == pytest.approx(-1.0) and plain.grad[0].tolist() == pytest.approx([-1 / 3] * 3)
 
@@ -866,15 +865,13 @@ def test_decoupled_loss_clips_to_pi_prox_and_weighs_by_pi_prox_over_the_sampler_
     sampler = prox - torch.log(torch.tensor([[0.4, 3.0]]))
     logp = (prox + torch.log(torch.tensor([[1.5, 1.0]]))).requires_grad_(True)
     loss, m = grpo_microbatch_step(
+        LossSpec("grpo_clip", "token_mean", behavior_correction="icepop"),
         logp,
         torch.ones(1, 2),
         gradient_accumulation_steps=1,
-        loss_type="grpo_clip",
-        agg_mode="token_mean",
         advantages=torch.ones(1, 1),
         old_logprobs=prox,
         sampler_logprobs=sampler,
-        behavior_correction="icepop",
     )
     assert loss.item() == pytest.approx(-(1.2 * 0 + 1.0 * 3) / 2)
     assert logp.grad[0].tolist() == pytest.approx([0.0, -3 / 2])  # d(-3 * exp(lp - prox)) / dlp / 2 at ratio 1
@@ -893,8 +890,74 @@ def test_no_behavior_correction_is_the_uncorrected_loss_bit_for_bit():
             pg, _ = policy_gradient_loss("grpo_clip", logp, response_mask=mask, advantages=adv, old_logprobs=old)
             aggregate_loss(pg, mask, "seq_mean_token_mean").backward()
         else:
-            grpo_microbatch_step(logp, mask, gradient_accumulation_steps=1, loss_type="grpo_clip",
-                                 agg_mode="seq_mean_token_mean", advantages=adv, old_logprobs=old,
-                                 sampler_logprobs=sampler, behavior_correction=correction)  # fmt: skip
+            spec = LossSpec("grpo_clip", "seq_mean_token_mean", behavior_correction=correction)
+            grpo_microbatch_step(spec, logp, mask, gradient_accumulation_steps=1, advantages=adv, old_logprobs=old,
+                                 sampler_logprobs=sampler)  # fmt: skip
         grads.append(logp.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+# ---------------------------------------------------------------- episodes: tokens masked out of the loss
+def _dropped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's values where mask is 1, moved to its front and right-padded with 0 (differentiable): the row as if
+    its masked tokens had never been there."""
+    rows = [x[i][mask[i].bool()] for i in range(len(x))]
+    return torch.stack([torch.nn.functional.pad(r, (0, x.shape[1] - len(r))) for r in rows])
+
+
+@pytest.mark.parametrize(
+    "loss_type,dual_clip_c", [("grpo_clip", 3.0), ("gspo", None), ("cispo", None), ("reinforce_baseline", None)]
+)
+@pytest.mark.parametrize("agg_mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize(
+    "correction,level",
+    [("none", "token"), ("tis", "token"), ("icepop", "token"), ("mis", "sequence"), ("tis", "geometric")],
+)
+def test_masked_tokens_count_for_nothing_the_step_is_the_one_with_them_dropped(
+    loss_type, dual_clip_c, agg_mode, correction, level
+):
+    """An episode's observation tokens (response_mask 0 inside a response) leave the loss, its gradient, the KL and
+    every metric (clip fractions, ratio stats, behaviour weights and their KL, GSPO's sequence ratio) as if they had
+    been dropped from the sequence; and whatever old, sampler and reference log-probs they hold (huge, inf, nan)
+    changes nothing."""
+    gen = torch.Generator().manual_seed(3)
+    b, t = 4, 9
+    mask = torch.ones(b, t)
+    mask[0, 2:4] = mask[1, 5:] = mask[2, 0] = mask[3, 1:8:2] = 0  # observations between turns, at the end, first
+    mask[1, 7:] = mask[2, 6:] = 0  # and right padding
+    logp = -torch.rand(b, t, generator=gen) * 2
+    given = {
+        "old_logprobs": logp + 0.3 * torch.randn(b, t, generator=gen),
+        "sampler_logprobs": logp + 0.5 * torch.randn(b, t, generator=gen),
+        "ref_logprobs": logp - torch.rand(b, t, generator=gen),
+    }
+    adv, rewards = torch.randn(b, 1, generator=gen), torch.rand(b, 1, generator=gen)
+    spec = LossSpec(
+        loss_type, agg_mode, kl_coef=0.1, dual_clip_c=dual_clip_c, max_tokens=float(t),
+        behavior_correction=correction, behavior_level=level, tis_cap=1.2, mis_bounds=(0.0, 3.0),
+        icepop_bounds=(0.6, 1.6),
+    )  # fmt: skip
+
+    def step(tensors: dict, m: torch.Tensor, drop: bool):
+        theta = logp.clone().requires_grad_(True)
+        cut = (lambda x: _dropped(x, m)) if drop else (lambda x: x)
+        loss, metrics = grpo_microbatch_step(
+            spec, cut(theta), _dropped(m, m) if drop else m, gradient_accumulation_steps=2, advantages=adv,
+            raw_rewards=rewards, token_normalizer=float(m.sum()) / 2, **{k: cut(v) for k, v in tensors.items()},
+        )  # fmt: skip
+        return loss, metrics, theta.grad
+
+    loss, metrics, grad = step(given, mask, drop=False)
+    loss_d, metrics_d, grad_d = step(given, mask, drop=True)
+    torch.testing.assert_close(loss, loss_d)
+    torch.testing.assert_close(grad, grad_d)
+    assert metrics.keys() == metrics_d.keys()
+    for k in metrics:
+        torch.testing.assert_close(metrics[k], metrics_d[k], msg=k)
+    assert (grad[mask == 0] == 0).all() and grad.abs().sum() > 0
+    noise = 1e4 * torch.randn(b, t, generator=gen)
+    noise[0, 2], noise[1, 5], noise[3, 1] = float("inf"), float("-inf"), float("nan")
+    garbage = {k: torch.where(mask.bool(), v, noise) for k, v in given.items()}
+    loss_g, metrics_g, grad_g = step(garbage, mask, drop=False)
+    assert torch.equal(grad_g, grad) and torch.equal(loss_g, loss)
+    assert all(torch.equal(metrics_g[k], metrics[k]) for k in metrics)

@@ -271,3 +271,31 @@ def test_a_file_written_out_of_order_is_hashed_at_the_commit(tmp_path):
         f.write(b"xx")
     c = w.commit()
     assert c.manifest.file("x.bin").sha256 == hashlib.sha256(b"xxaa\0\0c").hexdigest()
+
+
+def test_on_a_local_store_the_state_commit_reads_back_none_of_what_the_learner_wrote(tmp_path, monkeypatch):
+    """The learner hashes optimizer.pt and rng.pt as it writes them (grpo.record.digests.hashed_writer): the state's
+    commit lists them by those digests, hashing and reading nothing back (it once read optimizer.pt, 2x the
+    policy, after writing it), and its manifest's io counts them as written and hashed; what it lists is the files'
+    sha256 all the same, and a resume from it reads them as committed."""
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage(str(tmp_path / "store"))
+    init_run(storage, "t", load_config(None, TINY))
+    hashed = []
+    real = grpo.record.digests.sha256_file
+    monkeypatch.setattr(grpo.record.digests, "sha256_file", lambda fs, p: hashed.append(p) or real(fs, p))
+    run_iteration(storage, "t", 0)
+    state.wait()
+    held = newest(storage, 0, STATE_STAGE)
+    files = {f.path: f for f in held.manifest.files}
+    assert {"optimizer.pt", "rng.pt"} <= set(files)
+    assert not [p for p in hashed if p.startswith(held.attempt_dir)], hashed  # nothing of the state read back
+    for name in ("optimizer.pt", "rng.pt"):
+        data = Path(held.attempt_dir, name).read_bytes()
+        assert files[name].sha256 == hashlib.sha256(data).hexdigest() and files[name].size == len(data)
+    io = held.manifest.io
+    assert io["read_bytes"] == 0 and io["hash_bytes"] == io["write_bytes"] == sum(f.size for f in files.values())
+    assert not list(Path(held.attempt_dir).rglob(".sha256.json"))  # the sidecar is never committed
+    stages.learn.WARM.take(None)  # a new process: the next learn reads the state from its files
+    run_iteration(storage, "t", 1)
+    assert latest_committed(storage, stage_dir(storage, "t", 1, "learn")).manifest.summary["warm_learner"] is False

@@ -53,8 +53,8 @@ def make_batch() -> Batch:
     for i, n in enumerate(sum(LENGTHS, [])):
         response_ids[i, :n], response_mask[i, :n] = torch.randint(4, 16, (n,), generator=gen), 1
     return Batch(
-        prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(12, t), *torch.zeros(2, 12), 4, [0] * 12,
-        [0] * 12,
+        prompt_ids, prompt_mask, response_ids, response_mask, response_mask, torch.zeros(12, t),
+        torch.zeros(12, t, dtype=torch.long), *torch.zeros(2, 12), 4, [0] * 12, [0] * 12,
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from grpo import core
 from grpo.config import load_config
 from grpo.learner import Batch, PolicyLM, Scores, forward_logprobs
 from grpo.learner.loop import group_tokens, minibatch_step, split_microbatches
+from grpo.learner.loss import loss_spec
 from grpo.record.commit import StageWriter
 from grpo.record.layout import stage_dir
 from grpo.record.storage import latest_committed, open_storage
@@ -165,7 +166,17 @@ def test_a_groups_forward_skips_the_batchs_padding_and_gives_the_same_log_probs(
     for i, n in enumerate(response_len):
         response_ids[i, :n], response_mask[i, :n] = torch.randint(4, 16, (n,), generator=gen), 1
     batch = Batch(
-        prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(4, t), *torch.zeros(2, 4), g, [0] * 4, [0] * 4
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        response_mask,
+        torch.zeros(4, t),
+        torch.zeros(4, t, dtype=torch.long),
+        *torch.zeros(2, 4),
+        g,
+        [0] * 4,
+        [0] * 4,
     )
     seen = []
     model = PolicyLM(lm)
@@ -280,8 +291,9 @@ def test_gradient_of_unequal_microbatches_and_ranks_is_the_minibatch_mean(storag
     sizes = []
 
     def grad(microbatch_size: int, world: int, budget: int | None = None) -> torch.Tensor:
-        lcfg = load_config(None, TINY + [f"learn.agg_mode={agg_mode}", "learn.kl_coef=0.1"]).learn
-        lcfg = dataclasses.replace(lcfg, microbatch_size=microbatch_size, microbatch_tokens=budget)
+        cfg = load_config(None, TINY + [f"learn.agg_mode={agg_mode}", "learn.kl_coef=0.1"])
+        lcfg = dataclasses.replace(cfg.learn, microbatch_size=microbatch_size, microbatch_tokens=budget)
+        spec = dataclasses.replace(loss_spec(cfg), max_tokens=128)
         plan = split_microbatches(batch, groups, lcfg, world)
         accum = len(plan[0])
         assert all(len(mbs) == accum for mbs in plan) and sorted(torch.cat(sum(plan, [])).tolist()) == list(range(8))
@@ -290,7 +302,7 @@ def test_gradient_of_unequal_microbatches_and_ranks_is_the_minibatch_mean(storag
         total = None
         for rank in range(world):  # DDP: the mean of the ranks' gradients
             lm.zero_grad()
-            args = (lcfg, accum, 128, contextlib.nullcontext, n_tok / (accum * world), sequences)
+            args = (spec, accum, contextlib.nullcontext, n_tok / (accum * world), sequences)
             minibatch_step(model, batch, scores, plan[rank], *args)
             g = torch.cat([p.grad.flatten() for p in lm.parameters()]) / world
             total = g if total is None else total + g
@@ -412,6 +424,20 @@ def test_each_loss_variant_trains(storage, extra):
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
     if "learn.loss_type=gspo" in extra:  # ranges of 3e-4 / 4e-4 clip whole sequences once the policy moved
         assert metrics.clip_frac.iloc[1:].max() > 0 and metrics.clip_frac.iloc[0] == 0
+
+
+@pytest.mark.precision_pinned
+def test_the_loss_spec_carries_every_loss_setting_of_the_config():
+    """loss_spec: each LossSpec field from its learn.* setting (rollout.max_tokens for Dr.GRPO's divisor); a field
+    added to LossSpec and not mapped here fails."""
+    settings = {
+        "loss_type": "gspo", "agg_mode": "token_mean", "clip_eps": 0.1, "clip_eps_high": 0.3, "dual_clip_c": 3.0,
+        "kl_coef": 0.05, "kl_estimator": "k2", "behavior_correction": "mis", "behavior_level": "sequence",
+        "tis_cap": 3.0, "mis_bounds": (0.1, 1.5), "icepop_bounds": (0.2, 4.0),
+    }  # fmt: skip
+    overrides = [f"learn.{k}={list(v) if isinstance(v, tuple) else v}".replace(" ", "") for k, v in settings.items()]
+    spec = loss_spec(load_config(None, overrides + ["rollout.max_tokens=7"]))
+    assert dataclasses.asdict(spec) == {**settings, "max_tokens": 7}
 
 
 @pytest.mark.precision_pinned

@@ -2,6 +2,7 @@
 
 import pyarrow.parquet as pq
 import pytest
+from test_schemas import rollout_row
 from test_stages import make_run
 
 from flows.cli import main
@@ -211,3 +212,31 @@ def test_nothing_committed_gives_empty_typed_views(storage):
     assert cols[:4] == ["run_id", "iteration", "prompt_id", "sample_index"]
     with pytest.raises(StageError, match="no such run"):
         connect(storage, "nope")
+
+
+def test_a_run_whose_older_files_lack_a_column_added_since_reads_it_as_null_there(storage):
+    """A run committed before rollouts.loss_mask and continued after: its older files hold no such column, the view
+    has it (null in those rows)."""
+    import pyarrow as pa
+
+    from schemas.tables import ROLLOUTS_V4
+
+    _fake_run(storage, "v")
+    for k in (0, 1):
+        w = StageWriter(
+            storage, stage_dir(storage, "v", k, "rollouts"), run_id="v", iteration=k, stage="rollouts",
+            config={}, inputs={},
+        )  # fmt: skip
+        row = rollout_row() | {"run_id": "v", "iteration": k}
+        if k == 0:  # as the code before loss_mask wrote it
+            del row["loss_mask"]
+            old = pa.Table.from_pylist([row], schema=ROLLOUTS_V4)
+            with storage.fs.open(w.path("rollouts.parquet"), "wb") as f:
+                meta = {b"grpo.table": b"rollouts", b"grpo.schema_version": b"4"}
+                pq.write_table(old.replace_schema_metadata(meta), f)
+        else:
+            write_parquet(storage.fs, w.path("rollouts.parquet"), "rollouts", [row])
+        w.commit()
+    got = query(storage, "v", "SELECT iteration, loss_mask FROM rollouts ORDER BY 1")
+    assert got.iteration.tolist() == [0, 1] and got.loss_mask.isna().tolist() == [True, False]
+    assert list(got.loss_mask[1]) == [1, 1, 1]

@@ -27,6 +27,7 @@ def rollout_row(i=0):
         "row": "{}",
         "policy_version": -1,
         "policy_hash": "abc",
+        "token_versions": None,
     }
 
 
@@ -97,6 +98,7 @@ def test_a_rollouts_file_of_schema_version_3_reads_as_version_4(tmp_path):
     rows = [rollout_row(i) | {"iteration": i} for i in range(3)]
     for row in rows:
         row["policy_version"] = row.pop("policy_hash")
+        del row["loss_mask"], row["token_versions"]
     old = pa.Table.from_pylist(rows, schema=ROLLOUTS_V3)
     path = str(tmp_path / "v3.parquet")
     pq.write_table(old.replace_schema_metadata({b"grpo.table": b"rollouts", b"grpo.schema_version": b"3"}), path)
@@ -104,6 +106,8 @@ def test_a_rollouts_file_of_schema_version_3_reads_as_version_4(tmp_path):
     assert table.schema.equals(SCHEMAS["rollouts"])
     assert table.column("policy_version").to_pylist() == [-1, 0, 1]
     assert table.column("policy_hash").to_pylist() == ["abc"] * 3
+    assert table.column("loss_mask").to_pylist() == [[1, 1, 1]] * 3  # and then as version 5: every token sampled
+    assert table.column("token_versions").to_pylist() == [None] * 3
     assert read_parquet(FS, path, "rollouts", columns=["policy_version"]).column_names == ["policy_version"]
     batches = list(iter_batches(FS, path, "rollouts", batch_size=2, columns=["iteration", "policy_version"]))
     assert [b.column(1).to_pylist() for b in batches] == [[-1, 0], [1]]
@@ -112,20 +116,35 @@ def test_a_rollouts_file_of_schema_version_3_reads_as_version_4(tmp_path):
         read_parquet(FS, path, "rollouts")
 
 
-def test_a_rollouts_file_of_schema_version_4_reads_with_every_token_trained_on(tmp_path):
-    """Written before episodes: every response token was sampled, so its loss_mask is all ones; a version 3 file
-    goes through both upgrades."""
+def test_a_rollouts_file_of_schema_version_4_reads_with_every_token_sampled(tmp_path):
+    """Written before episodes and carried responses: one turn, each of its tokens sampled, so loss_mask is all
+    ones, one a response token (also in streamed batches and when loss_mask is the only column asked for), and by
+    the row's policy (token_versions null)."""
     from schemas.tables import ROLLOUTS_V4
 
-    rows = [rollout_row(i) | {"response_ids": list(range(i))} for i in range(3)]
+    rows = [rollout_row(i) | {"response_ids": list(range(i)), "sampler_logprobs": [-0.5] * i} for i in range(4)]
+    for row in rows:
+        del row["loss_mask"], row["token_versions"]
     old = pa.Table.from_pylist(rows, schema=ROLLOUTS_V4)
     path = str(tmp_path / "v4.parquet")
     pq.write_table(old.replace_schema_metadata({b"grpo.table": b"rollouts", b"grpo.schema_version": b"4"}), path)
     table = read_parquet(FS, path, "rollouts")
     assert table.schema.equals(SCHEMAS["rollouts"])
-    assert table.column("loss_mask").to_pylist() == [[], [1], [1, 1]]
-    sliced = list(iter_batches(FS, path, "rollouts", batch_size=2, columns=["loss_mask"]))
-    assert [b.column(0).to_pylist() for b in sliced] == [[[], [1]], [[1, 1]]]
+    assert table.column("loss_mask").to_pylist() == [[], [1], [1, 1], [1, 1, 1]]
+    assert table.column("token_versions").null_count == 4
+    assert table.drop_columns(["loss_mask", "token_versions"]).equals(old)
+    assert read_parquet(FS, path, "rollouts", columns=["loss_mask"]).column(0).to_pylist()[3] == [1, 1, 1]
+    batches = list(iter_batches(FS, path, "rollouts", batch_size=3, columns=["loss_mask"]))
+    assert [b.column(0).to_pylist() for b in batches] == [[[], [1], [1, 1]], [[1, 1, 1]]]
     with pytest.raises(SchemaError, match="loss_mask"):  # a version 5 file holds to version 5
         pq.write_table(old.replace_schema_metadata({b"grpo.table": b"rollouts", b"grpo.schema_version": b"5"}), path)
         read_parquet(FS, path, "rollouts")
+
+
+def test_schema_doctests():
+    import doctest
+
+    import schemas.tables
+
+    result = doctest.testmod(schemas.tables)
+    assert result.attempted >= 2 and result.failed == 0

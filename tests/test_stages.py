@@ -361,7 +361,11 @@ def test_nan_loss_fails_learn_and_commits_nothing(storage, monkeypatch):
     for s in ["snapshot", "rollouts", "rewards", "advantages"]:
         stage_function(s)(storage, "t", 0)
     real = core.grpo_microbatch_step
-    monkeypatch.setattr(core, "grpo_microbatch_step", lambda logp, *a, **k: real(logp * float("nan"), *a, **k))
+
+    def nan_step(spec, logp, *a, **k):
+        return real(spec, logp * float("nan"), *a, **k)
+
+    monkeypatch.setattr(core, "grpo_microbatch_step", nan_step)
     with pytest.raises(StageError, match="non-finite"):
         stage_function("learn")(storage, "t", 0)
     assert list_attempts(storage, stage_dir(storage, "t", 0, "learn"))  # it started...

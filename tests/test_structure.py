@@ -1,6 +1,7 @@
 """The shape of the house, read from the code's own imports (every import, those inside functions too):
 no import cycle, no import from a lower floor to a higher one (schemas < grpo < stages, tools < flows <
-benchmarks), stage modules that read alone, and every module's doctests."""
+benchmarks), grpo/ as wings and a few standalone modules on at most six levels, one room each for hashing and
+liveness, stage modules that read alone, no private API outside its one shim, and every module's doctests."""
 
 import ast
 import doctest
@@ -127,3 +128,108 @@ def test_cli_files_read_alone():
 def test_doctests(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted and result.failed == 0
+
+
+# ---------------------------------------------------------------- grpo/: wings and rooms
+
+WINGS = {"record", "learner", "sampling", "scoring", "tasks", "runtime", "episodes"}
+"""The packages of grpo/: an engine or the run record each, one component a file, a face listing its rooms."""
+STANDALONE = {
+    "config", "core", "variants", "errors", "data", "devices", "tiny_model", "progress", "query", "report", "gc",
+    "tracking", "api",
+}  # fmt: skip
+"""The modules of grpo/ that stand alone: one concept each, no wing of their own."""
+STAGE_PARTS = {"common": "every stage", "prompts": "rollouts", "dynamic_sampling": "rollouts", "shards": "rollouts",
+               "samples": "rollouts (and eval's episodes)",
+               "learn_data": "learn", "init": "the run's base", "rescore": "a fork's rewards",
+               "iteration": "the stages in order"}  # fmt: skip
+"""The modules of stages/ besides the stage modules: each a part of the stage (or stages) it names."""
+
+
+def room(module: str) -> str | None:
+    """grpo.record.storage -> grpo.record (its wing); grpo.core -> grpo.core; None outside grpo/."""
+    parts = module.split(".")
+    if parts[0] != "grpo" or len(parts) == 1:
+        return None
+    return ".".join(parts[:2])
+
+
+def levels(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each room's import level: 1 + the highest level of the rooms it imports (1: imports none)."""
+    out: dict[str, int] = {}
+
+    def level(r: str) -> int:
+        if r not in out:
+            out[r] = 0  # a circle would recurse forever; test_no_import_cycle guards it
+            out[r] = 1 + max((level(d) for d in graph[r]), default=0)
+        return out[r]
+
+    for r in graph:
+        level(r)
+    return out
+
+
+ROOMS: dict[str, set[str]] = {}
+for _m, _deps in GRAPH.items():
+    if room(_m):
+        ROOMS.setdefault(room(_m), set()).update(room(d) for d in _deps if room(d) and room(d) != room(_m))
+
+
+def test_levels_are_counted_as_they_should_be():
+    assert levels({"a": {"b"}, "b": {"c"}, "c": set()}) == {"a": 3, "b": 2, "c": 1}
+    assert room("grpo.record.storage") == "grpo.record" and room("stages.learn") is None
+
+
+def test_every_module_of_grpo_is_in_a_wing_or_named_standalone():
+    top = {p.stem if p.is_file() else p.name for p in (ROOT / "grpo").iterdir() if p.name != "__pycache__"}
+    top -= {"__init__"}
+    wings = {n for n in top if (ROOT / "grpo" / n).is_dir()}
+    assert wings <= WINGS, f"a new wing: add it to WINGS with a face (its __init__ listing its rooms): {wings - WINGS}"
+    assert top - wings <= STANDALONE, f"name these in STANDALONE or move them into a wing: {top - wings - STANDALONE}"
+    assert len(top - wings) <= 12
+    for wing in wings:
+        face = (ROOT / "grpo" / wing / "__init__.py").read_text()
+        files = [p.name for p in sorted((ROOT / "grpo" / wing).glob("*.py")) if p.name != "__init__.py"]
+        assert all(f in face for f in files), f"grpo/{wing}/__init__.py lists its rooms: {files}"
+
+
+def test_grpo_has_at_most_six_import_levels():
+    got = levels(ROOMS)
+    assert max(got.values()) <= 6, sorted(got.items(), key=lambda kv: kv[1])
+
+
+def test_hashing_and_liveness_each_live_in_one_module():
+    """Every memo of a file's sha256 is defined in grpo/record/digests.py; every reader and writer of heartbeats in
+    grpo/record/liveness.py (gc, placement, the state commit and the learner's nodes ask it)."""
+    import re
+
+    hashing = re.compile(r"^\s*(def|class) \w*(sha256|digest|Stamp|stamp_)\w*", re.M)
+    beat = "heartbeat|Heartbeat|storage_clock|running_attempts|lost_attempts|Watched|read_beat|last_beat"
+    beating = re.compile(rf"^\s*(def|class) \w*({beat})\w*", re.M)
+    for name, path in MODULES.items():
+        text = path.read_text()
+        if name != "grpo.record.digests" and name != "grpo.data":  # data.py: a dataset's own content hash (D4)
+            assert not hashing.search(text), (name, hashing.search(text).group(0))
+        if name != "grpo.record.liveness":
+            assert not beating.search(text), (name, beating.search(text).group(0))
+    assert "grpo.gc" not in GRAPH["flows.placement"] and "grpo.gc" not in GRAPH["grpo.record.resume"]
+    assert not {"grpo.report", "grpo.tracking"} & GRAPH["grpo.gc"]
+    assert "matplotlib" not in MODULES["grpo.gc"].read_text()
+    assert not any(m.startswith(("grpo.learner", "stages", "flows")) for m in GRAPH["grpo.record.resume"])
+
+
+def test_no_stage_or_wing_module_is_over_400_lines_and_stages_holds_only_stages():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 400}
+    assert not {m: n for m, n in long.items() if m.startswith("stages.") or (room(m) or "").split(".")[-1] in WINGS}
+    stages = {m.split(".")[1] for m in MODULES if m.startswith("stages.")}
+    assert stages - set(STAGE_MODULES) - {"stages"} == set(STAGE_PARTS) & stages
+    assert stages - set(STAGE_MODULES) <= set(STAGE_PARTS) | {"stages"}, "a new module in stages/ that is no stage"
+
+
+def test_no_private_api_outside_its_one_shim():
+    """threading._x and sys._x only in grpo/runtime/exits.py, which says why."""
+    import re
+
+    private = re.compile(r"\b(threading|sys)\._[a-z]")
+    found = [m for m, p in MODULES.items() if m != "grpo.runtime.exits" and private.search(p.read_text())]
+    assert found == []

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
+from grpo.record.checkpoint import WEIGHT_SUFFIXES, checkpoint_dtype, policy_folders
 from grpo.record.counts import is_local
 from grpo.record.layout import export_dir, stage_dir
-from grpo.record.storage import Storage, committed_attempts, url_to_fs
+from grpo.record.storage import Committed, Storage, committed_attempts, url_to_fs
 from grpo.report import best_iteration
 from stages import StageError
 
@@ -23,7 +26,6 @@ def newest_learn(storage, run_id: str) -> int:
 
 
 def cmd_export(args, storage):
-    from grpo.record.checkpoint import export_policy
     from grpo.record.lineage import committed_input
     from stages.common import load_run
 
@@ -98,3 +100,31 @@ def export_source(storage, run_id: str, k: int):
     if any(p.startswith((CHECKPOINT_PREFIX, ADAPTER_PREFIX)) for p in policy.collected):
         raise StageError(f"run {run_id}: the policy of iteration {k} was collected by `grpo gc --retention`")
     return policy
+
+
+def export_policy(policy: Committed, base: Committed | None, out: str) -> str:
+    """Write the committed `policy` (a learn or the base) as a self-contained HF folder at `out` (a local
+    folder or an fsspec URL; it must not exist yet): a LoRA learn's adapters merged into `base`'s weights
+    (in the base's dtype), the tokenizer, chat template and generation config beside them. Returns `out`."""
+    from transformers import AutoModelForCausalLM
+
+    fs, root = url_to_fs(out)
+    if fs.exists(root):
+        raise FileExistsError(f"{out} exists; export writes a new folder (name another, or remove it)")
+    holder, model_dir, adapter_dir = policy_folders(policy, base)
+    with tempfile.TemporaryDirectory() as tmp:
+        if adapter_dir is None:
+            for f in Path(model_dir).iterdir():
+                shutil.copyfile(f, Path(tmp, f.name))  # the cache holds symlinks on local storage: real files
+        else:
+            from peft import PeftModel
+
+            lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=checkpoint_dtype(model_dir))
+            merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()
+            merged.save_pretrained(tmp, safe_serialization=True)
+            written = {p.name for p in Path(tmp).iterdir()}
+            for f in Path(model_dir).iterdir():  # tokenizer, chat template, generation config
+                if f.name not in written and not f.name.endswith(WEIGHT_SUFFIXES):
+                    shutil.copyfile(f, Path(tmp, f.name))
+        fs.put(tmp.rstrip("/") + "/", root, recursive=True)
+    return out

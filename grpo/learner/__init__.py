@@ -4,8 +4,10 @@ One component a file, read in this order:
   batch.py      the typed Batch of whole groups and the Scores (pi_old, reference) computed for it
   model.py      PolicyLM: each prompt computed once for its G responses, packed rows, log-probs, scoring
   pi_old.py     where pi_old comes from (learn.old_logprobs: sampler, recompute, auto)
+  loss.py       the run's loss as grpo.core takes it (LossSpec, made once from the config)
   loop.py       train: minibatches, microbatches, the clipped loss of grpo.core, guards and metrics
   state.py      Learner: policy (LoRA adapters), AdamW, RNG, reference; build, move, save
+  warm.py       the learner one learn hands to the next iteration's in the same process
   precision.py  learn.mixed_precision: bf16 autocast or float32, and why
   kernels.py    the device's kernels: log-probs (chunked torch, or Liger's fused linear cross-entropy), attention
   sharding.py   learn.sharding=fsdp2: fully_shard per decoder layer, state through Distributed Checkpoint

@@ -14,14 +14,20 @@ from torch import Tensor
 class Batch:
     """One iteration's kept samples, whole groups in (prompt_id, sample_index) order.
 
-    Group g (one prompt, G = group_size samples) holds samples g*G .. g*G+G-1; P groups, N = P*G.
+    Group g (one prompt, G = group_size samples) holds samples g*G .. g*G+G-1; P groups, N = P*G. A sample is an
+    episode: its response is every token after the prompt (each turn's sampled ones and the observations appended
+    between turns), in the order they were appended; the forward sees them all, the loss the sampled ones.
     """
 
     prompt_ids: Tensor  # (P, Lp) long, left-padded: one row per group
     prompt_mask: Tensor  # (P, Lp) long
     response_ids: Tensor  # (N, T) long, right-padded
-    response_mask: Tensor  # (N, T) float, each row a prefix of ones
-    sampler_logprobs: Tensor  # (N, T) the sampler's log-prob of each sampled token
+    response_mask: Tensor  # (N, T) float, each row a prefix of ones: the tokens there (the forward's)
+    # (N, T) float: 1 on the tokens the loss trains on (those the sampler produced), 0 on an episode's observation and
+    # template tokens (context only) and on padding; every loss, KL, metric and token count of the update is over it
+    loss_mask: Tensor
+    sampler_logprobs: Tensor  # (N, T) the sampler's log-prob of each sampled token (0 where loss_mask is 0)
+    token_versions: Tensor  # (N, T) long: the policy version that sampled each token (the rollouts' policy_version)
     advantages: Tensor  # (N,)
     rewards: Tensor  # (N,)
     group_size: int
@@ -50,9 +56,3 @@ class Scores:
 
     old_logprobs: Tensor  # (N, T) the snapshot policy's, without gradient
     ref_logprobs: Tensor | None  # (N, T) the frozen reference's; None without a KL penalty
-    # (N,) rows whose old log-probs the first minibatch's own forward gives (the policy is still the
-    # snapshot's then: no scoring pass for them); their old_logprobs rows are filled by that step
-    pending: Tensor | None = None
-    # (N,) learn.old_logprobs=auto: rows settled after that forward, before the first step (settle_deferred):
-    # the sampler's log-probs where the pending rows show them equal to the learner's, else scored then
-    deferred: Tensor | None = None

@@ -27,10 +27,12 @@ from grpo.config import LearnConfig
 from grpo.errors import LearnError
 from grpo.learner import kernels, sharding
 from grpo.learner.batch import Batch, Scores
+from grpo.learner.loss import within_age
 from grpo.learner.model import forward_logprobs, score
-from grpo.learner.pi_old import OLD_LOGPROBS, _fill_pending, sampler_gap, settle_deferred
+from grpo.learner.pi_old import OldLogprobs
 from grpo.learner.state import Learner, optimizer_steps
 from grpo.progress import progress
+from grpo.record.lineage import policy_version
 
 log = logging.getLogger("grpo.learner")
 
@@ -40,56 +42,41 @@ def minibatch_step(
     batch: Batch,
     scores: Scores,
     microbatches: list[Tensor],
-    lcfg: LearnConfig,
+    spec: core.LossSpec,
     accum: int,
-    max_tokens: int,
     autocast,
     token_normalizer: float,
     sequence_normalizer: float | None = None,
+    pi_old: OldLogprobs | None = None,
 ) -> dict[str, float]:
-    """Forward/backward over this rank's `microbatches` (each a tensor of groups: split_microbatches);
-    token_normalizer and sequence_normalizer are token_mean's and the per-sequence modes' divisors of each
+    """Forward/backward over this rank's `microbatches` (each a tensor of groups: split_microbatches), the
+    microbatches whose forward gives their rows' pi_old handing it to `pi_old` (whose tensor scores.old_logprobs
+    is); token_normalizer and sequence_normalizer are token_mean's and the per-sequence modes' divisors of each
     microbatch's sums (grpo.core.grpo_microbatch_step). Returns metrics: the extremes (`*_max`, `*_min`) over
     microbatches, the rest summed / accum. No host sync inside the loop: the metrics stay on the device in float64
     (as Python floats would add them) and come to the host once, at the end."""
     totals: dict[str, Tensor] = {}
-    # which microbatches give pi_old (the first minibatch's: pending), read on the host once a step, not a microbatch
-    pending = [False] * len(microbatches)
-    if scores.pending is not None:
-        rows = scores.pending.cpu()
-        pending = [bool(rows[batch.rows(mb.cpu())].all()) for mb in microbatches]
-    for mb_groups, gives_pi_old in zip(microbatches, pending):
+    gives = [False] * len(microbatches) if pi_old is None else pi_old.gives(microbatches)
+    for mb_groups, gives_pi_old in zip(microbatches, gives):
         mb = batch.rows(mb_groups)
-        mask = batch.response_mask[mb]
+        mask = batch.loss_mask[mb]  # (R, T) the tokens trained on: the sampled ones of every turn
         with autocast():
             logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
         if gives_pi_old:  # pi_old = pi_theta, no step yet
-            scores.old_logprobs[mb] = logp.detach().to(scores.old_logprobs.dtype)
+            pi_old.take(mb, logp)
         ref = scores.ref_logprobs
         loss, metrics = core.grpo_microbatch_step(
+            spec,
             logp,
             mask,
             gradient_accumulation_steps=accum,
-            loss_type=lcfg.loss_type,
-            agg_mode=lcfg.agg_mode,
             raw_rewards=batch.rewards[mb, None],
             advantages=batch.advantages[mb, None],
             old_logprobs=scores.old_logprobs[mb],
             ref_logprobs=None if ref is None else ref[mb],
-            kl_coef=lcfg.kl_coef,
-            kl_estimator=lcfg.kl_estimator,
-            clip_eps=lcfg.clip_eps,
-            clip_eps_high=lcfg.clip_eps_high,
-            dual_clip_c=lcfg.dual_clip_c,
-            max_tokens=max_tokens,
+            sampler_logprobs=batch.sampler_logprobs[mb],
             token_normalizer=token_normalizer,
             sequence_normalizer=sequence_normalizer,
-            sampler_logprobs=batch.sampler_logprobs[mb],
-            behavior_correction=lcfg.behavior_correction,
-            behavior_level=lcfg.behavior_level,
-            tis_cap=lcfg.tis_cap,
-            mis_bounds=lcfg.mis_bounds,
-            icepop_bounds=lcfg.icepop_bounds,
         )
         metrics["loss/total"] = loss.detach() * accum
         metrics["actor/entropy"] = core.masked_mean(entropy, mask)
@@ -193,9 +180,11 @@ class Update:
 def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_seed: int) -> Update:
     """Run the update in place on `learner` (every process runs this). Raises LearnError, having
     left the learner half-updated, when the result must not be committed."""
-    cfg, lcfg, acc, model, opt = learner.cfg, learner.cfg.learn, learner.acc, learner.model, learner.opt
+    lcfg, acc, model, opt = learner.cfg.learn, learner.acc, learner.model, learner.opt
     torch.manual_seed(torch_seed)
     batch = batch.to(learner.device)
+    # the tokens this update trains on: the sampled ones, no older than learn.max_token_age
+    batch, ages = within_age(batch, policy_version(iteration, 0), lcfg.max_token_age)
     check_microbatch_tokens(batch, lcfg, iteration)
     g, chunk = batch.group_size, max(1, lcfg.process_microbatch // batch.group_size)
     # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
@@ -204,18 +193,15 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     order = torch.randperm(n_groups, generator=learner.shuffle).to(learner.device)  # epoch 0's
     t0 = time.perf_counter()
     with learner.autocast():
-        old, pending, deferred, source = OLD_LOGPROBS[lcfg.old_logprobs](
-            learner, batch, chunk, order[:per_step] if per_step <= n_groups else order[:0]
-        )
-        scores = Scores(old, learner.reference_scores(batch, chunk), pending, deferred)
+        pi_old = OldLogprobs(learner, batch, chunk, order[:per_step] if per_step <= n_groups else order[:0])
+        scores = Scores(pi_old.old, learner.reference_scores(batch, chunk))
     score_s, update_s = time.perf_counter() - t0, 0.0
-    mask = batch.response_mask
-    gap = None if scores.pending is not None else sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap)
-    behavior = None if scores.pending is not None else behavior_summary(batch, scores, lcfg)
+    mask = batch.loss_mask
+    gap = pi_old.gap(iteration) if pi_old.known else None
+    behavior = behavior_summary(batch, scores, learner.loss) if pi_old.known else None
     model.train()
 
     accum = max(1, lcfg.minibatch_size // world // lcfg.process_microbatch)
-    max_tokens = cfg.rollout.max_tokens  # Dr.GRPO's constant divisor: the response budget
     rows, step = [], 0
     for epoch in range(lcfg.epochs):
         if epoch:
@@ -223,7 +209,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         for start in range(0, n_groups - per_step + 1, per_step):
             groups = order[start : start + per_step]
             t0 = time.perf_counter()
-            n_tok = int(mask[batch.rows(groups)].sum())  # the whole minibatch's, every rank's
+            n_tok = int(mask[batch.rows(groups)].sum())  # the whole minibatch's trained tokens, every rank's
             microbatches = split_microbatches(batch, groups, lcfg, world)
             steps = accum if lcfg.microbatch_tokens is None else len(microbatches[rank])  # equal on every rank
             # DAPO's token mean of the minibatch: each microbatch's token sum / the minibatch's tokens per
@@ -239,24 +225,18 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
                     batch,
                     scores,
                     microbatches[rank],
-                    lcfg,
+                    learner.loss,
                     steps,
-                    max_tokens,
                     learner.autocast,
                     per_microbatch,
                     sequences,
+                    pi_old,
                 ),
             )
-            if scores.pending is not None:  # every old log-prob known now: check the sampler's before a step
-                checked, scores = scores.pending, _fill_pending(acc, scores)
-                if scores.deferred is not None:
-                    t1 = time.perf_counter()
-                    scores, source = settle_deferred(learner, batch, scores, checked, chunk)
-                    settled_s = time.perf_counter() - t1
-                    score_s, t0 = score_s + settled_s, t0 + settled_s  # scoring time, not the update's
-                measured = checked if source["source"] == "sampler" else None  # auto took the sampler's
-                gap = sampler_gap(batch, scores, iteration, lcfg.max_logprob_gap, measured)
-                behavior = behavior_summary(batch, scores, lcfg)
+            if not pi_old.known:  # the first minibatch gave its rows: settle the rest, check the sampler's, then step
+                settled_s = pi_old.settle()
+                score_s, t0 = score_s + settled_s, t0 + settled_s  # scoring time, not the update's
+                gap, behavior = pi_old.gap(iteration), behavior_summary(batch, scores, learner.loss)
             if not all(math.isfinite(v) for v in m.values()):
                 raise LearnError(f"learn iteration {iteration} step {step}: non-finite loss {m}; nothing committed")
             grad_norm = learner.clip_grad_norm(lcfg.max_grad_norm)
@@ -294,7 +274,8 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "grad_norm": last.get("grad_norm"),
         "logprob_gap": gap,
         **(behavior or {}),
-        "old_logprobs": source,
+        **ages,
+        "old_logprobs": pi_old.source,
         "world_size": world,
         "precision": learner.precision,
         "kernels": kernels.chosen(lcfg.logprob_kernel, learner.device),
@@ -308,8 +289,8 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     return Update(summary, rows, cpu)
 
 
-def behavior_summary(batch: Batch, scores: Scores, lcfg: LearnConfig) -> dict[str, float]:
-    """The iteration's behaviour weights pi_prox / pi_sampler (learn.behavior_correction) over every response token
+def behavior_summary(batch: Batch, scores: Scores, spec: core.LossSpec) -> dict[str, float]:
+    """The iteration's behaviour weights pi_prox / pi_sampler (learn.behavior_correction) over every trained token
     of the batch, once pi_prox (the old log-probs) is known: no step changes them. behavior_weight_mean and
     _max, behavior_clipped_frac (truncated or masked), sampler_kl (k3 of KL(pi_sampler || pi_prox)); with
     correction none the weights are 1 and the KL still measures how far the sampler was."""
@@ -317,12 +298,8 @@ def behavior_summary(batch: Batch, scores: Scores, lcfg: LearnConfig) -> dict[st
         _, m = core.behavior_weights(
             scores.old_logprobs.float(),
             batch.sampler_logprobs.float(),
-            batch.response_mask,
-            lcfg.behavior_correction,
-            lcfg.behavior_level,
-            lcfg.tis_cap,
-            lcfg.mis_bounds,
-            lcfg.icepop_bounds,
+            batch.loss_mask,
+            *spec.behavior,
         )
     names = {"weight_mean": "behavior_weight_mean", "weight_max": "behavior_weight_max"}
     names |= {"clipped_frac": "behavior_clipped_frac", "kl": "sampler_kl"}

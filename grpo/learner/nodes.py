@@ -35,7 +35,7 @@ from grpo.learner import launch
 from grpo.record.commit import StageWriter
 from grpo.record.counts import is_local
 from grpo.record.layout import stage_dir
-from grpo.record.liveness import HEARTBEAT_NAME, Heartbeat, heartbeat_interval_s
+from grpo.record.liveness import HEARTBEAT_NAME, Heartbeat, Watched, heartbeat_interval_s, read_beat
 from grpo.record.storage import Committed, Storage, find_committed, is_committed, list_attempts, load_manifest
 from grpo.runtime.procs import free_port
 
@@ -83,25 +83,6 @@ def _write_json(storage: Storage, path: str, data: dict) -> None:
     if is_local(storage.fs):
         storage.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     storage.write_bytes_atomic(path, json.dumps(data, sort_keys=True).encode())
-
-
-class Watched:
-    """A file another machine rewrites while it lives, and when this one last saw it change (by this
-    machine's clock: the two clocks may differ)."""
-
-    def __init__(self, storage: Storage, path: str):
-        self.storage, self.path = storage, path
-        self.data: dict | None = None
-        self.changed_at = time.monotonic()
-
-    def read(self) -> dict | None:
-        data = _read_json(self.storage, self.path)
-        if data != self.data:
-            self.data, self.changed_at = data, time.monotonic()
-        return data
-
-    def quiet_s(self) -> float:
-        return time.monotonic() - self.changed_at
 
 
 # ---------------------------------------------------------------- node 0
@@ -233,7 +214,7 @@ def find_rendezvous(storage: Storage, run_id: str, iteration: int, node_rank: in
             found = _read_json(storage, f"{attempt}/{RENDEZVOUS}")
             if not found or found.get("identity") != identity or is_committed(storage, attempt):
                 continue
-            beat = _read_json(storage, f"{attempt}/{HEARTBEAT_NAME}")
+            beat = read_beat(storage, f"{attempt}/{HEARTBEAT_NAME}")
             if beat is None or "closed_at" in beat:  # node 0 failed, or its attempt went
                 continue
             if storage.exists(report_path(attempt, node_rank)) or storage.exists(beat_path(attempt, node_rank)):

@@ -1,10 +1,11 @@
 """Where pi_old comes from (learn.old_logprobs: a registry keyed by name): the sampler's log-probs, a scoring pass
 of the learner before its first step, or `auto`, the first minibatch's own forward deciding between the two;
-and the sampler-to-learner gap the stage records and may bound."""
+`OldLogprobs`, one update's pi_old from the start to every row known; and the sampler-to-learner gap the stage
+records and may bound."""
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from typing import Callable, NamedTuple
 
 import torch
@@ -12,7 +13,7 @@ from torch import Tensor
 
 from grpo import core
 from grpo.errors import LearnError
-from grpo.learner.batch import Batch, Scores
+from grpo.learner.batch import Batch
 from grpo.learner.model import score
 from grpo.learner.state import Learner
 
@@ -21,9 +22,9 @@ class PiOld(NamedTuple):
     """What an OLD_LOGPROBS function gives before the first step."""
 
     old: Tensor  # (N, T) the old log-probs known so far
-    pending: Tensor | None  # (N,) rows the first minibatch's forward fills (Scores.pending)
-    deferred: Tensor | None  # (N,) rows settle_deferred settles after that forward (Scores.deferred)
-    source: dict | None  # the learn manifest's `old_logprobs`; None: settle_deferred says
+    pending: Tensor | None  # (N,) rows the first minibatch's forward fills (OldLogprobs.take)
+    deferred: Tensor | None  # (N,) rows settled after that forward (OldLogprobs.settle)
+    source: dict | None  # the learn manifest's `old_logprobs`; None: OldLogprobs.settle says
 
 
 def _score_rows(learner: Learner, batch: Batch, chunk_groups: int, rows: Tensor, old: Tensor) -> None:
@@ -58,8 +59,8 @@ def _from_sampler(learner: Learner, batch: Batch, chunk_groups: int, first: Tens
 
 
 def _auto(learner: Learner, batch: Batch, chunk_groups: int, first: Tensor) -> PiOld:
-    """No pass yet: the first minibatch's forward gives its rows, and the rest wait for settle_deferred (Scores.
-    deferred); recompute's pass where that forward is not the scoring one (dropout on)."""
+    """No pass yet: the first minibatch's forward gives its rows, and the rest wait for OldLogprobs.settle;
+    recompute's pass where that forward is not the scoring one (dropout on)."""
     if active_dropout(learner.acc.unwrap_model(learner.model)) or not len(first):
         return _recomputed(learner, batch, chunk_groups, first)
     pending = _first_rows(batch, first)
@@ -81,23 +82,6 @@ then runs the learner's numerics (measured: the transformers backend and vLLM on
 at the demo's size); a bf16 sampler beside a float32 learner differs by more, and the rest is scored."""
 
 
-def settle_deferred(learner: Learner, batch: Batch, scores: Scores, checked: Tensor, chunk_groups: int) -> tuple:
-    """After the first minibatch's forward and backward, before its step (the weights are still the snapshot's):
-    the deferred rows' old log-probs, the sampler's when the `checked` rows (N,) (the first minibatch's, filled)
-    match them within SAMPLER_MAX_DIFF, else scored now. Returns (scores, {source, max_diff})."""
-    diff = float(((batch.sampler_logprobs - scores.old_logprobs).abs() * batch.response_mask)[checked].max())
-    old, rows = scores.old_logprobs, scores.deferred
-    if diff <= SAMPLER_MAX_DIFF:
-        old[rows] = batch.sampler_logprobs[rows].to(old.dtype)
-        source = "sampler"
-    else:
-        with learner.autocast():
-            _score_rows(learner, batch, chunk_groups, rows, old)
-        learner.model.train()  # score() left it in eval mode
-        source = "recomputed"
-    return dataclasses.replace(scores, deferred=None), {"source": source, "max_diff": diff}
-
-
 def active_dropout(model: torch.nn.Module) -> bool:
     """Whether a training forward differs from a scoring one: a dropout module or a config's dropout rate
     (attention dropout is a float handed to the attention kernel) above 0."""
@@ -111,22 +95,74 @@ def active_dropout(model: torch.nn.Module) -> bool:
     )
 
 
-def _fill_pending(acc, scores: Scores) -> Scores:
-    """After the first minibatch: every process's share of its pending rows, on every process."""
-    if scores.pending is None:
-        return scores
-    if acc.num_processes > 1:  # each process filled its own groups' rows; the others are still 0 there
-        scores.old_logprobs[scores.pending] = acc.reduce(scores.old_logprobs[scores.pending], "sum")
-    return dataclasses.replace(scores, pending=None)
+class OldLogprobs:
+    """One update's pi_old (N, T), from what learn.old_logprobs gives before the first step to every row known.
+
+    Rows can be left to the first minibatch's own forward (pending: the weights are still the snapshot's then, so
+    its log-probs are pi_old, no scoring pass) and, with `auto`, to be settled after that forward and before its
+    step (deferred: the sampler's log-probs where the pending rows show them equal to the learner's, else scored).
+    `train` asks it which microbatches give their rows (gives), hands them over (take), and settles the rest once
+    the first minibatch's forward and backward are done (settle)."""
+
+    def __init__(self, learner: Learner, batch: Batch, chunk_groups: int, first: Tensor):
+        """`first` (P',): the groups of the first minibatch."""
+        self.learner, self.batch, self.chunk_groups = learner, batch, chunk_groups
+        mode = learner.cfg.learn.old_logprobs
+        self.old, self.pending, self.deferred, self.source = OLD_LOGPROBS[mode](learner, batch, chunk_groups, first)
+        self.measured: Tensor | None = None  # (N,) rows where pi_old is the learner's own; None: all
+
+    @property
+    def known(self) -> bool:
+        """Every row's old log-prob is known: the gap, the behaviour weights and a step may go on."""
+        return self.pending is None
+
+    def gives(self, microbatches: list[Tensor]) -> list[bool]:
+        """For each microbatch (a tensor of groups) whether its forward gives its rows' pi_old; read on the host
+        once a step, not a microbatch."""
+        if self.pending is None:
+            return [False] * len(microbatches)
+        rows = self.pending.cpu()
+        return [bool(rows[self.batch.rows(mb.cpu())].all()) for mb in microbatches]
+
+    def take(self, rows: Tensor, logp: Tensor) -> None:
+        """The log-probs (R, T) of `rows` (R,) from a forward before any step: their pi_old."""
+        self.old[rows] = logp.detach().to(self.old.dtype)
+
+    def settle(self) -> float:
+        """After the first minibatch's forward and backward, before its step: every process's pending rows on every
+        process, then the deferred rows settled (the sampler's log-probs when the pending rows match them within
+        SAMPLER_MAX_DIFF, else scored now). Returns the seconds spent scoring."""
+        checked, acc, batch = self.pending, self.learner.acc, self.batch
+        if acc.num_processes > 1:  # each process filled its own groups' rows; the others are still 0 there
+            self.old[checked] = acc.reduce(self.old[checked], "sum")
+        self.pending = None
+        if self.deferred is None:
+            return 0.0
+        t0 = time.perf_counter()
+        gaps = (batch.sampler_logprobs - self.old).abs().masked_fill(~batch.loss_mask.bool(), 0.0)  # (N, T)
+        diff = float(gaps[checked].max())
+        if diff <= SAMPLER_MAX_DIFF:
+            self.old[self.deferred] = batch.sampler_logprobs[self.deferred].to(self.old.dtype)
+            self.measured = checked  # the sampler's rows have no gap to measure
+        else:
+            with self.learner.autocast():
+                _score_rows(self.learner, batch, self.chunk_groups, self.deferred, self.old)
+            self.learner.model.train()  # score() left it in eval mode
+        self.source = {"source": "sampler" if self.measured is not None else "recomputed", "max_diff": diff}
+        self.deferred = None
+        return time.perf_counter() - t0
+
+    def gap(self, iteration: int) -> float:
+        """sampler_gap where pi_old is the learner's own, bounded by learn.max_logprob_gap."""
+        max_gap = self.learner.cfg.learn.max_logprob_gap
+        return sampler_gap(self.batch, self.old, iteration, max_gap, self.measured)
 
 
-def sampler_gap(
-    batch: Batch, scores: Scores, iteration: int, max_gap: float | None, rows: Tensor | None = None
-) -> float:
-    """Mean |sampler log-prob - old log-prob| a token (over `rows` (N,) bool, default all: where pi_old is the
-    learner's own); raises LearnError above learn.max_logprob_gap."""
-    mask = batch.response_mask if rows is None else batch.response_mask * rows[:, None]
-    gap = float(core.masked_mean((batch.sampler_logprobs - scores.old_logprobs).abs(), mask))
+def sampler_gap(batch: Batch, old: Tensor, iteration: int, max_gap: float | None, rows: Tensor | None = None) -> float:
+    """Mean |sampler log-prob - old log-prob (N, T)| a sampled token (over `rows` (N,) bool, default all: where
+    pi_old is the learner's own); raises LearnError above learn.max_logprob_gap."""
+    mask = batch.loss_mask if rows is None else batch.loss_mask * rows[:, None]
+    gap = float(core.masked_mean((batch.sampler_logprobs - old).abs(), mask))
     if max_gap is not None and gap > max_gap:
         raise LearnError(
             f"learn iteration {iteration}: the sampler's log-probs differ from the snapshot's by "

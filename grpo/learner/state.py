@@ -13,9 +13,11 @@ from grpo.config import RunConfig
 from grpo.devices import learner_device
 from grpo.learner import sharding
 from grpo.learner.batch import Batch
+from grpo.learner.loss import loss_spec
 from grpo.learner.model import PolicyLM, score
 from grpo.learner.precision import autocast_precision
 from grpo.record.checkpoint import checkpoint_dtype
+from grpo.record.digests import hashed_writer
 from grpo.record.layout import STATE_DCP
 
 MASTER_WEIGHTS = "master.safetensors"  # float32 weights, written when the checkpoint's dtype is narrower
@@ -55,6 +57,7 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
+        self.loss = loss_spec(cfg)  # the loss the math computes: names and floats, made once
         lcfg = cfg.learn
         # mixed precision by torch.autocast, not Accelerator(mixed_precision=...): Accelerate's state is one per
         # process and refuses a second setting, and a warm process may serve runs with either. Its device is one per
@@ -178,9 +181,11 @@ class Learner:
         if self.sharded and shards:
             self.save_shards(held)
         elif main and not self.sharded:
-            torch.save(self.opt.state_dict(), held / "optimizer.pt")
+            with hashed_writer(held / "optimizer.pt") as f:  # its commit lists it without reading it back
+                torch.save(self.opt.state_dict(), f)
         if main:
-            torch.save({"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()}, held / "rng.pt")
+            with hashed_writer(held / "rng.pt") as f:
+                torch.save({"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()}, f)
 
     def save_shards(self, state_dir: str | Path) -> None:
         """Every process (fsdp2) writes its shards of the float32 weights and AdamW state into state_dir/dcp/."""

@@ -21,9 +21,10 @@ from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
+from grpo.errors import one_line
 from grpo.record.commit import StageWriter
 from grpo.record.counts import cache_root, is_local
-from grpo.record.digests import file_digest, known_digest, remember_digest, settle, sha256_local
+from grpo.record.digests import WRITTEN_SIDECAR, file_digest, known_digest, remember_digest, settle, sha256_local
 from grpo.record.io import get_files, put_files
 from grpo.record.storage import CollectedError, Committed, CorruptArtifactError, check_entry, url_to_fs, verify_files
 
@@ -125,7 +126,7 @@ def checkpoint_dtype(model_dir: str | Path):
 def upload_folder(writer: StageWriter, local_dir: str | Path, prefix: str = CHECKPOINT_PREFIX) -> None:
     """Copy every file of `local_dir` into the attempt under `prefix`, several at once, each hashed from its
     local copy on the way (the commit lists them without reading them back)."""
-    files = [p for p in sorted(Path(local_dir).rglob("*")) if p.is_file()]
+    files = [p for p in sorted(Path(local_dir).rglob("*")) if p.is_file() and p.name != WRITTEN_SIDECAR]
     put_files(writer.storage.fs, [(str(p), writer.path(prefix + p.relative_to(local_dir).as_posix())) for p in files])
 
 
@@ -302,41 +303,6 @@ def tokenizer_and_config(committed: Committed, prefix: str = CHECKPOINT_PREFIX):
         while len(_LOADED) > 4:
             _LOADED.popitem(last=False)
     return loaded
-
-
-def export_policy(policy: Committed, base: Committed | None, out: str) -> str:
-    """Write the committed `policy` (a learn or the base) as a self-contained HF folder at `out` (a local
-    folder or an fsspec URL; it must not exist yet): a LoRA learn's adapters merged into `base`'s weights
-    (in the base's dtype), the tokenizer, chat template and generation config beside them. Returns `out`."""
-    from transformers import AutoModelForCausalLM
-
-    fs, root = url_to_fs(out)
-    if fs.exists(root):
-        raise FileExistsError(f"{out} exists; export writes a new folder (name another, or remove it)")
-    holder, model_dir, adapter_dir = policy_folders(policy, base)
-    with tempfile.TemporaryDirectory() as tmp:
-        if adapter_dir is None:
-            for f in Path(model_dir).iterdir():
-                shutil.copyfile(f, Path(tmp, f.name))  # the cache holds symlinks on local storage: real files
-        else:
-            from peft import PeftModel
-
-            lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=checkpoint_dtype(model_dir))
-            merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()
-            merged.save_pretrained(tmp, safe_serialization=True)
-            written = {p.name for p in Path(tmp).iterdir()}
-            for f in Path(model_dir).iterdir():  # tokenizer, chat template, generation config
-                if f.name not in written and not f.name.endswith(WEIGHT_SUFFIXES):
-                    shutil.copyfile(f, Path(tmp, f.name))
-        fs.put(tmp.rstrip("/") + "/", root, recursive=True)
-    return out
-
-
-def one_line(e: BaseException, limit: int = 300) -> str:
-    """An exception's type and message on one line, cut at `limit` characters (transformers' messages
-    run to a screenful)."""
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:limit] + '…' if len(text) > limit else text}"
 
 
 def tokenizer_files(model_dir: str | Path) -> list[str]:

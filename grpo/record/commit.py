@@ -19,7 +19,7 @@ import weakref
 from pathlib import Path
 
 from grpo.record.counts import IoCounts, count_io, is_local
-from grpo.record.digests import file_digest, remember_digest, settle, written_digest
+from grpo.record.digests import WRITTEN_SIDECAR, file_digest, remember_digest, settle, written_digest, written_in
 from grpo.record.identity import config_hash, stage_identity
 from grpo.record.liveness import HEARTBEAT_NAME, Heartbeat, heartbeat_interval_s
 from grpo.record.storage import (
@@ -141,26 +141,33 @@ class StageWriter:
         self._referenced.append(FileEntry(path=name, size=entry.size, sha256=entry.sha256, uri=entry.uri))
 
     def _own_files(self) -> list[FileEntry]:
-        """The attempt's files with their sha256: as hashed while this process wrote them (grpo.record.io),
-        else (a file written in place on a local disk, or by another process) hashed now."""
+        """The attempt's files with their sha256: as hashed while this process wrote them (grpo.record.io), or
+        while a process wrote them in place on a local disk (grpo.record.digests.hashed_writer), else hashed now."""
         fs = self.storage.fs
         found = fs.find(self.attempt_dir, detail=True) if fs.exists(self.attempt_dir) else {}
-        entries = []
+        entries, sidecars = [], {}
         for p in sorted(found):
             rel = p[len(self.attempt_dir) + 1 :]
-            if rel in (MANIFEST_NAME, HEARTBEAT_NAME) or ".tmp-" in rel:
-                continue
+            if rel in (MANIFEST_NAME, HEARTBEAT_NAME) or ".tmp-" in rel or rel.endswith(WRITTEN_SIDECAR):
+                continue  # a sidecar is read below, and removed once the files it lists are
             size = found[p]["size"]
             digest = written_digest(p, size)
             if is_local(fs):  # done writing: a reader on this machine trusts what the commit hashed
                 settle(p)
+            if digest is None and is_local(fs):  # written in place (a learner's torch.save): not seen by the counters
+                count_io("write", size, 0.0)
+                folder, name = p.rsplit("/", 1)
+                hashed = sidecars.setdefault(folder, written_in(folder)).get(name)
+                if hashed is not None and hashed[0] == size:  # hashed as it was written: not read back
+                    digest = hashed[1]
+                    count_io("hash", size, hashed[2])
             if digest is None:
-                if is_local(fs):  # written in place (a learner's torch.save): not seen by the counters
-                    count_io("write", size, 0.0)
                 size, digest = file_digest(fs, p)
             else:
                 remember_digest(fs, p, digest)  # a reader on this machine need not hash it again
             entries.append(FileEntry(path=rel, size=size, sha256=digest, uri=None))
+        for folder in sidecars:
+            Path(folder, WRITTEN_SIDECAR).unlink(missing_ok=True)
         return entries
 
     def commit(self, summary: dict | None = None, io: IoCounts | None = None) -> Committed:

@@ -222,3 +222,57 @@ def file_digest(fs: AbstractFileSystem, path: str) -> tuple[int, str]:
     if stamp is not None:
         _remember(_where(fs, path), stamp, digest)
     return size, digest
+
+
+# ---------------------------------------------------------------- hashed as a local file is written
+
+WRITTEN_SIDECAR = ".sha256.json"
+"""In a local folder of files about to be committed (a learner's resume state): {name: [size, sha256, seconds]} of
+those hashed as they were written (`hashed_writer`). Never committed itself."""
+
+
+class _Hashing:
+    """A binary file being written in order, hashed on the way."""
+
+    def __init__(self, f):
+        self._f, self._hash, self.size, self.seconds = f, hashlib.sha256(), 0, 0.0
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        t0 = time.perf_counter()
+        self._hash.update(data)
+        self.size += memoryview(data).nbytes
+        self.seconds += time.perf_counter() - t0
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+@contextlib.contextmanager
+def hashed_writer(path: str | os.PathLike) -> Iterator[_Hashing]:
+    """A file open for writing at `path` (local) whose bytes are hashed as they go, the digest recorded in the
+    folder's WRITTEN_SIDECAR once it is closed whole: its commit lists it without reading it back (written_in)."""
+    with open(path, "wb") as raw:
+        f = _Hashing(raw)
+        yield f
+    sidecar = os.path.join(os.path.dirname(path), WRITTEN_SIDECAR)
+    known = written_in(os.path.dirname(path))
+    known[os.path.basename(path)] = [f.size, f.hexdigest(), round(f.seconds, 4)]
+    with open(sidecar, "w") as out:
+        json.dump(known, out, sort_keys=True)
+
+
+def written_in(folder: str | os.PathLike) -> dict[str, list]:
+    """{file name: [size, sha256, hash seconds]} of the files of local `folder` hashed as they were written."""
+    try:
+        with open(os.path.join(folder, WRITTEN_SIDECAR)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}

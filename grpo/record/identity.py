@@ -52,7 +52,7 @@ ADDED_SETTINGS = {
     "learn": (
         ("dual_clip_c",), ("ref_update_every",), ("old_logprobs",), ("padding_free",),
         ("behavior_level", "mis_bounds", "icepop_bounds"), ("microbatch_tokens",),
-        ("logprob_kernel",),
+        ("logprob_kernel",), ("max_token_age",),
     ),
     "reward": (("overlong_buffer", "overlong_penalty"),),
     "rollout": (

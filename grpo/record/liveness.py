@@ -181,3 +181,33 @@ def read_by_live(storage: Storage, beats: dict[str, dict]) -> set[str]:
                 continue
             uris |= {f.uri for f in manifest.files if f.uri}
     return uris
+
+
+def read_beat(storage: Storage, path: str) -> dict | None:
+    """The heartbeat JSON at `path`; None when it is not there (or a read failed: the next look reads again)."""
+    try:
+        return json.loads(storage.read_bytes(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.debug("heartbeat %s: %s", path, e)
+        return None
+
+
+class Watched:
+    """A heartbeat another machine rewrites while it lives, and when this one last saw it change (by this machine's
+    clock alone: the two clocks may differ). learn.nodes > 1: the nodes watch each other so (grpo.learner.nodes)."""
+
+    def __init__(self, storage: Storage, path: str):
+        self.storage, self.path = storage, path
+        self.data: dict | None = None
+        self.changed_at = time.monotonic()
+
+    def read(self) -> dict | None:
+        data = read_beat(self.storage, self.path)
+        if data != self.data:
+            self.data, self.changed_at = data, time.monotonic()
+        return data
+
+    def quiet_s(self) -> float:
+        return time.monotonic() - self.changed_at

@@ -30,7 +30,7 @@ from grpo.errors import StageError
 from grpo.record.checkpoint import cache_intact, download_verified, remember_copies
 from grpo.record.commit import StageWriter
 from grpo.record.counts import cache_root, count_io, counting_io, is_local
-from grpo.record.digests import note_written
+from grpo.record.digests import WRITTEN_SIDECAR, note_written
 from grpo.record.fork import reference
 from grpo.record.io import put_files
 from grpo.record.layout import STATE_DCP, STATE_PREFIXES, STATE_STAGE, stage_dir
@@ -199,13 +199,15 @@ def _commit(storage: Storage, writer: StageWriter, held: str, shards: Shards | N
         with writer, counting_io() as io:
             if shards is not None:
                 shards.finish()
-            mine = [p for p in sorted(Path(held).rglob("*")) if p.is_file()]
+            mine = [p for p in sorted(Path(held).rglob("*")) if p.is_file()]  # with what the learner hashed as it wrote
             if shards is not None:  # the ranks put dcp/ in place (held keeps their local copies)
                 mine = [p for p in mine if not p.relative_to(held).as_posix().startswith(f"{STATE_DCP}/")]
             if is_local(storage.fs):  # a rename where `held` is on the storage's disk, else a copy
-                for f in mine:
+                for f in mine:  # the commit lists them by the digests they were written with (their sidecar)
                     shutil.move(str(f), writer.path(f.relative_to(held).as_posix()))
             else:
+                mine = [f for f in mine if f.name != WRITTEN_SIDECAR]  # put_files hashes each as it uploads
+                Path(held, WRITTEN_SIDECAR).unlink(missing_ok=True)
                 put_files(storage.fs, [(str(f), writer.path(f.relative_to(held).as_posix())) for f in mine])
             committed = writer.commit(summary={}, io=io)
             note_committed(committed.attempt_dir)

@@ -5,6 +5,12 @@ A task scores a response (`reward`). The toy tasks also know their vocabulary
 responses are space-separated words, so a whitespace word-level tokenizer covers
 them. A task without `generate` (`math`) scores a dataset (`task.dataset`).
 
+  base.py        Task and Example: what every task gives
+  sort.py        sort a list of numbers (the tiny default: rewards as plain functions with doctests)
+  arithmetic.py  small sums and products
+  math.py        math answers checked by math-verify, for datasets
+  functions.py   the user's own reward functions (reward.functions): files and module:name, loaded and checked
+
     >>> task = get_task("sort", n_numbers=3)
     >>> ex = task.generate(1, seed=0)[0]
     >>> task.reward(ex.ground_truth, ex.ground_truth, ex.prompt)["total"]
