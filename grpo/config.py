@@ -135,7 +135,9 @@ class VLLMConfig:
     """Skip CUDA graphs; None: eager on CPU, graphs on GPU."""
     enable_prefix_caching: bool | None = None
     """Reuse a prompt's KV cache across requests; None: on with a GPU (a group's G samples share their
-    prompt), off on CPU."""
+    prompt) and for episodes (rollout.tools, rollout.environment: each turn's context is the last one's and more;
+    on 2 CPU cores 128 episodes of the tool tests' model sampled in a median 14.0 s with it, 22.2 s without,
+    benchmarks/episodes_prefix_cache.py), off on CPU otherwise. Each rollouts stage starts with it empty."""
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     """KV cache precision; `auto` = the model's dtype."""
     enable_sleep_mode: bool | None = None

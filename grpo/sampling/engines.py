@@ -127,7 +127,10 @@ def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None
         "dtype": dtype,
         "max_model_len": max_len,
         "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
-        "enable_prefix_caching": gpu if v.enable_prefix_caching is None else v.enable_prefix_caching,
+        # episodes (rollout.tools, rollout.environment): every turn's context starts with the last one's
+        "enable_prefix_caching": (gpu or episodes(rollout))
+        if v.enable_prefix_caching is None
+        else v.enable_prefix_caching,
         "kv_cache_dtype": v.kv_cache_dtype,
         "tensor_parallel_size": v.tensor_parallel_size,
         "enable_sleep_mode": gpu if v.enable_sleep_mode is None else v.enable_sleep_mode,
@@ -137,6 +140,12 @@ def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None
     if lora is not None and (gpu if v.enable_lora is None else v.enable_lora):  # else merged in memory
         settings |= {"enable_lora": True, "max_lora_rank": _lora_rank(lora.r), "max_loras": 1}
     return settings
+
+
+def episodes(rollout) -> bool:
+    """Whether the rollout settings sample episodes (grpo/episodes): a turn a sampler call, each context the last
+    one's and more, which vLLM's prefix cache serves without prefilling it again."""
+    return bool(getattr(rollout, "tools", None) or getattr(rollout, "environment", None))
 
 
 def _lora_rank(r: int) -> int:
