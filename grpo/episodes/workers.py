@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from grpo.episodes.adapters import Source, factory
 from grpo.episodes.environment import Environment, Reply
-from grpo.scoring.pool import IDLE, LOADING, RewardPool, cap_memory, keep_children, progress_record
+from grpo.runtime.procs import cap_memory
+from grpo.scoring.pool import IDLE, LOADING, RewardPool, keep_children, progress_record
 
 GRACE_S = 2.0  # how long past its time limit an item may run before the parent kills its worker
 RESET_S = 300.0  # for a reset: the first builds the factory (imports the user's code, probes the class)

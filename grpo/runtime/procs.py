@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import signal
@@ -159,3 +160,33 @@ def kill_descendants(pid: int, group: bool = False, rounds: int = 5) -> int:
                 os.kill(p, signal.SIGKILL)
         killed.update(found)
     return len(killed)
+
+
+# ---------------------------------------------------------------- a worker's memory
+
+
+def _mapped_bytes() -> int:
+    """This process's address space now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+@functools.cache
+def _mapped_at_start() -> int:
+    return _mapped_bytes()
+
+
+def cap_memory(max_memory_mb: int | None) -> None:
+    """RLIMIT_AS of this process (a reward or tool worker): what it mapped as it started, inherited from the stage's process
+    (torch alone maps gigabytes it never touches), plus `max_memory_mb`; an allocation past it raises
+    MemoryError in the function. Only the soft limit: a later job with no cap lifts it."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = resource.RLIM_INFINITY if max_memory_mb is None else _mapped_at_start() + max_memory_mb * 2**20
+    if hard != resource.RLIM_INFINITY and (cap == resource.RLIM_INFINITY or cap > hard):
+        cap = hard
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))

@@ -11,7 +11,6 @@ grpo/scoring/score.py.
 from __future__ import annotations
 
 import fcntl
-import functools
 import logging
 import multiprocessing as mp
 import os
@@ -141,33 +140,6 @@ def tell(samples: list[int], error: str) -> None:
     the job ends (a job of 256 samples that each time out takes 43 minutes at the defaults)."""
     if _CONN is not None:
         _CONN.send(("erred", (samples, error)))
-
-
-def _mapped_bytes() -> int:
-    """This process's address space now (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
-
-
-@functools.cache
-def _mapped_at_start() -> int:
-    return _mapped_bytes()
-
-
-def cap_memory(max_memory_mb: int | None) -> None:
-    """RLIMIT_AS of this worker: what it mapped as it started, inherited from the stage's process
-    (torch alone maps gigabytes it never touches), plus `max_memory_mb`; an allocation past it raises
-    MemoryError in the function. Only the soft limit: a later job with no cap lifts it."""
-    import resource
-
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = resource.RLIM_INFINITY if max_memory_mb is None else _mapped_at_start() + max_memory_mb * 2**20
-    if hard != resource.RLIM_INFINITY and (cap == resource.RLIM_INFINITY or cap > hard):
-        cap = hard
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
 
 
 def exit_text(code: int) -> str:
