@@ -175,18 +175,18 @@ def _mapped_bytes() -> int:
 
 
 @functools.cache
-def _mapped_at_start() -> int:
+def mapped_at_start() -> int:
     return _mapped_bytes()
 
 
 def cap_memory(max_memory_mb: int | None) -> None:
-    """RLIMIT_AS of this process (a reward or tool worker): what it mapped as it started, inherited from the stage's process
-    (torch alone maps gigabytes it never touches), plus `max_memory_mb`; an allocation past it raises
-    MemoryError in the function. Only the soft limit: a later job with no cap lifts it."""
+    """RLIMIT_AS of this process (a reward or tool worker): what it mapped as it started (mapped_at_start), inherited
+    from the stage's process (torch alone maps gigabytes it never touches), plus `max_memory_mb`; an allocation past
+    it raises MemoryError in the function. Only the soft limit: a later job with no cap lifts it."""
     import resource
 
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = resource.RLIM_INFINITY if max_memory_mb is None else _mapped_at_start() + max_memory_mb * 2**20
+    cap = resource.RLIM_INFINITY if max_memory_mb is None else mapped_at_start() + max_memory_mb * 2**20
     if hard != resource.RLIM_INFINITY and (cap == resource.RLIM_INFINITY or cap > hard):
         cap = hard
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))

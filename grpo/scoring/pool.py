@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any, Sequence
 
-from grpo.runtime.procs import become_subreaper, ends_with, kill_descendants
+from grpo.runtime.procs import become_subreaper, ends_with, kill_descendants, mapped_at_start
 from grpo.scoring import secrets
 
 log = logging.getLogger("grpo.scoring")
@@ -74,7 +74,7 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...], parent: in
     become_subreaper()
     ends_with(parent)  # a stage SIGKILLed: its job would run on, a function starting a process a sample
     _PROGRESS, _CONN = progress, conn
-    _mapped_at_start()  # what reward.max_memory_mb is counted from
+    mapped_at_start()  # what reward.max_memory_mb is counted from
     os.dup2(out, 1)
     os.dup2(out, 2)
     for fd in _PARENT_FDS:
