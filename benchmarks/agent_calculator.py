@@ -1,0 +1,297 @@
+"""A small chat model learns to call a calculator: grpo-flow's episodes and TRL's GRPOTrainer side by side.
+
+    .venv/bin/python benchmarks/agent_calculator.py [--iterations 12] [--seed 0] [--only trl|grpo-flow]
+
+1. Word problems multiplying a 2-digit by a 3-digit number (grpo/tasks/calculator.py), which a model of this
+   size cannot do in its head; a seeded set is held out.
+2. A Qwen2 model built here (byte-level BPE, Qwen2.5's own chat template with tools), warm-started on a few
+   transcripts: `--tool-share` of them call `multiply` in Qwen's `<tool_call>{json}</tool_call>` format and
+   copy its result into "The answer is N.", the rest state the product straight away (which the model can
+   only guess). So the warm start calls the tool sometimes, and mostly guesses.
+3. GRPO on both sides with the same model, environment class (`Calculator`, TRL's `environment_factory`
+   contract, unchanged), rewards (`correct_answer` + 0.5 x `correct_tool_use`) and episodes per iteration;
+   after every iteration the held-out problems are played greedily, calculator in hand, by one function
+   (`held_out`) for both sides: accuracy and the share that called `multiply` with the problem's numbers.
+   Prints both curves and each side's wall time (training and its evals, from the trainer's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import machine  # noqa: E402
+
+from grpo.tasks.calculator import SYSTEM, Calculator, correct_answer, correct_tool_use, final_answer, problem  # noqa: E402
+from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_model  # noqa: E402
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+SHAPE = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=192)
+
+
+def tools_of(env) -> list:
+    """The environment's tools as TRL finds them: its public methods but reset."""
+    return [getattr(env, n) for n in dir(type(env)) if not n.startswith("_") and n != "reset"]
+
+
+def prompt_of(row: dict) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row["question"]}]
+
+
+def call_text(row: dict) -> str:
+    """The tool call as Qwen2.5's template renders it (an assistant turn with no text)."""
+    call = {"name": "multiply", "arguments": {"a": row["a"], "b": row["b"]}}
+    return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
+
+
+def observation_ids(tok, name: str, result: str) -> list[int]:
+    """The ids the template puts between an assistant turn's end (eos) and the next turn: the tool's
+    result as a message and the assistant header, found by rendering with and without it."""
+    call = [{"type": "function", "function": {"name": name, "arguments": {}}}]
+    head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": call}]
+    before = tok.apply_chat_template(head, tokenize=False)
+    after = tok.apply_chat_template(
+        head + [{"role": "tool", "name": name, "content": result}], tokenize=False, add_generation_prompt=True
+    )
+    before = before[: before.rindex(tok.eos_token) + len(tok.eos_token)]
+    return tok(after[len(before) :], add_special_tokens=False)["input_ids"]
+
+
+def make_world(root: Path, n: int, held: int, seed: int, vocab: int) -> tuple[str, list[dict], list[dict]]:
+    """The model folder (random weights), training problems, held-out problems (distinct questions)."""
+    rng = random.Random(seed)
+    rows = list({r["question"]: r for r in (problem(rng) for _ in range(n + held))}.values())
+    train, test = rows[held:], rows[:held]
+    from transformers import AutoTokenizer
+
+    texts = []
+    probe = build_chat_model(str(root / "probe"), ["x"], vocab_size=260, chat_template=TOOLS_CHAT_TEMPLATE)
+    tok, tools = AutoTokenizer.from_pretrained(probe), tools_of(Calculator())
+    for r in train[:500]:
+        p = tok.apply_chat_template(prompt_of(r), tools=tools, tokenize=False, add_generation_prompt=True)
+        texts.append(p + call_text(r) + f"<tool_response>\n{r['answer']}\n</tool_response>The answer is 1.")
+    model = build_chat_model(
+        str(root / "model"), texts, vocab_size=vocab, max_position_embeddings=384, seed=seed,
+        chat_template=TOOLS_CHAT_TEMPLATE, **SHAPE,
+    )  # fmt: skip
+    return model, train, test
+
+
+def transcript(tok, tools, row: dict, use_tool: bool) -> tuple[list[int], list[int]]:
+    """A warm-start episode's ids and loss mask (1 on the assistant's tokens), built turn by turn as the
+    episode loop appends them: prompt, [tool call, observation,] "The answer is N."."""
+    ids = tok.apply_chat_template(prompt_of(row), tools=tools, add_generation_prompt=True, return_dict=False)
+    mask = [0] * len(ids)
+    if use_tool:
+        turn = tok(call_text(row) + tok.eos_token, add_special_tokens=False)["input_ids"]
+        obs = observation_ids(tok, "multiply", row["answer"])
+        ids, mask = ids + turn + obs, mask + [1] * len(turn) + [0] * len(obs)
+    last = tok(f"The answer is {row['answer']}." + tok.eos_token, add_special_tokens=False)["input_ids"]
+    return ids + last, mask + [1] * len(last)
+
+
+def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, tool_share: float, seed: int) -> None:
+    """Supervised steps on transcripts, `tool_share` of them calling the calculator, loss on the assistant's
+    tokens only; the model is saved in place."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tools, rng = tools_of(Calculator()), random.Random(seed)
+    examples = [transcript(tok, tools, r, rng.random() < tool_share) for r in rows]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for step in range(steps):
+        batch = rng.sample(examples, 16)
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), tok.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        for i, (x, m) in enumerate(batch):
+            ids[i, : len(x)] = torch.tensor(x)
+            labels[i, : len(x)] = torch.tensor([t if keep else -100 for t, keep in zip(x, m)])
+        attention = torch.zeros_like(ids)
+        for i, (x, _) in enumerate(batch):
+            attention[i, : len(x)] = 1
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if (step + 1) % 50 == 0 or step + 1 == steps:
+            print(f"warm start: step {step + 1}/{steps}, loss {loss.item():.3f}", flush=True)
+    model.save_pretrained(model_dir)
+
+
+@torch.no_grad()
+def held_out(model, tok, rows: list[dict], max_turns: int = 3, max_tokens: int = 40) -> dict:
+    """Greedy episodes of the held-out problems with a Calculator each, played in batches turn by turn
+    (the observation's ids appended to the sampled ones, never re-tokenized): the share answered right
+    and the share whose episode called `multiply` with the problem's numbers."""
+    was_training = model.training
+    model.eval()
+    envs = [Calculator() for _ in rows]
+    tools = tools_of(envs[0])
+    seqs, texts = [], [[] for _ in rows]
+    for env, r in zip(envs, rows):
+        env.reset(**r)
+        seqs.append(tok.apply_chat_template(prompt_of(r), tools=tools, add_generation_prompt=True, return_dict=False))
+    live = list(range(len(rows)))
+    eos = {tok.eos_token_id, tok.pad_token_id}
+    for _ in range(max_turns):
+        if not live:
+            break
+        width = max(len(seqs[i]) for i in live)
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(seqs[i])) + seqs[i] for i in live])
+        attention = torch.tensor([[0] * (width - len(seqs[i])) + [1] * len(seqs[i]) for i in live])
+        out = model.generate(
+            input_ids=ids, attention_mask=attention, max_new_tokens=max_tokens, do_sample=False,
+            eos_token_id=list(eos), pad_token_id=tok.pad_token_id,
+        )  # fmt: skip
+        going = []
+        for i, row in zip(live, out[:, width:].tolist()):
+            turn = row[: next((k + 1 for k, t in enumerate(row) if t in eos), len(row))]
+            seqs[i] = seqs[i] + turn
+            text = tok.decode(turn, skip_special_tokens=True)
+            texts[i].append(text)
+            call = TOOL_CALL.search(text)
+            if call is None or turn[-1] not in eos:
+                continue
+            try:
+                args = json.loads(call.group(1))["arguments"]
+                result = envs[i].multiply(**args)
+            except Exception as e:  # a malformed call: its error is what the model sees
+                result = f"error: {e}"
+            seqs[i] = seqs[i] + observation_ids(tok, "multiply", result)
+            going.append(i)
+        live = going
+    model.train(was_training)
+    right = [final_answer(t[-1]) == int(r["answer"]) for t, r in zip(texts, rows)]
+    used = [any(c[2] == int(r["answer"]) for c in env.calls) for env, r in zip(envs, rows)]
+    return {"accuracy": sum(right) / len(rows), "tool_use": sum(used) / len(rows)}
+
+
+def reward_total(completions, environments, answer, **_) -> list[float]:
+    """The recipe's reward: correct_answer + 0.5 x correct_tool_use (one function, as both sides log it)."""
+    right = correct_answer(completions, answer)
+    used = correct_tool_use(completions, environments, answer)
+    return [r + 0.5 * u for r, u in zip(right, used)]
+
+
+def trl_side(root: Path, model_dir: str, train: list[dict], test: list[dict], args) -> dict:
+    """TRL's GRPOTrainer(environment_factory=Calculator): the held-out curve after each iteration and the
+    wall time from the trainer's construction to the last eval."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batch = args.prompts * args.group // args.steps  # samples an optimizer step
+    curve: list[dict] = []
+
+    class Eval(TrainerCallback):
+        def on_step_end(self, a, state, control, model=None, **kw):
+            if state.global_step % args.steps == 0:
+                curve.append({**held_out(model, tok, test), "seconds": time.perf_counter() - start})
+                print(f"TRL iteration {len(curve) - 1}: {fmt(curve[-1])}", flush=True)
+
+    dataset = Dataset.from_list([{"prompt": prompt_of(r), "answer": r["answer"]} for r in train])
+    config = GRPOConfig(
+        output_dir=str(root / "trl"),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=args.steps,
+        num_generations=args.group,
+        max_completion_length=args.max_tokens,
+        max_tool_calling_iterations=2,
+        temperature=1.0,
+        beta=0.0,
+        num_iterations=1,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        max_steps=args.steps * args.iterations,
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        disable_tqdm=True,
+        logging_steps=args.steps,
+    )
+    start = time.perf_counter()
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
+        reward_funcs=reward_total,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tok,
+        environment_factory=Calculator,
+        callbacks=[Eval()],
+    )
+    trainer.train()
+    return {"curve": curve, "seconds": time.perf_counter() - start}
+
+
+def fmt(point: dict) -> str:
+    return f"held-out accuracy {point['accuracy']:.3f}, correct tool use {point['tool_use']:.3f}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--prompts", type=int, default=16, help="prompts an iteration")
+    p.add_argument("--group", type=int, default=8, help="episodes a prompt")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps an iteration")
+    p.add_argument("--max-tokens", type=int, default=96, help="an episode's sampled and observed tokens")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--problems", type=int, default=2000)
+    p.add_argument("--held-out", type=int, default=200)
+    p.add_argument("--vocab", type=int, default=600)
+    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--sft-problems", type=int, default=400, help="warm-start transcripts")
+    p.add_argument("--tool-share", type=float, default=0.3, help="share of warm-start transcripts calling the tool")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=["trl", "grpo-flow"])
+    p.add_argument("--dir", default=None)
+    args = p.parse_args()
+    from grpo.quiet import quiet_libraries
+    from grpo.threads import apply_threads
+
+    quiet_libraries()
+    apply_threads()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="agent-calculator-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; folder {root}")
+    t0 = time.perf_counter()
+    model_dir, train, test = make_world(root, args.problems, args.held_out, args.seed, args.vocab)
+    warm_start(model_dir, train[: args.sft_problems], args.sft_steps, args.sft_lr, args.tool_share, args.seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    before = held_out(AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"), tok, test)
+    print(f"warm start ({time.perf_counter() - t0:.0f} s): {fmt(before)}", flush=True)
+    results = {}
+    if args.only != "grpo-flow":
+        import trl
+
+        results[f"TRL {trl.__version__}"] = trl_side(root, model_dir, train, test, args)
+    print(f"\n{'':>16} {'by iteration, the warm start first':>40} {'wall s':>8}")
+    for name, r in results.items():
+        for key in ("accuracy", "tool_use"):
+            curve = " ".join(f"{c[key]:.2f}" for c in [before, *r["curve"]])
+            wall = f"{r['seconds']:.1f}" if key == "accuracy" else ""
+            print(f"{name + ' ' + key:>16} {curve:>40} {wall:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
