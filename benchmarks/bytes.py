@@ -54,8 +54,8 @@ def warm(server, tmp: Path, base: dict, n: int, timeout: float) -> None:
 
 def counts(storage, run_id: str, k: int) -> dict[str, dict[str, int]]:
     """{stage: {kind: bytes}} of iteration k: every committed attempt's io (the state commit as `state`)."""
-    from grpo import layout
-    from grpo.storage import committed_attempts, load_manifest
+    from grpo.record import layout
+    from grpo.record.storage import committed_attempts, load_manifest
 
     out = defaultdict(lambda: defaultdict(int))
     state = getattr(layout, "STATE_STAGE", None)  # None: the code before the learn's commit was split
@@ -70,8 +70,8 @@ def counts(storage, run_id: str, k: int) -> dict[str, dict[str, int]]:
 def commit_seconds(storage, run_id: str, n: int) -> tuple[float, float]:
     """Means over iterations 1..n-1: a learn's start to its commit, and its commit to its state's (0 where the
     state was inside the learn's commit)."""
-    from grpo import layout
-    from grpo.storage import committed_attempts, load_manifest
+    from grpo.record import layout
+    from grpo.record.storage import committed_attempts, load_manifest
 
     def times(k: int, stage: str) -> tuple[float, float] | None:
         attempts = committed_attempts(storage, layout.stage_dir(storage, run_id, k, stage))
@@ -91,8 +91,8 @@ def commit_seconds(storage, run_id: str, n: int) -> tuple[float, float]:
 
 def policy_bytes(storage, run_id: str) -> tuple[int, int]:
     """(P, N): bytes of learn 0's policy/ (or adapter/) and the model's parameters."""
-    from grpo.layout import stage_dir
-    from grpo.storage import latest_committed
+    from grpo.record.layout import stage_dir
+    from grpo.record.storage import latest_committed
 
     learned = latest_committed(storage, stage_dir(storage, run_id, 0, "learn"), verify=False)
     own = [f for f in learned.manifest.files if f.path.startswith(("policy/", "adapter/")) and f.uri is None]
@@ -144,7 +144,7 @@ def main() -> None:
     if args.iterations < 2:
         p.error("--iterations must be >= 2: iteration 0 is not counted")
 
-    from grpo.storage import open_storage
+    from grpo.record.storage import open_storage
     from tools.prefect_server import prefect_server
     from tools.s3server import s3_server
 

@@ -40,14 +40,14 @@ import torch
 from timing import machine
 
 from grpo.config import load_config
-from grpo.lineage import policy_version
 from grpo.progress import show_in_terminal
-from grpo.quiet import quiet_libraries
+from grpo.record.lineage import policy_version
+from grpo.record.storage import open_storage
+from grpo.runtime.quiet import quiet_libraries
+from grpo.runtime.threads import apply_threads
 from grpo.sampling.base import SamplingSpec, decode_responses, stop_token_ids
 from grpo.sampling.hf import HFGenerator
-from grpo.storage import open_storage
 from grpo.tasks.math import math_reward
-from grpo.threads import apply_threads
 from grpo.tiny_model import build_chat_model
 from schemas import read_parquet, table_file
 from stages.init import init_run

@@ -199,8 +199,8 @@ def learn_bytes(committed) -> tuple[int, int]:
 def report(storage, run_id: str, iterations: int, n_params: int, peak: float | None, lora: bool) -> tuple[list, dict]:
     """Print a case's table, one row an iteration; returns its log-prob gaps and the last iteration's
     sampler settings and rollout tokens/s (generate calls, whole stage)."""
-    from grpo.layout import stage_dir
-    from grpo.storage import latest_committed
+    from grpo.record.layout import stage_dir
+    from grpo.record.storage import latest_committed
     from stages import STAGES
 
     print(
@@ -407,9 +407,9 @@ def main() -> int:
     import torch
     from transformers.utils.logging import disable_progress_bar
 
-    from grpo.checkpoint import parameter_count
+    from grpo.record.checkpoint import parameter_count
+    from grpo.record.storage import open_storage
     from grpo.sampling.engines import close_generators
-    from grpo.storage import open_storage
 
     disable_progress_bar()  # a "Loading weights" and "Writing model shards" bar per checkpoint between the lines
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None

@@ -43,10 +43,10 @@ import psutil
 from chat_math import SYSTEM, problem
 from timing import machine
 
-from grpo.checkpoint import parameter_count
 from grpo.config import load_config
-from grpo.layout import stage_dir
-from grpo.storage import Committed, latest_committed, open_storage
+from grpo.record.checkpoint import parameter_count
+from grpo.record.layout import stage_dir
+from grpo.record.storage import Committed, latest_committed, open_storage
 from grpo.tiny_model import build_chat_model
 from stages import stage_function
 from stages.init import init_run

@@ -149,7 +149,7 @@ def main() -> None:
     import torch
 
     from grpo.config import load_config
-    from grpo.storage import open_storage
+    from grpo.record.storage import open_storage
     from stages import stage_function
     from stages.init import init_run
 

@@ -50,7 +50,7 @@ import psutil
 from placement_overhead import RECIPES, REPO, describe, flow_process, load, ts
 from timing import committed_at, machine, manifests
 
-from grpo.procs import stop_group, tail
+from grpo.runtime.procs import stop_group, tail
 from stages import STAGES
 
 POOLS = {  # pool: (its core, the stages its worker serves)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from timing import committed_at, machine, manifests
 
-from grpo.procs import stop_group, tail
+from grpo.runtime.procs import stop_group, tail
 from stages import STAGES
 
 REPO = Path(__file__).resolve().parent.parent

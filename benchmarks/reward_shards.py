@@ -55,7 +55,7 @@ def calibrate(cost_ms: float) -> int:
 def make_runs(url: str, root: Path, names: dict[str, int], prompts: int, cost_ms: float) -> None:
     """Runs `names` ({run id: reward.shards}) with the same config and their rollouts of iteration 0."""
     from grpo.config import load_config
-    from grpo.storage import open_storage
+    from grpo.record.storage import open_storage
     from stages import stage_function
     from stages.init import init_run
 
@@ -81,8 +81,8 @@ def orchestrate(url: str, run_id: str, shards: int) -> float:
     from prefect import flow
 
     from flows.placement import Placement
-    from grpo.layout import stage_dir
-    from grpo.storage import latest_committed, open_storage
+    from grpo.record.layout import stage_dir
+    from grpo.record.storage import latest_committed, open_storage
     from stages.common import load_run
 
     @flow(name="rewards-on-pool")
@@ -98,7 +98,7 @@ def orchestrate(url: str, run_id: str, shards: int) -> float:
 
 
 def in_process(url: str, run_id: str) -> float:
-    from grpo.storage import open_storage
+    from grpo.record.storage import open_storage
     from stages.rewards import rewards
 
     t0 = time.perf_counter()

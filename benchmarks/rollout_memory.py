@@ -23,7 +23,7 @@ import psutil
 import pyarrow.parquet as pq
 
 from grpo.config import load_config
-from grpo.storage import open_storage
+from grpo.record.storage import open_storage
 from stages.init import init_run
 from stages.snapshot import snapshot
 

@@ -17,7 +17,7 @@ import time
 from timing import print_stage_overheads, stage_overheads
 
 from grpo.config import load_config_file
-from grpo.storage import open_storage
+from grpo.record.storage import open_storage
 from stages.init import init_run
 from stages.iteration import run_warm
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from timing import machine
 
 from grpo.config import load_config
-from grpo.layout import stage_dir
-from grpo.quiet import quiet_libraries
-from grpo.storage import latest_committed, open_storage
+from grpo.record.layout import stage_dir
+from grpo.record.storage import latest_committed, open_storage
+from grpo.runtime.quiet import quiet_libraries
 from stages import stage_function
 from stages.init import init_run
 

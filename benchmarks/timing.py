@@ -9,8 +9,8 @@ import platform
 from datetime import datetime
 from pathlib import Path
 
-from grpo.layout import stage_dir
-from grpo.storage import latest_committed, open_storage
+from grpo.record.layout import stage_dir
+from grpo.record.storage import latest_committed, open_storage
 from stages import STAGES
 
 

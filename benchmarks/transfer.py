@@ -32,13 +32,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = """
 import contextlib, json, sys, time
-from grpo.checkpoint import local_checkpoint, upload_folder
-from grpo.layout import stage_dir
-from grpo.lineage import committed_input
-from grpo.storage import StageWriter, open_storage
+from grpo.record.checkpoint import local_checkpoint, upload_folder
+from grpo.record.layout import stage_dir
+from grpo.record.lineage import committed_input
+from grpo.record.commit import StageWriter
+from grpo.record.storage import open_storage
 
 try:
-    from grpo.transfer import counting_io
+    from grpo.record.counts import counting_io
 except ImportError:  # code from before the io counters
     counting_io = contextlib.nullcontext
 

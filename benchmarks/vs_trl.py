@@ -98,7 +98,7 @@ def grpo_flow(
     stage and of the compute inside rollouts and learn (sampling; old-log-prob scoring, update); per GPU
     stage, its peak GPU GiB over the iterations (empty without a GPU)."""
     from grpo.config import load_config
-    from grpo.storage import open_storage
+    from grpo.record.storage import open_storage
     from stages.init import init_run
     from stages.iteration import run_warm
 
@@ -360,7 +360,7 @@ def main() -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where TRL runs (grpo-flow: GPU if any)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast in both learners (default float32)")
     args = p.parse_args()
-    from grpo.quiet import quiet_libraries
+    from grpo.runtime.quiet import quiet_libraries
 
     quiet_libraries()  # no progress bars between the lines, on either side
     if args.recipe == "sort":
@@ -370,7 +370,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="vs-trl-"))
     import torch
 
-    from grpo.checkpoint import parameter_count
+    from grpo.record.checkpoint import parameter_count
 
     gpu = f"; {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     print(f"machine: {machine()}{gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads; folder {root}")

@@ -14,8 +14,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.exceptions import FailedRun
 
 from flows.tasks import USER_ERRORS
+from grpo.record.storage import Storage
 from grpo.report import best_iteration, figure_png, headline, iteration_rows, markdown_table, write_report
-from grpo.storage import Storage
 
 PLOT_DPI = 50  # the report artifact's embedded plot: ~600 x 325 pixels, tens of kB in the server's database
 

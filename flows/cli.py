@@ -35,13 +35,13 @@ from flows.commands.forks import cmd_fork, cmd_rescore
 from flows.commands.k8s import cmd_k8s_render
 from flows.commands.runs import cmd_demo, cmd_init, cmd_run, cmd_stage
 from flows.kubernetes import PREFECT_FILE
-from grpo import threads
 from grpo.config import ConfigError
 from grpo.errors import describe
-from grpo.layout import STAGES
 from grpo.progress import show_in_terminal
-from grpo.quiet import quiet_libraries
-from grpo.storage import ArtifactError, open_storage
+from grpo.record.layout import STAGES
+from grpo.record.storage import ArtifactError, open_storage
+from grpo.runtime import threads
+from grpo.runtime.quiet import quiet_libraries
 from schemas import SchemaError
 from stages import StageError
 

@@ -32,10 +32,10 @@ from flows.placement import (
     stages_here,
 )
 from flows.tasks import create_run, failed, ok
-from grpo.layout import StageName
-from grpo.lineage import next_iteration
-from grpo.storage import Storage, open_storage
-from grpo.threads import apply_threads
+from grpo.record.layout import StageName
+from grpo.record.lineage import next_iteration
+from grpo.record.storage import Storage, open_storage
+from grpo.runtime.threads import apply_threads
 from grpo.tracking import track
 from stages.common import load_run
 from stages.iteration import warm_state
@@ -80,7 +80,7 @@ def grpo(
     iteration k's eval runs) while learn k runs: which policy samples which rows is fixed by the config, not by
     this overlap. The devices of the stages that run here are checked before anything is written.
     """
-    apply_threads()  # GRPO_THREADS (grpo/threads.py)
+    apply_threads()  # GRPO_THREADS (grpo/runtime/threads.py)
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     storage = open_storage(storage_url)
@@ -119,7 +119,7 @@ def sample(stage: Placement) -> dict[str, str]:
 
 
 def resolve_iteration(storage: Storage, run_id: str, iteration: int | str) -> int:
-    """An explicit iteration, or "next": the first one not finished (grpo.lineage.next_iteration)."""
+    """An explicit iteration, or "next": the first one not finished (grpo.record.lineage.next_iteration)."""
     return next_iteration(storage, run_id) if iteration == "next" else int(iteration)
 
 

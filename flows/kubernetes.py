@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from grpo.errors import StageError
-from grpo.layout import STAGES
+from grpo.record.layout import STAGES
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 PREFECT_FILE = DEPLOY / "prefect.yaml"

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from prefect.logging.handlers import APILogHandler
 
-from grpo.quiet import HarmlessFilter, quiet_libraries
+from grpo.runtime.quiet import HarmlessFilter, quiet_libraries
 
 FORWARDED_LOGGERS = ("grpo", "vllm")
 

@@ -15,10 +15,10 @@ from flows.logs import stage_logs_to_prefect
 from flows.tasks import TASKS, checked_uri, failure_line, ok
 from grpo import devices
 from grpo.config import ConfigError, RunConfig
-from grpo.gc import lost_attempts
-from grpo.layout import STAGES, StageName, shard_stage, stage_dir
-from grpo.storage import Storage, latest_committed, list_attempts
-from grpo.threads import SHARED_MACHINE, apply_threads
+from grpo.record.layout import STAGES, StageName, shard_stage, stage_dir
+from grpo.record.liveness import lost_attempts
+from grpo.record.storage import Storage, latest_committed, list_attempts
+from grpo.runtime.threads import SHARED_MACHINE, apply_threads
 
 WARM_WORKERS = "warm"  # a placement that sends the stage to a long-lived stage worker, not a work pool
 WATCH_S = 5.0  # how often a placed stage waited for is checked for a lost process (Watch)

@@ -9,7 +9,7 @@ worker serves it (`Task.delay`) and waits; the stage commits to storage as every
 flow reads its manifest there. Prefect hands a task run's parameters to the worker through result
 storage: on one machine the default local folder; across machines set PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK
 (or PREFECT_LOCAL_STORAGE_PATH on a shared mount) to a store both sides reach. A worker runs torch on half
-the machine's cores unless told otherwise (`--threads`, GRPO_THREADS: grpo/threads.py), as two share one
+the machine's cores unless told otherwise (`--threads`, GRPO_THREADS: grpo/runtime/threads.py), as two share one
 in the README's layout.
 """
 
@@ -22,7 +22,7 @@ from prefect.task_worker import serve
 
 from flows.logs import stage_logs_to_prefect
 from flows.tasks import TASKS
-from grpo import threads
+from grpo.runtime import threads
 from stages.iteration import warm_state
 
 

@@ -13,7 +13,7 @@ from prefect.states import Failed, State
 from grpo import devices
 from grpo.config import ConfigError
 from grpo.errors import StageError, describe, storage_error
-from grpo.storage import ArtifactError, Committed, open_storage
+from grpo.record.storage import ArtifactError, Committed, open_storage
 from schemas import SchemaError
 from stages import stage_function
 from stages.init import init_run, run_config

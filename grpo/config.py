@@ -190,8 +190,8 @@ class RolloutConfig:
     cuda:0 where CUDA is available, else the CPU. vLLM in one process samples on cuda:0 (its local rank 0; the CPU
     on a machine without CUDA): backend vllm takes auto, cuda or cuda:0 there, and backend auto picks transformers
     for another device. On another device than learn.device, the sampler stays awake while the learner runs and,
-    with staleness >= 1, samples iteration k+1 while learn k runs in the same process (grpo/devices.py). Where it
-    samples, not what: no identity covers it (devices of one kind sample the same rows) and it may change for an
+    with staleness >= 1, samples iteration k+1 while learn k runs in the same process (grpo/devices.py). Where
+    it samples, not what: no identity covers it (devices of one kind sample the same rows) and it may change for an
     existing run; checked against the machine before the flow runs anything."""
     min_signal_groups: int | None = None
     """Dynamic sampling (DAPO): while fewer than this many of the iteration's groups have unequal rewards, the
@@ -403,7 +403,7 @@ class LearnConfig:
     state_every: int = 1
     """Commit the learner's resume state (AdamW, the shuffling RNG, float32 master weights: 12 of the 14 bytes a
     parameter of full fine-tuning) after every K-th learn (iterations K-1, 2K-1, ...), as its own commit
-    (stages/state.py) made in the background once the learn has committed the policy, which the next iteration
+    (grpo/record/resume.py) made in the background once the learn has committed the policy, which the next iteration
     samples from meanwhile. K > 1 is for warm learners (`grpo/train`, warm stage workers), which hold the state in
     memory: a learner built from files (a crash, a new process) first replays the updates since the last
     committed state, up to K - 1 of them, from their committed rollouts, and checks each replayed policy is the
@@ -789,8 +789,8 @@ def _settings(cls=None, prefix: str = "") -> list[str]:
 
 RENAMED = {("learn", "importance_correction"): "behavior_correction"}
 """Settings renamed, (section, old name): new name. A run.json with the old name reads as the new one
-(grpo.identity.stored_config) and identities keep the old name (grpo.identity.section); a config that names the
-old one is refused, naming the new one."""
+(grpo.record.identity.stored_config) and identities keep the old name (grpo.record.identity.section); a config
+that names the old one is refused, naming the new one."""
 
 
 def _unknown(name: str, where: str, fields: dict) -> str:

@@ -24,7 +24,9 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from grpo.storage import file_digest, is_local, url_to_fs
+from grpo.record.counts import is_local
+from grpo.record.digests import file_digest
+from grpo.record.storage import url_to_fs
 from grpo.tasks import Example
 
 log = logging.getLogger("grpo.data")
@@ -212,7 +214,7 @@ def fingerprint(uri: str) -> str:
     object storage and web servers, `sha256:` of each object's bytes where the store gives no tag (an
     HTTP server without ETag: a same-size edit is seen); a DatasetError when it gives neither.
 
-    Local files are hashed once a process while their stat stamp holds (grpo.storage.file_digest);
+    Local files are hashed once a process while their stat stamp holds (grpo.record.storage.file_digest);
     tagged objects cost one metadata request each, untagged ones a download each time.
     """
     fs, path = url_to_fs(uri)

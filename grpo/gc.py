@@ -11,7 +11,7 @@ iteration still answers `grpo query`. A learn's policy stays when it is among th
 `keep_last` learns, its iteration a multiple of `keep_every`, the best by eval (eval.metric), or the next learn's
 KL reference (learn.ref_update_every) or a policy the next iterations sample (rollout.staleness); its optimizer
 state only in the newest learn. Before removing
-them gc lists them in the attempt's collected.json (grpo.storage.mark_collected): verification skips
+them gc lists them in the attempt's collected.json (grpo.record.storage.mark_collected): verification skips
 them, a stage that needs one fails naming it.
 
 Left alone, and said so: an uncommitted attempt whose heartbeat is recent (its writer is alive,
@@ -20,7 +20,7 @@ LEASE_BEATS beats ago), anything written or superseded less than `min_age_s` ago
 a live attempt reads (its heartbeat lists its inputs). File ages are taken by the storage's own
 clock (storage_clock), so a storage clock behind this machine's does not age them.
 
-Never removed: what another run references (a fork: grpo.fork.referenced_by), superseded attempts and
+Never removed: what another run references (a fork: grpo.record.fork.referenced_by), superseded attempts and
 retention's files alike; `grpo delete --run FORK` removes a fork, and the next gc may free them.
 
 The newest learn (and the one `grpo run` continues from, where a stale chain resumes earlier) keeps
@@ -32,18 +32,15 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-import fsspec
-
-from grpo import report
+from grpo import query
 from grpo.config import RetentionConfig
 from grpo.errors import StageError
-from grpo.fork import referenced_by
-from grpo.layout import (
+from grpo.record.counts import is_local
+from grpo.record.fork import referenced_by
+from grpo.record.layout import (
     POLICY_PREFIXES,
     SHARD_FOLDER,
     STAGES,
@@ -55,15 +52,21 @@ from grpo.layout import (
     shard_dirs,
     stage_dir,
 )
-from grpo.lineage import collected_learn_files, next_iteration, policy_version, reference_iteration
-from grpo.storage import (
-    HEARTBEAT_NAME,
+from grpo.record.lineage import collected_learn_files, next_iteration, policy_version, reference_iteration
+from grpo.record.liveness import (
+    LEASE_BEATS,
+    beat_interval,
+    last_beat,
+    mtime,
+    read_by_live,
+    running_attempts,
+    storage_clock,
+)
+from grpo.record.storage import (
     MERGED_SHARD,
-    ArtifactError,
     Storage,
     committed_attempts,
     is_committed,
-    is_local,
     list_attempts,
     load_manifest,
     mark_collected,
@@ -71,8 +74,6 @@ from grpo.storage import (
 )
 from schemas import table_file
 from schemas.manifest import MANIFEST_NAME
-
-LEASE_BEATS = 10  # a heartbeat is live for this many of its writer's beats at least, whatever min_age_s
 
 
 @dataclass(frozen=True)
@@ -104,33 +105,6 @@ class Plan:
     held: list[Held] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     """Retention: the policies and optimizer states that stay, and why."""
-
-
-@dataclass(frozen=True)
-class Clock:
-    storage: float  # now by the storage's clock: compare file mtimes with it
-    local: float  # now by this machine's: compare times a writer put in a file with it
-
-
-def _mtime(info: dict) -> float | None:
-    t = info.get("mtime") or info.get("LastModified") or info.get("created")
-    return None if t is None else t.timestamp() if hasattr(t, "timestamp") else float(t)
-
-
-def storage_clock(storage: Storage, folder: str) -> Clock:
-    """Now by the storage's own clock, read as the mtime of a probe file written and removed at once
-    (this machine's clock where the storage gives no time or refuses the write)."""
-    local = time.time()
-    probe = f"{folder}/.gc-clock.tmp-{secrets.token_hex(4)}"  # a leftover is a temporary file gc removes
-    try:
-        storage.fs.pipe_file(probe, b"")
-        try:
-            t = _mtime(storage.fs.info(probe))
-        finally:
-            storage.fs.rm_file(probe)
-    except OSError:
-        t = None
-    return Clock(storage=local if t is None else t, local=local)
 
 
 def _span(s: float) -> str:
@@ -169,74 +143,6 @@ def _by_attempt(listing: dict[str, dict]) -> dict[str, list[dict]]:
     return out
 
 
-def _heartbeat(storage: Storage, attempt: str, listing: dict, clock: Clock) -> tuple[float, dict] | None:
-    """(seconds since the last beat, the heartbeat's JSON) of an uncommitted attempt; None when it has
-    no heartbeat or its writer closed it (the stage failed)."""
-    path = f"{attempt}/{HEARTBEAT_NAME}"
-    if path not in listing:
-        return None
-    try:
-        beat = json.loads(storage.read_bytes(path))
-    except FileNotFoundError:  # committed or removed since the listing
-        return None
-    except ValueError:
-        beat = {}
-    if beat.get("closed_at") is not None:
-        return None
-    # Two clocks date a beat: the storage's (the file's mtime, against the storage's now) and the
-    # writer's (beat_at in the file, against this machine's now). Either can be off: the storage's
-    # where the probe could not read it, the writer's or this machine's when out of sync. Removing a
-    # live attempt loses its work and fails its stage at commit; keeping a dead one costs its space
-    # until a later gc. So the younger age wins: live when either clock says it beat recently.
-    ages = [] if (t := _mtime(listing[path])) is None else [clock.storage - t]
-    if isinstance(beat.get("beat_at"), (int, float)):
-        ages.append(clock.local - beat["beat_at"])
-    return (min(ages) if ages else float("inf")), beat
-
-
-def running_attempts(storage: Storage, run_id: str, beats: int = 3) -> set[str]:
-    """The run's uncommitted attempts whose writer beat within its last `beats` intervals: running now,
-    as far as anyone can tell (a writer killed without closing stops beating and drops out)."""
-    rdir = run_dir(storage, run_id)
-    listing = storage.fs.find(rdir, detail=True)
-    paths = {p.rsplit("/", 1)[0] for p in listing if p.endswith("/" + HEARTBEAT_NAME)}
-    if not paths:
-        return set()
-    clock = storage_clock(storage, rdir)
-    live = {p: _heartbeat(storage, p, listing, clock) for p in paths}
-    return {p for p, b in live.items() if b is not None and b[0] < beats * _interval(b[1])}
-
-
-def lost_attempts(storage: Storage, folder: str) -> dict[str, float]:
-    """{attempt: seconds since its writer's last beat} of the uncommitted attempts in stage folder `folder` whose
-    writer stopped beating, neither committing nor closing them, LEASE_BEATS beats ago or more: a writer killed
-    (SIGKILL, a machine lost) mid-stage, as gc judges it."""
-    listing = storage.fs.find(folder, detail=True) if storage.exists(folder) else {}
-    paths = sorted({p.rsplit("/", 1)[0] for p in listing if p.endswith("/" + HEARTBEAT_NAME)})
-    clock = storage_clock(storage, folder) if paths else None
-    beats = {p: _heartbeat(storage, p, listing, clock) for p in paths}
-    return {p: b[0] for p, b in beats.items() if b is not None and b[0] >= LEASE_BEATS * _interval(b[1])}
-
-
-def _interval(beat: dict) -> float:
-    """Seconds between its writer's beats (30 where the heartbeat does not say)."""
-    return float(beat["interval_s"]) if isinstance(beat.get("interval_s"), (int, float)) else 30.0
-
-
-def _read_by_live(storage: Storage, beats: dict[str, dict]) -> set[str]:
-    """URIs that live attempts read: their inputs, and the files those reference (a snapshot's policy)."""
-    uris = set()
-    for beat in beats.values():
-        for uri in (beat.get("inputs") or {}).values():
-            uris.add(uri.rstrip("/"))
-            try:
-                manifest, _ = load_manifest(storage, fsspec.core.strip_protocol(uri).rstrip("/"), verify=False)
-            except (ArtifactError, OSError):
-                continue
-            uris |= {f.uri for f in manifest.files if f.uri}
-    return uris
-
-
 def _under(uri: str, uris: set[str]) -> bool:
     return any(u == uri or u.startswith(uri + "/") for u in uris)
 
@@ -265,9 +171,9 @@ def kept_policies(
 
 
 def best_iteration(storage: Storage, run_id: str, iterations: list[int]) -> int | None:
-    """The iteration of `iterations` with the best eval by the run's eval.metric (grpo.report.best_iteration, as
+    """The iteration of `iterations` with the best eval by the run's eval.metric (grpo.query.best_iteration, as
     `grpo status`, the report and `grpo export --best` pick it); None when none has an eval that ran."""
-    best = report.best_iteration(storage, run_id, iterations)
+    best = query.best_iteration(storage, run_id, iterations)
     return None if best is None else best.iteration
 
 
@@ -275,7 +181,7 @@ def _retention(
     storage: Storage, run_id: str, rules: RetentionConfig, listing: dict, live: set[str], out: Plan, forks: dict
 ):
     """Add to `out` the policies and optimizer states of older learns that `rules` do not keep, less the files
-    that other runs reference (`forks`: grpo.fork.referenced_by)."""
+    that other runs reference (`forks`: grpo.record.fork.referenced_by)."""
     learned = {}
     for k in range(_iterations(storage, run_id)):
         attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))
@@ -357,7 +263,7 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
     span, out = _span(min_age_s), Plan()
 
     def age(infos: list[dict]) -> float:  # since the newest of them was written; inf where no time is given
-        times = [t for t in map(_mtime, infos) if t is not None]
+        times = [t for t in map(mtime, infos) if t is not None]
         return clock.storage - max(times) if times else float("inf")
 
     kept, superseded, beats = [], [], {}
@@ -368,8 +274,8 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
         for path in (f"{d}/{name}" for name in list_attempts(storage, d)):
             if path in committed or (path not in files and not is_local(storage.fs)):
                 continue  # no object under it: an empty folder of an S3 server that keeps them (SeaweedFS)
-            beat = _heartbeat(storage, path, listing, clock)
-            if beat is not None and beat[0] < max(min_age_s, LEASE_BEATS * _interval(beat[1])):
+            beat = last_beat(storage, path, listing, clock)
+            if beat is not None and beat[0] < max(min_age_s, LEASE_BEATS * beat_interval(beat[1])):
                 beats[path] = b = beat[1]
                 who = f"{b.get('stage')} on {b.get('host')}, pid {b.get('pid')}"
                 out.held.append(Held(path, "live attempt{s} (recent heartbeat)", f"{who}: beat {_span(beat[0])} ago"))
@@ -377,7 +283,7 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
                 out.garbage.append(Garbage(path, "failed", sum(i.get("size", 0) for i in files.get(path, []))))
             else:
                 out.held.append(Held(path, f"attempt{{s}} newer than {span}", f"uncommitted, written {_span(a)} ago"))
-    live = _read_by_live(storage, beats)
+    live = read_by_live(storage, beats)
     forks = referenced_by(storage, run_id)  # what other runs (forks) reference here: never garbage
     used = set(live)  # uris that kept manifests or live attempts read or reference
     for path in kept:

@@ -29,24 +29,28 @@ row per stage and iteration, the base's iteration null):
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from grpo.config import load_config
 from grpo.errors import LayoutError
-from grpo.fork import fork_of, origin
-from grpo.layout import no_such_run, run_dir, run_json, stage_dir
-from grpo.storage import (
+from grpo.record.counts import IoCounts, is_local
+from grpo.record.fork import fork_of, origin
+from grpo.record.layout import no_such_run, run_dir, run_json, stage_dir
+from grpo.record.storage import (
     Committed,
     CorruptArtifactError,
     NotCommittedError,
     Storage,
-    is_local,
+    committed_attempts,
     latest_committed,
+    load_manifest,
     verify_files,
 )
-from grpo.transfer import IoCounts
 from schemas.tables import OPTIONAL_TABLES, SCHEMAS, TABLE_FILES
 
 if TYPE_CHECKING:  # imported where used: training imports this module (grpo.report) and needs no DuckDB
@@ -139,7 +143,7 @@ def _sql_str(s: str) -> str:
 def connect(
     storage: Storage, run_id: str, verify: bool = True, others: tuple[str, ...] = ()
 ) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with one view per table over the committed files; in a fork (grpo.fork)
+    """An in-memory DuckDB connection with one view per table over the committed files; in a fork (grpo.record.fork)
     also the parent's, as `parent.<view>`, and `rescore` over both. With `others` (more runs: a parent and its
     forks), each one's views in a schema named after it (`"demo-gspo".rewards`), and every run's rows in
     `runs.<view>` with a `run` column."""
@@ -229,3 +233,39 @@ def query(storage: Storage, run_id: str, sql: str, verify: bool = True, others: 
         return con.execute(sql).df()
     finally:
         con.close()
+
+
+@dataclass(frozen=True)
+class Best:
+    """The best iteration so far: the highest eval.metric among committed evals (skipped ones have none)."""
+
+    iteration: int
+    metric: str
+    """eval.metric as the eval summary names it (config.EvalConfig.metric_key): exact_match, avg@4, ..."""
+    value: float
+    all_zero: bool = False
+    """Every eval considered scored 0 on the metric: none is better than another, so none is claimed best (the
+    report, `grpo status`, `grpo export --best`)."""
+
+    def __str__(self) -> str:
+        return f"iteration {self.iteration} ({self.metric} {self.value:.4g})"
+
+
+def eval_metric(storage: Storage, run_id: str) -> str:
+    """The run's eval.metric as the eval summary names it (read from run.json alone)."""
+    return load_config(json.loads(storage.read_bytes(run_json(storage, run_id)))["config"]).eval.metric_key
+
+
+def best_iteration(storage: Storage, run_id: str, among: list[int] | None = None) -> Best | None:
+    """The iteration (of `among`, default every one) whose newest committed eval has the highest eval.metric;
+    ties: the higher eval mean reward, then the later iteration. None before the first eval that ran."""
+    metric, scores = eval_metric(storage, run_id), {}
+    for k in iterations(storage, run_id) if among is None else among:
+        attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
+        summary = load_manifest(storage, attempts[-1], verify=False)[0].summary if attempts else {}
+        if isinstance(summary.get(metric), (int, float)):
+            scores[k] = (summary[metric], summary.get("reward_mean") or 0.0, k)
+    if not scores:
+        return None
+    k = max(scores, key=scores.__getitem__)
+    return Best(k, metric, float(scores[k][0]), all_zero=all(v[0] == 0 for v in scores.values()))

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import datetime as dt
 import io
-import json
 import re
-from dataclasses import dataclass
 
-from grpo.config import load_config
 from grpo.errors import StageError
-from grpo.fork import fork_of
-from grpo.layout import STAGES, STATE_STAGE, run_dir, run_json, stage_dir
-from grpo.query import io_rows, iterations
-from grpo.storage import (
+from grpo.query import (  # noqa: F401 (Best, eval_metric: read here by callers)
+    Best,
+    best_iteration,
+    eval_metric,
+    io_rows,
+    iterations,
+)
+from grpo.record.fork import fork_of
+from grpo.record.layout import STAGES, STATE_STAGE, run_dir, stage_dir
+from grpo.record.storage import (
     Committed,
     NotCommittedError,
     Storage,
@@ -103,42 +106,6 @@ def _seconds(manifest) -> float:
     return (
         dt.datetime.fromisoformat(manifest.committed_at) - dt.datetime.fromisoformat(manifest.started_at)
     ).total_seconds()
-
-
-@dataclass(frozen=True)
-class Best:
-    """The best iteration so far: the highest eval.metric among committed evals (skipped ones have none)."""
-
-    iteration: int
-    metric: str
-    """eval.metric as the eval summary names it (config.EvalConfig.metric_key): exact_match, avg@4, ..."""
-    value: float
-    all_zero: bool = False
-    """Every eval considered scored 0 on the metric: none is better than another, so none is claimed best (the
-    report, `grpo status`, `grpo export --best`)."""
-
-    def __str__(self) -> str:
-        return f"iteration {self.iteration} ({self.metric} {self.value:.4g})"
-
-
-def eval_metric(storage: Storage, run_id: str) -> str:
-    """The run's eval.metric as the eval summary names it (read from run.json alone)."""
-    return load_config(json.loads(storage.read_bytes(run_json(storage, run_id)))["config"]).eval.metric_key
-
-
-def best_iteration(storage: Storage, run_id: str, among: list[int] | None = None) -> Best | None:
-    """The iteration (of `among`, default every one) whose newest committed eval has the highest eval.metric;
-    ties: the higher eval mean reward, then the later iteration. None before the first eval that ran."""
-    metric, scores = eval_metric(storage, run_id), {}
-    for k in iterations(storage, run_id) if among is None else among:
-        attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "eval"))
-        summary = load_manifest(storage, attempts[-1], verify=False)[0].summary if attempts else {}
-        if isinstance(summary.get(metric), (int, float)):
-            scores[k] = (summary[metric], summary.get("reward_mean") or 0.0, k)
-    if not scores:
-        return None
-    k = max(scores, key=scores.__getitem__)
-    return Best(k, metric, float(scores[k][0]), all_zero=all(v[0] == 0 for v in scores.values()))
 
 
 PLOTS = [  # (title, row keys); a plot with no value in any row (KL with learn.kl_coef 0) is left out

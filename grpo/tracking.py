@@ -5,7 +5,7 @@ The figures come from the committed manifests, so a resumed or rerun iteration s
 were committed, once: `tracking.json` in the run folder records the iterations already sent and the
 tracker's own run id, so a later process (a resume, the next `grpo/iteration` flow run) continues the
 same tracker run; it is replaced whole (Storage.write_bytes_atomic), never left half-written. Called
-after every iteration by stages.iteration.run_warm and the flow `grpo`. A fork (grpo.fork) is a tracker run of
+after every iteration by stages.iteration.run_warm and the flow `grpo`. A fork (grpo.record.fork) is a tracker run of
 its own, tagged with its parent and fork point (`grpo.parent`, `grpo.fork_at`), its referenced iterations sent
 as its own.
 """
@@ -19,10 +19,11 @@ from pathlib import Path
 
 from grpo.config import RunConfig, TrackingConfig
 from grpo.errors import StageError
-from grpo.fork import fork_of
-from grpo.layout import run_dir
+from grpo.record.counts import is_local
+from grpo.record.fork import fork_of
+from grpo.record.layout import run_dir
+from grpo.record.storage import Storage
 from grpo.report import iteration_rows
-from grpo.storage import Storage, is_local
 
 
 def state_path(storage: Storage, run_id: str) -> str:

@@ -50,11 +50,11 @@ class Manifest:
     summary: dict = field(default_factory=dict)
     """Small stats for people and dashboards (counts, reward mean, loss, ...)."""
     io: dict | None = None
-    """What the attempt moved through storage, measured (grpo.storage.IoCounts: bytes and seconds read,
+    """What the attempt moved through storage, measured (grpo.record.storage.IoCounts: bytes and seconds read,
     downloaded, hashed, written, uploaded; the manifest itself left out); None in a version 1 manifest."""
     manifest_version: int = MANIFEST_VERSION
     origin: InputRef | None = None
-    """Set on an attempt that takes another run's committed attempt by reference (a fork, grpo.fork): the
+    """Set on an attempt that takes another run's committed attempt by reference (a fork, grpo.record.fork): the
     attempt first committed with these files, config and summary (through any chain of forks). Left out of
     the JSON when None, so every other manifest reads as it always did."""
 

@@ -8,18 +8,18 @@ from __future__ import annotations
 import functools
 import importlib
 
-from grpo.layout import STAGES
-from grpo.lineage import dead_end
+from grpo.record.layout import STAGES
+from grpo.record.lineage import dead_end
 from stages.common import StageError
 
-# the function of each stage of grpo.layout.STAGES (the order lives there): module stages.<name>,
+# the function of each stage of grpo.record.layout.STAGES (the order lives there): module stages.<name>,
 # function <name>, except where named here
 _FUNCTIONS = {name: f"stages.{name}:{ {'eval': 'evaluate'}.get(name, name) }" for name in STAGES}
 
 
 def stage_function(name: str):
     """The function of stage `name`; unknown names list the valid ones. Called with force=True it first refuses
-    a new attempt the run could not rebuild after (grpo.lineage.dead_end), writing nothing."""
+    a new attempt the run could not rebuild after (grpo.record.lineage.dead_end), writing nothing."""
     if name not in _FUNCTIONS:
         raise StageError(f"unknown stage {name!r}; valid stages: {', '.join(STAGES)}")
     module, attr = _FUNCTIONS[name].split(":")

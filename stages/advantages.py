@@ -18,9 +18,9 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.core import group_advantages
-from grpo.identity import section
-from grpo.lineage import check_chain, committed_input
-from grpo.storage import Committed, Storage
+from grpo.record.identity import section
+from grpo.record.lineage import check_chain, committed_input
+from grpo.record.storage import Committed, Storage
 from grpo.tasks.functions import reward_source
 from schemas import read_parquet, table_file, write_parquet
 from stages.common import StageError, load_run, measured, run_stage

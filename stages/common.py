@@ -1,8 +1,8 @@
 """The skip-or-run-then-commit wrapper every stage goes through, and the run's config with its pinned datasets.
 
-Where things live: grpo.layout. A stage's identity is (run, iteration, stage, config hash, input manifests):
+Where things live: grpo.record.layout. A stage's identity is (run, iteration, stage, config hash, input manifests):
 running it again with the same identity returns the committed manifest; `force`
-writes a new attempt beside the old one. In a fork (grpo.fork), an ancestor's attempt at the same iteration
+writes a new attempt beside the old one. In a fork (grpo.record.fork), an ancestor's attempt at the same iteration
 and stage with the same config and inputs is taken by reference instead of running the stage.
 """
 
@@ -18,13 +18,14 @@ from typing import Callable
 from grpo import data
 from grpo.config import ConfigError, RunConfig
 from grpo.errors import StageError
-from grpo.fork import reuse
-from grpo.identity import config_hash, stage_identity, stored_config
-from grpo.layout import no_such_run, run_json, stage_dir
-from grpo.lineage import note_committed, raced
-from grpo.storage import Committed, StageWriter, Storage, committed_attempts, find_committed, load_manifest
+from grpo.record.commit import StageWriter
+from grpo.record.counts import counting_io
+from grpo.record.fork import reuse
+from grpo.record.identity import config_hash, stage_identity, stored_config
+from grpo.record.layout import no_such_run, run_json, stage_dir
+from grpo.record.lineage import note_committed, raced
+from grpo.record.storage import Committed, Storage, committed_attempts, find_committed, load_manifest
 from grpo.tasks import Example
-from grpo.transfer import counting_io
 
 log = logging.getLogger("grpo.stages")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 from grpo.config import RunConfig
-from grpo.lineage import committed_input
+from grpo.record.lineage import committed_input
+from grpo.record.storage import Committed, Storage
 from grpo.scoring.score import score_samples
-from grpo.storage import Committed, Storage
 from stages.prompts import held_out_split
 
 

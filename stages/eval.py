@@ -14,14 +14,14 @@ import time
 
 from grpo import devices
 from grpo.config import RunConfig
-from grpo.identity import section
-from grpo.layout import stage_dir
-from grpo.lineage import check_chain, committed_input
 from grpo.progress import Progress
+from grpo.record.identity import section
+from grpo.record.layout import stage_dir
+from grpo.record.lineage import check_chain, committed_input
+from grpo.record.storage import Committed, Storage, committed_attempts, latest_committed
 from grpo.sampling.base import SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
-from grpo.storage import Committed, Storage, committed_attempts, latest_committed
 from schemas import table_file, write_parquet
 from stages.common import load_run, measured, run_stage
 from stages.prompts import eval_prompts, held_out_config, policy_and_prompts, sampler
@@ -147,7 +147,7 @@ def skip(storage: Storage, run_id: str, iteration: int, inputs: dict[str, Commit
 
 def stage_config(cfg: RunConfig) -> dict:
     """What the eval stage's identity covers: the held-out prompts, the sampler and the reward (not
-    grpo.identity.EVAL_READING: when evals run and which figure is read as the best)."""
+    grpo.record.identity.EVAL_READING: when evals run and which figure is read as the best)."""
     config = {
         "task": section(cfg, "task"),
         "eval": section(cfg, "eval"),

@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 from grpo import data
-from grpo.checkpoint import (
+from grpo.config import ConfigError, RunConfig, load_config_file
+from grpo.record.checkpoint import (
     ModelNotFoundError,
     checkpoint_problem,
     fetch_model,
@@ -34,12 +35,12 @@ from grpo.checkpoint import (
     one_line,
     upload_folder,
 )
-from grpo.config import ConfigError, RunConfig, load_config_file
-from grpo.fork import fork_of
-from grpo.identity import CHANGED_DEFAULTS, EVAL_READING, LEARN_PLACEMENT, section, stored_config
-from grpo.layout import run_dir, run_json
-from grpo.lineage import committed_input
-from grpo.storage import Committed, Storage, is_local
+from grpo.record.counts import is_local
+from grpo.record.fork import fork_of
+from grpo.record.identity import CHANGED_DEFAULTS, EVAL_READING, LEARN_PLACEMENT, section, stored_config
+from grpo.record.layout import run_dir, run_json
+from grpo.record.lineage import committed_input
+from grpo.record.storage import Committed, Storage
 from grpo.tasks import functions, generates, get_task
 from grpo.tiny_model import build_for_task
 from stages.common import (
@@ -60,10 +61,10 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
     result depends on it: the `tracking` and `retention` sections (what is sent where, what gc keeps) and
     learn.num_processes (with learn.sharding=fsdp2 the optimizer state reshards to any number of
     processes; the next learns run with the new number), where the learner's processes run
-    (grpo.identity.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s, learn.state_every,
-    learn.device), and when evals run and which figure is the best (grpo.identity.EVAL_READING: eval.every,
-    eval.metric; committed evals and skips stay), rollout.shards and reward.shards (1 and N shards commit the same
-    rows: tests/test_shards.py) and rollout.device (where it samples)."""
+    (grpo.record.identity.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s,
+    learn.state_every, learn.device), and when evals run and which figure is the best
+    (grpo.record.identity.EVAL_READING: eval.every, eval.metric; committed evals and skips stay), rollout.shards and
+    reward.shards (1 and N shards commit the same rows: tests/test_shards.py) and rollout.device (where it samples)."""
     path = run_json(storage, run_id)
     if storage.exists(path):
         raw = json.loads(storage.read_bytes(path))
@@ -81,7 +82,7 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
             for name in EVAL_READING:
                 c["eval"].pop(name)
             c["rollout"].pop("shards"), c["reward"].pop("shards")  # 1 and N shards commit the same rows
-            c["rollout"].pop("device")  # where it samples (grpo.identity.LEFT_OUT)
+            c["rollout"].pop("device")  # where it samples (grpo.record.identity.LEFT_OUT)
             if c["learn"]["sharding"] == "fsdp2":
                 c["learn"].pop("num_processes")
         if old != new:
@@ -243,7 +244,9 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
 def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False) -> Committed:
     """Check the run's inputs, write run.json and commit the base model under `runs/<run_id>/base`."""
     exists = storage.exists(run_json(storage, run_id))
-    if exists and fork_of(storage, run_id) is not None:  # a fork's base is its parent's, by reference (grpo.fork)
+    if (
+        exists and fork_of(storage, run_id) is not None
+    ):  # a fork's base is its parent's, by reference (grpo.record.fork)
         write_run_json(storage, run_id, cfg)  # only checks the config, or takes a change of tracking, retention, ...
         return committed_input(storage, run_id, None, "base")
     with tempfile.TemporaryDirectory() as tmp:

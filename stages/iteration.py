@@ -8,9 +8,9 @@ import gc
 from contextlib import contextmanager
 from typing import Iterator
 
-from grpo.layout import STAGES
+from grpo.record.layout import STAGES
+from grpo.record.storage import Committed, Storage
 from grpo.scoring.pool import WARM_POOLS
-from grpo.storage import Committed, Storage
 from grpo.tracking import track
 from stages import stage_function
 from stages.common import load_run
@@ -53,7 +53,7 @@ def warm_state() -> Iterator[WarmState]:
     - gc.freeze of what the first iteration loaded (WarmState.loaded), undone on exit.
     The learner and the engine outlive the block (a later block in the process takes them up again if
     its run continues theirs). Process-wide caches that need no owner, read-only and bounded: tokenizer
-    and config per checkpoint files (grpo.checkpoint), file-hash stamps (grpo.storage), datasets
+    and config per checkpoint files (grpo.record.checkpoint), file-hash stamps (grpo.record.storage), datasets
     (grpo.data), config type hints (grpo.config); the first two locked, as the flow's learn may run in a
     thread beside the sampling stages (flows/placement.py overlapping).
     """

@@ -5,7 +5,7 @@ GPU of the sampler where they share it (vLLM sleeps, or closes: rollout.keep_eng
 rollout.device are apart: grpo/devices.py), runs the update and commits
 policy/ (or adapter/), the metrics of every step and the old (and reference) log-probs, so an audit can
 recompute every loss; the resume state (optimizer.pt, rng.pt, master.safetensors for a narrower-than-float32
-base) follows in a commit of its own, off the critical path (stages/state.py). When the next iteration runs
+base) follows in a commit of its own, off the critical path (grpo/record/resume.py). When the next iteration runs
 in the same process (flow `grpo` with `iterations` > 1) it takes the model, optimizer and reference from
 memory (`WARM`) instead, with the same result. The KL
 reference is the base model or, with learn.ref_update_every, an earlier iteration's committed snapshot
@@ -20,16 +20,21 @@ or on learn.nodes machines that meet through storage (grpo/learner/nodes.py; thi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from grpo import devices
-from grpo.checkpoint import (
+from grpo.config import RunConfig
+from grpo.learner import Batch, Learner, launch, nodes
+from grpo.learner.rank import new_learner, train_and_save
+from grpo.learner.warm import WARM
+from grpo.record import resume as state
+from grpo.record.checkpoint import (
     ADAPTER_PREFIX,
     CHECKPOINT_PREFIX,
     adapter_checkpoint,
@@ -41,60 +46,17 @@ from grpo.checkpoint import (
     tokenizer_and_config,
     upload_folder,
 )
-from grpo.config import RunConfig
-from grpo.identity import config_hash, section, stage_identity
-from grpo.learner import Batch, Learner, launch, nodes
-from grpo.learner.rank import new_learner, train_and_save
-from grpo.lineage import check_chain, check_policy, committed_input, frozen_version, reference_iteration
+from grpo.record.commit import StageWriter
+from grpo.record.counts import is_local
+from grpo.record.digests import sha256_local
+from grpo.record.identity import config_hash, section, stage_identity
+from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version, reference_iteration
+from grpo.record.storage import Committed, Storage
 from grpo.sampling.engines import release_accelerator
-from grpo.storage import Committed, StageWriter, Storage, is_local
-from grpo.transfer import sha256_local
-from stages import state
 from stages.common import StageError, load_run, measured, run_stage
 from stages.learn_data import load_batch
 
 log = logging.getLogger("grpo.stages")
-
-
-class WarmLearners:
-    """At most one Learner kept after a committed `learn`, keyed by that commit's URI.
-
-    The next iteration's learn takes it when its `previous` input is that commit, with the same
-    learn config; anything else (a forced rerun, another run, a failed step that left the model
-    half-updated) builds a fresh Learner from the committed files. The reference is not part of the
-    key: a learner taken loads the iteration's reference when it holds another (Learner.use_reference;
-    learn.ref_update_every moves it).
-    On a GPU the kept learner waits in CPU memory, leaving the GPU to the sampler, unless the sampler has a
-    device of its own (grpo.devices.apart): then it stays on its device.
-    Change the key only with tests test_warm_iterations_commit_what_cold_ones_do and
-    test_optimizer_state_carries_to_next_iteration in view.
-    """
-
-    def __init__(self):
-        self._key: tuple | None = None
-        self._learner: Learner | None = None
-
-    @staticmethod
-    def key(cfg: RunConfig, learn_uri: str) -> tuple:
-        return learn_uri, json.dumps(cfg.to_dict()["learn"], sort_keys=True)
-
-    def keep(self, key: tuple, learner: Learner, offload: bool = True) -> None:
-        if offload:
-            learner.to("cpu")
-        self._key, self._learner = key, learner
-
-    def take(self, key: tuple) -> Learner | None:
-        learner = self._learner if key == self._key else None
-        self._key = self._learner = None  # taken or stale: either way not reusable again
-        if learner is not None:
-            learner.to(learner.device)
-        return learner
-
-
-WARM = WarmLearners()
-
-
-# ---------------------------------------------------------------- stage
 
 
 def reference_source(storage: Storage, run_id: str, iteration: int, every: int | None) -> Committed:
@@ -127,7 +89,7 @@ def learn_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int) 
 
 def stage_config(cfg: RunConfig) -> dict:
     """What the stage's identity covers: the seed and the learn section, less where its processes run
-    (grpo.identity.LEARN_PLACEMENT: one node or several train the same update) and settings added later at
+    (grpo.record.identity.LEARN_PLACEMENT: one node or several train the same update) and settings added later at
     their defaults."""
     return {"seed": cfg.seed, "learn": section(cfg, "learn")}
 
@@ -158,7 +120,7 @@ def checkpoint_folders(
 
 
 def previous_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: str) -> str:
-    """A local folder holding the resume state learn `learned` left: committed (stages.state), or, where its
+    """A local folder holding the resume state learn `learned` left: committed (grpo.record.resume), or, where its
     commit never came (a writer killed between the two commits, learn.state_every), replayed."""
     k, run_id = learned.manifest.iteration, learned.manifest.run_id
     return state.read(storage, run_id, learned, f"{tmp}/state-{k}") or replayed_state(storage, cfg, learned, tmp)
@@ -167,7 +129,7 @@ def previous_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: st
 def replayed_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: str) -> str:
     """Learn `learned`'s state made again: its update run once more from its committed inputs and the state
     before it (itself replayed where missing), each file of the policy it writes checked against the committed
-    one, and committed (stages.state); the local folder holding it."""
+    one, and committed (grpo.record.resume); the local folder holding it."""
     k, run_id = learned.manifest.iteration, learned.manifest.run_id
     log.info("learn iteration %s: its resume state is not committed; replaying its update to make it", k)
     inputs = learn_inputs(storage, cfg, run_id, k)
@@ -175,7 +137,8 @@ def replayed_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: st
     os.makedirs(work)
     folders = checkpoint_folders(storage, cfg, inputs, work, state=True)
     out_dir, held = f"{work}/out", f"{work}/held"
-    update(cfg, run_id, k, read_batch(storage, cfg, inputs), folders, out_dir, held, work)
+    u = Update(cfg, run_id, k, read_batch(storage, cfg, inputs), folders, out_dir, held, work)
+    LAUNCHERS[launcher(cfg, k, replay=True)](u)
     committed = {f.path: f.sha256 for f in learned.manifest.files}
     for f in sorted(p for p in Path(out_dir).rglob("*") if p.is_file() and p.suffix != ".parquet"):
         name = f.relative_to(out_dir).as_posix()
@@ -189,27 +152,64 @@ def replayed_state(storage: Storage, cfg: RunConfig, learned: Committed, tmp: st
     return state.read(storage, run_id, learned, f"{tmp}/state-{k}")
 
 
-def update(
-    cfg: RunConfig,
-    run_id: str,
-    iteration: int,
-    batch: Batch,
-    folders: dict,
-    out_dir: str,
-    held: str,
-    tmp: str,
-    shards: state.Shards | None = None,
-) -> dict:
-    """One learn's update by a learner built from `folders`, in this process or under torchrun on this machine:
-    policy and tables into `out_dir`, the resume state into `held`. Returns its summary. With `shards` (fsdp2
-    under torchrun) it returns once the policy is written, the ranks writing their shards into that attempt."""
+@dataclass
+class Update:
+    """One learn's update as its launcher runs it: a learner built from `folders` (or `learner`, kept warm in this
+    process) trains on `batch`, writing policy and tables into `out_dir` and the resume state into `held`."""
+
+    cfg: RunConfig
+    run_id: str
+    iteration: int
+    batch: Batch
+    folders: dict
+    out_dir: str
+    held: str | None
+    tmp: str
+    learner: Learner | None = None  # in this process: the learner that trained (kept for the next iteration)
+    writer: StageWriter | None = None  # learn.nodes > 1: the attempt the nodes meet in
+    shards: state.Shards | None = None  # fsdp2 under torchrun: the state attempt its ranks write their shards into
+
+    def args(self, **kw) -> dict:
+        return launch.learner_args(self.cfg, self.run_id, self.iteration, self.batch, self.folders, self.out_dir,
+                                   self.tmp, **kw)  # fmt: skip
+
+
+def in_process(u: Update) -> dict:
+    u.learner = u.learner or new_learner(u.cfg, u.iteration, **u.folders)
+    u.learner.use_reference(u.folders["ref_dir"])  # a warm learner's may be another (ref_update_every)
+    return train_and_save(u.learner, u.run_id, u.iteration, u.batch, u.out_dir, u.held)
+
+
+def on_nodes(u: Update) -> dict:  # every node writes its shards of the state into the learn's attempt (nodes.lead)
+    return nodes.lead(u.writer, u.args(), u.cfg.learn, u.run_id, u.iteration)
+
+
+def under_torchrun(u: Update) -> dict:
+    return launch.run_distributed(u.args(state_out=u.held), u.cfg.learn.num_processes)
+
+
+def under_torchrun_with_shards(u: Update) -> dict:
+    """Returns once the policy is written, the ranks going on with their shards into u.shards' attempt."""
+    args = u.args(state_out=u.held)
+    ranks = launch.Torchrun({**args, "shards": u.shards.target(), "ready": u.shards.ready}, u.cfg.learn.num_processes)
+    u.shards.hand_in(ranks)
+    ranks.until_ready()
+    return ranks.summary()
+
+
+LAUNCHERS = {"process": in_process, "nodes": on_nodes, "torchrun": under_torchrun, "shards": under_torchrun_with_shards}
+"""How a learn's update runs, by `launcher`: in this process, on learn.nodes machines, under torchrun on this one,
+or under torchrun with its fsdp2 shards written after the policy (grpo.record.resume.Shards)."""
+
+
+def launcher(cfg: RunConfig, iteration: int, replay: bool = False) -> str:
+    """The LAUNCHERS key of learn `iteration`; a replay (of a state its commit lacks) runs on this machine alone and
+    writes its state whole."""
+    if cfg.learn.nodes > 1 and not replay:
+        return "nodes"
     if cfg.learn.num_processes == 1:
-        learner = new_learner(cfg, iteration, **folders)
-        return train_and_save(learner, run_id, iteration, batch, out_dir, held)
-    args = launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp, state_out=held)
-    if shards is not None:
-        return shards.start(args, cfg.learn.num_processes)
-    return launch.run_distributed(args, cfg.learn.num_processes)
+        return "process"
+    return "shards" if state.shards_later(cfg, iteration) and not replay else "torchrun"
 
 
 def start_policy(storage: Storage, inputs: dict[str, Committed]) -> tuple[str, str | None]:
@@ -230,10 +230,10 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     if node_rank:
         return join_learn(storage, cfg, run_id, iteration, node_rank, force)
     inputs = learn_inputs(storage, cfg, run_id, iteration)
-    in_process = cfg.learn.num_processes == 1
+    how = launcher(cfg, iteration)
     shared = not devices.apart(cfg)  # the learner runs on the sampler's device: they take turns on it
     learner: Learner | None = None
-    held: str | None = None  # the resume state, committed apart after the policy (stages.state)
+    held: str | None = None  # the resume state, committed apart after the policy (grpo.record.resume)
     made: str | None = None  # on object storage: the folder the policy was written to, kept in this machine's cache
     shards: state.Shards | None = None  # fsdp2 ranks writing their shards while the policy commits
 
@@ -243,26 +243,20 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         batch = read_batch(storage, cfg, inputs)
         if shared:  # the sampler sleeps (or closes) while the learner runs on its device
             release_accelerator(cfg.rollout.keep_engine)
-        if "previous" in inputs and in_process:  # the model and optimizer the previous iteration left in memory
+        if "previous" in inputs and how == "process":  # the model and optimizer the previous iteration left in memory
             learner = WARM.take(WARM.key(cfg, inputs["previous"].uri))
         warm = learner is not None
         with tempfile.TemporaryDirectory() as tmp:
             folders = checkpoint_folders(storage, cfg, inputs, tmp, state=not warm)
             local = is_local(storage.fs)  # local storage: write into the attempt itself, no copy of the model
             out_dir = writer.attempt_dir if local else (made := staging_folder())
-            if cfg.learn.nodes == 1:  # several nodes write their shards of it into the attempt (nodes.lead)
-                held = staging_folder()  # on the cache's disk: stages.state keeps it there
-            if in_process:
-                learner = learner or new_learner(cfg, iteration, **folders)
-                learner.use_reference(folders["ref_dir"])  # a warm learner's may be another (ref_update_every)
-                summary = train_and_save(learner, run_id, iteration, batch, out_dir, held)
-            elif held is None:
-                args = launch.learner_args(cfg, run_id, iteration, batch, folders, out_dir, tmp)
-                summary = nodes.lead(writer, args, cfg.learn, run_id, iteration)
-            else:
-                if state.shards_later(cfg, iteration):
-                    shards = state.Shards(storage, stage_config(cfg), run_id, iteration, held)
-                summary = update(cfg, run_id, iteration, batch, folders, out_dir, held, tmp, shards)
+            if how != "nodes":  # several nodes write their shards of it into the learn's attempt
+                held = staging_folder()  # on the cache's disk: grpo.record.resume keeps it there
+            if how == "shards":
+                shards = state.Shards(storage, stage_config(cfg), run_id, iteration, held)
+            u = Update(cfg, run_id, iteration, batch, folders, out_dir, held, tmp, learner, writer, shards)
+            summary = LAUNCHERS[how](u)
+            learner = u.learner
             if cfg.learn.lora is None:
                 carry_checkpoint_files(folders["policy_dir"], f"{out_dir}/policy")
             if not local:  # policy/ or adapter/, metrics, logprobs (and, several nodes, the state)
@@ -271,7 +265,7 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
 
     config = stage_config(cfg)
     try:  # this thread's CUDA device the learner's (a sampler may hold another in this process)
-        with devices.current(devices.learner_device(cfg.learn) if in_process else None):
+        with devices.current(devices.learner_device(cfg.learn) if how == "process" else None):
             out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
     except BaseException:
         if shards is not None:

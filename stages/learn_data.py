@@ -8,7 +8,7 @@ import torch
 
 from grpo.errors import StageError
 from grpo.learner import Batch
-from grpo.storage import Committed, Storage
+from grpo.record.storage import Committed, Storage
 from schemas import read_parquet, table_file
 
 KEYS = ["prompt_id", "sample_index"]

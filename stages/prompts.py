@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from tokenizers import models as tokenizer_models
 
 from grpo import data
-from grpo.checkpoint import policy_folders, tokenizer_and_config
 from grpo.config import RunConfig
 from grpo.devices import sampler_device
-from grpo.layout import Salt, iteration_seed
+from grpo.record.checkpoint import policy_folders, tokenizer_and_config
+from grpo.record.layout import Salt, iteration_seed
+from grpo.record.storage import Committed
 from grpo.sampling.base import Generator, stop_token_ids
 from grpo.sampling.engines import choose_backend, engine_settings, get_generator
-from grpo.storage import Committed
 from grpo.tasks import Example, get_task
 from stages.common import StageError
 

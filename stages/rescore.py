@@ -1,7 +1,7 @@
 """Rescore: the committed rollouts of a run's iterations scored again with a changed reward, in a fork, without
 sampling. `grpo rescore` goes through here.
 
-The fork (grpo.fork) is made at the iteration after the last one rescored, so every stage up to it is the
+The fork (grpo.record.fork) is made at the iteration after the last one rescored, so every stage up to it is the
 parent's by reference; then the rewards and advantages of the rescored iterations run with the fork's config and
 supersede the referenced ones (its learns of those iterations, trained on the old rewards, then show as stale:
 `grpo run` on the fork would retrain from the first rescored iteration). What changed is the `rescore` view
@@ -13,12 +13,12 @@ from __future__ import annotations
 import pandas as pd
 
 from grpo.config import ConfigError
-from grpo.fork import fork_config, fork_run
-from grpo.identity import config_hash
-from grpo.lineage import next_iteration
 from grpo.query import query
+from grpo.record.fork import fork_config, fork_run
+from grpo.record.identity import config_hash
+from grpo.record.lineage import next_iteration
+from grpo.record.storage import Storage
 from grpo.scoring.pool import WARM_POOLS
-from grpo.storage import Storage
 from stages import advantages as advantages_stage
 from stages import rewards as rewards_stage
 from stages.common import StageError

@@ -28,12 +28,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from grpo.config import RunConfig
-from grpo.identity import section
-from grpo.lineage import check_chain, committed_input
 from grpo.progress import progress
+from grpo.record.identity import section
+from grpo.record.lineage import check_chain, committed_input
+from grpo.record.storage import Committed, Storage
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import allowed_errors, batch_items, score_samples, scorer_key
-from grpo.storage import Committed, Storage
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, table_file
 from stages.common import StageError, load_run, measured
@@ -128,7 +128,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
 
 def stage_config(cfg: RunConfig) -> dict:
     """What the stage's identity covers: the task and the reward section, less reward.shards (1 and N shards
-    score the same rows) and settings added later at their defaults (grpo.identity)."""
+    score the same rows) and settings added later at their defaults (grpo.record.identity)."""
     return {"task": section(cfg, "task"), "reward": section(cfg, "reward")}
 
 

@@ -14,17 +14,18 @@ import dataclasses
 import time
 
 from grpo import data
-from grpo.checkpoint import content_hash, non_finite_weights
 from grpo.config import RolloutConfig, RunConfig
 from grpo.devices import current, sampler_device
-from grpo.identity import section
-from grpo.layout import Salt, iteration_seed, round_seed
-from grpo.lineage import check_chain, check_policy, committed_input, frozen_version
 from grpo.progress import Progress
+from grpo.record.checkpoint import content_hash, non_finite_weights
+from grpo.record.commit import StageWriter
+from grpo.record.identity import section
+from grpo.record.layout import Salt, iteration_seed, round_seed
+from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version
+from grpo.record.storage import Committed, Storage
 from grpo.sampling.base import Sample, SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
-from grpo.storage import Committed, StageWriter, Storage
 from schemas import ParquetWriter, table_file
 from stages import rewards
 from stages.common import StageError, load_run, measured
@@ -42,7 +43,8 @@ from stages.shards import ranges, run_sharded
 
 def policy_stamp(storage: Storage, snap: Committed) -> dict:
     """What every row (and the summary) records of the policy that sampled it: policy_version, the learn iteration
-    that committed it (-1: the base, grpo.lineage.policy_version), and policy_hash, its checkpoint's content hash."""
+    that committed it (-1: the base, grpo.record.lineage.policy_version), and policy_hash, its checkpoint's content
+    hash."""
     return {"policy_version": frozen_version(storage, snap), "policy_hash": content_hash(snap)[:16]}
 
 
@@ -183,7 +185,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
 
 def stage_config(cfg: RunConfig) -> dict:
     """What the stage's identity covers: the seed, the task and the rollout section, less rollout.shards (1 and N
-    shards sample the same rows) and settings added later at their defaults (grpo.identity)."""
+    shards sample the same rows) and settings added later at their defaults (grpo.record.identity)."""
     config = {"seed": cfg.seed, "task": section(cfg, "task"), "rollout": section(cfg, "rollout")}
     if cfg.task.dataset:  # the held-out rows are never drawn
         config["held_out"] = held_out_config(cfg)

@@ -1,5 +1,5 @@
 """Sharded stages (rollout.shards, reward.shards): a stage's work split into N contiguous ranges, each
-committed on its own as stage `<stage>-shard-<k>-of-<N>` (grpo.layout.shard_stage), then the stage
+committed on its own as stage `<stage>-shard-<k>-of-<N>` (grpo.record.layout.shard_stage), then the stage
 commits the shards' rows merged, in shard order.
 
 Each shard goes through `run_stage` like any stage: its identity is the stage's config plus its range,
@@ -18,12 +18,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from grpo.layout import shard_stage
-from grpo.storage import (
-    Committed,
-    StageWriter,
-    Storage,
-)
+from grpo.record.commit import StageWriter
+from grpo.record.layout import shard_stage
+from grpo.record.storage import Committed, Storage
 from schemas import ParquetWriter, iter_row_groups, table_file
 from stages.common import StageError, run_stage
 

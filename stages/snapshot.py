@@ -1,7 +1,7 @@
 """Stage 1: freeze the policy that iteration k samples from.
 
 Iteration k samples the learner output of k - 1 - S (rollout.staleness S, 0 by default: k - 1), the base model
-while that is negative (grpo.lineage.policy_version); the manifest records which (`policy_version`), and lineage
+while that is negative (grpo.record.lineage.policy_version); the manifest records which (`policy_version`), and lineage
 refuses a snapshot of any other. Both are committed and immutable already, so the snapshot references
 their files (name, size, sha256, URI) instead of copying weights. A LoRA learn
 commits only its adapters: the snapshot then references the base's policy/ and
@@ -10,9 +10,9 @@ that learn's adapter/.
 
 from __future__ import annotations
 
-from grpo.checkpoint import ADAPTER_PREFIX, CHECKPOINT_PREFIX, checkpoint_files
-from grpo.lineage import check_chain, check_policy, committed_input, policy_version, version_of
-from grpo.storage import Committed, Storage
+from grpo.record.checkpoint import ADAPTER_PREFIX, CHECKPOINT_PREFIX, checkpoint_files
+from grpo.record.lineage import check_chain, check_policy, committed_input, policy_version, version_of
+from grpo.record.storage import Committed, Storage
 from schemas import FileEntry
 from stages.common import load_run, measured, run_stage
 

@@ -89,9 +89,9 @@ def prefect_api():
 
 @pytest.fixture(autouse=True)
 def state_commits_end_with_their_test():
-    """A learn's background state commit (stages/state.py) ends inside the test that started it, before that
+    """A learn's background state commit (grpo/record/resume.py) ends inside the test that started it, before that
     test's storage (an S3 server, a tmp folder) goes away; its failure fails the test."""
     yield
-    from stages import state
+    from grpo.record import resume as state
 
     state.wait()

@@ -26,7 +26,7 @@ def hold(folder: str, point: str) -> None:
 def install(folder: str, points: list[str]) -> None:
     """Patch this process so that it holds at each of `points`."""
     import grpo.learner.loop
-    import grpo.storage
+    import grpo.record.storage
     import schemas.parquet
 
     for point in points:
@@ -51,13 +51,13 @@ def install(folder: str, points: list[str]) -> None:
 
             schemas.parquet.ParquetWriter.write = write_rows
         elif stage == "rewards":  # the manifest, written last, is what commits an attempt
-            put = grpo.storage.Storage.write_bytes_atomic
+            put = grpo.record.storage.Storage.write_bytes_atomic
 
             def write_bytes_atomic(self, path, data, _put=put, _dir=f"/iter-{int(k):04d}/rewards/", _point=point):
-                if _dir in path and path.endswith(f"/{grpo.storage.MANIFEST_NAME}"):
+                if _dir in path and path.endswith(f"/{grpo.record.storage.MANIFEST_NAME}"):
                     hold(folder, _point)
                 _put(self, path, data)
 
-            grpo.storage.Storage.write_bytes_atomic = write_bytes_atomic
+            grpo.record.storage.Storage.write_bytes_atomic = write_bytes_atomic
         else:
             raise ValueError(f"unknown kill point {point!r}")

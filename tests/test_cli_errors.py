@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from flows.cli import main
-from grpo.storage import Storage
+from grpo.record.storage import Storage
 
 
 @pytest.fixture(autouse=True)

@@ -9,10 +9,10 @@ from test_stages import TINY
 
 from grpo.config import ConfigError, load_config
 from grpo.data import draw_at
-from grpo.layout import Salt, iteration_seed, stage_dir
 from grpo.query import query
+from grpo.record.layout import Salt, iteration_seed, stage_dir
+from grpo.record.storage import committed_attempts, latest_committed, open_storage
 from grpo.scoring.pool import WARM_POOLS
-from grpo.storage import committed_attempts, latest_committed, open_storage
 from grpo.tasks import get_task
 from schemas import read_parquet, table_file
 from stages import StageError

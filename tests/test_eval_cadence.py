@@ -13,10 +13,11 @@ from test_stages import TINY
 from flows.cli import main
 from grpo import gc
 from grpo.config import load_config
-from grpo.layout import run_json, stage_dir
-from grpo.lineage import next_iteration
+from grpo.record.commit import StageWriter
+from grpo.record.layout import run_json, stage_dir
+from grpo.record.lineage import next_iteration
+from grpo.record.storage import committed_attempts, latest_committed, open_storage
 from grpo.report import best_iteration, write_report
-from grpo.storage import StageWriter, committed_attempts, latest_committed, open_storage
 from stages import stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration, run_warm
@@ -119,7 +120,7 @@ def test_export_best_latest_and_iteration_through_the_cli(run, tmp_path, capsys)
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.checkpoint import checkpoint_dtype_name, local_checkpoint
+    from grpo.record.checkpoint import checkpoint_dtype_name, local_checkpoint
 
     storage, _ = run
     url = storage.uri(storage.path())
@@ -226,9 +227,9 @@ def test_export_refuses_a_policy_gc_collected_and_best_before_any_eval(run, tmp_
 
 
 def test_eval_every_and_metric_leave_the_eval_stage_identity_alone():
-    """Existing runs keep their committed evals: eval.every and eval.metric (grpo.identity.EVAL_READING) are not part of
-    the eval stage's identity (hashes of the eval stage config before they existed)."""
-    from grpo.identity import config_hash
+    """Existing runs keep their committed evals: eval.every and eval.metric (grpo.record.identity.EVAL_READING) are not
+    part of the eval stage's identity (hashes of the eval stage config before they existed)."""
+    from grpo.record.identity import config_hash
     from stages.eval import stage_config
 
     assert config_hash(stage_config(load_config(None))) == (

@@ -17,8 +17,9 @@ import yaml
 from test_stages import TINY
 
 from grpo.config import load_config
-from grpo.layout import stage_dir
-from grpo.storage import StageWriter, open_storage
+from grpo.record.commit import StageWriter
+from grpo.record.layout import stage_dir
+from grpo.record.storage import open_storage
 from stages import stage_function
 
 FAST = TINY + ["rollout.chunk_prompts=4"]  # 16 prompts: 4 chunks, 4 progress lines

@@ -25,9 +25,9 @@ from flows.cli import main
 from flows.grpo import grpo, resolve_iteration
 from flows.tasks import transient
 from grpo.config import load_config
-from grpo.layout import stage_dir
+from grpo.record.layout import stage_dir
+from grpo.record.storage import is_committed, list_attempts, open_storage
 from grpo.scoring import score as scoring
-from grpo.storage import is_committed, list_attempts, open_storage
 from stages import STAGES, StageError
 
 pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)
@@ -170,8 +170,8 @@ def committed_outputs(url: str, run_id: str, iterations: int) -> dict:
     """Per iteration: the policy version sampled from, the rewards, the new checkpoint's hash, eval."""
     import pandas as pd
 
-    from grpo.checkpoint import content_hash
-    from grpo.storage import latest_committed
+    from grpo.record.checkpoint import content_hash
+    from grpo.record.storage import latest_committed
 
     storage, out = open_storage(url), {}
     for k in range(iterations):
@@ -263,8 +263,8 @@ def test_sharded_stages_run_as_task_runs_per_shard_and_commit_the_rows_of_one(pr
     import pandas as pd
     from prefect.client.orchestration import get_client
 
-    from grpo.layout import shard_stage
-    from grpo.storage import latest_committed
+    from grpo.record.layout import shard_stage
+    from grpo.record.storage import latest_committed
     from stages.init import init_run
     from stages.iteration import run_iteration
 
@@ -318,7 +318,7 @@ def test_s3_without_credentials_fails_the_flow_run_with_the_cli_line_and_no_trac
 
 
 def test_eval_every_skips_between_due_evals_and_the_flow_calls_last_iteration_is_evaluated(prefect_api, tmp_path):
-    from grpo.storage import latest_committed
+    from grpo.record.storage import latest_committed
 
     url = (tmp_path / "store").as_uri()
     grpo(run_id="e", iterations=3, overrides=TINY + ["eval.every=2"], storage_url=url)

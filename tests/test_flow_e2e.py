@@ -18,8 +18,8 @@ import pytest
 from test_stages import TINY
 
 from flows.artifacts import artifact_key
-from grpo.layout import stage_dir
-from grpo.storage import NotCommittedError, is_committed, latest_committed, list_attempts, open_storage
+from grpo.record.layout import stage_dir
+from grpo.record.storage import NotCommittedError, is_committed, latest_committed, list_attempts, open_storage
 from stages import STAGES, StageError, stage_function
 from tools.prefect_server import flow_run_processes, prefect_server, process_worker
 

@@ -1,4 +1,4 @@
-"""Forks and rescoring (grpo.fork, stages.rescore): a fork takes its parent's history by reference (no copy) and
+"""Forks and rescoring (grpo.record.fork, stages.rescore): a fork takes its parent's history by reference (no copy) and
 reuses, by reference, every stage whose config and inputs are the parent's; a rescore scores committed rollouts
 again without sampling and says what changed; gc keeps every file a fork references until the fork is deleted."""
 
@@ -10,15 +10,15 @@ import pytest
 from test_stages import make_run
 
 from flows.cli import main
-from grpo.fork import fork_of
 from grpo.gc import best_iteration
-from grpo.identity import lineage_identity, stage_identity
-from grpo.layout import STAGES, run_dir, run_ids, stage_dir
 from grpo.query import query
-from grpo.storage import file_path, latest_committed, open_storage
+from grpo.record import resume as state
+from grpo.record.fork import fork_of
+from grpo.record.identity import lineage_identity, stage_identity
+from grpo.record.layout import STAGES, run_dir, run_ids, stage_dir
+from grpo.record.storage import file_path, latest_committed, open_storage
 from grpo.tracking import track
 from schemas.manifest import InputRef, Manifest
-from stages import state
 from stages.common import load_run
 from stages.iteration import run_warm
 

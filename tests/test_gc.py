@@ -9,18 +9,12 @@ import pytest
 
 from flows.cli import main
 from grpo.config import RetentionConfig, load_config
-from grpo.gc import held_summary, lost_attempts, plan, remove
-from grpo.layout import stage_dir
-from grpo.storage import (
-    HEARTBEAT_NAME,
-    AttemptRemovedError,
-    StageWriter,
-    is_committed,
-    is_local,
-    list_attempts,
-    open_storage,
-    read_collected,
-)
+from grpo.gc import held_summary, plan, remove
+from grpo.record.commit import StageWriter
+from grpo.record.counts import is_local
+from grpo.record.layout import stage_dir
+from grpo.record.liveness import HEARTBEAT_NAME, lost_attempts
+from grpo.record.storage import AttemptRemovedError, is_committed, list_attempts, open_storage, read_collected
 from stages.common import run_stage
 from stages.init import write_run_json
 

@@ -1,13 +1,13 @@
-"""The identity policy (grpo/identity.py): every config field is decided once, as covered by identities, added
+"""The identity policy (grpo/record/identity.py): every config field is decided once, as covered by identities, added
 later (left out at its defaults) or left out; a field added without a decision fails here and in every stage."""
 
 import dataclasses
 
 import pytest
 
-from grpo import identity
 from grpo.config import LearnConfig, RunConfig, load_config
-from grpo.identity import UndecidedSetting, section, undecided
+from grpo.record import identity
+from grpo.record.identity import UndecidedSetting, section, undecided
 
 
 def test_every_field_of_every_section_is_decided_once():

@@ -12,18 +12,22 @@ from pathlib import Path
 import pytest
 from test_stages import TINY, learned_path
 
-import grpo.storage
+import grpo.record.digests
+import grpo.record.storage
 import stages.learn
 from flows.cli import main
-from grpo.checkpoint import local_checkpoint
 from grpo.config import load_config
-from grpo.layout import STAGES, STATE_PREFIXES, STATE_STAGE, stage_dir
 from grpo.query import query
+from grpo.record import resume as state
+from grpo.record.checkpoint import local_checkpoint
+from grpo.record.commit import StageWriter
+from grpo.record.counts import counting_io
+from grpo.record.digests import rehashing
+from grpo.record.layout import STAGES, STATE_PREFIXES, STATE_STAGE, stage_dir
+from grpo.record.storage import committed_attempts, latest_committed, load_manifest, open_storage
 from grpo.report import write_report
-from grpo.storage import StageWriter, committed_attempts, latest_committed, load_manifest, open_storage, rehashing
-from grpo.transfer import counting_io
 from schemas import MANIFEST_NAME
-from stages import stage_function, state
+from stages import stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration
 
@@ -101,10 +105,10 @@ def test_a_tiny_runs_io_counts_match_the_files_it_moved(s3_env, s3_prefix, tmp_p
 def hashed_in_a_new_process(url: str, stage: str, iteration: int, env: dict) -> int:
     """Bytes a fresh process hashes to verify every file of a committed stage and get its policy folder."""
     code = f"""
-from grpo.checkpoint import local_checkpoint
-from grpo.layout import stage_dir
-from grpo.storage import latest_committed, open_storage
-from grpo.transfer import counting_io
+from grpo.record.checkpoint import local_checkpoint
+from grpo.record.layout import stage_dir
+from grpo.record.storage import latest_committed, open_storage
+from grpo.record.counts import counting_io
 storage = open_storage({url!r})
 with counting_io() as io:
     c = latest_committed(storage, stage_dir(storage, "t", {iteration!r}, {stage!r}))
@@ -132,7 +136,7 @@ def test_a_second_read_of_an_unchanged_file_hashes_nothing_in_any_process(where,
     try:
         storage = open_storage(url)
         base = init_run(storage, "t", load_config(None, TINY))
-        grpo.storage._HASHED.clear()  # as a new process: only the stamp cache knows what was hashed
+        grpo.record.digests._HASHED.clear()  # as a new process: only the stamp cache knows what was hashed
         with counting_io() as io:
             latest_committed(storage, stage_dir(storage, "t", None, "base"))
             local_checkpoint(base)
@@ -205,8 +209,8 @@ def test_status_verify_hashes_again_what_this_machine_hashed_before(tmp_path, mo
     storage.fs.pipe_file(w.path("x.bin"), b"abc" * 1000)
     c = w.commit()
     hashed = []
-    real = grpo.storage.sha256_file
-    monkeypatch.setattr(grpo.storage, "sha256_file", lambda fs, p: hashed.append(p) or real(fs, p))
+    real = grpo.record.digests.sha256_file
+    monkeypatch.setattr(grpo.record.digests, "sha256_file", lambda fs, p: hashed.append(p) or real(fs, p))
     load_manifest(storage, c.attempt_dir, verify=True)
     assert hashed == []  # hashed as it was written
     with rehashing():
@@ -227,7 +231,7 @@ def test_a_lora_run_hashes_the_base_once_per_machine(s3_env, s3_prefix, tmp_path
     assert base.manifest.io["hash_bytes"] >= weights
     for k in range(2):
         for name in STAGES:
-            grpo.storage._HASHED.clear()
+            grpo.record.digests._HASHED.clear()
             stages.learn.WARM.take(None)
             c = stage_function(name)(storage, "t", k)
             assert c.manifest.io["hash_bytes"] < weights, (k, name, c.manifest.io)
@@ -251,7 +255,7 @@ def test_a_manifest_of_version_1_reads_with_no_io_record(tmp_path):
     assert old.io is None and old.manifest_version == 1 and old.files == c.manifest.files
     raw["manifest_version"] = 3
     storage.fs.pipe_file(path, json.dumps(raw).encode())
-    with pytest.raises(grpo.storage.CorruptArtifactError, match="manifest_version 3"):
+    with pytest.raises(grpo.record.storage.CorruptArtifactError, match="manifest_version 3"):
         load_manifest(storage, c.attempt_dir)
 
 

@@ -23,7 +23,7 @@ from prefect_kubernetes.worker import KubernetesWorker  # noqa: E402
 
 from flows.cli import main  # noqa: E402
 from flows.kubernetes import DEPLOY, deployments, render_job  # noqa: E402
-from grpo.layout import STAGES  # noqa: E402
+from grpo.record.layout import STAGES  # noqa: E402
 
 TEMPLATE = json.loads((DEPLOY / "base-job-template.json").read_text())
 DEPLOYMENTS = deployments(DEPLOY / "prefect.yaml")

@@ -10,10 +10,11 @@ from safetensors.torch import load_file
 
 from grpo import core
 from grpo.config import load_config
-from grpo.layout import stage_dir
 from grpo.learner import Batch, PolicyLM, Scores, forward_logprobs
 from grpo.learner.loop import group_tokens, minibatch_step, split_microbatches
-from grpo.storage import StageWriter, latest_committed, open_storage
+from grpo.record.commit import StageWriter
+from grpo.record.layout import stage_dir
+from grpo.record.storage import latest_committed, open_storage
 from schemas import read_parquet, write_parquet
 from stages import StageError, stage_function
 from stages.init import build_tiny_base, init_run
@@ -415,21 +416,21 @@ def test_each_loss_variant_trains(storage, extra):
 
 @pytest.mark.precision_pinned
 def test_learn_doctests():
-    """The reference's iteration (grpo.lineage) and the learner's precision, by their doctests."""
+    """The reference's iteration (grpo.record.lineage) and the learner's precision, by their doctests."""
     import doctest
 
     import grpo.learner.precision
-    import grpo.lineage
+    import grpo.record.lineage
 
-    results = [doctest.testmod(m) for m in (grpo.lineage, grpo.learner.precision)]
+    results = [doctest.testmod(m) for m in (grpo.record.lineage, grpo.learner.precision)]
     assert sum(r.attempted for r in results) >= 2 and not any(r.failed for r in results)
 
 
 @pytest.mark.precision_pinned
 def test_settings_added_later_leave_existing_stage_identities_alone():
-    """At their defaults the settings added after runs were made (grpo.identity.ADDED_SETTINGS) are not part of any
-    stage's identity: a run made before them keeps its committed stages (hash of the defaults before them)."""
-    from grpo.identity import config_hash
+    """At their defaults the settings added after runs were made (grpo.record.identity.ADDED_SETTINGS) are not part of
+    any stage's identity: a run made before them keeps its committed stages (hash of the defaults before them)."""
+    from grpo.record.identity import config_hash
     from stages import advantages, learn, rewards, rollouts
 
     cfg = load_config(None)

@@ -18,9 +18,9 @@ from test_stages import learned_files, learned_path, make_run, rewards_of_a_shor
 
 from flows.cli import main
 from grpo.config import load_config
-from grpo.layout import stage_dir
+from grpo.record.layout import stage_dir
+from grpo.record.storage import latest_committed, open_storage
 from grpo.sampling.engines import close_generators
-from grpo.storage import latest_committed, open_storage
 from stages import learn as learn_stage
 from stages.init import init_run
 from stages.iteration import run_iteration
@@ -89,7 +89,7 @@ def test_export_merges_the_adapters_into_a_self_contained_hf_folder(storage, tmp
     assert not any("lora" in k for k in merged.state_dict())
     from peft import PeftModel
 
-    from grpo.checkpoint import policy_folders
+    from grpo.record.checkpoint import policy_folders
 
     base = latest_committed(storage, stage_dir(storage, "lora", None, "base"))
     _, model_dir, adapter_dir = policy_folders(learn_of(storage, "lora", 0), base)

@@ -24,9 +24,9 @@ import stages.rewards
 from flows.cli import main
 from grpo import data
 from grpo.config import ConfigError, load_config
-from grpo.layout import run_dir, shard_stage, stage_dir
-from grpo.lineage import next_iteration
-from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage, read_collected
+from grpo.record.layout import run_dir, shard_stage, stage_dir
+from grpo.record.lineage import next_iteration
+from grpo.record.storage import committed_attempts, latest_committed, list_attempts, open_storage, read_collected
 from stages import StageError, stage_function
 from stages.common import check_datasets
 from stages.init import init_run

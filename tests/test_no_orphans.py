@@ -14,8 +14,8 @@ import pytest
 from test_stages import TINY, make_run
 
 from grpo.config import load_config
-from grpo.procs import descendants
-from grpo.storage import open_storage
+from grpo.record.storage import open_storage
+from grpo.runtime.procs import descendants
 from stages import StageError, stage_function
 from stages.init import init_run
 
@@ -105,7 +105,7 @@ def test_learner_processes_die_with_the_stage_or_torchrun_killed_by_sigkill(stor
         tmp_path, "    import grpo.learner.loop\n    grpo.learner.loop.train = lambda *a, **k: time.sleep(300)\n"
     )
     script = (
-        "from grpo.storage import open_storage\nfrom stages import stage_function\n"
+        "from grpo.record.storage import open_storage\nfrom stages import stage_function\n"
         f"stage_function('learn')(open_storage({storage.url!r}), 'p', 0)\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{hook}:{ROOT}"}

@@ -20,9 +20,10 @@ import torch
 from safetensors.torch import load_file
 from test_stages import learned_files, make_run
 
-from grpo.layout import stage_dir
 from grpo.learner.nodes import beat_path
-from grpo.storage import HEARTBEAT_NAME, committed_attempts, list_attempts, open_storage
+from grpo.record.layout import stage_dir
+from grpo.record.liveness import HEARTBEAT_NAME
+from grpo.record.storage import committed_attempts, list_attempts, open_storage
 from stages import StageError, stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration
@@ -100,7 +101,7 @@ def test_two_nodes_of_one_process_train_the_update_of_one_node_of_two(storage, s
     if sharding == "fsdp2":  # node 1's rank wrote its shard on its machine and uploaded it
         assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= files
         shards = {f.path: f.sha256 for f in two.manifest.files if f.path.startswith("dcp/__")}
-        held = learned_files(one)  # one node: the state in its own commit after the learn's (stages/state.py)
+        held = learned_files(one)  # one node: the state in its own commit after the learn's (grpo/record/resume.py)
         assert shards == {p: c.manifest.file(p).sha256 for p, c in held.items() if p.startswith("dcp/__")}
 
 

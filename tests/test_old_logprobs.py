@@ -14,7 +14,7 @@ import grpo.learner.loop
 import grpo.learner.pi_old
 import grpo.learner.state
 from grpo.config import ConfigError, load_config
-from grpo.storage import open_storage
+from grpo.record.storage import open_storage
 from stages import stage_function
 
 pytestmark = [pytest.mark.equivalence, pytest.mark.precision_pinned]  # the bf16 lane leaves it out (conftest.py)

@@ -12,9 +12,9 @@ from test_stage_workers_e2e import run_beside_workers
 from test_stages import TINY
 
 from flows.cli import main
-from grpo.layout import run_dir, stage_dir
+from grpo.record.layout import run_dir, stage_dir
+from grpo.record.storage import latest_committed, open_storage
 from grpo.report import overlaps, stage_times
-from grpo.storage import latest_committed, open_storage
 from stages.common import load_run
 from stages.init import init_run
 from stages.iteration import run_iteration

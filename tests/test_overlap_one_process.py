@@ -24,11 +24,11 @@ from flows.grpo import grpo
 from flows.placement import overlapping
 from grpo import devices
 from grpo.config import ConfigError, load_config
-from grpo.layout import STAGES, STATE_STAGE, stage_dir
 from grpo.learner import loop
+from grpo.record.layout import STAGES, STATE_STAGE, stage_dir
+from grpo.record.storage import committed_attempts, latest_committed, open_storage
 from grpo.report import overlaps, stage_times
 from grpo.sampling import engines
-from grpo.storage import committed_attempts, latest_committed, open_storage
 from stages import StageError, learn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.equivalence, pytest.mark.precision_pinned]

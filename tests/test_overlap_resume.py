@@ -26,11 +26,11 @@ import torch
 from test_staleness import RUN
 
 from grpo.config import load_config
-from grpo.layout import STAGES, stage_dir
-from grpo.lineage import next_iteration
-from grpo.procs import stop_group
+from grpo.record.layout import STAGES, stage_dir
+from grpo.record.lineage import next_iteration
+from grpo.record.storage import committed_attempts, latest_committed, list_attempts, open_storage
+from grpo.runtime.procs import stop_group
 from grpo.sampling.engines import close_generators
-from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
 from stages import learn
 from stages.init import init_run
 from stages.iteration import run_warm

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from test_stages import TINY
 
-from grpo.layout import stage_dir
-from grpo.storage import latest_committed, open_storage
+from grpo.record.layout import stage_dir
+from grpo.record.storage import latest_committed, open_storage
 from stages.init import init_run
 from stages.iteration import run_iteration
 from tools.prefect_server import prefect_server, process_worker

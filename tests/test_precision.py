@@ -13,8 +13,8 @@ from test_stages import learned_files, learned_path
 
 from grpo.config import ConfigError, load_config
 from grpo.learner import MASTER_WEIGHTS
+from grpo.record.storage import open_storage
 from grpo.sampling import engines
-from grpo.storage import open_storage
 from grpo.tiny_model import build_for_task
 from stages import stage_function
 from stages.init import init_run
@@ -262,7 +262,7 @@ def test_a_run_made_before_auto_old_logprobs_goes_on_recomputing(storage):
     the one its committed stages have."""
     import json
 
-    from grpo.layout import run_json
+    from grpo.record.layout import run_json
     from stages import learn
     from stages.common import load_run
 

@@ -10,8 +10,8 @@ import pytest
 from test_stages import make_run
 
 from grpo import progress
+from grpo.record.storage import open_storage
 from grpo.sampling import engines
-from grpo.storage import open_storage
 from stages import stage_function
 
 VLLM = pytest.param(

@@ -5,9 +5,10 @@ import pytest
 from test_stages import make_run
 
 from flows.cli import main
-from grpo.layout import stage_dir
 from grpo.query import committed_files, connect, query
-from grpo.storage import CorruptArtifactError, StageWriter, latest_committed, list_attempts, open_storage
+from grpo.record.commit import StageWriter
+from grpo.record.layout import stage_dir
+from grpo.record.storage import CorruptArtifactError, latest_committed, list_attempts, open_storage
 from schemas import read_parquet, write_parquet
 from stages import STAGES, StageError, stage_function
 

@@ -18,10 +18,10 @@ import pytest
 
 from flows.cli import main
 from grpo.config import ConfigError, load_config
+from grpo.record.storage import open_storage
 from grpo.sampling.base import SamplingSpec
 from grpo.sampling.engines import close_generators, get_generator
 from grpo.sampling.hf import HFGenerator
-from grpo.storage import open_storage
 from grpo.tiny_model import build_chat_model
 from stages.init import init_run
 from stages.iteration import run_iteration
@@ -404,7 +404,7 @@ def test_an_edited_download_cache_is_fetched_again(world, s3_storage):
     """A checkpoint cached from S3 is checked against its manifest before each use in a process."""
     import time
 
-    from grpo.checkpoint import local_checkpoint
+    from grpo.record.checkpoint import local_checkpoint
 
     base = init_run(s3_storage, "c", load_config(None, chat_config(world)))
     folder = Path(local_checkpoint(base))

@@ -17,6 +17,7 @@ import torch
 
 from flows.cli import main
 from grpo.config import load_config
+from grpo.record.storage import open_storage
 from grpo.report import (
     Best,
     best_iteration,
@@ -28,7 +29,6 @@ from grpo.report import (
     write_report,
 )
 from grpo.sampling import engines
-from grpo.storage import open_storage
 from grpo.tracking import event_dir
 from stages.init import init_run
 from stages.iteration import run_warm
@@ -290,7 +290,7 @@ def test_kl_off_leaves_its_plot_out_and_no_best_is_claimed_while_every_eval_is_0
 def test_best_iteration_says_when_every_eval_scored_0_and_export_best_refuses_then(tmp_path, capsys):
     from test_eval_cadence import commit_eval
 
-    from grpo.layout import run_json
+    from grpo.record.layout import run_json
 
     storage = open_storage((tmp_path / "store").as_uri())
     storage.fs.makedirs(str(tmp_path / "store" / "runs" / "m"), exist_ok=True)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from grpo.config import load_config
-from grpo.layout import STAGES, stage_dir
 from grpo.query import query
-from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
+from grpo.record.layout import STAGES, stage_dir
+from grpo.record.storage import committed_attempts, latest_committed, list_attempts, open_storage
 from stages.init import init_run
 
 pytestmark = pytest.mark.equivalence  # run again in CI's bf16 lane (.ci/run)

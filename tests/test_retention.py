@@ -11,8 +11,8 @@ import grpo.gc
 from flows.cli import main
 from grpo.config import RetentionConfig
 from grpo.gc import POLICY_PREFIXES, STATE_PREFIXES, plan
-from grpo.layout import STATE_STAGE, run_dir, stage_dir
-from grpo.storage import latest_committed, open_storage
+from grpo.record.layout import STATE_STAGE, run_dir, stage_dir
+from grpo.record.storage import latest_committed, open_storage
 from stages.iteration import run_warm
 
 RETENTION = ["retention.keep_last=1", "retention.keep_every=2"]
@@ -40,7 +40,7 @@ def learn(storage, run_id, k):
 
 
 def held(storage, run_id, k):
-    """The resume state committed after learn k (stages/state.py)."""
+    """The resume state committed after learn k (grpo/record/resume.py)."""
     return latest_committed(storage, stage_dir(storage, run_id, k, STATE_STAGE), verify=False)
 
 

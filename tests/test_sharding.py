@@ -19,9 +19,10 @@ from safetensors.torch import load_file
 from test_learn import F32
 from test_stages import learned_files, make_run, state_of
 
-from grpo.layout import STATE_STAGE, stage_dir
-from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
-from stages import StageError, stage_function, state
+from grpo.record import resume as state
+from grpo.record.layout import STATE_STAGE, stage_dir
+from grpo.record.storage import committed_attempts, latest_committed, list_attempts, open_storage
+from stages import StageError, stage_function
 from stages import learn as learn_module
 from stages.init import init_run
 from stages.iteration import run_iteration
@@ -181,7 +182,7 @@ def test_a_rank_ends_cleanly_while_gloo_still_frees_its_last_collective(tmp_path
     that thread calls std::terminate and the rank, its work done, dies of SIGABRT; `run_then_exit` ends it with 0."""
     import subprocess
 
-    from grpo.procs import free_port
+    from grpo.runtime.procs import free_port
 
     script = tmp_path / "rank.py"
     script.write_text(ENDS_WHILE_GLOO_FREES)

@@ -12,8 +12,8 @@ import grpo.scoring.score
 from flows.cli import main
 from grpo.config import ConfigError, load_config
 from grpo.gc import plan
-from grpo.layout import shard_stage, stage_dir
-from grpo.storage import latest_committed, list_attempts, open_storage
+from grpo.record.layout import shard_stage, stage_dir
+from grpo.record.storage import latest_committed, list_attempts, open_storage
 from stages import StageError, stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration

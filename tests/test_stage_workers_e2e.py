@@ -14,9 +14,9 @@ import pytest
 from test_placement_e2e import unsharded
 from test_stages import TINY
 
-from grpo.layout import stage_dir
-from grpo.procs import stop_group
-from grpo.storage import latest_committed, open_storage
+from grpo.record.layout import stage_dir
+from grpo.record.storage import latest_committed, open_storage
+from grpo.runtime.procs import stop_group
 from stages.common import load_run
 from stages.init import init_run
 from stages.iteration import run_iteration

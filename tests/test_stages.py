@@ -11,10 +11,11 @@ from test_learn import F32
 
 from flows.cli import main
 from grpo.config import ConfigError, load_config
-from grpo.layout import stage_dir
-from grpo.lineage import next_iteration
-from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
-from stages import STAGES, StageError, stage_function, state
+from grpo.record import resume as state
+from grpo.record.layout import stage_dir
+from grpo.record.lineage import next_iteration
+from grpo.record.storage import committed_attempts, latest_committed, list_attempts, open_storage
+from stages import STAGES, StageError, stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration
 
@@ -369,13 +370,13 @@ def test_nan_loss_fails_learn_and_commits_nothing(storage, monkeypatch):
 
 
 def state_of(learned):
-    """The resume state committed after learn `learned` (stages.state), once this process's commit is done."""
+    """The resume state committed after learn `learned` (grpo.record.resume), once this process's commit is done."""
     state.wait()
     return state.committed_state(learned.storage, learned.manifest.run_id, learned)
 
 
 def learned_files(learned) -> dict:
-    """{file: the attempt listing it} of a learn and the state committed after it (stages.state)."""
+    """{file: the attempt listing it} of a learn and the state committed after it (grpo.record.resume)."""
     held = state_of(learned)
     return {f.path: c for c in (learned, held) if c is not None for f in c.manifest.files}
 

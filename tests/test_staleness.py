@@ -9,13 +9,13 @@ import torch
 from test_learn import F32, TINY
 
 from grpo import gc
-from grpo.checkpoint import content_hash
 from grpo.config import RetentionConfig, load_config
-from grpo.layout import STAGES, stage_dir
-from grpo.lineage import next_iteration
+from grpo.record.checkpoint import content_hash
+from grpo.record.layout import STAGES, stage_dir
+from grpo.record.lineage import next_iteration
+from grpo.record.storage import latest_committed, open_storage
 from grpo.report import figure_png, iteration_rows
 from grpo.sampling.engines import close_generators
-from grpo.storage import latest_committed, open_storage
 from stages import StageError, learn, rollouts, snapshot, stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration, run_warm

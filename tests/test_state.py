@@ -1,5 +1,5 @@
 """The learner's resume state off the critical path (issue 31): learn k commits its policy, and its optimizer state
-follows in a commit of its own (stages/state.py) that the next learn built from files reads; a state whose commit
+follows in a commit of its own (grpo/record/resume.py) that the next learn built from files reads; a state whose commit
 never came (the process killed between the two commits, learn.state_every) is replayed, to the same bytes."""
 
 import dataclasses
@@ -13,9 +13,10 @@ import pytest
 from test_learn import F32, TINY
 
 from grpo.config import load_config
-from grpo.layout import STATE_PREFIXES, STATE_STAGE, stage_dir
-from grpo.storage import committed_attempts, latest_committed, list_attempts, open_storage
-from stages import StageError, learn, stage_function, state
+from grpo.record import resume as state
+from grpo.record.layout import STATE_PREFIXES, STATE_STAGE, stage_dir
+from grpo.record.storage import committed_attempts, latest_committed, list_attempts, open_storage
+from stages import StageError, learn, stage_function
 from stages.init import init_run
 from stages.iteration import run_iteration
 
@@ -78,10 +79,10 @@ def test_a_learn_killed_between_its_policy_and_its_state_commit_resumes_to_the_s
         stage_function(s)(storage, "killed", 0)
     code = f"""
 import os, signal
-import stages.state
-from grpo.storage import open_storage
+import grpo.record.resume
+from grpo.record.storage import open_storage
 from stages import stage_function
-stages.state._commit = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # in the state commit's thread
+grpo.record.resume._commit = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # in the state commit's thread
 stage_function("learn")(open_storage({storage.url!r}), "killed", 0)
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPO_HEARTBEAT_S": "0.3"}
@@ -169,11 +170,11 @@ def test_a_process_whose_main_thread_ends_before_its_state_commit_still_commits_
     interpreter's shutdown ("cannot schedule new futures after interpreter shutdown")."""
     script = (
         "import time\n"
-        "from stages import state\n"
+        "from grpo.record import resume as state\n"
         "real = state._commit\n"
         "state._commit = lambda *a, **k: time.sleep(2) or real(*a, **k)\n"
         "from grpo.config import load_config\n"
-        "from grpo.storage import open_storage\n"
+        "from grpo.record.storage import open_storage\n"
         "from stages.init import init_run\n"
         "from stages.iteration import run_iteration\n"
         f"storage = open_storage({s3_prefix!r})\n"

@@ -7,13 +7,14 @@ import time
 import pandas as pd
 import pytest
 
-import grpo.storage
-from grpo.storage import (
+import grpo.record.digests
+import grpo.record.storage
+from grpo.record.commit import StageWriter
+from grpo.record.counts import is_local
+from grpo.record.storage import (
     CorruptArtifactError,
     NotCommittedError,
-    StageWriter,
     find_committed,
-    is_local,
     latest_committed,
     list_attempts,
     open_storage,
@@ -98,8 +99,8 @@ def test_unchanged_files_are_not_reread_and_a_rewrite_is_caught(storage, monkeyp
         long_ago = time.time() - 10
         os.utime(fpath, (long_ago, long_ago))
     reads = []
-    real = grpo.storage.sha256_file
-    monkeypatch.setattr(grpo.storage, "sha256_file", lambda fs, path: reads.append(path) or real(fs, path))
+    real = grpo.record.digests.sha256_file
+    monkeypatch.setattr(grpo.record.digests, "sha256_file", lambda fs, path: reads.append(path) or real(fs, path))
     latest_committed(storage, stage_dir)
     reads.clear()
     latest_committed(storage, stage_dir)

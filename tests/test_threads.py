@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from test_stages import TINY
 
-from grpo import threads
-from grpo.threads import cores, cpu_watch, parse_threads
+from grpo.runtime import threads
+from grpo.runtime.threads import cores, cpu_watch, parse_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_", "VLLM_"))} | {"OMP_NUM_THREADS": "1"}
@@ -86,7 +86,7 @@ def test_an_oversubscribed_learner_logs_one_warning(caplog, monkeypatch):
     monkeypatch.setattr(threads, "_busy_s", iter([0.0, 0.0, 2.0 * 1.2 + 1.0]).__next__)  # others: 2 cores
     monkeypatch.setattr(threads.torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    with caplog.at_level("WARNING", logger="grpo.threads"), cpu_watch("learn 3"):
+    with caplog.at_level("WARNING", logger="grpo.runtime.threads"), cpu_watch("learn 3"):
         time.sleep(1.2)
     (record,) = caplog.records
     assert record.getMessage().startswith("learn 3: other processes kept ") and "GRPO_THREADS=1" in record.getMessage()

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from flows.cli import main
 from grpo import data
-from grpo.checkpoint import checkpoint_problem, safetensors_shapes
 from grpo.config import ConfigError, load_config
-from grpo.layout import run_json
-from grpo.storage import open_storage
+from grpo.record.checkpoint import checkpoint_problem, safetensors_shapes
+from grpo.record.layout import run_json
+from grpo.record.storage import open_storage
 from grpo.tiny_model import build_chat_model
 from stages import StageError, stage_function
 from stages.init import init_run, pin_datasets

@@ -15,10 +15,11 @@ from test_stages import TINY
 
 from grpo.config import ConfigError, RewardConfig, load_config
 from grpo.errors import LayoutError, StageError
-from grpo.layout import run_dir, stage_dir
+from grpo.record.commit import StageWriter
+from grpo.record.layout import run_dir, stage_dir
+from grpo.record.storage import committed_attempts, latest_committed, open_storage
 from grpo.scoring.pool import RewardPool
 from grpo.scoring.score import allowed_errors, score_batch
-from grpo.storage import StageWriter, committed_attempts, latest_committed, open_storage
 from grpo.tasks import functions
 from stages import stage_function
 from stages.common import run_stage

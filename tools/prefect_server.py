@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from grpo.procs import free_port, stop_group, tail
+from grpo.runtime.procs import free_port, stop_group, tail
 from tools.prefect_logging import SETTINGS_PATH
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))

@@ -43,7 +43,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from grpo.procs import stop_group, tail
+from grpo.runtime.procs import stop_group, tail
 
 __all__ = ["S3Endpoint", "S3ServerError", "find_weed", "s3_server"]
 

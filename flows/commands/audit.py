@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from flows.commands.hints import grpo_command, newest_policy
-from grpo.layout import STAGES, run_ids, shard_dirs, stage_dir
-from grpo.lineage import next_iteration, stale_attempt
+from grpo.record.digests import rehashing
+from grpo.record.layout import STAGES, run_ids, shard_dirs, stage_dir
+from grpo.record.lineage import next_iteration, stale_attempt
+from grpo.record.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest
 from grpo.report import best_iteration
-from grpo.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest, rehashing
 from stages import StageError
 from stages.common import load_run
 
 
 def cmd_status(args, storage):
-    from grpo.fork import fork_of
-    from grpo.gc import collected_summary, running_attempts
+    from grpo.gc import collected_summary
+    from grpo.record.fork import fork_of
+    from grpo.record.liveness import running_attempts
     from stages.common import check_datasets
 
     load_run(storage, args.run)

@@ -7,9 +7,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from grpo.layout import export_dir, stage_dir
+from grpo.record.counts import is_local
+from grpo.record.layout import export_dir, stage_dir
+from grpo.record.storage import Storage, committed_attempts, url_to_fs
 from grpo.report import best_iteration
-from grpo.storage import Storage, committed_attempts, is_local, url_to_fs
 from stages import StageError
 
 
@@ -22,8 +23,8 @@ def newest_learn(storage, run_id: str) -> int:
 
 
 def cmd_export(args, storage):
-    from grpo.checkpoint import export_policy
-    from grpo.lineage import committed_input
+    from grpo.record.checkpoint import export_policy
+    from grpo.record.lineage import committed_input
     from stages.common import load_run
 
     load_run(storage, args.run)
@@ -86,8 +87,8 @@ def shown_path(out: str) -> str:
 def export_source(storage, run_id: str, k: int):
     """Iteration k's committed learn, verified; one line when it has none, its files changed after the commit
     (committed_input says so) or `grpo gc --retention` collected its policy."""
-    from grpo.checkpoint import ADAPTER_PREFIX, CHECKPOINT_PREFIX
-    from grpo.lineage import committed_input
+    from grpo.record.checkpoint import ADAPTER_PREFIX, CHECKPOINT_PREFIX
+    from grpo.record.lineage import committed_input
 
     if not committed_attempts(storage, stage_dir(storage, run_id, k, "learn")):
         n = newest_learn(storage, run_id)

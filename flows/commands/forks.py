@@ -7,7 +7,7 @@ from flows.commands.hints import grpo_command
 
 
 def cmd_fork(args, storage):
-    from grpo.fork import fork_run
+    from grpo.record.fork import fork_run
 
     forked = fork_run(storage, args.parent, args.at, args.run, args.set)
     print(
@@ -19,7 +19,7 @@ def cmd_fork(args, storage):
 
 
 def cmd_rescore(args, storage):
-    from grpo.lineage import next_iteration
+    from grpo.record.lineage import next_iteration
     from stages.common import load_run
     from stages.rescore import changes, rescore, rescore_run_id
 

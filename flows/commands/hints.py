@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from flows.commands.export import default_export, newest_learn, shown_path
-from grpo.layout import run_dir, stage_dir
-from grpo.storage import committed_attempts
+from grpo.record.layout import run_dir, stage_dir
+from grpo.record.storage import committed_attempts
 
 
 def grpo_command(storage_arg: str | None) -> str:

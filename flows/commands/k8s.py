@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpo.layout import STAGES
+from grpo.record.layout import STAGES
 from stages import StageError
 
 

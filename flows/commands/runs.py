@@ -7,8 +7,8 @@ import time
 
 from flows.commands.hints import newest_policy, next_steps
 from grpo.config import load_config_file
-from grpo.layout import SHARDED
-from grpo.lineage import next_iteration, resume_problem
+from grpo.record.layout import SHARDED
+from grpo.record.lineage import next_iteration, resume_problem
 from stages import StageError, stage_function
 from stages.iteration import run_warm
 

@@ -29,8 +29,8 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.errors import StageError
-from grpo.procs import free_port, stop_group, tied_to_this_process
 from grpo.progress import TO_STDOUT, relay
+from grpo.runtime.procs import free_port, stop_group, tied_to_this_process
 
 log = logging.getLogger("grpo.learner")
 

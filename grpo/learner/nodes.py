@@ -31,22 +31,13 @@ from typing import Callable
 
 from grpo.config import LearnConfig
 from grpo.errors import StageError
-from grpo.layout import stage_dir
 from grpo.learner import launch
-from grpo.procs import free_port
-from grpo.storage import (
-    HEARTBEAT_NAME,
-    Committed,
-    Heartbeat,
-    StageWriter,
-    Storage,
-    find_committed,
-    heartbeat_interval_s,
-    is_committed,
-    is_local,
-    list_attempts,
-    load_manifest,
-)
+from grpo.record.commit import StageWriter
+from grpo.record.counts import is_local
+from grpo.record.layout import stage_dir
+from grpo.record.liveness import HEARTBEAT_NAME, Heartbeat, heartbeat_interval_s
+from grpo.record.storage import Committed, Storage, find_committed, is_committed, list_attempts, load_manifest
+from grpo.runtime.procs import free_port
 
 log = logging.getLogger("grpo.learner")
 

@@ -18,13 +18,13 @@ import pyarrow as pa
 import torch
 
 from grpo.config import RunConfig, load_config
-from grpo.layout import Salt, iteration_seed
 from grpo.learner.batch import Batch, Scores
 from grpo.learner.launch import LAUNCHER_PID
 from grpo.learner.loop import train
 from grpo.learner.state import STATE_DCP, Learner
-from grpo.procs import die_with_parent
-from grpo.threads import cpu_watch
+from grpo.record.layout import Salt, iteration_seed
+from grpo.runtime.procs import die_with_parent
+from grpo.runtime.threads import cpu_watch
 from schemas import table_file, write_parquet
 from schemas.tables import FLOAT_LISTS
 
@@ -120,8 +120,8 @@ def upload_own_shards(later: dict, rank: int) -> None:
     """Upload this rank's files of the local dcp/ folder (DCP names them `__<rank>_<n>.distcp`; rank 0, the
     coordinator, also wrote `.metadata`) into later["to"]/dcp/ on storage, several at once, hashed on the way,
     and leave their sizes, hashes and upload seconds in later["digests"]/rank-<rank>.json for the state commit."""
-    from grpo.storage import open_storage
-    from grpo.transfer import put_files
+    from grpo.record.io import put_files
+    from grpo.record.storage import open_storage
 
     local = Path(later["dir"], STATE_DCP)
     mine = sorted(

@@ -9,21 +9,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from grpo.checkpoint import checkpoint_dtype
 from grpo.config import RunConfig
 from grpo.devices import learner_device
 from grpo.learner import sharding
 from grpo.learner.batch import Batch
 from grpo.learner.model import PolicyLM, score
 from grpo.learner.precision import autocast_precision
+from grpo.record.checkpoint import checkpoint_dtype
+from grpo.record.layout import STATE_DCP
 
 MASTER_WEIGHTS = "master.safetensors"  # float32 weights, written when the checkpoint's dtype is narrower
 
 
 ADAPTER_DIR = "adapter"  # a LoRA learn's policy: peft's adapter files (the base is the run's base model)
-
-
-STATE_DCP = "dcp"  # learn.sharding=fsdp2: every process's shards of the weights and AdamW state
 
 
 def optimizer_steps(opt) -> int:

@@ -87,7 +87,7 @@ def choose_backend(setting: str, model_dir: str, device: torch.device | None = N
         return "hf", f"auto: rollout.device {device}, where vLLM does not sample in one process ({vllm_device()})"
     if torch.cuda.is_available():
         return "vllm", "auto: a GPU"
-    from grpo.checkpoint import parameter_count
+    from grpo.record.checkpoint import parameter_count
 
     n = parameter_count(model_dir)
     if n >= VLLM_MIN_PARAMS:
@@ -112,7 +112,7 @@ def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None
     rollout: grpo.config.RolloutConfig; lora: grpo.config.LoraConfig or None. Recorded in the rollouts
     and eval manifests (`sampler`).
     """
-    from grpo.checkpoint import checkpoint_dtype_name
+    from grpo.record.checkpoint import checkpoint_dtype_name
 
     dtype = checkpoint_dtype_name(model_dir) if dtype == "auto" else dtype
     if backend != "vllm":  # rollout.device where it is set (auto: the generator's own choice, as before it existed)

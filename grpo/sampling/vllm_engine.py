@@ -25,7 +25,7 @@ class VLLMGenerator:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        from grpo.quiet import filter_vllm_handlers
+        from grpo.runtime.quiet import filter_vllm_handlers
 
         filter_vllm_handlers()
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any, Sequence
 
-from grpo.procs import become_subreaper, kill_descendants
+from grpo.runtime.procs import become_subreaper, kill_descendants
 from grpo.scoring import secrets
 
 log = logging.getLogger("grpo.scoring")

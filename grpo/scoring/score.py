@@ -13,12 +13,12 @@ import signal
 import time
 from collections import deque
 
-from grpo.checkpoint import local_checkpoint
 from grpo.config import RewardConfig, RunConfig
 from grpo.errors import StageError
+from grpo.record.checkpoint import local_checkpoint
+from grpo.record.storage import Committed
 from grpo.scoring.pool import IDLE, LOADING, RewardPool, cap_memory, progress_record, tell
 from grpo.scoring.shaping import overlong, truncated
-from grpo.storage import Committed
 from grpo.tasks import functions
 
 log = logging.getLogger("grpo.scoring")

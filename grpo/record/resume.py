@@ -25,26 +25,19 @@ from pathlib import Path
 
 import fsspec
 
-from grpo.checkpoint import cache_intact, download_verified, remember_copies
 from grpo.config import RunConfig
 from grpo.errors import StageError
-from grpo.fork import reference
-from grpo.gc import running_attempts
-from grpo.layout import STATE_PREFIXES, STATE_STAGE, stage_dir
-from grpo.learner import launch
-from grpo.learner.state import STATE_DCP
-from grpo.lineage import note_committed
-from grpo.storage import (
-    Committed,
-    StageWriter,
-    Storage,
-    collected_files,
-    committed_attempts,
-    is_local,
-    list_attempts,
-    load_manifest,
-)
-from grpo.transfer import cache_root, count_io, counting_io, note_written, put_files
+from grpo.record.checkpoint import cache_intact, download_verified, remember_copies
+from grpo.record.commit import StageWriter
+from grpo.record.counts import cache_root, count_io, counting_io, is_local
+from grpo.record.digests import note_written
+from grpo.record.fork import reference
+from grpo.record.io import put_files
+from grpo.record.layout import STATE_DCP, STATE_PREFIXES, STATE_STAGE, stage_dir
+from grpo.record.lineage import note_committed
+from grpo.record.liveness import running_attempts
+from grpo.record.storage import Committed, Storage, collected_files, committed_attempts, list_attempts, load_manifest
+from grpo.runtime import exits
 
 log = logging.getLogger("grpo.stages")
 
@@ -64,43 +57,40 @@ def shards_later(cfg: RunConfig, iteration: int) -> bool:
     return one_machine and cfg.learn.sharding == "fsdp2" and due(cfg, iteration)
 
 
-class _Pending:
-    """This process's state commit running in the background: at most one (the next waits for it)."""
-
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-    what: str = ""
-    at_exit: bool = False  # settled() registered to run as the main thread ends
-
-
 class Shards:
     """The state attempt of a learn whose fsdp2 ranks write their shards of the weights and AdamW state once its
     policy is written, while the learn commits it: opened before the ranks start, so that they write straight
     into it (local storage) or each upload its own shards to it, in parallel (object storage; the local copies
-    in `held` stay in this machine's cache), and committed by `commit_later` once they have ended."""
+    in `held` stay in this machine's cache), and committed by `commit_later` once they have ended. The learn
+    stage starts the ranks with `target` and hands them in (`hand_in`): anything with finish() (wait for their
+    end, raising where one failed) and stop()."""
 
     def __init__(self, storage: Storage, config: dict, run_id: str, iteration: int, held: str):
         self.storage, self.held = storage, held
         self.writer = _writer(storage, config, run_id, iteration, inputs={})  # named at commit_later
         self.reports = tempfile.mkdtemp(prefix="grpo-shards-")  # each rank's uploads: sizes, hashes, seconds
-        self.learners: launch.Torchrun | None = None
+        self.ready = f"{self.reports}/ready"  # rank 0 writes it once the policy is written
+        self.ranks = None
 
-    def start(self, args: dict, nproc: int) -> dict:
-        """Start the ranks on `args` (grpo.learner.launch.learner_args'); return rank 0's summary once the policy
-        is written, the ranks going on with their shards."""
-        if is_local(self.storage.fs):  # the attempt is a local folder: DCP writes dcp/ into it
-            later = {"dir": self.writer.attempt_dir}
-        else:
-            later = {"dir": self.held, "storage_url": self.storage.url, "to": self.writer.attempt_dir}
-        args = {**args, "shards": {**later, "digests": self.reports}, "ready": f"{self.reports}/ready"}
-        self.learners = launch.Torchrun(args, nproc)
-        self.learners.until_ready()
-        return self.learners.summary()
+    def target(self) -> dict:
+        """Where the ranks put their shards: straight into the attempt (local storage: DCP writes dcp/ into it),
+        else into `held` and from there each uploads its own; `digests`: where each reports what it uploaded."""
+        if is_local(self.storage.fs):
+            return {"dir": self.writer.attempt_dir, "digests": self.reports}
+        return {
+            "dir": self.held,
+            "storage_url": self.storage.url,
+            "to": self.writer.attempt_dir,
+            "digests": self.reports,
+        }
+
+    def hand_in(self, ranks) -> None:
+        self.ranks = ranks
 
     def finish(self) -> None:
-        """Wait for the ranks to end (LearnersExited where one failed); take in what they uploaded: the commit
-        lists it by the hashes they made, and counts it as this attempt's upload."""
-        self.learners.finish()
+        """Wait for the ranks to end (their failure raised); take in what they uploaded: the commit lists it by the
+        hashes they made, and counts it as this attempt's upload."""
+        self.ranks.finish()
         for report in sorted(Path(self.reports).glob("rank-*.json")):
             done = json.loads(report.read_text())
             for path, (size, digest) in done["files"].items():
@@ -110,10 +100,47 @@ class Shards:
 
     def close(self) -> None:
         """Stop the ranks where they still run; the attempt, uncommitted, is marked closed."""
-        if self.learners is not None:
-            self.learners.stop()
+        if self.ranks is not None:
+            self.ranks.stop()
         self.writer.close()
         shutil.rmtree(self.reports, ignore_errors=True)
+
+
+class Background:
+    """This process's state commit running in a thread: at most one (the next waits for it). Its failure is kept
+    for `wait`, which raises it in the stage that needs the state, or `settled`, which logs it."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.what = ""
+
+    def start(self, storage: Storage, writer: StageWriter, held: str, shards: Shards | None) -> None:
+        self.wait()
+        self.what, self.error = f"state iteration {writer.iteration}", None
+        self.thread = threading.Thread(target=self._run, args=(storage, writer, held, shards), name="grpo-state")
+        self.thread.start()
+        exits.before_thread_shutdown(settled)
+
+    def _run(self, storage: Storage, writer: StageWriter, held: str, shards: Shards | None) -> None:
+        try:
+            _commit(storage, writer, held, shards)
+        except BaseException as e:  # noqa: BLE001 (handed to wait(), which raises it in the stage that needs it)
+            self.error = e
+            log.error("%s: the background commit failed: %s: %s", self.what, type(e).__name__, e)
+
+    def wait(self) -> None:
+        thread, self.thread = self.thread, None
+        if thread is None:
+            return
+        thread.join()
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise StageError(f"{self.what}: the background commit failed: {type(e).__name__}: {e}") from e
+
+
+BACKGROUND = Background()
+"""This process's background state commit (one at a time)."""
 
 
 def commit_later(
@@ -122,25 +149,13 @@ def commit_later(
     """Commit the state files in the local folder `held` (which this takes over and removes) as learn
     `learned`'s state, in a thread of this process; its attempt and heartbeat exist before this returns, so
     another process reading the state waits for it. `config`: what its identity covers (the learn's).
-    `shards`: the attempt the learn's ranks are writing their shards into; the thread waits for them first."""
-    wait()
+    `shards`: the attempt the learn's ranks are writing their shards into; the thread waits for them first.
+    The commit finishes before the interpreter's shutdown stops thread pools (grpo.runtime.exits)."""
+    BACKGROUND.wait()
     k, inputs = learned.manifest.iteration, {"learn": learned.ref()}
     writer = shards.writer if shards else _writer(storage, config, run_id, k, inputs)
     writer.bind_inputs(inputs)
-    _Pending.what, _Pending.error = f"state iteration {k}", None
-    _Pending.thread = threading.Thread(target=_commit_guarded, args=(storage, writer, held, shards), name="grpo-state")
-    _Pending.thread.start()
-    _finish_before_exit()
-
-
-def _finish_before_exit() -> None:
-    """Have the interpreter finish the commit when the main thread ends (a flow run's process, `grpo run`) before
-    its shutdown stops thread pools from starting (the uploads use one; a plain non-daemon thread is joined only
-    after that: "cannot schedule new futures after interpreter shutdown"). threading's exit hooks run newest
-    first, so this one, registered after concurrent.futures', runs before it."""
-    if not _Pending.at_exit:
-        threading._register_atexit(settled)  # the hook concurrent.futures itself uses
-        _Pending.at_exit = True
+    BACKGROUND.start(storage, writer, held, shards)
 
 
 def commit_now(storage: Storage, config: dict, run_id: str, learned: Committed, held: str) -> Committed:
@@ -152,13 +167,7 @@ def commit_now(storage: Storage, config: dict, run_id: str, learned: Committed, 
 def wait() -> None:
     """Wait for this process's background state commit; its failure raised as a StageError (the state it
     would have committed is replayed by the learn that needs it)."""
-    thread, _Pending.thread = _Pending.thread, None
-    if thread is None:
-        return
-    thread.join()
-    if _Pending.error is not None:
-        e, _Pending.error = _Pending.error, None
-        raise StageError(f"{_Pending.what}: the background commit failed: {type(e).__name__}: {e}") from e
+    BACKGROUND.wait()
 
 
 def settled() -> None:
@@ -180,14 +189,6 @@ def _writer(storage: Storage, config: dict, run_id: str, iteration: int, inputs:
         config=config,
         inputs=inputs,
     )
-
-
-def _commit_guarded(storage: Storage, writer: StageWriter, held: str, shards: Shards | None) -> None:
-    try:
-        _commit(storage, writer, held, shards)
-    except BaseException as e:  # noqa: BLE001 (handed to wait(), which raises it in the stage that needs it)
-        _Pending.error = e
-        log.error("%s: the background commit failed: %s: %s", _Pending.what, type(e).__name__, e)
 
 
 def _commit(storage: Storage, writer: StageWriter, held: str, shards: Shards | None = None) -> Committed:
@@ -285,7 +286,7 @@ def read(storage: Storage, run_id: str, learned: Committed, dest: str) -> str | 
 
 
 def from_origin(storage: Storage, run_id: str, learned: Committed) -> Committed | None:
-    """A fork's learn taken by reference (grpo.fork): the state its origin's run committed after it, taken by
+    """A fork's learn taken by reference (grpo.record.fork): the state its origin's run committed after it, taken by
     reference as well (gc then keeps it for the fork); None otherwise."""
     if learned.manifest.origin is None or committed_state(storage, run_id, learned) is not None:
         return None

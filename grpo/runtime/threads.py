@@ -23,7 +23,7 @@ ENV = "GRPO_THREADS"
 SHARED_MACHINE = "cores/2"
 """The default of a process that expects to share its machine with another busy grpo process: a stage worker
 (README: one for the sampler and learner, one for the CPU stages), a placed stage's flow run."""
-log = logging.getLogger("grpo.threads")
+log = logging.getLogger("grpo.runtime.threads")
 
 
 def cores() -> int:

@@ -4,7 +4,7 @@ transformers and vLLM load from a local folder. For a committed checkpoint on a
 local disk that folder is made of symlinks (no copy); on S3 the files are
 downloaded once into a cache keyed by the manifest's hash, several at once.
 Either way each file is checked against its manifest entry as it is read, and
-not hashed again on this machine while its stamp holds (grpo.storage.file_digest).
+not hashed again on this machine while its stamp holds (grpo.record.storage.file_digest).
 """
 
 from __future__ import annotations
@@ -21,21 +21,11 @@ from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
-from grpo.storage import (
-    CollectedError,
-    Committed,
-    CorruptArtifactError,
-    StageWriter,
-    check_entry,
-    file_digest,
-    is_local,
-    known_digest,
-    remember_digest,
-    settle,
-    url_to_fs,
-    verify_files,
-)
-from grpo.transfer import cache_root, get_files, put_files, sha256_local
+from grpo.record.commit import StageWriter
+from grpo.record.counts import cache_root, is_local
+from grpo.record.digests import file_digest, known_digest, remember_digest, settle, sha256_local
+from grpo.record.io import get_files, put_files
+from grpo.record.storage import CollectedError, Committed, CorruptArtifactError, check_entry, url_to_fs, verify_files
 
 CHECKPOINT_PREFIX = "policy/"
 ADAPTER_PREFIX = "adapter/"  # a LoRA policy: peft adapter files on top of the checkpoint under policy/

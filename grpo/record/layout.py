@@ -17,12 +17,12 @@ import unicodedata
 from typing import Literal, get_args
 
 from grpo.errors import LayoutError
-from grpo.storage import Storage
+from grpo.record.storage import Storage
 
 StageName = Literal["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]
 STAGES: tuple[str, ...] = get_args(StageName)  # the order an iteration runs them in
 STATE_STAGE = "state"
-"""Learn k's resume state (STATE_PREFIXES), committed apart after its policy (stages/state.py): no stage of the
+"""Learn k's resume state (STATE_PREFIXES), committed apart after its policy (grpo/record/resume.py): no stage of the
 iteration's order, only the next learn built from files reads it."""
 
 
@@ -112,7 +112,8 @@ def shard_dirs(storage: Storage, run_id: str, iteration: int) -> dict[str, list[
 POLICY_PREFIXES = ("policy/", "adapter/", "master.safetensors")
 """A learn attempt's policy weights: the checkpoint (full fine-tuning) or the LoRA adapters, and the
 float32 master copy of a narrower checkpoint."""
-STATE_PREFIXES = ("optimizer.pt", "rng.pt", "master.safetensors", "dcp/")
+STATE_DCP = "dcp"  # learn.sharding=fsdp2: every process's shards of the weights and AdamW state
+STATE_PREFIXES = ("optimizer.pt", "rng.pt", "master.safetensors", f"{STATE_DCP}/")
 """A learner's optimizer and resume state: AdamW, the RNG states, the master copy, and the torch Distributed
 Checkpoint shards (learn.sharding=fsdp2); in a STATE_STAGE attempt, or in the learn attempt itself (runs made
 before the split, learn.nodes > 1). A file is either's when its path starts with one of these."""

@@ -12,8 +12,8 @@ import datetime as dt
 import fsspec
 
 from grpo.errors import StageError
-from grpo.layout import POLICY_PREFIXES, STATE_PREFIXES, STATE_STAGE, stage_dir
-from grpo.storage import (
+from grpo.record.layout import POLICY_PREFIXES, STATE_PREFIXES, STATE_STAGE, stage_dir
+from grpo.record.storage import (
     Committed,
     CorruptArtifactError,
     NotCommittedError,
@@ -112,7 +112,7 @@ def check_chain(storage: Storage, run_id: str, iteration: int, stage: str, input
 
 def committed_input(storage: Storage, run_id: str, iteration: int | None, stage: str) -> Committed:
     """The newest committed output of `stage`; a clear error says what to run. Its files are checked as
-    they are read (Committed.read_path, grpo.checkpoint), only those: a snapshot reads manifests alone, a
+    they are read (Committed.read_path, grpo.record.checkpoint), only those: a snapshot reads manifests alone, a
     sampler the policy and not the optimizer state."""
     try:
         found = latest_committed(storage, stage_dir(storage, run_id, iteration, stage), verify=False)
@@ -230,7 +230,7 @@ def _collected_learn(storage: Storage, run_id: str, k: int) -> str | None:
     policy = [n for n in names if n.startswith(POLICY_PREFIXES) and not n.startswith(STATE_PREFIXES)]
     state = [n for n in names if n.startswith(STATE_PREFIXES)]
     what = " and ".join(w for w, files in (("policy", policy), ("optimizer state", state)) if files)
-    where = [  # the learn's, then the state's (stages/state.py)
+    where = [  # the learn's, then the state's (grpo/record/resume.py)
         f"{storage.uri(a)}: {', '.join(here[:3])}{', ...' if len(here) > 3 else ''}" for a, here in collected.items()
     ]
     return f"iteration {k}'s {what}, which was collected by `grpo gc --retention` ({'; '.join(where)})"

@@ -102,7 +102,7 @@ def section(cfg: RunConfig, name: str) -> dict:
     left out. Raises UndecidedSetting for a field not decided here."""
     if missing := [m for m in undecided(cfg) if m.startswith(f"{name}.")]:
         raise UndecidedSetting(
-            f"{', '.join(missing)}: decide what identities make of it in grpo/identity.py (ADDED_SETTINGS, to "
+            f"{', '.join(missing)}: decide what identities make of it in grpo/record/identity.py (ADDED_SETTINGS, to "
             "keep the stages runs committed without it; IDENTITY_FIELDS; or LEFT_OUT)"
         )
     values = {k: v for k, v in cfg.to_dict()[name].items() if k not in LEFT_OUT.get(name, ())}
@@ -161,7 +161,7 @@ def lineage_identity(iteration: int | None, stage: str, cfg_hash: str, origins: 
     """What a stage computes, whichever run computes it: stage_identity without the run id, each input named by
     the manifest sha256 of its origin (the attempt first committed with its files: a fork's attempt that takes
     its parent's by reference stands for that attempt). A fork reuses, by reference, the attempt of its parent
-    (or an earlier ancestor) at the same iteration and stage whose lineage identity equals its own (grpo.fork):
+    (or an earlier ancestor) at the same iteration and stage whose lineage identity equals its own (grpo.record.fork):
     same config section, same inputs, so the same output. stage_identity keeps the run id, so the stages a
     run committed stay its own and every committed identity is unchanged."""
     key = {"iteration": iteration, "stage": stage, "config_hash": cfg_hash, "inputs": dict(sorted(origins.items()))}

@@ -5,9 +5,9 @@
 A fork's run.json names its parent and fork point (`"fork": {"parent": ..., "at": ...}`). Its base and its
 iterations before `at` are the parent's committed attempts taken by reference: each gets an attempt in the fork
 whose manifest lists the parent's files (URI, size, sha256: nothing is copied), the parent's config and summary,
-the fork's own attempts as inputs (the fork's chain is its own: grpo.lineage reads it as any run's) and, as
+the fork's own attempts as inputs (the fork's chain is its own: grpo.record.lineage reads it as any run's) and, as
 `origin`, the attempt first committed with those files. From `at` on the fork runs with its own config, and a
-stage whose lineage identity (grpo.identity.lineage_identity: config and inputs, not the run) equals an
+stage whose lineage identity (grpo.record.identity.lineage_identity: config and inputs, not the run) equals an
 ancestor's attempt at the same iteration is taken by reference as well, not recomputed (`reuse`, called by every
 stage): forked with another learn.loss_type, learn `at` is the first stage that runs, on the parent's rollouts,
 rewards and advantages; forked with another reward, rewards `at` and what follows run.
@@ -26,18 +26,18 @@ import fsspec
 
 from grpo.config import ConfigError, RunConfig, load_config
 from grpo.errors import StageError
-from grpo.identity import config_hash, lineage_identity, stage_identity, stored_config
-from grpo.layout import STAGES, no_such_run, run_dir, run_ids, run_json, stage_dir
-from grpo.lineage import next_iteration, note_committed
-from grpo.storage import (
+from grpo.record.commit import StageWriter
+from grpo.record.counts import is_local
+from grpo.record.identity import config_hash, lineage_identity, stage_identity, stored_config
+from grpo.record.layout import STAGES, no_such_run, run_dir, run_ids, run_json, stage_dir
+from grpo.record.lineage import next_iteration, note_committed
+from grpo.record.storage import (
     ArtifactError,
     Committed,
-    StageWriter,
     Storage,
     committed_attempts,
     file_path,
     find_committed,
-    is_local,
     latest_committed,
     load_manifest,
     verify_files,
@@ -45,7 +45,7 @@ from grpo.storage import (
 from grpo.tasks import functions
 from schemas.manifest import FileEntry, InputRef
 
-log = logging.getLogger("grpo.fork")
+log = logging.getLogger("grpo.record.fork")
 
 
 def _path(uri: str) -> str:

@@ -1,15 +1,8 @@
-"""Bytes between storage and this machine, measured: the `io` record of a stage attempt, the counted
-filesystem every storage access goes through, the hashes kept across processes, many files at once.
+"""The counted filesystem every storage access goes through, and many files at once.
 
-- `counting_io()` opens an IoCounts; every byte read, downloaded, hashed, written or uploaded while it is
-  open (in this thread, or a thread started with its context) is added to it and to the ones around it.
-  The stage functions open one (stages.common.measured) and the commit records it in the manifest (`io`).
-- `counted_fs(fs)`: the storage's filesystem, of a subclass of its own class whose open, cat_file,
-  pipe_file, get_file and put_file count what they move, and which hashes what is written through it as
-  it goes (`written_digest`), so a commit never reads its own files back.
-- `StampCache`: the sha256 of files verified on this machine, by where they are and their stamp (size and
-  ETag on S3; size, times and inode on a local disk), in an SQLite file under the cache folder: a file
-  verified once is not hashed again, in this process or another, while its stamp holds.
+- `counted_fs(fs)`: the storage's filesystem, of a subclass of its own class whose open, cat_file, pipe_file,
+  get_file and put_file count what they move (grpo.record.counts), and which hashes what is written through it as
+  it goes (grpo.record.digests.note_written), so a commit never reads its own files back.
 - `put_files` / `get_files`: a folder's files in one call, concurrent requests on S3 (s3fs's batch_size,
   multipart parts of `PART_BYTES` in parallel for large files).
 """
@@ -17,17 +10,11 @@ filesystem every storage access goes through, the hashes kept across processes, 
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import functools
 import hashlib
 import inspect
-import json
-import logging
 import os
-import sqlite3
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,96 +23,12 @@ from typing import Iterator
 import fsspec.asyn
 from fsspec import AbstractFileSystem
 
-log = logging.getLogger("grpo.transfer")
-CHUNK = 1 << 20
+from grpo.record.counts import count_io, in_context, is_local
+from grpo.record.digests import note_written, sha256_local
+
 BATCH = 8  # files in flight at once on S3
 PART_BYTES = 16 << 20  # S3 multipart part size; files of 2 parts and more upload their parts in parallel
-
-
-def cache_root() -> Path:
-    """This machine's cache folder: $GRPO_CACHE, else ~/.cache/grpo-flow (downloaded checkpoints, hashes)."""
-    return Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-flow"))
-
-
-# ---------------------------------------------------------------- the io record
-
-
-@dataclasses.dataclass
-class IoCounts:
-    """Bytes a stage attempt moved, and the seconds each kind took (kinds overlap in time: a parallel
-    upload hashes while it sends, so the seconds need not add up to the stage's)."""
-
-    read_bytes: int = 0
-    """Read from storage into this process: manifests, tables, files hashed where they lie."""
-    read_s: float = 0.0
-    download_bytes: int = 0
-    """Copied from storage into local files (checkpoints, optimizer state)."""
-    download_s: float = 0.0
-    hash_bytes: int = 0
-    """Put through sha256: files verified, and files hashed as they were written or uploaded."""
-    hash_s: float = 0.0
-    write_bytes: int = 0
-    """Written into storage from this process (tables; on file://, files a stage wrote into its attempt in
-    place, whose seconds are the stage's own and not counted here)."""
-    write_s: float = 0.0
-    upload_bytes: int = 0
-    """Copied from local files into storage (checkpoints on S3)."""
-    upload_s: float = 0.0
-
-    def add(self, kind: str, nbytes: int, seconds: float) -> None:
-        setattr(self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + nbytes)
-        setattr(self, f"{kind}_s", getattr(self, f"{kind}_s") + seconds)
-
-    def record(self) -> dict:
-        """The manifest's `io`: every field, seconds to 0.1 ms."""
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
-
-    def reset(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, f.default)
-
-
-_OPEN: contextvars.ContextVar[tuple[IoCounts, ...]] = contextvars.ContextVar("grpo_io", default=())
 _BUSY: contextvars.ContextVar[bool] = contextvars.ContextVar("grpo_io_busy", default=False)
-_LOCK = threading.Lock()
-
-
-@contextmanager
-def counting_io(reuse: bool = False) -> Iterator[IoCounts]:
-    """A fresh IoCounts that counts until the block ends; with `reuse`, the innermost one already open (a
-    fresh one when none is)."""
-    stack = _OPEN.get()
-    if reuse and stack:
-        yield stack[-1]
-        return
-    counts = IoCounts()
-    token = _OPEN.set((*stack, counts))
-    try:
-        yield counts
-    finally:
-        _OPEN.reset(token)
-
-
-@contextmanager
-def uncounted() -> Iterator[None]:
-    """Nothing moved in the block counts (bookkeeping such as a heartbeat, not the stage's data)."""
-    token = _OPEN.set(())
-    try:
-        yield
-    finally:
-        _OPEN.reset(token)
-
-
-def count_io(kind: str, nbytes: int, seconds: float) -> None:
-    """Add to every IoCounts open here (read, download, hash, write or upload)."""
-    with _LOCK:
-        for counts in _OPEN.get():
-            counts.add(kind, nbytes, seconds)
-
-
-def in_context(pool: ThreadPoolExecutor, fn, *args):
-    """pool.submit(fn, *args), run in a copy of this context: what it moves counts here."""
-    return pool.submit(contextvars.copy_context().run, fn, *args)
 
 
 @contextmanager
@@ -136,40 +39,6 @@ def _quiet() -> Iterator[None]:
         yield
     finally:
         _BUSY.reset(token)
-
-
-# ---------------------------------------------------------------- hashing
-
-
-def sha256_local(path: str) -> str:
-    """sha256 of a local file, counted as hashed (not read from storage)."""
-    h, n, t0 = hashlib.sha256(), 0, time.perf_counter()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            n += len(chunk)
-    count_io("hash", n, time.perf_counter() - t0)
-    return h.hexdigest()
-
-
-_WRITTEN: OrderedDict[str, tuple[int, str]] = OrderedDict()  # storage path -> (size, sha256) as written here
-_WRITTEN_MAX = 4096
-
-
-def note_written(path: str, size: int, digest: str) -> None:
-    with _LOCK:
-        _WRITTEN[path] = size, digest
-        _WRITTEN.move_to_end(path)
-        while len(_WRITTEN) > _WRITTEN_MAX:
-            _WRITTEN.popitem(last=False)
-
-
-def written_digest(path: str, size: int) -> str | None:
-    """The sha256 of what this process wrote to `path` through a counted filesystem, when it wrote `size`
-    bytes there (taken: asked once)."""
-    with _LOCK:
-        known = _WRITTEN.pop(path, None)
-    return known[1] if known is not None and known[0] == size else None
 
 
 class _CountedFile:
@@ -305,13 +174,6 @@ def counted_fs(fs: AbstractFileSystem) -> AbstractFileSystem:
     return counted_instance(type(fs), fs.storage_args, fs.storage_options)
 
 
-# ---------------------------------------------------------------- many files
-
-
-def _is_local(fs: AbstractFileSystem) -> bool:
-    return "file" in fs.protocol or "local" in fs.protocol
-
-
 def _plain(fs: AbstractFileSystem, name: str):
     """`fs`'s own method `name`, uncounted (Counted._own)."""
     return fs._own(name) if isinstance(fs, Counted) else getattr(fs, name)
@@ -326,7 +188,7 @@ def put_files(fs: AbstractFileSystem, pairs: list[tuple[str, str]]) -> dict[str,
         digests = [in_context(pool, sha256_local, str(local)) for local, _ in pairs]
         t0 = time.perf_counter()
         with _quiet():
-            if _is_local(fs):
+            if is_local(fs):
                 for local, remote in pairs:
                     _plain(fs, "put_file")(str(local), remote)
             else:
@@ -350,53 +212,9 @@ def get_files(fs: AbstractFileSystem, pairs: list[tuple[str, str]]) -> None:
         Path(local).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with _quiet():
-        if _is_local(fs):
+        if is_local(fs):
             for remote, local in pairs:
                 _plain(fs, "get_file")(remote, local)
         else:
             _plain(fs, "get")([r for r, _ in pairs], [str(p) for _, p in pairs], batch_size=BATCH)
     count_io("download", sum(os.path.getsize(local) for _, local in pairs), time.perf_counter() - t0)
-
-
-# ---------------------------------------------------------------- hashes kept across processes
-
-
-class StampCache:
-    """{(where, stamp): sha256} of files hashed on this machine, in `<cache>/hashes.sqlite` (one
-    transaction a write: another process sees it whole or not at all). A damaged or locked cache only
-    costs a hash: every failure here is logged and taken as a miss."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._con: sqlite3.Connection | None = None
-        self._where: tuple[str, int] | None = None
-
-    def _connect(self) -> sqlite3.Connection:
-        path = cache_root() / "hashes.sqlite"
-        if self._where != (str(path), os.getpid()):  # another cache folder (GRPO_CACHE), or a forked child
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._con = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
-            self._con.execute("CREATE TABLE IF NOT EXISTS hashes (key TEXT PRIMARY KEY, stamp TEXT, sha256 TEXT)")
-            self._where = (str(path), os.getpid())
-        return self._con
-
-    def get(self, key: str, stamp: tuple) -> str | None:
-        try:
-            with self._lock:
-                row = self._connect().execute("SELECT stamp, sha256 FROM hashes WHERE key = ?", (key,)).fetchone()
-        except sqlite3.Error as e:
-            log.warning("hash cache %s: %s", cache_root(), e)
-            return None
-        return row[1] if row is not None and row[0] == json.dumps(list(stamp)) else None
-
-    def put(self, key: str, stamp: tuple, digest: str) -> None:
-        try:
-            with self._lock:
-                self._connect().execute(
-                    "INSERT OR REPLACE INTO hashes VALUES (?, ?, ?)", (key, json.dumps(list(stamp)), digest)
-                )
-        except sqlite3.Error as e:
-            log.warning("hash cache %s: %s", cache_root(), e)
-
-
-STAMPS = StampCache()
