@@ -263,8 +263,8 @@ def main() -> int:
     p.add_argument("--only", choices=["trl", "grpo-flow"])
     p.add_argument("--dir", default=None)
     args = p.parse_args()
-    from grpo.quiet import quiet_libraries
-    from grpo.threads import apply_threads
+    from grpo.runtime.quiet import quiet_libraries
+    from grpo.runtime.threads import apply_threads
 
     quiet_libraries()
     apply_threads()
