@@ -208,6 +208,34 @@ class RolloutConfig:
     k - 1 ends (one-step off-policy at S = 1), the learner correcting with learn.behavior_correction. Fixed by the
     config, never by timing: the snapshot records which policy it froze and the rollouts which policy sampled each
     row (`policy_version`); part of the run's identity."""
+    tools: list[str] = field(default_factory=list)
+    """Episodes with tools (grpo/episodes): plain Python functions the model may call, as TRL's `tools=` takes them,
+    named as reward.functions are (`path/to/file.py:function`, the file copied into the run at `grpo init`, or
+    `package.module:function`); each one's type hints and Google-style docstring are its schema (transformers'
+    get_json_schema), which the chat template renders into the prompt. Each turn's calls run in worker processes and
+    their results are appended as the template renders tool messages; an episode ends on a turn without a call.
+    With `environment`: tools beside its methods. Empty (and no environment): single-turn rollouts."""
+    environment: str | None = None
+    """Episodes in an environment: a class as TRL's `environment_factory` takes it, unchanged (`path/to/file.py:Class`
+    or `package.module:Class`): one instance per episode, `reset(**row)` (what it returns is appended to the
+    prompt), its public methods the model's tools, and `get_reward()`, if it has one, a reward of its own (weight 1,
+    as in TRL). Reward functions that take an `environment` argument get the episode's final state (its public
+    attributes). None: no environment."""
+    max_turns: int = 8
+    """Episodes: the most assistant turns one samples. An episode's tokens after the prompt, sampled turns and
+    appended observations together, are at most max_tokens (it ends when they would be more)."""
+    tool_timeout_s: float = 10.0
+    """Episodes: seconds one tool call may take; one past it is interrupted, its observation says so and it counts as
+    an error (the episode goes on)."""
+    tool_workers: int = 2
+    """Episodes: worker processes the environments live in, each episode's in one for its whole life; they start
+    without the stage's credentials (but tool_pass_env) and their leftover processes are killed."""
+    tool_max_memory_mb: int | None = None
+    """Episodes: memory a tool worker may take beyond what it inherits, in MiB (as reward.max_memory_mb); None: no
+    cap."""
+    tool_pass_env: list[str] = field(default_factory=list)
+    """Episodes: names of credential variables tools and environments may read (as reward.pass_env). Not part of the
+    stage's identity."""
 
     def check(self) -> None:
         for name in ("prompts_per_iteration", "group_size", "max_tokens", "chunk_prompts", "shards"):
@@ -233,6 +261,27 @@ class RolloutConfig:
             raise ConfigError(f"rollout.staleness must be >= 0 (0: synchronous), got {self.staleness}")
         check_device(self.device, "rollout.device")
         self.vllm.check()
+        self.check_episodes()
+
+    def check_episodes(self) -> None:
+        """The episode settings: counts >= 1, a positive time limit, names of the form reward.functions take."""
+        for name in ("max_turns", "tool_workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.tool_timeout_s <= 0:
+            raise ConfigError(
+                f"rollout.tool_timeout_s must be > 0 (seconds a tool call may take), got {self.tool_timeout_s}"
+            )
+        if self.tool_max_memory_mb is not None and self.tool_max_memory_mb < 64:
+            raise ConfigError(
+                f"rollout.tool_max_memory_mb must be >= 64 or null (no cap), got {self.tool_max_memory_mb}"
+            )
+        for spec in self.tools + ([self.environment] if self.environment else []):
+            target, _, name = spec.rpartition(":")
+            if not target or not name.isidentifier():
+                where = "rollout.environment" if spec == self.environment else "rollout.tools"
+                raise ConfigError(f"{where}: {spec!r} is not of the form path/to/file.py:name or package.module:name")
+        check_env_names(self.tool_pass_env, "rollout.tool_pass_env")
 
 
 @dataclass(frozen=True)
@@ -290,12 +339,17 @@ class RewardConfig:
             raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {self.max_error_fraction}")
         if self.max_memory_mb is not None and self.max_memory_mb < 64:
             raise ConfigError(f"reward.max_memory_mb must be >= 64 or null (no cap), got {self.max_memory_mb}")
-        bad_env = [n for n in self.pass_env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(n))]
-        if bad_env:
-            raise ConfigError(
-                f"reward.pass_env lists environment variable names (letters, digits, _), got {bad_env}; name each "
-                "variable a reward function may read, e.g. reward.pass_env=[OPENAI_API_KEY]"
-            )
+        check_env_names(self.pass_env, "reward.pass_env")
+
+
+def check_env_names(names: list[str], where: str) -> None:
+    """A pass_env setting lists environment variable names."""
+    bad = [n for n in names if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(n))]
+    if bad:
+        raise ConfigError(
+            f"{where} lists environment variable names (letters, digits, _), got {bad}; name each "
+            f"variable the code may read, e.g. {where}=[OPENAI_API_KEY]"
+        )
 
 
 @dataclass(frozen=True)
@@ -887,6 +941,11 @@ def validate(cfg: RunConfig) -> None:
     validate_batches(r, lc)
     validate_dynamic_sampling(r, lc)
     validate_reward(cfg.reward, r)
+    if (r.tools or r.environment) and cfg.task.prompt_format == "text":
+        raise ConfigError(
+            "task.prompt_format=text: episodes (rollout.tools, rollout.environment) render their prompts, tools and "
+            "observations with the model's chat template; use auto or chat"
+        )
     if cfg.reward.overlong_buffer is not None and not 1 <= cfg.reward.overlong_buffer <= r.max_tokens:
         raise ConfigError(
             f"reward.overlong_buffer must be in [1, rollout.max_tokens={r.max_tokens}] or null (off), "

@@ -340,32 +340,56 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render(tokenizer, prompt: str | list[dict], fmt: PromptFormat, system_prompt: str | None) -> tuple[str, bool]:
+def chat_messages(prompt: str | list[dict], system_prompt: str | None) -> list[dict]:
+    """A prompt as chat messages: a string is one user message; `system_prompt` goes first unless the messages start
+    with a system message.
+
+    >>> chat_messages("2 + 2 =", "Be brief.")
+    [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': '2 + 2 ='}]
+    """
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return messages
+
+
+def render(
+    tokenizer, prompt: str | list[dict], fmt: PromptFormat, system_prompt: str | None, tools: list[dict] | None = None
+) -> tuple[str, bool]:
     """(prompt text the model sees, whether it came from the chat template).
 
     `auto`: messages go through the template, a string is used as is; `chat`: a string becomes
     one user message first; `text`: a string as is (messages are refused). `system_prompt`
     goes first as a system message in chat formats (unless the messages start with one).
+    `tools` (an episode's tools, JSON schemas; [] for none): rendered by the template as
+    `apply_chat_template(tools=...)` renders them, and a string under `auto` becomes a user message
+    (an episode goes on in the chat template).
     """
-    if fmt == "text" or (fmt == "auto" and isinstance(prompt, str)):
+    if tools is None and (fmt == "text" or (fmt == "auto" and isinstance(prompt, str))):
         if not isinstance(prompt, str):
             raise DatasetError("task.prompt_format is text, but a prompt is a list of chat messages; use auto or chat")
         return prompt, False
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}] + messages
     if not has_chat_template(tokenizer):
         raise DatasetError(
             "the model's tokenizer has no chat template; use task.prompt_format=text or a model with one"
+            + ("" if tools is None else " (episodes need one: rollout.tools, rollout.environment)")
         )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
+    messages = chat_messages(prompt, system_prompt)
+    return apply_template(tokenizer, messages, tools, add_generation_prompt=True), True
+
+
+def apply_template(tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    """The chat template's text of `messages`; `tools` rendered as apply_chat_template(tools=...) does ([] and None
+    alike: some templates, Llama's, render tool instructions for an empty list)."""
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def tokenize_prompts(
-    tokenizer, examples: list[Example], fmt: PromptFormat, system_prompt: str | None
+    tokenizer, examples: list[Example], fmt: PromptFormat, system_prompt: str | None, tools: list[dict] | None = None
 ) -> tuple[list[str], list[list[int]]]:
-    """Rendered texts and token ids; a templated prompt carries its own special tokens."""
-    rendered = [render(tokenizer, e.prompt, fmt, system_prompt) for e in examples]
+    """Rendered texts and token ids; a templated prompt carries its own special tokens. `tools`: render's."""
+    rendered = [render(tokenizer, e.prompt, fmt, system_prompt, tools) for e in examples]
     texts = [t for t, _ in rendered]
     ids: list[list[int]] = [[] for _ in texts]
     for templated in (False, True):

@@ -55,7 +55,10 @@ ADDED_SETTINGS = {
         ("logprob_kernel",),
     ),
     "reward": (("overlong_buffer", "overlong_penalty"),),
-    "rollout": (("min_signal_groups", "max_sampling_rounds"), ("staleness",)),
+    "rollout": (
+        ("min_signal_groups", "max_sampling_rounds"), ("staleness",),
+        ("tools", "environment", "max_turns", "tool_timeout_s", "tool_workers", "tool_max_memory_mb"),
+    ),
 }  # fmt: skip
 """Settings added after runs were made without them, per section, in groups that act together: an identity
 leaves a group out while all of it holds its defaults (what runs did before it existed)."""
@@ -72,7 +75,8 @@ EVAL_READING = ("every", "metric")
 LEFT_OUT = {
     "learn": LEARN_PLACEMENT,
     "eval": EVAL_READING,
-    "rollout": ("shards", "device"),  # 1 and N shards sample the same rows; which device samples them (as learn.device)
+    # 1 and N shards sample the same rows; which device samples them (as learn.device); which credentials tools read
+    "rollout": ("shards", "device", "tool_pass_env"),
     "reward": ("shards", "pass_env"),  # and score them alike; which credentials reward code may read
     "tracking": ("backend", "uri", "project", "dir"),
     "retention": ("keep_last", "keep_every"),
@@ -108,12 +112,17 @@ def section(cfg: RunConfig, name: str) -> dict:
     values = {k: v for k, v in cfg.to_dict()[name].items() if k not in LEFT_OUT.get(name, ())}
     # a group's defaults as they were when it was added, before any later change of them (CHANGED_DEFAULTS)
     fields = dataclasses.fields(getattr(cfg, name))
-    defaults = {f.name: CHANGED_DEFAULTS.get((name, f.name), (f.default,))[0] for f in fields}
+    defaults = {f.name: CHANGED_DEFAULTS.get((name, f.name), (_default(f),))[0] for f in fields}
     defaults = {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}  # as to_dict writes them
     groups = ADDED_SETTINGS.get(name, ())
     idle = {k for group in groups if all(values[k] == defaults[k] for k in group) for k in group}
     old_names = {new: old for (where, old), new in RENAMED.items() if where == name}  # a renamed field's key stays
     return {old_names.get(k, k): v for k, v in values.items() if k not in idle}
+
+
+def _default(f: dataclasses.Field):
+    """A config field's default, a list's (default_factory) included."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 CHANGED_DEFAULTS = {("learn", "mixed_precision"): ("no", "auto"), ("learn", "old_logprobs"): ("recompute", "auto")}

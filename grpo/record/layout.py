@@ -12,6 +12,7 @@ Every path of a run is built here; the stages, the CLI, `grpo query` and the flo
 from __future__ import annotations
 
 import enum
+import hashlib
 import re
 import unicodedata
 from typing import Literal, get_args
@@ -127,6 +128,7 @@ class Salt(enum.IntEnum):
     LEARNER_TORCH = 3  # torch's global RNG in the learner
     LEARNER_SHUFFLE = 4  # the order of the learner's minibatches
     EPOCH_DRAWS = 5  # the permutation of each epoch over a dataset (iteration 0's seed for all)
+    ENVIRONMENT = 6  # episodes' environments: a group's reset, the Python generators of each call (grpo/episodes)
 
 
 def iteration_seed(run_seed: int, iteration: int, salt: Salt) -> int:
@@ -139,3 +141,15 @@ def round_seed(run_seed: int, iteration: int, round: int, salt: Salt) -> int:
     is the iteration's own, so an iteration that needs no extra round samples what it always did."""
     seed = iteration_seed(run_seed, iteration, salt)
     return seed if round == 0 else (seed * 1_000_033 + round * 104_729) % (2**31 - 1)
+
+
+def episode_seed(seed: int, prompt_id: int, sample_index: int, turn: int) -> int:
+    """Seed of one turn of one episode (grpo/episodes), from a stage's seed: the sampler's for turn `turn` of sample
+    `sample_index` of prompt `prompt_id`, and the environment's. A hash, so it depends on these four alone (not on
+    which episodes share a sampler call or a worker).
+
+    >>> episode_seed(7, 3, 1, 0) == episode_seed(7, 3, 1, 0) != episode_seed(7, 3, 1, 1)
+    True
+    """
+    digest = hashlib.sha256(f"{seed}:{prompt_id}:{sample_index}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**31 - 1)

@@ -32,12 +32,19 @@ class Generator(Protocol):
     adapter_dir: str | None
 
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None, progress=None
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        budgets: list[int] | None = None,
+        progress=None,
+        seeds: list[int] | None = None,
     ) -> list[list[Sample]]:
         """prompts: token ids (bos included) -> per prompt, spec.n samples of at most its budget
         (default spec.max_tokens) tokens; every eos id of the checkpoint (`stop_token_ids`) stops.
         progress: called with the number of prompts whose samples have all ended, as they end; it sees
-        the sampling, never changes it."""
+        the sampling, never changes it. seeds: one per prompt, its samples' random numbers drawn from it alone
+        (sample j's from seed + j), whatever else the call samples (an episode's turn: grpo/episodes/loop.py);
+        None: every random number of the call drawn from spec.seed, as single-turn rollouts always did."""
         ...
 
     def load_weights(self, model_dir: str) -> None:
@@ -55,6 +62,11 @@ class Generator(Protocol):
         ...
 
     def wake(self) -> None: ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (vLLM's prefix cache; a no-op where there is none), so what a call
+        reuses depends on the calls since, never on an earlier stage of the process."""
+        ...
 
     def close(self) -> None: ...
 

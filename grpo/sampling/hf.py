@@ -31,7 +31,13 @@ class HFGenerator:
 
     @torch.no_grad()
     def _batch(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int], rng: torch.Generator, progress=None
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        budgets: list[int],
+        rng: torch.Generator,
+        progress=None,
+        seeds: list[int] | None = None,
     ) -> list[list[Sample]]:
         pad = pad_token_id(self.tokenizer)
         width, dev = max(map(len, prompts)), self.device
@@ -52,13 +58,16 @@ class HFGenerator:
         stopped = done.clone()  # ended by an eos or a stop string
         limit = torch.tensor(budgets, device=dev).repeat_interleave(spec.n)  # (B*n,) each prompt's own budget
         length = limit.clone()  # tokens kept per row
+        # seeds: each row's uniforms from its own seed, whatever the batch (B*n, T); else one stream for the call
+        uniforms = None if seeds is None else row_uniforms(seeds, spec.n, int(limit.max())).to(dev)
         for t in range(int(limit.max())):
             logp = logits.float().log_softmax(-1)  # the raw distribution, before temperature and top-p
-            tok = (
-                logp.argmax(-1)
-                if spec.temperature == 0
-                else sample_token(logits.float() / spec.temperature, spec.top_p, rng)
-            )
+            if spec.temperature == 0:
+                tok = logp.argmax(-1)
+            elif uniforms is None:
+                tok = sample_token(logits.float() / spec.temperature, spec.top_p, rng)
+            else:
+                tok = sample_token_at(logits.float() / spec.temperature, spec.top_p, uniforms[:, t])
             tok = tok.masked_fill(done, pad)
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
@@ -93,7 +102,12 @@ class HFGenerator:
         return torch.tensor([any(s in self.tokenizer.decode(r) for s in stop) for r in rows], device=self.device)
 
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None, progress=None
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        budgets: list[int] | None = None,
+        progress=None,
+        seeds: list[int] | None = None,
     ) -> list[list[Sample]]:
         rng = torch.Generator(self.device).manual_seed(spec.seed)
         budgets = budgets or [spec.max_tokens] * len(prompts)
@@ -101,8 +115,12 @@ class HFGenerator:
         out: list[list[Sample]] = []
         for i in range(0, len(prompts), step):
             batch_progress = None if progress is None else lambda k, i=i: progress(i + k)
-            out += self._batch(prompts[i : i + step], spec, budgets[i : i + step], rng, batch_progress)
+            rows = None if seeds is None else seeds[i : i + step]
+            out += self._batch(prompts[i : i + step], spec, budgets[i : i + step], rng, batch_progress, rows)
         return out
+
+    def reset_prefix_cache(self) -> None:
+        pass  # each call prefills its prompts afresh
 
     def load_weights(self, model_dir: str) -> None:
         from safetensors.torch import load_file
@@ -157,14 +175,43 @@ class HFGenerator:
         pass
 
 
-def sample_token(logits: torch.Tensor, top_p: float, rng: torch.Generator) -> torch.Tensor:
-    """One token per row from softmax(logits), within the smallest set of mass >= top_p (nucleus).
-
-    logits (B, V) -> (B,) long.
-    """
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """softmax(logits) within the smallest set of mass >= top_p, the rest 0 (not renormalized). (B, V) -> (B, V)."""
     probs = logits.softmax(-1)
     if top_p < 1:
         sorted_p, order = probs.sort(-1, descending=True)
         sorted_p = sorted_p * (sorted_p.cumsum(-1) - sorted_p < top_p)  # the first token always stays
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+    return probs
+
+
+def sample_token(logits: torch.Tensor, top_p: float, rng: torch.Generator) -> torch.Tensor:
+    """One token per row from softmax(logits), within the smallest set of mass >= top_p (nucleus).
+
+    logits (B, V) -> (B,) long.
+    """
+    return torch.multinomial(nucleus(logits, top_p), 1, generator=rng).squeeze(-1)
+
+
+def sample_token_at(logits: torch.Tensor, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """sample_token's distribution drawn by inverse CDF from one uniform per row, u (B,) in [0, 1): a row's token
+    depends on its own logits and uniform alone. logits (B, V) -> (B,) long.
+
+    >>> sample_token_at(torch.zeros(2, 2), 1.0, torch.tensor([0.2, 0.7])).tolist()  # two even coins
+    [0, 1]
+    """
+    probs = nucleus(logits, top_p)
+    cdf = probs.cumsum(-1)  # (B, V)
+    x = (u * cdf[:, -1]).unsqueeze(-1)  # (B, 1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
+def row_uniforms(seeds: list[int], n: int, steps: int) -> torch.Tensor:
+    """(len(seeds) * n, steps) uniforms in [0, 1): row i * n + j drawn from its own generator seeded seeds[i] + j, as
+    vLLM seeds a request's n samples, on the CPU (the same numbers on any device).
+
+    >>> bool((row_uniforms([5, 9], 2, 3)[1] == row_uniforms([6], 1, 3)[0]).all())
+    True
+    """
+    rows = [(s + j) % 2**63 for s in seeds for j in range(n)]
+    return torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(r)) for r in rows])

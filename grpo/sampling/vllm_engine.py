@@ -40,7 +40,12 @@ class VLLMGenerator:
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, use_tqdm_on_load=False, **batch, **engine)
 
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, budgets: list[int] | None = None, progress=None
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        budgets: list[int] | None = None,
+        progress=None,
+        seeds: list[int] | None = None,
     ) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -58,7 +63,7 @@ class VLLMGenerator:
                 max_tokens=budgets[i],
                 stop=list(spec.stop) or None,
                 stop_token_ids=list(self.eos),
-                seed=(spec.seed + i * spec.n) % 2**31,
+                seed=(spec.seed + i * spec.n if seeds is None else seeds[i]) % 2**31,
                 logprobs=0,
                 detokenize=bool(spec.stop),
             )
@@ -121,6 +126,9 @@ class VLLMGenerator:
         finally:
             vllm_logger.setLevel(level)
         self.adapter_dir = adapter_dir
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
     def sleep(self) -> bool:
         if not torch.cuda.is_available():

@@ -47,6 +47,7 @@ LOADING, IDLE = -2.0, -1.0  # a worker's progress[0] when it is not scoring a sa
 _PROGRESS: Any = [IDLE, 0.0, 0.0]  # this worker's record (where, function, since); a list outside a worker
 _CONN: Any = None  # this worker's pipe to the parent; None outside a worker
 _PARENT_FDS: set[int] = set()  # this process's ends of its workers' pipes and files: a new worker closes them
+_KEEP_CHILDREN = False  # in a worker: what jobs started stays running past the job (an episode's environment)
 
 
 def _worker_init() -> None:
@@ -89,7 +90,7 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...]) -> None:
             except Exception as e:  # noqa: BLE001 (said to the parent; SystemExit ends the worker, as asked)
                 reply = ("failed", f"{type(e).__name__}: {e}")
             sys.stdout.flush()
-            if left := _end_leftovers():
+            if not _KEEP_CHILDREN and (left := _end_leftovers()):
                 conn.send(("left", left))
             conn.send(reply)
     finally:  # asked to stop, the parent gone (EOF, a broken pipe), a SystemExit: nothing left behind
@@ -118,6 +119,13 @@ def _end_leftovers() -> int:
         except ChildProcessError:
             break
     return left
+
+
+def keep_children(keep: bool) -> None:
+    """In a worker: keep what its jobs start running after each job while `keep` (environments that live across the
+    jobs of their episode: grpo/episodes/workers.py); the first job to end with it False kills them all."""
+    global _KEEP_CHILDREN
+    _KEEP_CHILDREN = keep
 
 
 def progress_record() -> Any:

@@ -31,7 +31,11 @@ from grpo.tasks import get_task
 REWARD_PREFIX = "reward/"  # where a run's base commit keeps copies of reward files
 
 
-class RewardFunctionError(ValueError):
+class UserCodeError(ValueError):
+    """Code a setting names (a reward function, a tool, an environment class) cannot be found or imported."""
+
+
+class RewardFunctionError(UserCodeError):
     """A reward function cannot be found, imported or called as a reward."""
 
 
@@ -44,19 +48,20 @@ def is_file_spec(spec: str) -> bool:
     return spec.rpartition(":")[0].endswith(".py")
 
 
-def split_spec(spec: str) -> tuple[str, str]:
+def split_spec(spec: str, setting: str = "reward.functions") -> tuple[str, str]:
     """`target:function` -> (target, function); a spec without both fails naming it."""
     target, _, name = spec.rpartition(":")
     if not target or not name.isidentifier():
         raise RewardFunctionError(
-            f"reward.functions: {spec!r} is not of the form path/to/file.py:function or package.module:function"
+            f"{setting}: {spec!r} is not of the form path/to/file.py:function or package.module:function"
         )
     return target, name
 
 
-def committed_name(index: int, spec: str) -> str:
-    """File name of the copy of reward file `index` in the run's base commit."""
-    return f"{REWARD_PREFIX}{index}-{os.path.basename(split_spec(spec)[0])}"
+def committed_name(index: int, spec: str, prefix: str = REWARD_PREFIX) -> str:
+    """File name of the copy of file `index` of a setting (reward.functions; a tool's: `prefix`) in the run's base
+    commit."""
+    return f"{prefix}{index}-{os.path.basename(split_spec(spec)[0])}"
 
 
 def _module_from_file(path: str):
@@ -75,27 +80,34 @@ def _module_from_file(path: str):
     return module
 
 
-def load_function(spec: str, file: str | None = None) -> Callable:
-    """The function `spec` names, checked to take (response, ground_truth, prompt).
-
-    `file` overrides the path of a file spec (the run's committed copy).
-    """
-    target, name = split_spec(spec)
+def load_object(spec: str, file: str | None = None, setting: str = "reward.functions") -> Callable:
+    """The callable (a function, a class) `spec` names; `file` overrides the path of a file spec (the run's committed
+    copy). Errors name `setting`."""
+    target, name = split_spec(spec, setting)
     try:
         if is_file_spec(spec):
             path = file or target
             if not os.path.isfile(path):
-                raise RewardFunctionError(f"reward.functions: {spec!r}: no file {path}")
+                raise RewardFunctionError(f"{setting}: {spec!r}: no file {path}")
             module = _module_from_file(path)
         else:
             module = importlib.import_module(target)
     except RewardFunctionError:
         raise
     except Exception as e:  # noqa: BLE001 (whatever the user's module raises on import)
-        raise RewardFunctionError(f"reward.functions: {spec!r}: import failed: {type(e).__name__}: {e}") from e
+        raise RewardFunctionError(f"{setting}: {spec!r}: import failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise RewardFunctionError(f"reward.functions: {spec!r}: {target} has no function {name!r}")
+        raise RewardFunctionError(f"{setting}: {spec!r}: {target} has no function {name!r}")
+    return fn
+
+
+def load_function(spec: str, file: str | None = None) -> Callable:
+    """The function `spec` names, checked to take (response, ground_truth, prompt).
+
+    `file` overrides the path of a file spec (the run's committed copy).
+    """
+    fn = load_object(spec, file)
     try:
         sig = inspect.signature(fn)
         sig.bind("response", "ground_truth", "prompt", **{n: None for n in required_columns(fn)})

@@ -1,0 +1,91 @@
+"""Which environment adapter a run's config names, and the registry of adapter kinds.
+
+A run has episodes when its config names where their environment comes from:
+  rollout.tools        plain Python functions (`path/to/file.py:function` or `package.module:function`, as
+                       reward.functions are named): kind `tools` (tools.py)
+  rollout.environment  a TRL `environment_factory` class (`path/to/file.py:Class` or `package.module:Class`):
+                       kind `environment` (trl_environment.py); rollout.tools then adds standalone tools beside
+                       its methods, as TRL's `tools=` does beside `environment_factory`
+Neither: single-turn rollouts, as before episodes existed.
+
+A kind's module has `build(source: Source) -> Callable[[], Environment]`: the factory a worker process calls once
+per episode (built once per process and kept). `Source` holds plain values only, so it travels to a forked worker
+and keys its cache, as the reward scorer's key does (grpo/scoring/score.py). A file a spec names is copied into the
+run's base commit at `grpo init` (under its kind's prefix), so every stage, worker and machine runs the same code;
+`files` holds the local paths of those copies.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from grpo.episodes.environment import Environment
+
+KINDS = {
+    "tools": "grpo.episodes.tools",
+    "environment": "grpo.episodes.trl_environment",
+    "openenv": "grpo.episodes.openenv",
+}
+"""Adapter kind -> the module whose `build(source)` makes its factory."""
+
+PREFIXES = {"tools": "tools/", "environment": "environment/"}
+"""Where a run's base commit keeps the copies of the files each setting names (rollout.tools, rollout.environment)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Plain values a worker builds a run's adapter factory from (picklable, hashable: a worker's cache key)."""
+
+    kind: str
+    """A key of KINDS."""
+    environment: str | None = None
+    """rollout.environment as the config names it (kinds environment, openenv)."""
+    environment_file: str | None = None
+    """The local path of its committed copy when it names a file."""
+    tools: tuple[str, ...] = ()
+    """rollout.tools as the config names them."""
+    tool_files: tuple[str | None, ...] = ()
+    """The local path of each one's committed copy (None: a module spec)."""
+    timeout_s: float = 10.0
+    """rollout.tool_timeout_s: the time limit of one tool call (calls.py)."""
+    options: tuple[tuple[str, object], ...] = ()
+    """Anything else a kind needs, as sorted (name, value) pairs."""
+
+
+@functools.lru_cache(maxsize=4)
+def factory(source: Source) -> Callable[[], Environment]:
+    """The adapter factory of `source`, built once per process (a worker serves many episodes)."""
+    if source.kind not in KINDS:
+        raise ValueError(f"unknown environment kind {source.kind!r}; valid: {', '.join(KINDS)}")
+    return importlib.import_module(KINDS[source.kind]).build(source)
+
+
+def kind_of(rollout) -> str | None:
+    """The adapter kind a rollout config names (grpo.config.RolloutConfig); None: single-turn rollouts.
+
+    >>> from grpo.config import RolloutConfig
+    >>> kind_of(RolloutConfig()), kind_of(RolloutConfig(tools=["m:f"])), kind_of(RolloutConfig(environment="m:C"))
+    (None, 'tools', 'environment')
+    """
+    if rollout.environment:
+        return "environment"
+    return "tools" if rollout.tools else None
+
+
+def source(rollout, files: dict[str, str]) -> Source | None:
+    """The Source of a rollout config (None: single-turn); `files` maps each file spec to its committed copy's
+    local path (stages.prompts.environment_source finds them in the base commit)."""
+    kind = kind_of(rollout)
+    if kind is None:
+        return None
+    return Source(
+        kind=kind,
+        environment=rollout.environment,
+        environment_file=files.get(rollout.environment) if rollout.environment else None,
+        tools=tuple(rollout.tools),
+        tool_files=tuple(files.get(spec) for spec in rollout.tools),
+        timeout_s=rollout.tool_timeout_s,
+    )

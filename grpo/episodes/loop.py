@@ -1,0 +1,187 @@
+"""The episode loop: the G episodes of each prompt of a chunk, sampled a turn at a time for every live one at once.
+
+    reset every episode (its group's seed: one start for the G episodes of a prompt); render each prompt with its
+        tools and what reset added
+    while episodes are live:
+        sample one assistant turn for each (one sampler call, each episode's context its prompt's ids and its
+        response's ids so far, its random numbers seeded by the episode and the turn alone)
+        parse each turn's tool calls; each environment answers its turn (the workers, in parallel)
+        an episode ends when the environment says so (a tools adapter: a turn without a call), its turn was cut off
+        by its token budget, it sampled rollout.max_turns turns, or its observation does not fit the budget; else the
+        observation's ids, rendered as the chat template renders the messages (chat.py), are appended
+    each environment's final state, then it closes
+
+Token in, token out: what an episode's row holds is exactly what the sampler was given and gave, in order (records.py).
+Deterministic: which rows a chunk commits depends on the committed inputs and the seeds alone: each turn's random
+numbers come from (the stage's seed, the prompt, the sample, the turn), each environment call's from the run's seed,
+the episode and the turn, whatever else shares a sampler call or a worker; so a rerun or a resumed run commits the same
+bytes (given the same sampler numerics, as single-turn rollouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from grpo.episodes.chat import observation_tokens, prompt_tokens, with_reset
+from grpo.episodes.environment import EnvironmentFailure
+from grpo.episodes.parsing import parse_turn
+from grpo.episodes.records import Episode, Turn
+from grpo.episodes.workers import Item, Outcome, Workers
+from grpo.layout import episode_seed
+from grpo.sampling.base import Generator, SamplingSpec
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where the G episodes of one prompt start: its id, chat messages and dataset row (what reset gets)."""
+
+    prompt_id: int
+    messages: list[dict]
+    row: dict
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds an episode: its sampled turns, its tokens after the prompt, the model's context, a tool call's
+    seconds."""
+
+    max_turns: int
+    max_tokens: int
+    context: int
+    tool_timeout_s: float
+
+
+class Loop:
+    """One stage's episodes: the sampler, the tokenizer and its end-of-turn ids, the workers, the tools, the limits."""
+
+    def __init__(self, gen: Generator, tokenizer, eos_ids: tuple[int, ...], workers: Workers, limits: Limits):
+        self.gen, self.tokenizer, self.eos_ids, self.workers, self.limits = gen, tokenizer, eos_ids, workers, limits
+        self.turn_ends = [tokenizer.decode([i], skip_special_tokens=False) for i in eos_ids]
+        self.parse_prefix = getattr(tokenizer, "response_template", None) is not None
+        self.name = workers.source.environment or ", ".join(workers.source.tools)
+
+    def run(
+        self, starts: list[Start], spec: SamplingSpec, env_seed: int, progress: Callable[[int], None] | None = None
+    ) -> list[list[Episode]]:
+        """The spec.n episodes of each start, grouped by start; spec.seed seeds the sampler, env_seed the
+        environments; progress(k): the first k starts' episodes have all ended (in no particular order: a count)."""
+        g = spec.n
+        episodes = [
+            Episode(s.prompt_id, j, self.workers.key(i * g + j)) for i, s in enumerate(starts) for j in range(g)
+        ]
+        tools = self._reset(starts, episodes, g, env_seed)
+        one = dataclasses.replace(spec, n=1)
+        live, turn = list(episodes), 0
+        while live:
+            self._sample(live, one, turn, tools)
+            outcomes = self.workers.run("respond", [self._respond_item(e, env_seed, turn) for e in live])
+            live = [e for e, o in zip(live, outcomes) if self._answered(e, o, tools)]
+            turn += 1
+            if progress is not None:
+                ended = {e.prompt_id for e in live}
+                progress(sum(s.prompt_id not in ended for s in starts))
+        self._finish(episodes, env_seed)
+        return [episodes[i * g : (i + 1) * g] for i in range(len(starts))]
+
+    def _reset(self, starts: list[Start], episodes: list[Episode], g: int, env_seed: int) -> list[dict]:
+        """Reset every episode (a group's with one seed), render each prompt with its tools and what reset added;
+        the tools' schemas."""
+        seeds = [episode_seed(env_seed, s.prompt_id, 0, 0) for s in starts]
+        items = [Item(e.key, seeds[i // g], (starts[i // g].row, seeds[i // g])) for i, e in enumerate(episodes)]
+        outcomes = self.workers.run("reset", items)
+        for e, o in zip(episodes, outcomes):
+            self._check(e, o, "reset")
+        tools = outcomes[0].value[1] if outcomes else []
+        for i, s in enumerate(starts):
+            group = [o.value[0] for o in outcomes[i * g : (i + 1) * g]]
+            if any(added != group[0] for added in group):
+                raise EnvironmentFailure(
+                    f"environment {self.name}: reset gave the {g} episodes of prompt_id {s.prompt_id} different starts "
+                    "with one seed; a group's episodes must start alike (seed the environment from reset's seed)"
+                )
+            messages = with_reset(s.messages, group[0])
+            text, ids = prompt_tokens(self.tokenizer, messages, tools)
+            budget = min(self.limits.max_tokens, self.limits.context - len(ids))
+            if budget < 1:
+                raise EnvironmentFailure(
+                    f"prompt_id {s.prompt_id} with the environment's reset is {len(ids)} tokens, leaving none of the "
+                    f"model's {self.limits.context} positions to respond in; raise the context or shorten the prompt"
+                )
+            for e in episodes[i * g : (i + 1) * g]:
+                e.prompt_text, e.prompt_ids, e.messages, e.prompt_messages = text, ids, list(messages), len(messages)
+                e.budget = budget
+        return tools
+
+    def _sample(self, live: list[Episode], spec: SamplingSpec, turn: int, tools: list[dict]) -> None:
+        """One turn of every live episode, appended with mask 1 and parsed."""
+        contexts = [e.prompt_ids + e.response_ids for e in live]
+        budgets = [e.budget - len(e.response_ids) for e in live]
+        seeds = [episode_seed(spec.seed, e.prompt_id, e.sample_index, turn) for e in live]
+        samples = self.gen.generate(contexts, spec, budgets, seeds=seeds)
+        for e, context, [s] in zip(live, contexts, samples):
+            start = len(e.response_ids)
+            e.append(list(s.response_ids), True, list(s.logprobs))
+            ids = s.response_ids[:-1] if s.response_ids and s.response_ids[-1] in self.eos_ids else s.response_ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            prefix = self.tokenizer.decode(context, skip_special_tokens=False) if self.parse_prefix else ""
+            message, calls = parse_turn(self.tokenizer, text, prefix, tools)
+            e.messages.append(message)
+            e.turns.append(Turn(start, len(e.response_ids), text, s.finish_reason, calls))
+
+    def _respond_item(self, e: Episode, env_seed: int, turn: int) -> Item:
+        t = e.turns[-1]
+        limit = self.limits.tool_timeout_s * (len(t.calls) + 1)  # each call's own alarm comes first
+        return Item(e.key, episode_seed(env_seed, e.prompt_id, e.sample_index, turn + 1), (t.text, t.calls), limit)
+
+    def _answered(self, e: Episode, o: Outcome, tools: list[dict]) -> bool:
+        """Record the environment's answer to the episode's last turn; True when the episode goes on (its
+        observation's ids appended)."""
+        t = e.turns[-1]
+        t.tool_s = o.seconds
+        if o.lost is not None:
+            t.errors, e.end = [o.lost], "lost"
+            return False
+        self._check(e, o, f"turn {len(e.turns) - 1}")
+        reply = o.value
+        t.errors = list(reply.errors)
+        t.observation = "\n".join(str(m["content"]) for m in reply.messages) if reply.messages else None
+        if t.finish == "length":
+            e.end = "budget"
+        elif reply.done or not reply.messages:
+            e.end = "done"
+        elif len(e.turns) >= self.limits.max_turns:
+            e.end = "max_turns"
+        else:
+            sampled = e.response_ids[t.start : t.end]
+            ended = self.tokenizer.decode(sampled[-1:], skip_special_tokens=False) if sampled else None
+            ended = ended if sampled and sampled[-1] in self.eos_ids else None
+            _, ids = observation_tokens(self.tokenizer, e.messages, reply.messages, tools, ended, self.turn_ends)
+            if len(e.response_ids) + len(ids) >= e.budget:  # no room left for the observation and a token after it
+                e.end = "budget"
+            else:
+                e.append(ids, False)
+                e.messages += reply.messages
+                t.appended = len(ids)
+        return e.end is None
+
+    def _finish(self, episodes: list[Episode], env_seed: int) -> None:
+        """Each environment's final state (then it closes)."""
+        last = self.limits.max_turns + 1
+        items = [Item(e.key, episode_seed(env_seed, e.prompt_id, e.sample_index, last)) for e in episodes]
+        limit = 2 * self.limits.tool_timeout_s
+        items = [dataclasses.replace(item, limit_s=limit) for item in items]
+        for e, o in zip(episodes, self.workers.run("final", items)):
+            if o.lost is None:
+                self._check(e, o, "final")
+                e.final = o.value
+
+    def _check(self, e: Episode, o: Outcome, where: str) -> None:
+        """A failed (or, in reset, lost) environment call fails the stage in one line naming it."""
+        why = o.failed or (o.lost if where == "reset" else None)
+        if why is not None:
+            raise EnvironmentFailure(
+                f"environment {self.name} failed in {where} of the episode prompt_id {e.prompt_id} sample "
+                f"{e.sample_index}: {why}"
+            )

@@ -1,0 +1,112 @@
+"""What an episode leaves: its tokens with their loss mask and sampler log-probs, its turns, its end and final state,
+and the columns of the three tables they go to (schemas/tables.py): a rollouts row per episode, a turns row per
+assistant turn, an episodes row per episode.
+
+The rollouts row is the learner's: `response_ids` is every token after the prompt in the order it was appended
+(sampled turns and the observations between them), `loss_mask` 1 on the sampled tokens and 0 on the appended ones,
+`sampler_logprobs` the sampler's log-prob of each sampled token (0.0 where the mask is 0). A turn's sampled ids are
+response_ids[start:end]; what was appended after it runs to the next turn's start.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from grpo.episodes.environment import ToolCall
+
+ENDS = ("done", "max_turns", "budget", "lost")
+"""How an episode ends: the environment said so (a tools adapter: a turn without a call), rollout.max_turns turns,
+its token budget (a turn cut off, or an observation that does not fit), or its environment lost with its worker."""
+
+
+@dataclass
+class Turn:
+    """One sampled assistant turn and what answered it."""
+
+    start: int
+    end: int
+    """Its sampled ids are response_ids[start:end]."""
+    text: str
+    """As the model wrote it, its end-of-turn token dropped (for people and the environment; never re-tokenized)."""
+    finish: str
+    """stop (an end-of-turn token or a stop string) or length (cut off by the episode's budget)."""
+    calls: list[ToolCall] = field(default_factory=list)
+    observation: str | None = None
+    """The text of the messages that answered it (their contents, one a line); None: nothing answered."""
+    appended: int = 0
+    """Tokens appended after it (the observation as the template renders it); 0 when it was not appended."""
+    tool_s: float = 0.0
+    """Seconds the environment took to answer it, in its worker."""
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Episode:
+    """One episode: a sample of a group, from its prompt to its end."""
+
+    prompt_id: int
+    sample_index: int
+    key: tuple
+    """Its place in the workers (grpo.episodes.workers)."""
+    prompt_text: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    """The conversation: the prompt's messages (with what reset added), then each turn and what was appended."""
+    prompt_messages: int = 0
+    """How many of `messages` are the prompt's."""
+    budget: int = 0
+    """Its tokens after the prompt, at most: rollout.max_tokens, or what the model's context leaves."""
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    end: str | None = None
+    final: dict | None = None
+
+    def append(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+        """Append tokens: sampled (mask 1, their sampler log-probs) or observed (mask 0, log-prob 0.0)."""
+        self.response_ids += ids
+        self.loss_mask += [int(sampled)] * len(ids)
+        self.logprobs += logprobs if sampled else [0.0] * len(ids)
+
+    @property
+    def finish_reason(self) -> str:
+        """The rollouts table's: length when the token budget ended it, else stop."""
+        return "length" if self.end == "budget" else "stop"
+
+
+def turn_columns(episodes: list[Episode], stamp: dict) -> dict[str, list]:
+    """The turns table's columns (less run_id and iteration): a row per turn of each episode, in order."""
+    rows = [(e, k, t) for e in episodes for k, t in enumerate(e.turns)]
+    return {
+        "prompt_id": [e.prompt_id for e, _, _ in rows],
+        "sample_index": [e.sample_index for e, _, _ in rows],
+        "turn": [k for _, k, _ in rows],
+        "start": [t.start for _, _, t in rows],
+        "end": [t.end for _, _, t in rows],
+        "text": [t.text for _, _, t in rows],
+        "finish_reason": [t.finish for _, _, t in rows],
+        "tool_names": [[c.name for c in t.calls] for _, _, t in rows],
+        "tool_arguments": [[json.dumps(c.arguments, sort_keys=True) for c in t.calls] for _, _, t in rows],
+        "observation": [t.observation for _, _, t in rows],
+        "observation_tokens": [t.appended for _, _, t in rows],
+        "tool_s": [t.tool_s for _, _, t in rows],
+        "tool_errors": [len(t.errors) for _, _, t in rows],
+        "error": [t.errors[0] if t.errors else None for _, _, t in rows],
+        "policy_version": [stamp["policy_version"]] * len(rows),
+    }
+
+
+def episode_columns(episodes: list[Episode]) -> dict[str, list]:
+    """The episodes table's columns (less run_id and iteration): a row per episode."""
+    return {
+        "prompt_id": [e.prompt_id for e in episodes],
+        "sample_index": [e.sample_index for e in episodes],
+        "turns": [len(e.turns) for e in episodes],
+        "tool_calls": [sum(len(t.calls) for t in e.turns) for e in episodes],
+        "tool_errors": [sum(len(t.errors) for t in e.turns) for e in episodes],
+        "end": [e.end for e in episodes],
+        "messages": [json.dumps(e.messages[e.prompt_messages :], sort_keys=True, default=str) for e in episodes],
+        "environment": [None if e.final is None else json.dumps(e.final, sort_keys=True) for e in episodes],
+    }

@@ -1,0 +1,186 @@
+"""Where environment adapters live: each episode's in one worker process, from its reset to its final state.
+
+The workers are the reward workers' kind (grpo/scoring/pool.py): forked from the stage's process before the sampler
+starts, without its credentials but those rollout.tool_pass_env names, each its own process group whose leftover
+processes are killed (here when the worker holds no open episode any more, since an environment may keep a process
+for its episode), under rollout.tool_max_memory_mb. Episode i of a reset lives in worker i mod rollout.tool_workers.
+The loop asks for one operation on many episodes at once (reset every episode of a chunk, respond to each live
+episode's turn, ...): every worker gets one job holding its episodes' items, in order, and the workers run in
+parallel. Before each item the worker seeds Python's `random` (and numpy's, if imported) from the item's seed, so an
+environment that draws from them answers alike on a rerun, however the episodes fall on workers.
+
+What can go wrong, and what it costs:
+- an adapter method raises (a server that died, a class that does not build, code that does not import): the
+  outcome is `failed`; the loop fails the stage in one line naming the environment and the episode;
+- a worker dies (os._exit, a signal, the OOM killer), or one item runs past its time limit ignoring its alarm (the
+  worker is killed): every episode whose environment lived in it is `lost`, the one whose call it was told why; the
+  worker is replaced, the stage goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+from grpo.episodes.adapters import Source, factory
+from grpo.episodes.environment import Environment, Reply
+from grpo.scoring.pool import IDLE, LOADING, RewardPool, cap_memory, keep_children, progress_record
+
+GRACE_S = 2.0  # how long past its time limit an item may run before the parent kills its worker
+RESET_S = 300.0  # for a reset: the first builds the factory (imports the user's code, probes the class)
+
+_LIVE: dict[object, Environment] = {}  # in a worker: the adapters of its open episodes
+
+
+@dataclass(frozen=True)
+class Item:
+    """One episode's part of an operation: its key, the seed of Python's generators for the call, the arguments."""
+
+    key: tuple
+    seed: int
+    args: tuple = ()
+    limit_s: float = RESET_S
+    """How long the parent lets it run before it kills the worker (the adapter's own alarms come first)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one item: `value`, or `failed` (the method raised: the environment is broken), or `lost` (its
+    worker died or was killed: its environment is gone)."""
+
+    value: object = None
+    seconds: float = 0.0
+    failed: str | None = None
+    lost: str | None = None
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2**32)
+
+
+def _reply(value) -> Reply:
+    """respond's value, checked: a Reply whose messages are chat messages."""
+    ok = isinstance(value, Reply) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in value.messages
+    )
+    if not ok:
+        raise TypeError(f"respond() returned {value!r:.200}, not a Reply of chat messages ({{'role', 'content'}})")
+    return value
+
+
+def _call(make, op: str, item: Item):
+    """One item in the worker: the adapter method `op` of the episode `item.key`."""
+    _seed(item.seed)
+    if op == "reset":
+        env = _LIVE[item.key] = make()
+        return env.reset(*item.args), env.tools()
+    if op == "respond":
+        return _reply(_LIVE[item.key].respond(*item.args))
+    env = _LIVE.pop(item.key, None)  # final, close: the episode ends either way
+    if env is None:
+        return None
+    try:
+        state = env.final() if op == "final" else None
+        json.dumps(state)  # stored as JSON: a state it cannot hold fails here, naming the environment
+        return state
+    finally:
+        env.close()
+
+
+def _job(source: Source, max_memory_mb: int | None, op: str, items: list[Item]) -> list[tuple]:
+    """A worker's part of an operation: ("ok" | "failed", value or error line, seconds) per item, in order."""
+    progress = progress_record()
+    progress[2], progress[1], progress[0] = time.monotonic(), 0, LOADING
+    cap_memory(max_memory_mb)
+    keep_children(True)
+    make = factory(source)  # built once per worker; an import error fails the job, said once
+    out = []
+    for j, item in enumerate(items):
+        progress[2], progress[0] = time.monotonic(), j
+        t0 = time.perf_counter()
+        try:
+            out.append(("ok", _call(make, op, item), time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 (the environment is broken: the parent fails the stage, naming it)
+            out.append(("failed", f"{type(e).__name__}: {' '.join(str(e).split())}", time.perf_counter() - t0))
+    progress[0] = IDLE
+    keep_children(bool(_LIVE))
+    return out
+
+
+class Workers:
+    """The episodes of one stage in a pool's workers: where each lives, which are lost."""
+
+    def __init__(self, pool: RewardPool, source: Source, max_memory_mb: int | None):
+        self.pool, self.source, self.max_memory_mb = pool, source, max_memory_mb
+        self.home: dict[tuple, int] = {}  # episode key -> the index of its worker
+        self.lost: dict[tuple, str] = {}  # episode key -> how its environment was lost
+        self.token = os.urandom(6).hex()  # keys of this stage's episodes, apart from any other's in a warm pool
+
+    def key(self, episode: int) -> tuple:
+        return (self.token, episode)
+
+    def run(self, op: str, items: list[Item]) -> list[Outcome]:
+        """Adapter method `op` (reset, respond, final, close) for each item's episode, every worker's items as one
+        job, the workers in parallel; an Outcome per item, in order. A reset places episode i in worker i mod the
+        workers; an item of a lost episode is not sent (its outcome says how it was lost)."""
+        n = len(self.pool.workers)
+        if op == "reset":
+            self.home.update({item.key: i % n for i, item in enumerate(items)})
+        out: list[Outcome | None] = [None] * len(items)
+        jobs: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            if item.key in self.lost:
+                out[i] = Outcome(lost=self.lost[item.key])
+            else:
+                jobs.setdefault(self.home[item.key], []).append(i)
+        for w, idx in jobs.items():
+            self.pool.submit(
+                self.pool.workers[w], _job, (self.source, self.max_memory_mb, op, [items[i] for i in idx]), idx
+            )
+        while self.pool.busy():
+            for w, idx, kind, payload in self.pool.wait(self._wait_s(items)):
+                if kind == "done":
+                    for i, (status, value, seconds) in zip(idx, payload):
+                        out[i] = Outcome(value, seconds) if status == "ok" else Outcome(failed=value, seconds=seconds)
+                elif kind == "failed":  # the job itself: the adapter factory does not build
+                    for i in idx:
+                        out[i] = Outcome(failed=payload)
+                elif kind == "died":
+                    index, where = self.pool.workers.index(w), int(w.progress[0])
+                    self._lose(index, idx, items, out, where, f"its worker died ({self.pool.replace(w)})")
+            for w in self.pool.busy():
+                if time.monotonic() > self._due(w, items):
+                    index, where = self.pool.workers.index(w), int(w.progress[0])
+                    self.pool.replace(w)
+                    limit = items[w.job[where]].limit_s if where >= 0 else RESET_S
+                    self._lose(index, w.job, items, out, where, f"{op} ran past {limit:g}s; its worker was killed")
+        return out
+
+    def _lose(self, index: int, idx: list[int], items: list[Item], out: list, where: int, why: str) -> None:
+        """Worker `index` is gone with every environment in it: the item it ran (`where` in its job `idx`) is told
+        `why`, every other episode that lived there is lost with it."""
+        culprit = items[idx[where]].key if 0 <= where < len(idx) else None
+        for key, home in self.home.items():
+            if home == index and key not in self.lost:
+                self.lost[key] = why if key == culprit else f"lost with its worker ({why})"
+        for i in idx:
+            out[i] = Outcome(lost=self.lost[items[i].key])
+
+    @staticmethod
+    def _due(w, items: list[Item]) -> float:
+        """When busy worker `w` is overdue: its item's limit past the item's start (building the factory: RESET_S)."""
+        where, _, since = w.progress[:]
+        if where == LOADING:
+            return since + RESET_S + GRACE_S
+        return since + items[w.job[int(where)]].limit_s + GRACE_S if where >= 0 else float("inf")
+
+    def _wait_s(self, items: list[Item]) -> float:
+        """How long to wait for answers before a busy worker's item is overdue; at most 1 s."""
+        due = [self._due(w, items) for w in self.pool.busy()]
+        return min([1.0] + [max(0.01, t - time.monotonic() + 0.01) for t in due if t != float("inf")])
