@@ -32,7 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timing import machine  # noqa: E402
 
-from grpo.tasks.calculator import SYSTEM, Calculator, correct_answer, correct_tool_use, final_answer, problem  # noqa: E402
+from grpo.tasks.calculator import (  # noqa: E402
+    SYSTEM,
+    Calculator,
+    correct_answer,
+    correct_tool_use,
+    final_answer,
+    problem,
+)
 from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_model  # noqa: E402
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)

@@ -178,7 +178,7 @@ TOOLS_CHAT_TEMPLATE = r"""{%- if tools %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501
 
 
 def build_chat_tokenizer(
