@@ -12,6 +12,9 @@ The rewards are TRL reward functions (lists in, a float per completion out):
 - `correct_answer`: 1 when the last assistant message ends "The answer is N." with the right N;
 - `correct_tool_use`: 1 when the episode called `multiply` with the problem's two numbers.
 
+`reward` is the recipe's reward for grpo-flow's `reward.functions` (one episode in, its components out):
+correct_answer + 0.5 x correct_tool_use, from the episode's messages and its environment's final state.
+
     >>> env = Calculator()
     >>> env.reset(question="...", answer="3381")
     >>> env.multiply(a=23, b=147)
@@ -64,6 +67,9 @@ def final_answer(text: str) -> int | None:
 class Calculator:
     """A calculator; it remembers the calls of its episode (a, b, result)."""
 
+    def __init__(self):
+        self.calls: list[tuple[int, int, int]] = []
+
     def reset(self, **row) -> None:
         """A new episode for a dataset row (its columns as keywords); nothing is added to the prompt."""
         self.calls: list[tuple[int, int, int]] = []
@@ -111,3 +117,23 @@ def correct_tool_use(completions: list, environments: list[Calculator], answer: 
     [0.0]
     """
     return [float(any(r == int(a) for *_, r in env.calls)) for env, a in zip(environments, answer)]
+
+
+TOOL_USE_WEIGHT = 0.5
+
+
+def reward(response: str, ground_truth: str, prompt, environment=None, messages=None) -> dict:
+    """The recipe's reward of one episode (grpo-flow's reward function form): `correct` + 0.5 x `tool_use`, the
+    two TRL rewards above on its conversation (`messages`, the turns after the prompt) and its environment as it
+    ended (`environment.calls`).
+
+    >>> env = Calculator()
+    >>> env.reset()
+    >>> _ = env.multiply(a=23, b=147)
+    >>> reward("The answer is 3381.", "3381", "...", env, [{"role": "assistant", "content": "The answer is 3381."}])
+    {'correct': 1.0, 'tool_use': 1.0, 'total': 1.5}
+    """
+    messages = messages if messages is not None else [{"role": "assistant", "content": response}]
+    right = correct_answer([messages], [ground_truth])[0]
+    used = correct_tool_use([messages], [environment], [ground_truth])[0] if environment is not None else 0.0
+    return {"correct": right, "tool_use": used, "total": right + TOOL_USE_WEIGHT * used}
