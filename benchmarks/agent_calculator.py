@@ -61,7 +61,7 @@ def prompt_of(row: dict) -> list[dict]:
 
 def call_text(row: dict) -> str:
     """The tool call as Qwen2.5's template renders it (an assistant turn with no text)."""
-    call = {"name": "multiply", "arguments": {"a": row["a"], "b": row["b"]}}
+    call = {"name": "calculate", "arguments": {"operation": row["operation"]}}
     return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
 
 
@@ -105,7 +105,7 @@ def transcript(tok, tools, row: dict, use_tool: bool) -> tuple[list[int], list[i
     mask = [0] * len(ids)
     if use_tool:
         turn = tok(call_text(row) + tok.eos_token, add_special_tokens=False)["input_ids"]
-        obs = observation_ids(tok, "multiply", row["answer"])
+        obs = observation_ids(tok, "calculate", row["answer"])
         ids, mask = ids + turn + obs, mask + [1] * len(turn) + [0] * len(obs)
     last = tok(f"The answer is {row['answer']}." + tok.eos_token, add_special_tokens=False)["input_ids"]
     return ids + last, mask + [1] * len(last)
@@ -184,16 +184,16 @@ def held_out(model, tok, rows: list[dict], max_turns: int = 3, max_tokens: int =
             if call is None or turn[-1] not in eos:
                 continue
             try:
-                args = json.loads(call.group(1))["arguments"]
-                result = envs[i].multiply(**args)
-            except Exception as e:  # a malformed call: its error is what the model sees
-                result = f"error: {e}"
-            seqs[i] = seqs[i] + observation_ids(tok, "multiply", result)
+                call = json.loads(call.group(1))
+                name, result = call["name"], str(getattr(envs[i], call["name"])(**call["arguments"]))
+            except Exception as e:  # a malformed call: its error is what the model sees, as TRL shows it
+                name, result = "calculate", str({"error": str(e)})
+            seqs[i] = seqs[i] + observation_ids(tok, name, result)
             going.append(i)
         live = going
     model.train(was_training)
     right = [final_answer(t[-1]) == int(r["answer"]) for t, r in zip(texts, rows)]
-    used = [any(c[2] == int(r["answer"]) for c in env.calls) for env, r in zip(envs, rows)]
+    used = [any(result == int(r["answer"]) for _, result in env.calls) for env, r in zip(envs, rows)]
     return {"accuracy": sum(right) / len(rows), "tool_use": sum(used) / len(rows)}
 
 
@@ -221,7 +221,9 @@ def trl_side(root: Path, model_dir: str, train: list[dict], test: list[dict], ar
                 curve.append({**held_out(model, tok, test), "seconds": time.perf_counter() - start})
                 print(f"TRL iteration {len(curve) - 1}: {fmt(curve[-1])}", flush=True)
 
-    dataset = Dataset.from_list([{"prompt": prompt_of(r), "answer": r["answer"]} for r in train])
+    dataset = Dataset.from_list(
+        [{"prompt": prompt_of(r), "answer": r["answer"], "a": r["a"], "b": r["b"]} for r in train]
+    )
     config = GRPOConfig(
         output_dir=str(root / "trl"),
         per_device_train_batch_size=batch,
@@ -260,6 +262,69 @@ def trl_side(root: Path, model_dir: str, train: list[dict], test: list[dict], ar
     return {"curve": curve, "seconds": time.perf_counter() - start}
 
 
+def ours_config(root: Path, model_dir: str, train: list[dict], test: list[dict], args) -> list[str]:
+    """grpo-flow's settings for the recipe: the same model, class, reward, episodes an iteration, optimizer steps,
+    learning rate and token budget as TRL's side; the held-out problems a dataset of their own (scored by `held_out`
+    after every iteration, as TRL's are; the eval stage runs once, at the end)."""
+    import pandas as pd
+
+    for name, rows in (("train", train), ("held_out", test)):
+        pd.DataFrame(rows)[["question", "answer", "a", "b"]].to_parquet(root / f"{name}.parquet")
+    batch = args.prompts * args.group // args.steps
+    return [
+        f"model.base_model={model_dir}",
+        "task.name=math",
+        f"task.dataset={root / 'train.parquet'}",
+        "task.prompt_column=question",
+        "task.answer_column=answer",
+        "task.prompt_format=chat",
+        f"task.system_prompt={SYSTEM}",
+        "rollout.environment=grpo.tasks.calculator:Calculator",  # TRL's environment_factory class, unchanged
+        "reward.functions=[grpo.tasks.calculator:reward]",
+        "rollout.max_turns=3",  # TRL: max_tool_calling_iterations=2, so at most 3 turns
+        f"rollout.max_tokens={args.max_tokens}",  # an episode's tokens after the prompt, as max_completion_length
+        "rollout.backend=hf",
+        f"rollout.prompts_per_iteration={args.prompts}",
+        f"rollout.group_size={args.group}",
+        f"learn.minibatch_size={batch}",
+        f"learn.microbatch_size={batch}",
+        "learn.epochs=1",
+        "learn.kl_coef=0",
+        f"learn.lr={args.lr}",
+        "learn.lr_decay_steps=0",  # constant, as TRL's side
+        "learn.mixed_precision=no",
+        f"eval.dataset={root / 'held_out.parquet'}",
+        f"eval.n_prompts={len(test)}",
+        f"eval.every={10**6}",
+        f"seed={args.seed}",
+        *args.set,
+    ]
+
+
+def ours_side(root: Path, model_dir: str, train: list[dict], test: list[dict], args) -> dict:
+    """grpo-flow's iterations in this process (warm), the held-out curve after each and the wall time from the
+    run's init to the last eval."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo.config import load_config
+    from grpo.record.checkpoint import local_checkpoint
+    from grpo.record.storage import open_storage
+    from stages.init import init_run
+    from stages.iteration import run_warm
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = load_config(None, ours_config(root, model_dir, train, test, args))
+    storage = open_storage((root / "storage").as_uri())
+    curve: list[dict] = []
+    start = time.perf_counter()
+    init_run(storage, "calculator", cfg)
+    for k, out in run_warm(storage, "calculator", 0, args.iterations):
+        policy = AutoModelForCausalLM.from_pretrained(local_checkpoint(out["learn"]), dtype="float32")
+        curve.append({**held_out(policy, tok, test), "seconds": time.perf_counter() - start})
+        print(f"grpo-flow iteration {k}: {fmt(curve[-1])}", flush=True)
+    return {"curve": curve, "seconds": time.perf_counter() - start, "storage": storage.url}
+
+
 def fmt(point: dict) -> str:
     return f"held-out accuracy {point['accuracy']:.3f}, correct tool use {point['tool_use']:.3f}"
 
@@ -281,6 +346,7 @@ def main() -> int:
     p.add_argument("--tool-share", type=float, default=0.4, help="share of warm-start transcripts calling the tool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=["trl", "grpo-flow"])
+    p.add_argument("--set", action="append", default=[], help="grpo-flow settings on top of the recipe")
     p.add_argument("--warm-model", default=None, help="the model folder (DIR/model) of an earlier run: its warm start")
     p.add_argument("--dir", default=None)
     args = p.parse_args()
@@ -307,6 +373,8 @@ def main() -> int:
     before = held_out(AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"), tok, test)
     print(f"warm start ({time.perf_counter() - t0:.0f} s): {fmt(before)}", flush=True)
     results = {}
+    if args.only != "trl":
+        results["grpo-flow"] = ours_side(root, model_dir, train, test, args)
     if args.only != "grpo-flow":
         import trl
 

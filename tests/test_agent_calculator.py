@@ -38,7 +38,7 @@ def test_the_tools_template_is_qwen2_5_s_so_trl_parses_its_tool_calls(tok):
     assert trl_templates.supports_tool_calling(tok) and trl_templates.is_chat_template_prefix_preserving(tok)
     row = problem(random.Random(0))
     parsed = trl_templates.add_response_schema(tok).parse_response(bench.call_text(row) + tok.eos_token, prefix="")
-    assert parsed["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": row["a"], "b": row["b"]}}
+    assert parsed["tool_calls"][0]["function"] == {"name": "calculate", "arguments": {"operation": row["operation"]}}
 
 
 def test_a_warm_start_transcript_is_the_conversation_the_template_renders(tok):
@@ -49,8 +49,8 @@ def test_a_warm_start_transcript_is_the_conversation_the_template_renders(tok):
     ids, mask = bench.transcript(tok, tools, row, use_tool=True)
     conversation = bench.prompt_of(row) + [
         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-            "name": "multiply", "arguments": {"a": row["a"], "b": row["b"]}}}]},
-        {"role": "tool", "name": "multiply", "content": row["answer"]},
+            "name": "calculate", "arguments": {"operation": row["operation"]}}}]},
+        {"role": "tool", "name": "calculate", "content": row["answer"]},
         {"role": "assistant", "content": f"The answer is {row['answer']}."},
     ]  # fmt: skip
     rendered = tok.apply_chat_template(conversation, tools=tools, tokenize=False)
@@ -62,7 +62,7 @@ def test_a_warm_start_transcript_is_the_conversation_the_template_renders(tok):
 def test_the_recipe_s_reward_is_the_two_trl_rewards_on_one_episode():
     row, env = problem(random.Random(2)), Calculator()
     env.reset(**row)
-    env.multiply(a=row["a"], b=row["b"])
+    env.calculate(operation=row["operation"])
     said = [{"role": "assistant", "content": f"The answer is {row['answer']}."}]
     assert reward("", row["answer"], "", env, said) == {"correct": 1.0, "tool_use": 1.0, "total": 1.5}
     guessed = [{"role": "assistant", "content": "The answer is 12."}]

@@ -1,23 +1,30 @@
-"""Word problems a small model cannot do in its head, and the calculator it may call.
+"""Word problems a small model cannot do in its head, and the calculator it may press.
 
-A problem multiplies a 2-digit by a 3-digit number, in one of a few sentences:
+A problem multiplies a 2-digit by a 3-digit number, or adds two 3-digit numbers, in one of a few sentences:
 
     Ana packs 23 boxes with 147 coins in each. How many coins is that in all?     ->  3381
 
-`Calculator` is written in TRL's `environment_factory` contract, unchanged on both sides: one instance
-per episode, `reset(**row)` with the dataset row, its public methods the tools (name, docstring and
-type hints give the schema), and reward functions reading what the episode did from `environments`.
+`Calculator` is written in TRL's `environment_factory` contract and runs unchanged on both sides: one instance per
+episode, `reset(**row)` with the dataset row (it keys in the problem's two numbers, the row's `a` and `b`), its public
+methods the tools (name, docstring and type hints give the schema), and reward functions reading what the episode
+did from `environments`. The model presses an operation (`calculate(operation="multiply")`) and copies the result
+into its answer: which operation the sentence asks for is the model's to learn, and copying the result from the
+tool's message is a few tokens back. Copying two numbers out of the question into the call is left out on purpose:
+a model of the recipe's size (a few hundred thousand weights, minutes of training on 2 CPU cores) did not learn it in
+a 500-step warm start (0 of 12 sampled calls had both numbers right), while it copied a tool's result into its
+answer in 20 of 30 (benchmarks/agent_calculator.py).
+
 The rewards are TRL reward functions (lists in, a float per completion out):
 
 - `correct_answer`: 1 when the last assistant message ends "The answer is N." with the right N;
-- `correct_tool_use`: 1 when the episode called `multiply` with the problem's two numbers.
+- `correct_tool_use`: 1 when the episode pressed the operation the problem needs (its result is the answer).
 
 `reward` is the recipe's reward for grpo-flow's `reward.functions` (one episode in, its components out):
 correct_answer + 0.5 x correct_tool_use, from the episode's messages and its environment's final state.
 
     >>> env = Calculator()
-    >>> env.reset(question="...", answer="3381")
-    >>> env.multiply(a=23, b=147)
+    >>> env.reset(question="...", answer="3381", a=23, b=147)
+    >>> env.calculate(operation="multiply")
     '3381'
     >>> episode = [{"role": "assistant", "content": "The answer is 3381."}]
     >>> correct_answer([episode], answer=["3381"]), correct_tool_use([episode], environments=[env], answer=["3381"])
@@ -32,26 +39,35 @@ import re
 NAMES = ["Tom", "Ana", "Lee", "Mia", "Sam", "Zoe"]
 THINGS = ["apples", "books", "coins", "cards", "shells"]
 SYSTEM = "Solve the problem. End with: The answer is N."
+PHRASES = {
+    "multiply": [
+        "{name} packs {a} boxes with {b} {thing} in each. How many {thing} is that in all?",
+        "{name} has {a} bags of {b} {thing}. How many {thing} does {name} have?",
+    ],
+    "add": [
+        "{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?",
+        "{name} finds {a} {thing}, then {b} {thing} more. How many {thing} in all?",
+    ],
+}
+OPERATIONS = {"add": lambda a, b: a + b, "multiply": lambda a, b: a * b}
+TOOL_USE_WEIGHT = 0.5
 _ANSWER = re.compile(r"The answer is (-?\d+)\.?\s*$")
 
 
-PHRASES = [
-    "{name} packs {a} boxes with {b} {thing} in each. How many {thing} is that in all?",
-    "{name} has {a} bags of {b} {thing}. How many {thing} does {name} have?",
-    "{name} collects {b} {thing} a day for {a} days. How many {thing} is that?",
-]
-
-
 def problem(rng: random.Random) -> dict:
-    """One word problem: the product of a 2-digit and a 3-digit number, in one of a few phrasings.
-    `answer` is the product as text (a dataset column); `a` and `b` the multiply call that solves it.
+    """One word problem: a product of a 2-digit and a 3-digit number or a sum of two 3-digit ones. The row's
+    `answer` is the result as text, `operation` the one that solves it, `a` and `b` the numbers.
 
-    >>> problem(random.Random(0))["question"]
-    'Mia packs 44 boxes with 624 cards in each. How many cards is that in all?'
+    >>> problem(random.Random(0))
+    {'question': 'Mia has 76 bags of 598 apples. How many apples does Mia have?', 'answer': '45448', \
+'operation': 'multiply', 'a': 76, 'b': 598}
     """
-    name, thing, phrase = rng.choice(NAMES), rng.choice(THINGS), rng.choice(PHRASES)
-    a, b = rng.randint(11, 99), rng.randint(101, 999)
-    return {"question": phrase.format(name=name, thing=thing, a=a, b=b), "answer": str(a * b), "a": a, "b": b}
+    operation = rng.choice(sorted(OPERATIONS))
+    name, thing, phrase = rng.choice(NAMES), rng.choice(THINGS), rng.choice(PHRASES[operation])
+    a = rng.randint(11, 99) if operation == "multiply" else rng.randint(101, 999)
+    b = rng.randint(101, 999)
+    question = phrase.format(name=name, thing=thing, a=a, b=b)
+    return {"question": question, "answer": str(OPERATIONS[operation](a, b)), "operation": operation, "a": a, "b": b}
 
 
 def final_answer(text: str) -> int | None:
@@ -65,26 +81,28 @@ def final_answer(text: str) -> int | None:
 
 
 class Calculator:
-    """A calculator; it remembers the calls of its episode (a, b, result)."""
+    """A calculator holding the problem's two numbers; it remembers what was pressed (operation, result)."""
 
     def __init__(self):
-        self.calls: list[tuple[int, int, int]] = []
+        self.a, self.b = 0, 0
+        self.calls: list[tuple[str, int]] = []
 
     def reset(self, **row) -> None:
-        """A new episode for a dataset row (its columns as keywords); nothing is added to the prompt."""
-        self.calls: list[tuple[int, int, int]] = []
+        """A new episode for a dataset row (its columns as keywords): its numbers keyed in; nothing is added to
+        the prompt."""
+        self.a, self.b = int(row.get("a", 0)), int(row.get("b", 0))
+        self.calls = []
 
-    def multiply(self, a: int, b: int):
-        """Multiply two whole numbers.
+    def calculate(self, operation: str):
+        """Apply an operation to the two numbers of the problem and return the result.
 
         Args:
-            a: The first number.
-            b: The second number.
+            operation: "add" or "multiply".
         """
-        return self._record(a, b, int(a) * int(b))
-
-    def _record(self, a: int, b: int, result: int) -> str:
-        self.calls.append((int(a), int(b), result))
+        if operation not in OPERATIONS:
+            raise ValueError(f"unknown operation {operation!r}: use 'add' or 'multiply'")
+        result = OPERATIONS[operation](self.a, self.b)
+        self.calls.append((operation, result))
         return str(result)
 
 
@@ -107,19 +125,16 @@ def correct_answer(completions: list[list[dict]], answer: list[str], **_) -> lis
 
 
 def correct_tool_use(completions: list, environments: list[Calculator], answer: list[str], **_) -> list[float]:
-    """1.0 for an episode that called the calculator with the problem's two numbers (its result is the
-    answer), whatever it did next; calls that miss earn nothing, nor do none.
+    """1.0 for an episode that pressed the operation whose result is the answer, whatever it did next; a wrong
+    operation earns nothing, nor does no call.
 
     >>> env = Calculator()
-    >>> env.reset()
-    >>> _ = env.multiply(a=23, b=148)
+    >>> env.reset(a=23, b=147)
+    >>> _ = env.calculate(operation="add")
     >>> correct_tool_use([[]], environments=[env], answer=["3381"])
     [0.0]
     """
-    return [float(any(r == int(a) for *_, r in env.calls)) for env, a in zip(environments, answer)]
-
-
-TOOL_USE_WEIGHT = 0.5
+    return [float(any(r == int(a) for _, r in env.calls)) for env, a in zip(environments, answer)]
 
 
 def reward(response: str, ground_truth: str, prompt, environment=None, messages=None) -> dict:
@@ -128,8 +143,8 @@ def reward(response: str, ground_truth: str, prompt, environment=None, messages=
     ended (`environment.calls`).
 
     >>> env = Calculator()
-    >>> env.reset()
-    >>> _ = env.multiply(a=23, b=147)
+    >>> env.reset(a=23, b=147)
+    >>> _ = env.calculate(operation="multiply")
     >>> reward("The answer is 3381.", "3381", "...", env, [{"role": "assistant", "content": "The answer is 3381."}])
     {'correct': 1.0, 'tool_use': 1.0, 'total': 1.5}
     """
