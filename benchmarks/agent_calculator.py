@@ -1,18 +1,21 @@
-"""A small chat model learns to call a calculator: grpo-flow's episodes and TRL's GRPOTrainer side by side.
+"""A small chat model learns to use a calculator: grpo-flow's episodes and TRL's GRPOTrainer side by side.
 
     .venv/bin/python benchmarks/agent_calculator.py [--iterations 12] [--seed 0] [--only trl|grpo-flow]
+        [--warm-model DIR/model]   # an earlier run's warm start, not made again
 
-1. Word problems multiplying a 2-digit by a 3-digit number (grpo/tasks/calculator.py), which a model of this
-   size cannot do in its head; a seeded set is held out.
+1. Word problems (grpo/tasks/calculator.py): products of a 2-digit and a 3-digit number and sums of two 3-digit
+   ones, which a model of this size cannot work out in its head; a seeded set is held out.
 2. A Qwen2 model built here (byte-level BPE, Qwen2.5's own chat template with tools), warm-started on a few
-   transcripts: `--tool-share` of them call `multiply` in Qwen's `<tool_call>{json}</tool_call>` format and
-   copy its result into "The answer is N.", the rest state the product straight away (which the model can
-   only guess). So the warm start calls the tool sometimes, and mostly guesses.
+   transcripts: `--tool-share` of them call `calculate` with the sentence's operation in Qwen's
+   `<tool_call>{json}</tool_call>` format and copy its result into "The answer is N.", the rest state the
+   result straight away (which the model can only guess). So the warm start calls the tool sometimes and
+   mostly guesses: greedy, it guesses.
 3. GRPO on both sides with the same model, environment class (`Calculator`, TRL's `environment_factory`
-   contract, unchanged), rewards (`correct_answer` + 0.5 x `correct_tool_use`) and episodes per iteration;
-   after every iteration the held-out problems are played greedily, calculator in hand, by one function
-   (`held_out`) for both sides: accuracy and the share that called `multiply` with the problem's numbers.
-   Prints both curves and each side's wall time (training and its evals, from the trainer's start).
+   contract, unchanged), reward (`correct_answer` + 0.5 x `correct_tool_use`), episodes per iteration,
+   optimizer steps and learning rate; after every iteration the held-out problems are played greedily,
+   calculator in hand, by one function (`held_out`) for both sides: accuracy and the share that pressed the
+   right operation. Prints both curves and each side's wall time (training and its evals, from the start
+   of its trainer or run).
 """
 
 from __future__ import annotations
@@ -113,9 +116,9 @@ def transcript(tok, tools, row: dict, use_tool: bool) -> tuple[list[int], list[i
 
 def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, tool_share: float, seed: int) -> None:
     """Supervised steps on transcripts, `tool_share` of them calling the calculator, loss on the assistant's
-    tokens only; the model is saved in place. The prompt's opening (system message and tools, ~85% of a
-    transcript's tokens, the same in all) is computed once a step and its keys and values shared by the batch:
-    the same loss and gradients as whole sequences, several times faster."""
+    tokens only, the learning rate decayed linearly to 0; the model is saved in place. The prompt's opening
+    (system message and tools, ~85% of a transcript's tokens, the same in all) is computed once a step and its
+    keys and values shared by the batch: the same loss and gradients as whole sequences, several times faster."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -124,6 +127,7 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, tool_sha
     examples = [transcript(tok, tools, r, rng.random() < tool_share) for r in rows]
     shared = examples[0][0][: len(os.path.commonprefix([ids for ids, _ in examples])) - 1]  # (P,)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps)  # linearly to 0
     model.train()
     for step in range(steps):
         batch = [(ids[len(shared) :], mask[len(shared) :]) for ids, mask in rng.sample(examples, 16)]
@@ -144,6 +148,7 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, tool_sha
         loss.backward()
         opt.step()
         opt.zero_grad()
+        decay.step()
         if (step + 1) % 50 == 0 or step + 1 == steps:
             print(f"warm start: step {step + 1}/{steps}, loss {loss.item():.3f}", flush=True)
     model.save_pretrained(model_dir)
@@ -153,7 +158,7 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, tool_sha
 def held_out(model, tok, rows: list[dict], max_turns: int = 3, max_tokens: int = 40) -> dict:
     """Greedy episodes of the held-out problems with a Calculator each, played in batches turn by turn
     (the observation's ids appended to the sampled ones, never re-tokenized): the share answered right
-    and the share whose episode called `multiply` with the problem's numbers."""
+    and the share whose episode pressed the operation the problem needs."""
     was_training = model.training
     model.eval()
     envs = [Calculator() for _ in rows]
@@ -216,10 +221,16 @@ def trl_side(root: Path, model_dir: str, train: list[dict], test: list[dict], ar
     curve: list[dict] = []
 
     class Eval(TrainerCallback):
-        def on_step_end(self, a, state, control, model=None, **kw):
-            if state.global_step % args.steps == 0:
-                curve.append({**held_out(model, tok, test), "seconds": time.perf_counter() - start})
-                print(f"TRL iteration {len(curve) - 1}: {fmt(curve[-1])}", flush=True)
+        """After each iteration's steps (TRL logs once an iteration): the held-out episodes, and the iteration's
+        mean reward and tool calls an episode as TRL logged them."""
+
+        def on_log(self, a, state, control, logs=None, model=None, **kw):
+            if "reward" not in (logs or {}):
+                return  # the summary at the end of training
+            curve.append({**held_out(model, tok, test), "seconds": time.perf_counter() - start})
+            calls = float(logs.get("tools/call_frequency", 0))
+            trained = f"reward {float(logs['reward']):.3f}, tool calls an episode {calls:.2f}"
+            print(f"TRL iteration {len(curve) - 1}: {trained}; {fmt(curve[-1])}", flush=True)
 
     dataset = Dataset.from_list(
         [{"prompt": prompt_of(r), "answer": r["answer"], "a": r["a"], "b": r["b"]} for r in train]
@@ -340,10 +351,10 @@ def main() -> int:
     p.add_argument("--problems", type=int, default=2000)
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--vocab", type=int, default=600)
-    p.add_argument("--sft-steps", type=int, default=500)
+    p.add_argument("--sft-steps", type=int, default=800)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-problems", type=int, default=400, help="warm-start transcripts")
-    p.add_argument("--tool-share", type=float, default=0.4, help="share of warm-start transcripts calling the tool")
+    p.add_argument("--tool-share", type=float, default=0.5, help="share of warm-start transcripts calling the tool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=["trl", "grpo-flow"])
     p.add_argument("--set", action="append", default=[], help="grpo-flow settings on top of the recipe")
