@@ -1017,6 +1017,11 @@ def validate_dynamic_sampling(r: RolloutConfig, lc: LearnConfig) -> None:
         )
     if r.shards > 1:
         raise ConfigError(f"rollout.shards={r.shards}: rollout.min_signal_groups samples in rounds, in one shard only")
+    if r.tools or r.environment:
+        raise ConfigError(
+            "rollout.min_signal_groups: dynamic sampling does not sample episodes (rollout.tools, rollout.environment) "
+            "yet; unset one of them"
+        )
 
 
 def validate_reward(rc: RewardConfig, r: RolloutConfig) -> None:

@@ -8,12 +8,15 @@ the manifests: a glob over `attempt-*` would also pick up the half-written
 files of a crashed attempt, or the rows of an older attempt beside a forced
 rerun. The files read are hash-checked against their manifest by default.
 
-Views: rollouts, rewards, advantages, logprobs, learn_metrics, eval; columns as
-declared in `schemas/tables.py`. A view with nothing committed is empty, not missing. In a fork
+Views: rollouts, rewards, advantages, logprobs, learn_metrics, eval, and with episodes (rollout.tools,
+rollout.environment) turns (a row per sampled assistant turn: its token span in the rollout's response_ids, tool calls,
+observation, tool seconds, error) and episodes (how each ended, its conversation, its environment's final state);
+draws with dynamic sampling; columns as declared in `schemas/tables.py`. A view with nothing committed is empty, not missing. In a fork
 (`grpo fork`, `grpo rescore`) the parent's views too, as `parent.rewards` and so on, and `rescore`
 (RESCORE_VIEW): per sample of the iterations both runs share, the reward and advantage before and after.
 
     grpo query --run r1-fix "SELECT iteration, count(*) FILTER (WHERE reward_changed) FROM rescore GROUP BY 1"
+    grpo query --run agent "SELECT iteration, avg(tool_errors), sum(len(tool_names)) FROM turns GROUP BY 1"
 
 Several runs at once (`--run` again): each further run's views in a schema of its name, and all of them in
 `runs.<view>` with a `run` column:

@@ -51,6 +51,9 @@ COLUMNS = [
     ("sampler_kl", "learn", "sampler_kl"),
     ("stop_fraction", "rollouts", "stop_fraction"),
     ("samples", "advantages", "samples"),
+    ("turns_per_episode", "rollouts", "turns_per_episode"),  # episodes (rollout.tools, rollout.environment)
+    ("tool_calls", "rollouts", "tool_calls"),
+    ("tool_errors", "rollouts", "tool_errors"),
 ]
 
 
@@ -124,6 +127,9 @@ PLOTS = [  # (title, row keys); a plot with no value in any row (KL with learn.k
         "behaviour weights, sampler KL",
         ["behavior_weight_mean", "behavior_weight_max", "behavior_clipped_frac", "sampler_kl"],
     ),
+    # episodes (rollout.tools, rollout.environment): the rollouts' summary, the turns table per iteration
+    ("turns per episode", ["turns_per_episode"]),
+    ("tool calls and tool errors", ["tool_calls", "tool_errors"]),
 ]
 COLUMNS_PER_ROW = 4
 

@@ -121,72 +121,79 @@ CHAT_TEMPLATE = (
 )
 
 
-# Qwen2.5's own chat template with tools, byte for byte (TRL recognises it and parses `<tool_call>{json}</tool_call>`):
-# the tools' JSON schemas in the system message, each tool call as `<tool_call>\n{"name": ..., "arguments": ...}\n
-# </tool_call>`, tool results in a user turn as `<tool_response>\n...\n</tool_response>`
-TOOLS_CHAT_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""  # noqa: E501
+# Qwen2.5-Instruct's own chat template, tools included: the tools' JSON schemas in the system message, each call as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> in the assistant's turn, tool results as <tool_response>
+# blocks in a user turn (the episodes' tests: grpo/episodes)
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n"
+    "    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
+    "    {%- endif %}\n"
+    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\'
+    'n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}'
+    "\n"
+    "    {%- for tool in tools %}\n"
+    '        {{- "\\n" }}\n'
+    "        {{- tool | tojson }}\n"
+    "    {%- endfor %}\n"
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and'
+    ' arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-nam'
+    'e>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
+    "{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful"
+    " assistant.<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (m'
+    'essage.role == "assistant" and not message.tool_calls) %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }"
+    "}\n"
+    '    {%- elif message.role == "assistant" %}\n'
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n"
+    "            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n"
+    "            {%- endif %}\n"
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n'
+    "            {{- tool_call.name }}\n"
+    '            {{- \'", "arguments": \' }}\n'
+    "            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
 
 
 def build_chat_tokenizer(
     texts: list[str], vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE
 ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on `texts`, with Qwen's special tokens and chat template
-    (`TOOLS_CHAT_TEMPLATE` for a model that calls tools): eos `<|im_end|>`, pad `<|endoftext|>` (distinct
-    from eos, as in Qwen2.5-Instruct)."""
+    """A byte-level BPE tokenizer trained on `texts`, with Qwen's special tokens and chat template:
+    eos `<|im_end|>`, pad `<|endoftext|>` (distinct from eos, as in Qwen2.5-Instruct)."""
     from tokenizers import decoders, trainers
 
     tok = Tokenizer(models.BPE())
@@ -230,8 +237,7 @@ def build_chat_model(
     on `texts`, a chat template, and generation_config.json listing two eos ids (`<|im_end|>`,
     `<|endoftext|>`, like Qwen2.5). What a user's own HF checkpoint looks like, at toy size (or, with
     Qwen2.5-0.5B's shape, at its size: `model_vocab_size` pads the embedding past the tokenizer's
-    vocabulary as Qwen's does; `dtype` is the saved weights'). Loaded, the tokenizer is transformers'
-    Qwen2Tokenizer, which splits numbers into single digits as Qwen's does."""
+    vocabulary as Qwen's does; `dtype` is the saved weights'; `chat_template` TOOLS_CHAT_TEMPLATE for tools)."""
     from transformers import Qwen2Config
 
     tokenizer = build_chat_tokenizer(texts, vocab_size, chat_template)

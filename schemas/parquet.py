@@ -7,6 +7,7 @@ types differ from the declaration in `schemas.tables`, naming file and field.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Mapping
 
 import pyarrow as pa
@@ -105,10 +106,10 @@ def _checked_file(fs: AbstractFileSystem, path: str, name: str):
         raise SchemaError(f"{path}: holds table {table.decode()!r}, expected {name!r}")
     if version is not None and int(version) > SCHEMA_VERSION:
         raise SchemaError(f"{path}: schema version {int(version)} is newer than this code's {SCHEMA_VERSION}")
-    changed, before, upgrade = UPGRADES.get(name, (0, None, None))
-    if version is not None and int(version) < changed:  # written before the table last changed: read as it is now
-        check_schema(pf.schema_arrow, name, path, before)
-        return pf, upgrade
+    steps = [step for step in UPGRADES.get(name, ()) if version is not None and int(version) < step[0]]
+    if steps:  # written before the table last changed: checked as it was written, read as it is now
+        check_schema(pf.schema_arrow, name, path, steps[0][1])
+        return pf, lambda table: functools.reduce(lambda t, step: step[2](t), steps, table)
     check_schema(pf.schema_arrow, name, path)
     return pf, None
 

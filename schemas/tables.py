@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
+SCHEMA_VERSION = 5  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null (no reference scored)
 # 3: rollouts.row (the dataset's other columns), eval.avg_at_k and eval.pass_at_k
 # 4: rollouts.policy_version is the policy that sampled the row (rollout.staleness), the checkpoint hash it held
 #    is rollouts.policy_hash; a version 3 rollouts file reads as version 4 (UPGRADES)
+# 5: rollouts.loss_mask (episodes: 0 on the tokens appended between sampled turns), a version 4 rollouts file reads
+#    with every token's 1; the turns and episodes tables
 
 _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
     pa.field("run_id", pa.string(), nullable=False),
@@ -40,7 +42,9 @@ ROLLOUTS = pa.schema(
         pa.field("prompt_ids", _IDS, nullable=False),
         pa.field("response", pa.string(), nullable=False),
         pa.field("response_ids", _IDS, nullable=False),
-        pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),  # log-prob of each sampled token
+        pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),  # log-prob of each sampled token (0.0: appended)
+        # per response token: 1 sampled (trained on), 0 appended (an episode's observations and template tokens)
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
         pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
         pa.field("ground_truth", pa.string(), nullable=False),
         pa.field("row", pa.string(), nullable=False),  # JSON object: the dataset row's other columns
@@ -107,6 +111,37 @@ LEARN_METRICS = pa.schema(
     ]
 )
 
+TURNS = pa.schema(  # episodes (rollout.tools, rollout.environment): a row per sampled assistant turn
+    _SAMPLE_KEYS
+    + [
+        pa.field("turn", pa.int32(), nullable=False),  # 0 first
+        pa.field("start", pa.int32(), nullable=False),  # its sampled ids: the rollout's response_ids[start:end]
+        pa.field("end", pa.int32(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),  # as the model wrote it, its end-of-turn token dropped
+        pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length" (cut off by the token budget)
+        pa.field("tool_names", pa.list_(pa.string()), nullable=False),  # each call's tool, in order ("": unparsed)
+        pa.field("tool_arguments", pa.list_(pa.string()), nullable=False),  # each call's arguments, JSON
+        pa.field("observation", pa.string(), nullable=True),  # what answered it (its messages' contents); null: none
+        pa.field("observation_tokens", pa.int32(), nullable=False),  # tokens appended after it (0: none)
+        pa.field("tool_s", pa.float64(), nullable=False),  # seconds the environment took to answer it
+        pa.field("tool_errors", pa.int32(), nullable=False),  # calls that failed (raised, timed out, unknown, unparsed)
+        pa.field("error", pa.string(), nullable=True),  # the first of them
+        pa.field("policy_version", pa.int32(), nullable=False),  # the policy that sampled it
+    ]
+)
+
+EPISODES = pa.schema(  # episodes: a row per episode (a rollouts row), how it ended and what its environment left
+    _SAMPLE_KEYS
+    + [
+        pa.field("turns", pa.int32(), nullable=False),
+        pa.field("tool_calls", pa.int32(), nullable=False),
+        pa.field("tool_errors", pa.int32(), nullable=False),
+        pa.field("end", pa.string(), nullable=False),  # "done" | "max_turns" | "budget" | "lost" (grpo/episodes)
+        pa.field("messages", pa.string(), nullable=False),  # JSON: the conversation after the prompt
+        pa.field("environment", pa.string(), nullable=True),  # JSON: the environment's final state; null: none
+    ]
+)
+
 EVAL = pa.schema(
     _KEYS
     + [
@@ -124,6 +159,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS,
     "rollouts": ROLLOUTS,
     "draws": DRAWS,
+    "turns": TURNS,
+    "episodes": EPISODES,
     "rewards": REWARDS,
     "advantages": ADVANTAGES,
     "logprobs": LOGPROBS,
@@ -135,6 +172,8 @@ SCHEMAS: dict[str, pa.Schema] = {
 TABLE_FILES: dict[str, tuple[str, str]] = {
     "rollouts": ("rollouts", "rollouts.parquet"),
     "draws": ("rollouts", "draws.parquet"),
+    "turns": ("rollouts", "turns.parquet"),
+    "episodes": ("rollouts", "episodes.parquet"),
     "rewards": ("rewards", "rewards.parquet"),
     "advantages": ("advantages", "advantages.parquet"),
     "logprobs": ("learn", "logprobs.parquet"),
@@ -142,8 +181,9 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
     "eval": ("eval", "eval.parquet"),
 }
 
+ROLLOUTS_V4 = pa.schema([f for f in ROLLOUTS if f.name != "loss_mask"])
 ROLLOUTS_V3 = pa.schema(
-    [f for f in ROLLOUTS if f.name not in ("policy_version", "policy_hash")]
+    [f for f in ROLLOUTS_V4 if f.name not in ("policy_version", "policy_hash")]
     + [pa.field("policy_version", pa.string(), nullable=False)]  # then the checkpoint hash
 )
 
@@ -163,16 +203,33 @@ def rollouts_from_v3(table: pa.Table) -> pa.Table:
     table = table.rename_columns([*table.column_names[:at], "policy_hash", *table.column_names[at + 1 :]])
     version = pc.subtract(table.column("iteration"), pa.scalar(1, pa.int32()))
     table = table.append_column(ROLLOUTS.field("policy_version"), version)
-    return table.select([n for n in ROLLOUTS.names if n in table.column_names])  # in the declared order
+    return table.select([n for n in ROLLOUTS_V4.names if n in table.column_names])  # in the declared order
 
 
-UPGRADES = {"rollouts": (4, ROLLOUTS_V3, rollouts_from_v3)}
-"""Tables whose older files still read: table -> (the schema version that changed it, the schema before, the
-function that makes an older table the current one)."""
+def rollouts_from_v4(table: pa.Table) -> pa.Table:
+    """A rollouts table of schema version 4 as version 5: every response token was sampled (loss_mask 1).
 
-OPTIONAL_TABLES = ("draws",)
-"""Tables a stage commits only with a setting on (draws: rollout.min_signal_groups); `grpo query` skips an
-attempt without one."""
+    >>> old = pa.table({"response_ids": pa.array([[5, 6], [], [7]], _IDS)})
+    >>> rollouts_from_v4(old).column("loss_mask").to_pylist()
+    [[1, 1], [], [1]]
+    """
+    import numpy as np
+
+    ids = table.column("response_ids").combine_chunks()
+    offsets = ids.offsets.to_numpy() - ids.offsets[0].as_py()
+    ones = pa.array(np.ones(int(offsets[-1]), dtype=np.int8))
+    mask = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), ones, type=ROLLOUTS.field("loss_mask").type)
+    table = table.append_column(ROLLOUTS.field("loss_mask"), mask)
+    return table.select([n for n in ROLLOUTS.names if n in table.column_names])
+
+
+UPGRADES = {"rollouts": ((4, ROLLOUTS_V3, rollouts_from_v3), (5, ROLLOUTS_V4, rollouts_from_v4))}
+"""Tables whose older files still read: table -> its changes in order, each (the schema version that changed it,
+the schema before, the function that makes a table of the schema before that version's)."""
+
+OPTIONAL_TABLES = ("draws", "turns", "episodes")
+"""Tables a stage commits only with a setting on (draws: rollout.min_signal_groups; turns and episodes: rollout.tools
+or rollout.environment); `grpo query` skips an attempt without one."""
 
 
 def table_file(table: str) -> str:

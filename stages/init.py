@@ -4,12 +4,14 @@ The base model is the policy of iteration 0 and the frozen reference for the KL
 penalty. With no `model.base_model` the tiny model for the task is built from a
 config; otherwise the checkpoint (a local folder, an fsspec URL or a hub id) is
 copied in once, so every later stage references immutable, hashed files. Reward
-files named in `reward.functions` are copied beside it (`reward/`).
+files named in `reward.functions` are copied beside it (`reward/`), and so are the files
+rollout.tools and rollout.environment name (`tools/`, `environment/`).
 
 Everything a later stage needs is checked before run.json is written: the model's
 weights fit its config.json and its tokenizer loads, the chat template exists where the
 prompt format needs one, the datasets have their columns and every row a prompt and a
-ground truth, the reward functions import and take the right arguments, eval.dataset is not
+ground truth, the reward functions import and take the right arguments, the tools and environment of episodes
+import and describe their tools, eval.dataset is not
 task.dataset, learn.lora.target_modules name layers of the model, reward.workers can all be kept
 busy. A typo fails here, naming the field, and leaves no run behind.
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from grpo import data
 from grpo.config import ConfigError, RunConfig, load_config_file
+from grpo.episodes import adapters
 from grpo.record.checkpoint import (
     ModelNotFoundError,
     checkpoint_problem,
@@ -54,6 +57,7 @@ from stages.common import (
     run_datasets,
     run_stage,
 )
+from stages.prompts import episode_files
 
 
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
@@ -151,10 +155,13 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
             data.render(tokenizer, example.prompt, cfg.task.prompt_format, cfg.task.system_prompt)
         except data.DatasetError as e:
             raise ConfigError(f"task.prompt_format={cfg.task.prompt_format}: {e}") from e
+    check_episodes(cfg, tokenizer)
     columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
     for spec in cfg.reward.functions:
         try:
             missing = functions.required_columns(functions.load_function(spec)) - columns
+            if adapters.kind_of(cfg.rollout) is not None:  # an episode's environment and conversation
+                missing -= set(functions.EPISODE_ARGUMENTS)
         except functions.RewardFunctionError as e:
             raise ConfigError(str(e)) from e
         if missing:
@@ -162,6 +169,45 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
                 f"reward.functions: {spec!r} needs dataset column(s) {sorted(missing)}, which "
                 f"{cfg.task.dataset or 'the task generator'} lacks (columns: {sorted(columns)})"
             )
+
+
+def code_files(cfg: RunConfig) -> list[tuple[list[str], str]]:
+    """(specs, the prefix their files' copies go under in the base commit) of each setting that names code: the
+    reward functions, then rollout.environment and rollout.tools (grpo.episodes.adapters.PREFIXES)."""
+    r = cfg.rollout
+    return [
+        (list(cfg.reward.functions), functions.REWARD_PREFIX),
+        ([r.environment] if r.environment else [], adapters.PREFIXES["environment"]),
+        (list(r.tools), adapters.PREFIXES["tools"]),
+    ]
+
+
+def check_episodes(cfg: RunConfig, tokenizer) -> None:
+    """rollout.tools and rollout.environment: the code imports and its tools have schemas (its adapter builds, in
+    this process: a typo fails here), and the model's chat template renders tools and continues a conversation."""
+    if adapters.kind_of(cfg.rollout) is None:
+        return
+    if not data.has_chat_template(tokenizer):
+        raise ConfigError(
+            "rollout.tools / rollout.environment: episodes render their prompts, tools and observations with the "
+            "model's chat template, and the model's tokenizer has none"
+        )
+    try:
+        make = adapters.factory(adapters.source(cfg.rollout, {}))
+        env = make()
+        schemas = env.tools()
+        env.close()
+    except functions.UserCodeError as e:
+        raise ConfigError(str(e)) from e
+    except Exception as e:  # noqa: BLE001 (the user's class fails to build)
+        where = f"rollout.environment {cfg.rollout.environment!r}" if cfg.rollout.environment else "rollout.tools"
+        raise ConfigError(f"{where}: does not build: {type(e).__name__}: {e}") from e
+    finally:
+        adapters.factory.cache_clear()  # the stages build it from the committed copies
+    try:
+        data.apply_template(tokenizer, [{"role": "user", "content": "x"}], schemas, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)
+        raise ConfigError(f"rollout.tools: the model's chat template does not render tools: {e}") from e
 
 
 def usable_cores() -> int:
@@ -266,15 +312,21 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
         def body(writer):
             folder, source = prepared or prepare_base(cfg, tmp)
             upload_folder(writer, folder)
-            for i, spec in enumerate(cfg.reward.functions):  # the code that scores travels with the run
-                if functions.is_file_spec(spec):
-                    path = functions.split_spec(spec)[0]
-                    writer.storage.fs.put_file(str(Path(path)), writer.path(functions.committed_name(i, spec)))
+            for specs, prefix in code_files(
+                cfg
+            ):  # the code that scores, and tools and environments, travel with the run
+                for i, spec in enumerate(specs):
+                    if functions.is_file_spec(spec):
+                        path = functions.split_spec(spec)[0]
+                        name = functions.committed_name(i, spec, prefix)
+                        writer.storage.fs.put_file(str(Path(path)), writer.path(name))
             return {"base_model": source, "datasets": datasets}
 
         stage_cfg = {"model": section(cfg, "model"), "task": section(cfg, "task"), "seed": cfg.seed}
         if cfg.reward.functions:
             stage_cfg["reward_functions"] = cfg.reward.functions
+        if episode_files(cfg):  # runs without them keep their base's identity
+            stage_cfg["episode_files"] = [s for specs, _ in code_files(cfg)[1:] for s in specs]
         base = run_stage(storage, run_id, None, "base", config=stage_cfg, inputs={}, body=body, force=force)
     data.pin(base.manifest.summary.get("datasets"))  # what the base recorded: the later stages of this process
     log.info("run %s ready at %s", run_id, storage.uri(run_dir(storage, run_id)))

@@ -10,6 +10,7 @@ other prompt gets the response budget its length leaves.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tokenizers import models as tokenizer_models
@@ -17,12 +18,16 @@ from tokenizers import models as tokenizer_models
 from grpo import data
 from grpo.config import RunConfig
 from grpo.devices import sampler_device
-from grpo.record.checkpoint import policy_folders, tokenizer_and_config
+from grpo.episodes import adapters
+from grpo.episodes.loop import Start
+from grpo.episodes.workers import Workers, probe
+from grpo.record.checkpoint import local_checkpoint, policy_folders, tokenizer_and_config
 from grpo.record.layout import Salt, iteration_seed
 from grpo.record.storage import Committed
 from grpo.sampling.base import Generator, stop_token_ids
 from grpo.sampling.engines import choose_backend, engine_settings, get_generator
-from grpo.tasks import Example, get_task
+from grpo.scoring.pool import WARM_POOLS
+from grpo.tasks import Example, functions, get_task
 from stages.common import StageError
 
 
@@ -110,13 +115,19 @@ class Prompts:
     ids: list[list[int]]
     budgets: list[int]  # min(rollout.max_tokens, context left after the prompt)
     skipped: int
+    context: int = 0  # the model's positions (the engine's limit where lower): prompt and response together
+    tools: list[dict] | None = None  # episodes: the tools' schemas rendered into each prompt
 
 
 def policy_and_prompts(
-    policy: Committed, examples: list[Example], cfg: RunConfig, base: Committed | None = None
+    policy: Committed,
+    examples: list[Example],
+    cfg: RunConfig,
+    base: Committed | None = None,
+    tools: list[dict] | None = None,
 ) -> Prompts:
     """Render and tokenize `examples` for `policy` (a LoRA learn's adapters go on `base`); skip (and
-    count) those too long.
+    count) those too long. `tools`: an episode's tools, rendered by the chat template (data.render).
 
     With a word-level tokenizer a word outside the vocabulary fails, naming the prompt.
     """
@@ -126,7 +137,7 @@ def policy_and_prompts(
     if cfg.rollout.backend != "hf" and cfg.rollout.vllm.max_model_len:  # the engine's own limit
         max_len = min(max_len, cfg.rollout.vllm.max_model_len)
     try:
-        texts, ids = data.tokenize_prompts(tokenizer, examples, cfg.task.prompt_format, cfg.task.system_prompt)
+        texts, ids = data.tokenize_prompts(tokenizer, examples, cfg.task.prompt_format, cfg.task.system_prompt, tools)
     except data.DatasetError as e:
         raise StageError(f"{cfg.task.dataset or cfg.task.name}: {e}") from e
     limit = min(max_len - 1, cfg.rollout.max_prompt_tokens or max_len)
@@ -151,7 +162,61 @@ def policy_and_prompts(
         [ids[i] for i in keep],
         [min(cfg.rollout.max_tokens, max_len - len(ids[i])) for i in keep],
         len(ids) - len(keep),
+        max_len,
+        tools,
     )
+
+
+def environment_source(cfg: RunConfig, base: Committed | None) -> adapters.Source | None:
+    """Where the run's episodes' environment comes from (grpo.episodes.adapters; None: single-turn rollouts), the
+    files its settings name read from their copies in the base commit."""
+    r, files = cfg.rollout, {}
+    named = {"environment": [r.environment] if r.environment else [], "tools": r.tools}
+    for setting, specs in named.items():
+        if any(functions.is_file_spec(s) for s in specs):
+            prefix = adapters.PREFIXES[setting]
+            folder = local_checkpoint(base, prefix=prefix)
+            for i, spec in enumerate(specs):
+                if functions.is_file_spec(spec):
+                    files[spec] = f"{folder}/{functions.committed_name(i, spec, prefix)[len(prefix) :]}"
+    return adapters.source(r, files)
+
+
+def episode_files(cfg: RunConfig) -> bool:
+    """Whether the run's episode settings name files (copied into the base commit: a stage reads it then)."""
+    return any(functions.is_file_spec(s) for s in cfg.rollout.tools + [cfg.rollout.environment or ""])
+
+
+@contextmanager
+def environments(cfg: RunConfig, base: Committed | None):
+    """The workers a stage's episodes live in (grpo.episodes.workers; forked before the sampler starts) and their
+    tools' schemas, or None for single-turn rollouts; an environment that does not build fails in one line."""
+    source = environment_source(cfg, base)
+    if source is None:
+        yield None
+        return
+    r = cfg.rollout
+    with WARM_POOLS.pool(r.tool_workers, r.tool_pass_env) as pool:
+        try:
+            tools = pool.apply(probe, (source, r.tool_max_memory_mb))
+        except RuntimeError as e:
+            where = f"rollout.environment {r.environment!r}" if r.environment else f"rollout.tools {r.tools}"
+            raise StageError(f"{where}: {e}") from e
+        yield Workers(pool, source, r.tool_max_memory_mb), tools
+
+
+def episode_starts(p: Prompts, chunk: slice, cfg: RunConfig) -> list[Start]:
+    """Where each prompt of `chunk` starts its episodes: its chat messages, and the dataset row reset gets (every
+    column under its own name, as TRL's `reset(**row)`)."""
+    t = cfg.task
+    return [
+        Start(
+            i,
+            data.chat_messages(e.prompt, t.system_prompt),
+            {t.prompt_column: e.prompt, t.answer_column: e.ground_truth, **(e.row or {})},
+        )
+        for i, e in zip(p.index[chunk], p.examples[chunk])
+    ]
 
 
 def sampler(p: Prompts, cfg: RunConfig) -> tuple[Generator, dict]:

@@ -33,9 +33,9 @@ from grpo.record.identity import section
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage
 from grpo.scoring.pool import WARM_POOLS
-from grpo.scoring.score import allowed_errors, batch_items, score_samples, scorer_key
+from grpo.scoring.score import allowed_errors, batch_items, episode_arguments, score_samples, scorer_key
 from grpo.tasks import functions
-from schemas import ParquetWriter, iter_batches, table_file
+from schemas import ParquetWriter, iter_batches, read_parquet, table_file
 from stages.common import StageError, load_run, measured
 from stages.shards import ranges, run_sharded
 
@@ -63,6 +63,11 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
         total, biggest = 0.0, (0.0, {})  # the sum of the rewards; the largest in magnitude and its components
         allowed = allowed_errors(cfg.reward.max_error_fraction, len(rows))
         keys = ["run_id", "iteration", "prompt_id", "sample_index"]
+        episodes = None  # an episode's stored environment and conversation, for functions that take them
+        if table_file("episodes") in {f.path for f in rollouts.manifest.files}:
+            episodes = episode_arguments(
+                read_parquet(storage.fs, rollouts.read_path(table_file("episodes")), "episodes")
+            )
         with (
             WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool,
             ParquetWriter(storage.fs, writer.path(table_file("rewards")), "rewards") as out,
@@ -71,7 +76,8 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
             for batch in batches_in(path, rows):
                 finish = batch.column("finish_reason").to_pylist()
                 lengths = pc.list_value_length(batch.column("response_ids")).to_pylist()
-                scored = score_samples(pool, key, cfg, batch_items(batch), finish, lengths, allowed - n_err)
+                items = batch_items(batch, episodes)
+                scored = score_samples(pool, key, cfg, items, finish, lengths, allowed - n_err)
                 cols = {k: batch.column(k).to_pylist() for k in keys}
                 cols["reward"] = [r for r, _, _ in scored]
                 cols["components"] = [list(c.items()) for _, c, _ in scored]

@@ -6,6 +6,8 @@ chunk by chunk and each chunk is one Parquet row group, so memory stays bounded 
 samples an iteration has. With rollout.min_signal_groups the stage samples in rounds until enough
 groups have signal (dynamic sampling: `sample_rounds` says how and why). Each row records the policy that
 sampled it (policy_stamp); a snapshot of another than rollout.staleness names is refused (lineage.check_policy).
+With rollout.tools or rollout.environment a sample is an episode (grpo/episodes; stages/samples.py writes its turns
+and its end beside it): the environments live in worker processes forked before the sampler starts.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from grpo import data
-from grpo.config import RolloutConfig, RunConfig
+from grpo.config import RunConfig
 from grpo.devices import current, sampler_device
 from grpo.progress import Progress
 from grpo.record.checkpoint import content_hash, non_finite_weights
@@ -23,7 +24,6 @@ from grpo.record.identity import section
 from grpo.record.layout import Salt, iteration_seed, round_seed
 from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version
 from grpo.record.storage import Committed, Storage
-from grpo.sampling.base import Sample, SamplingSpec, decode_responses
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
 from schemas import ParquetWriter, table_file
@@ -32,12 +32,15 @@ from stages.common import StageError, load_run, measured
 from stages.dynamic_sampling import draw_start, dynamic_inputs, flat_epoch, group_signal
 from stages.prompts import (
     Prompts,
+    environments,
+    episode_files,
     held_out_config,
     iteration_prompts,
     policy_and_prompts,
     round_prompts,
     sampler,
 )
+from stages.samples import Episodes, Tally, sampling_spec
 from stages.shards import ranges, run_sharded
 
 
@@ -46,76 +49,6 @@ def policy_stamp(storage: Storage, snap: Committed) -> dict:
     that committed it (-1: the base, grpo.record.lineage.policy_version), and policy_hash, its checkpoint's content
     hash."""
     return {"policy_version": frozen_version(storage, snap), "policy_hash": content_hash(snap)[:16]}
-
-
-def chunk_columns(
-    run_id: str, iteration: int, p: Prompts, chunk: slice, groups: list[list[Sample]], stamp: dict
-) -> dict[str, list]:
-    """The rollouts table's columns for one chunk: a row per sample, each prompt's group together."""
-    samples = [s for group in groups for s in group]
-    n = len(samples)
-
-    def per_sample(values) -> list:  # one value per prompt -> one per sample
-        return [v for v, group in zip(values, groups) for _ in group]
-
-    return {
-        "run_id": [run_id] * n,
-        "iteration": [iteration] * n,
-        "prompt_id": per_sample(p.index[chunk]),
-        "sample_index": [j for group in groups for j in range(len(group))],
-        "prompt": per_sample(p.texts[chunk]),
-        "prompt_ids": per_sample(p.ids[chunk]),
-        "response_ids": [s.response_ids for s in samples],
-        "response": decode_responses(p.tokenizer, [s.response_ids for s in samples], p.eos_ids),
-        "sampler_logprobs": [s.logprobs for s in samples],
-        "finish_reason": [s.finish_reason for s in samples],
-        "ground_truth": per_sample([e.ground_truth for e in p.examples[chunk]]),
-        "row": per_sample([data.row_json(e) for e in p.examples[chunk]]),
-    } | {k: [v] * n for k, v in stamp.items()}
-
-
-def sampling_spec(r: RolloutConfig, seed: int) -> SamplingSpec:
-    """The rollout settings as the sampler takes them, seeded."""
-    return SamplingSpec(
-        n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, stop=tuple(r.stop), seed=seed
-    )
-
-
-@dataclasses.dataclass
-class Tally:
-    """What a rollouts stage has sampled and written so far: response tokens, stopped samples, seconds in the
-    sampler's generate calls."""
-
-    tokens: int = 0
-    stops: int = 0
-    generate_s: float = 0.0
-
-    def sample(
-        self,
-        gen,
-        p: Prompts,
-        chunk: slice,
-        spec: SamplingSpec,
-        out: ParquetWriter,
-        run_id: str,
-        iteration: int,
-        stamp: dict,
-        progress=None,
-    ) -> tuple[dict[str, list], list[list[Sample]]]:
-        """Sample one chunk of prompts and write its rows to `out`: (its columns, its groups); `progress(k)` as
-        the chunk's first k prompts' samples end (the sampler's, which it never changes)."""
-        t0 = time.perf_counter()
-        groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk], progress)
-        self.generate_s += time.perf_counter() - t0
-        columns = chunk_columns(run_id, iteration, p, chunk, groups, stamp)
-        out.write(columns)
-        self.tokens += sum(map(len, columns["response_ids"]))
-        self.stops += columns["finish_reason"].count("stop")
-        return columns, groups
-
-    def rows(self, samples: int) -> dict:
-        """The summary's figures of the rows written."""
-        return {"samples": samples, "response_tokens": self.tokens, "stop_fraction": self.stops / max(samples, 1)}
 
 
 @measured
@@ -131,13 +64,19 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
     inputs = {"snapshot": snap}
     if cfg.rollout.min_signal_groups is not None:
         inputs.update(dynamic_inputs(storage, cfg, run_id, iteration))
+    if episode_files(cfg):  # the copies of the files rollout.tools and rollout.environment name
+        inputs["base"] = committed_input(storage, run_id, None, "base")
     check_chain(storage, run_id, iteration, "rollouts", inputs)
     r = cfg.rollout
 
     def sample(writer, shard_k: int = 0) -> dict:
         if r.min_signal_groups is not None:  # one shard (config.validate_dynamic_sampling)
             return sample_rounds(storage, cfg, run_id, iteration, inputs, writer)
-        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg)
+        with environments(cfg, inputs.get("base")) as env:  # episodes: workers forked before the sampler starts
+            return sample_part(writer, shard_k, env)
+
+    def sample_part(writer, shard_k: int, env) -> dict:
+        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, None if env is None else env[1])
         chunks = -(-len(p.ids) // r.chunk_prompts)
         if r.shards > chunks:  # fewer prompts than asked for were left (skipped ones)
             raise StageError(
@@ -149,9 +88,10 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         gen, settings = sampler(p, cfg)  # starts the engine, or wakes a warm one and reloads its weights
         engine_s = time.perf_counter() - t0
         spec = sampling_spec(r, iteration_seed(cfg.seed, iteration, Salt.SAMPLING))
-        tally = Tally()
+        seed = iteration_seed(cfg.seed, iteration, Salt.ENVIRONMENT)
+        tally = Tally(episodes=None if env is None else Episodes(storage, writer, gen, p, env[0], cfg, seed))
         report = Progress(f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""), len(part), "prompts")
-        with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out:
+        with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out, tally.tables():
             for start in range(part.start, part.stop, r.chunk_prompts):
                 chunk, at = slice(start, start + r.chunk_prompts), start - part.start
                 tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp, lambda k, at=at: report.part(at + k))
@@ -194,9 +134,9 @@ def stage_config(cfg: RunConfig) -> dict:
     return config
 
 
-def checked_prompts(snap: Committed, examples: list, cfg: RunConfig) -> Prompts:
-    """policy_and_prompts, refused when the policy has non-finite weights."""
-    p = policy_and_prompts(snap, examples, cfg)
+def checked_prompts(snap: Committed, examples: list, cfg: RunConfig, tools: list[dict] | None = None) -> Prompts:
+    """policy_and_prompts (`tools`: an episode's, rendered in), refused when the policy has non-finite weights."""
+    p = policy_and_prompts(snap, examples, cfg, tools=tools)
     bad = non_finite_weights(p.model_dir) + (non_finite_weights(p.adapter_dir) if p.adapter_dir else [])
     if bad:  # sampling would die in torch ("probability tensor contains inf/nan") or sample garbage
         raise StageError(
@@ -212,8 +152,13 @@ def merged_summary(parts: list[dict]) -> dict:
     total = {k: sum(s[k] for s in parts) for k in ("prompts", "samples", "response_tokens", "engine_s", "generate_s")}
     stops = sum(s["stop_fraction"] * s["samples"] for s in parts)
     first = parts[0]
+    episodes = {}
+    if "tool_calls" in first:  # rollout.tools, rollout.environment
+        episodes = {k: sum(s[k] for s in parts) for k in ("tool_calls", "tool_errors")}
+        episodes["turns_per_episode"] = sum(s["turns_per_episode"] * s["samples"] for s in parts) / max(samples, 1)
     return {
         **total,
+        **episodes,
         "skipped_prompts": first["skipped_prompts"],  # of the iteration's prompts: every shard counts them all
         "stop_fraction": stops / max(samples, 1),
         "policy_version": first["policy_version"],

@@ -22,6 +22,7 @@ from grpo.record.commit import StageWriter
 from grpo.record.layout import shard_stage
 from grpo.record.storage import Committed, Storage
 from schemas import ParquetWriter, iter_row_groups, table_file
+from schemas.tables import TABLE_FILES
 from stages.common import StageError, run_stage
 
 
@@ -52,7 +53,8 @@ def run_sharded(
     shard: int | None = None,
 ) -> Committed:
     """Shard `shard` alone (its committed attempt), or, with shard None, every shard (reusing those committed)
-    and then the stage: their tables `stage` merged. `shard_body(k, writer)` writes shard k's table and
+    and then the stage: their tables merged (the stage's, and those it writes beside it: the rollouts' turns and
+    episodes). `shard_body(k, writer)` writes shard k's table and
     returns its summary; `merge_summary` makes the stage's summary of the shards'. `setting` names the
     shards' setting for errors (rollout.shards)."""
     if shards == 1 and not shard:  # the stage as it always ran: no shard folders
@@ -78,10 +80,12 @@ def run_sharded(
     done = [one(k) for k in range(shards)]
 
     def merge(writer: StageWriter) -> dict:
-        with ParquetWriter(storage.fs, writer.path(table_file(stage)), stage) as out:
-            for part in done:  # row group by row group: memory stays bounded however big the stage
-                for group in iter_row_groups(storage.fs, part.read_path(table_file(stage)), stage):
-                    out.write(group)
+        files = {f.path for f in done[0].manifest.files}
+        for table in [t for t, (s, name) in TABLE_FILES.items() if s == stage and name in files]:  # rollouts: turns
+            with ParquetWriter(storage.fs, writer.path(table_file(table)), table) as out:
+                for part in done:  # row group by row group: memory stays bounded however big the stage
+                    for group in iter_row_groups(storage.fs, part.read_path(table_file(table)), table):
+                        out.write(group)
         return {**merge_summary([part.manifest.summary for part in done]), "shards": shards}
 
     parts = {f"shard-{k}": part for k, part in enumerate(done)}

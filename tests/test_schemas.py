@@ -21,6 +21,7 @@ def rollout_row(i=0):
         "response": "1 2",
         "response_ids": [4, 5, 3],
         "sampler_logprobs": [-0.1, -0.2, -0.05],
+        "loss_mask": [1, 1, 1],
         "finish_reason": "stop",
         "ground_truth": "1 2",
         "row": "{}",
@@ -108,4 +109,23 @@ def test_a_rollouts_file_of_schema_version_3_reads_as_version_4(tmp_path):
     assert [b.column(1).to_pylist() for b in batches] == [[-1, 0], [1]]
     with pytest.raises(SchemaError, match="policy_version"):  # a version 4 file still holds to version 4
         pq.write_table(old.replace_schema_metadata({b"grpo.table": b"rollouts", b"grpo.schema_version": b"4"}), path)
+        read_parquet(FS, path, "rollouts")
+
+
+def test_a_rollouts_file_of_schema_version_4_reads_with_every_token_trained_on(tmp_path):
+    """Written before episodes: every response token was sampled, so its loss_mask is all ones; a version 3 file
+    goes through both upgrades."""
+    from schemas.tables import ROLLOUTS_V4
+
+    rows = [rollout_row(i) | {"response_ids": list(range(i))} for i in range(3)]
+    old = pa.Table.from_pylist(rows, schema=ROLLOUTS_V4)
+    path = str(tmp_path / "v4.parquet")
+    pq.write_table(old.replace_schema_metadata({b"grpo.table": b"rollouts", b"grpo.schema_version": b"4"}), path)
+    table = read_parquet(FS, path, "rollouts")
+    assert table.schema.equals(SCHEMAS["rollouts"])
+    assert table.column("loss_mask").to_pylist() == [[], [1], [1, 1]]
+    sliced = list(iter_batches(FS, path, "rollouts", batch_size=2, columns=["loss_mask"]))
+    assert [b.column(0).to_pylist() for b in sliced] == [[[], [1]], [[1, 1]]]
+    with pytest.raises(SchemaError, match="loss_mask"):  # a version 5 file holds to version 5
+        pq.write_table(old.replace_schema_metadata({b"grpo.table": b"rollouts", b"grpo.schema_version": b"5"}), path)
         read_parquet(FS, path, "rollouts")

@@ -29,7 +29,7 @@ from grpo.episodes.environment import EnvironmentFailure
 from grpo.episodes.parsing import parse_turn
 from grpo.episodes.records import Episode, Turn
 from grpo.episodes.workers import Item, Outcome, Workers
-from grpo.layout import episode_seed
+from grpo.record.layout import episode_seed
 from grpo.sampling.base import Generator, SamplingSpec
 
 

@@ -50,8 +50,12 @@ def qwen_turn(text: str) -> tuple[dict, list[ToolCall]]:
     >>> qwen_turn("The answer is 6.")
     ({'role': 'assistant', 'content': 'The answer is 6.'}, [])
     """
-    calls = [_qwen_call(body, closed) for body, closed in TOOL_CALL.findall(text)]
-    message = {"role": "assistant", "content": TOOL_CALL.sub("", text).strip()}
+    blocks = list(TOOL_CALL.finditer(text))
+    calls = [_qwen_call(m.group(1), m.group(2)) for m in blocks]
+    content = text
+    for m, c in reversed(list(zip(blocks, calls))):  # the calls that parsed leave the text; a botched one stays
+        content = content[: m.start()] + content[m.end() :] if c.error is None else content
+    message = {"role": "assistant", "content": content.strip()}
     parsed = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
     parsed = [p for p, c in zip(parsed, calls) if c.error is None]
     return (message | {"tool_calls": parsed} if parsed else message), calls

@@ -9,7 +9,8 @@ when the class has it, is a reward of its own, weight 1, beside the reward funct
 episode. What differs, and why: TRL hands reward functions the live instances (`environments=`); here the rewards
 stage runs after the episodes, in other processes, maybe on another day (`grpo rescore`), so the episode's final state
 is stored instead (`final`: the instance's public attributes that JSON can hold, and get_reward's value), and a reward
-function that takes an `environment` argument gets it as an object with those attributes (grpo.scoring.score).
+function that takes an `environment` argument gets it as an object with those attributes and that get_reward()
+(grpo.episodes.environment.FinalState).
 """
 
 from __future__ import annotations
@@ -66,14 +67,11 @@ class TRLEnvironment:
         return answer(calls, self.functions, self.timeout_s)
 
     def final(self) -> dict:
-        """{"class", "attributes": its public attributes JSON can hold, "reward": get_reward()'s, where it has one}."""
-        attributes = {}
-        for name, value in vars(self.env).items():
-            if name[0] != "_" and _jsonable(value):
-                attributes[name] = value
-        out = {"class": type(self.env).__name__, "attributes": attributes}
+        """The instance's public attributes that JSON can hold, and `get_reward`: what get_reward() returned, where
+        the class has one (reward functions see them as grpo.episodes.environment.FinalState)."""
+        out = {name: value for name, value in vars(self.env).items() if name[0] != "_" and _jsonable(value)}
         if callable(getattr(self.env, "get_reward", None)):
-            out["reward"] = float(_run(self.env.get_reward))
+            out["get_reward"] = float(_run(self.env.get_reward))
         return out
 
     def close(self) -> None:

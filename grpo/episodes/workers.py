@@ -113,6 +113,16 @@ def _job(source: Source, max_memory_mb: int | None, op: str, items: list[Item]) 
     return out
 
 
+def probe(source: Source, max_memory_mb: int | None) -> list[dict]:
+    """In a worker: the tools' schemas of `source`'s environment (from an instance built and closed)."""
+    cap_memory(max_memory_mb)
+    env = factory(source)()
+    try:
+        return env.tools()
+    finally:
+        env.close()
+
+
 class Workers:
     """The episodes of one stage in a pool's workers: where each lives, which are lost."""
 

@@ -2,7 +2,8 @@
 
 A reward function is a plain function `(response, ground_truth, prompt, **row)` returning a
 float, or a dict of named components with `total`; `row` holds the dataset's other columns
-(a function gets those it names, or all of them with `**row`). It is named as
+(a function gets those it names, or all of them with `**row`), and in a run of episodes
+`environment` and `messages` (EPISODE_ARGUMENTS). It is named as
 `path/to/file.py:function` (the file is copied into the run at `grpo init`, so every stage,
 worker and machine scores with the same code) or `package.module:function` (imported by name).
 
@@ -119,6 +120,12 @@ def load_function(spec: str, file: str | None = None) -> Callable:
     return fn
 
 
+EPISODE_ARGUMENTS = ("environment", "messages")
+"""What a reward function of an episode run may take beside the dataset's columns: the episode's environment as it
+ended (grpo.episodes.environment.FinalState; None when it stored nothing) and its conversation after the prompt
+(chat messages: each assistant turn, each tool or observation message appended)."""
+
+
 def required_columns(fn: Callable) -> set[str]:
     """Dataset columns `fn` needs: its parameters after the first three that have no default."""
     params = list(inspect.signature(fn).parameters.values())[3:]
@@ -172,7 +179,18 @@ class Scorer:
         self, response: str, ground_truth: str, prompt: str, row: dict, calling: Callable[[int], None] | None = None
     ) -> dict[str, float]:
         """The sample's components and `total`; `calling(i)` is told before function i runs (a pool
-        worker's watchdog then names the function that hung or killed the worker)."""
+        worker's watchdog then names the function that hung or killed the worker). An episode whose environment
+        has a reward of its own (a TRL class's get_reward) adds it, weight 1, as the component `environment`."""
+        out = self._functions(response, ground_truth, prompt, row, calling)
+        own = getattr(row.get("environment"), "_state", {}).get("get_reward")
+        if own is None:
+            return out
+        total = out["total"] + float(own)
+        if not math.isfinite(total):
+            raise ValueError(f"non-finite reward {total}: the environment's get_reward() gave {own}")
+        return {**out, "environment": float(own), "total": total}
+
+    def _functions(self, response: str, ground_truth: str, prompt: str, row: dict, calling) -> dict[str, float]:
         if len(self.fns) == 1 and self.weights == [1.0]:
             name, fn, keywords = self.fns[0]
             return components_of(fn(response, ground_truth, prompt, **keywords(row)), name)

@@ -1,0 +1,189 @@
+"""Episodes (issue 41): a tiny chat model warm-started to call a calculator tool samples multi-turn episodes, the tools
+running in worker processes; every committed episode is the tokens the sampler was given and gave, in order, with a
+loss mask of 1 exactly on the sampled ones; the turns and episodes tables say what happened; TRL's environment_factory
+class runs unchanged; a rerun commits the same bytes.
+
+The world (tests/tool_world.py) is built once for the module: a Qwen2 model with Qwen2.5's own tool template.
+"""
+
+import json
+import re
+
+import pandas as pd
+import pytest
+from tool_world import config, world
+from transformers import AutoTokenizer
+
+from grpo import data
+from grpo.config import load_config
+from grpo.episodes.chat import observation_tokens, prompt_tokens, with_reset
+from grpo.record.storage import open_storage
+from grpo.sampling.base import stop_token_ids
+from grpo.sampling.engines import close_generators
+from grpo.sampling.hf import HFGenerator
+from stages.init import init_run
+from stages.rewards import rewards
+from stages.rollouts import rollouts
+from stages.snapshot import snapshot
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return world(tmp_path_factory.mktemp("tools"))
+
+
+@pytest.fixture
+def storage(tmp_path):
+    return open_storage((tmp_path / "store").as_uri())
+
+
+def tables(storage, committed) -> dict[str, pd.DataFrame]:
+    return {t: pd.read_parquet(storage.uri(committed.path(f"{t}.parquet"))) for t in ("rollouts", "turns", "episodes")}
+
+
+class Spy:
+    """Every sampler call of the stage, as the sampler saw it: {context ids: [(sampled ids, their log-probs), ...]}
+    (the G episodes of a prompt share their first turn's context)."""
+
+    def __init__(self, monkeypatch, cls=HFGenerator):
+        self.calls: dict[tuple, list] = {}
+        generate = cls.generate
+
+        def spied(gen, prompts, spec, budgets=None, progress=None, seeds=None):
+            out = generate(gen, prompts, spec, budgets, progress, seeds)
+            for context, [sample] in zip(prompts, out):
+                self.calls.setdefault(tuple(context), []).append((list(sample.response_ids), list(sample.logprobs)))
+            return out
+
+        monkeypatch.setattr(cls, "generate", spied)
+
+    def take(self, context: tuple, sampled: list[int]) -> list[float]:
+        """The log-probs the sampler gave with `sampled` for `context`; that call is used up."""
+        given = self.calls.get(context, [])
+        at = next((i for i, (ids, _) in enumerate(given) if ids == sampled), None)
+        assert at is not None, "the sampler never gave these ids for this context"
+        return given.pop(at)[1]
+
+
+def schemas(*specs: str) -> list[dict]:
+    from transformers.utils import get_json_schema
+
+    from grpo.tasks.functions import load_object
+
+    return [get_json_schema(load_object(s)) for s in specs]
+
+
+def check_token_in_token_out(
+    t: dict[str, pd.DataFrame], model_dir: str, spy: Spy, tools: list[dict], reset: str = ""
+) -> None:
+    """On every episode: the prompt is the template's render of the question with the tools; each turn's sampled ids
+    are what the sampler gave for the context prompt + the response so far, with their log-probs and mask 1; what
+    lies between turns is the template's render of the tool messages the episode stored, mask 0, log-prob 0.0."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos = stop_token_ids(tok, model_dir)
+    turns = t["turns"].groupby(["prompt_id", "sample_index"])
+    episodes = t["episodes"].set_index(["prompt_id", "sample_index"])
+    assert len(t["rollouts"]) == len(episodes) > 0
+    for row in t["rollouts"].itertuples():
+        ids, mask, logps = list(row.response_ids), list(row.loss_mask), list(row.sampler_logprobs)
+        assert len(ids) == len(mask) == len(logps) <= 120 and set(mask) <= {0, 1}
+        asked = re.search(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", row.prompt, re.S).group(1)
+        question = data.chat_messages(asked.removesuffix(reset), None)
+        messages = with_reset(question, [{"role": "user", "content": reset}] if reset else [])
+        assert (row.prompt, list(row.prompt_ids)) == prompt_tokens(tok, messages, tools)
+        ep, mine = episodes.loc[(row.prompt_id, row.sample_index)], turns.get_group((row.prompt_id, row.sample_index))
+        conversation = json.loads(ep.messages)
+        history, at = list(messages), 0
+        for k, turn in enumerate(mine.sort_values("turn").itertuples()):
+            assert turn.turn == k and turn.start == at
+            context = tuple(list(row.prompt_ids) + ids[: turn.start])
+            sampled = [int(i) for i in ids[turn.start : turn.end]]
+            assert logps[turn.start : turn.end] == pytest.approx(spy.take(context, sampled))  # token in, token out
+            assert mask[turn.start : turn.end] == [1] * len(sampled)  # token out: exactly what it gave, trained on
+            history.append(conversation.pop(0))  # the assistant turn, parsed
+            at = turn.end + turn.observation_tokens
+            assert mask[turn.end : at] == [0] * turn.observation_tokens and logps[turn.end : at] == [0.0] * (
+                at - turn.end
+            )
+            if turn.observation_tokens:
+                new = [conversation.pop(0) for _ in range(len(turn.tool_names))]
+                ended = tok.decode(sampled[-1:]) if sampled[-1] in eos else None
+                turn_ends = [tok.decode([i]) for i in eos]
+                text, obs = observation_tokens(tok, history, new, tools, ended, turn_ends)
+                assert ids[turn.end : at] == obs and text.endswith("<|im_start|>assistant\n")
+                assert all(f"<tool_response>\n{m['content']}\n</tool_response>" in text for m in new)
+                history += new
+        assert at == len(ids) and not conversation  # nothing else was appended
+        assert ep.turns == len(mine) <= 3
+        assert (row.finish_reason == "length") == (ep.end == "budget")
+    assert not any(spy.calls.values())  # and every sampler call is some episode's turn
+
+
+def test_every_episode_is_the_tokens_the_sampler_gave_and_was_given(root, storage, monkeypatch, tmp_path):
+    monkeypatch.setenv("TOOL_LOG", str(tmp_path / "calls.log"))
+    spy = Spy(monkeypatch)
+    init_run(storage, "r", load_config(None, config(root)))
+    snapshot(storage, "r", 0)
+    ro = rollouts(storage, "r", 0)
+    t = tables(storage, ro)
+    check_token_in_token_out(t, str(root / "model"), spy, schemas(f"{root / 'tools.py'}:multiply"))
+    summary = ro.manifest.summary
+    assert summary["tool_calls"] == t["turns"].tool_names.map(len).sum() > 0
+    assert summary["tool_errors"] == t["turns"].tool_errors.sum() > 0  # the warm-started model botches some calls
+    assert summary["turns_per_episode"] == pytest.approx(t["episodes"].turns.mean())
+    ran = (tmp_path / "calls.log").read_text().splitlines()
+    calls = [
+        (n, json.loads(a))
+        for names, args in zip(t["turns"].tool_names, t["turns"].tool_arguments)
+        for n, a in zip(names, args)
+    ]
+    good = [f"{c['a']} {c['b']}" for n, c in calls if n == "multiply" and set(c) == {"a", "b"}]
+    assert sorted(ran) == sorted(good) and ran  # every call that reached multiply ran once, in a worker
+    for turn in t["turns"].itertuples():  # multiply sleeps 30 s on a 13: interrupted, the episode goes on
+        thirteen = any(13 in json.loads(a).values() for a in turn.tool_arguments)
+        assert thirteen == ("multiply: timed out after 1s" in (turn.error or "")), turn
+
+
+def test_a_rerun_commits_the_same_bytes(root, storage):
+    init_run(storage, "r", load_config(None, config(root)))
+    snapshot(storage, "r", 0)
+    first = rollouts(storage, "r", 0)
+    close_generators()
+    again = rollouts(storage, "r", 0, force=True)
+    assert again.attempt_dir != first.attempt_dir
+    assert sorted((f.path, f.sha256) for f in again.manifest.files) == sorted(
+        (f.path, f.sha256) for f in first.manifest.files
+    )
+
+
+def test_a_trl_environment_class_runs_unchanged(root, storage, monkeypatch):
+    """The class file is the one a TRL user passes as environment_factory: reset(**row)'s string joins the question,
+    its public method is the tool, get_reward a reward of its own; rewards see its final state."""
+    spy = Spy(monkeypatch)
+    overrides = config(
+        root,
+        f"rollout.environment={root / 'calculator_env.py'}:Calculator",
+        "rollout.tools=[]",
+        f"reward.functions=[{root / 'rewards.py'}:calculator]",
+    )
+    init_run(storage, "r", load_config(None, overrides))
+    snapshot(storage, "r", 0)
+    ro = rollouts(storage, "r", 0)
+    t = tables(storage, ro)
+    from transformers.utils import get_json_schema
+
+    from grpo.tasks.functions import load_object
+
+    tools = [get_json_schema(load_object(f"{root / 'calculator_env.py'}:Calculator")().multiply)]
+    check_token_in_token_out(t, str(root / "model"), spy, tools, reset=" Use the calculator.")
+    states = [json.loads(s) for s in t["episodes"].environment]
+    answers = [int(a) for a in t["rollouts"].ground_truth]
+    assert all(s["answer"] == a and s["get_reward"] == float(a in s["products"]) for s, a in zip(states, answers))
+    rw = rewards(storage, "r", 0)
+    scored = pd.read_parquet(storage.uri(rw.path("rewards.parquet")))
+    for s, comps, reward in zip(states, scored.components, scored.reward):
+        comps = dict(comps)
+        assert comps["environment"] == s["get_reward"] and reward == s["get_reward"] + comps["calculator"]
+    assert any(s["products"] for s in states)

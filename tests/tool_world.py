@@ -1,0 +1,206 @@
+"""A world for the episode tests (grpo/episodes): a tiny Qwen2 chat model with Qwen2.5's own tool template, warm-started
+on a few calculator transcripts so that it calls the tool (and, sampled at temperature 1, sometimes botches the call,
+answers at once or calls on), a dataset of multiplication questions, tools as plain functions (TRL's `tools=`), an
+environment class written for TRL's `environment_factory`, and reward functions.
+
+`world(root)` builds it once per test session in `root`; the warm start is a few seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pandas as pd
+
+from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_model
+
+TOOLS = '''"""Tools as a TRL user passes them to GRPOTrainer(tools=[...])."""
+import os
+import time
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    if os.environ.get("TOOL_LOG"):  # the tests count the calls that ran
+        with open(os.environ["TOOL_LOG"], "a") as f:
+            f.write(f"{a} {b}\\n")
+    if a == 13 or b == 13:
+        time.sleep(30)  # past rollout.tool_timeout_s: the call is interrupted
+    if a * b > 300:
+        raise ValueError("too large for this calculator")
+    return a * b
+
+
+def secret() -> str:
+    """Read a credential the workers must not have."""
+    return os.environ.get("AWS_SECRET_ACCESS_KEY", "none")
+'''
+
+ENVIRONMENT = '''"""A calculator environment, written for TRL's GRPOTrainer(environment_factory=Calculator)."""
+
+
+class Calculator:
+    def __init__(self):
+        self.products = []
+        self.answer = None
+
+    def reset(self, **kwargs) -> str | None:
+        self.products = []
+        self.answer = int(kwargs["answer"])
+        return " Use the calculator."
+
+    def multiply(self, a: int, b: int) -> str:
+        """Multiply two integers.
+
+        Args:
+            a: The first factor.
+            b: The second factor.
+        """
+        if a * b > 300:
+            raise ValueError("too large for this calculator")
+        self.products.append(a * b)
+        return str(a * b)
+
+    def get_reward(self) -> float:
+        return float(self.answer in self.products)
+
+
+def used_the_calculator(environments, **kwargs) -> list[float]:
+    """A TRL reward function over the episodes' environments."""
+    return [float(len(env.products) > 0) for env in environments]
+'''
+
+REWARDS = '''"""Reward functions of the episode tests, in this project's form."""
+
+
+def answered(response, ground_truth, prompt, messages):
+    """1 when the last assistant turn states the product."""
+    last = [m for m in messages if m["role"] == "assistant"][-1]
+    return float(str(ground_truth) in (last.get("content") or ""))
+
+
+def calculator(response, ground_truth, prompt, environment):
+    """What the TRL class left: 1 when a product it computed is the answer."""
+    return float(environment is not None and int(ground_truth) in environment.products)
+'''
+
+
+def multiply_schema() -> dict:
+    from transformers.utils import get_json_schema
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: The first factor.
+            b: The second factor.
+        """
+        return a * b
+
+    return get_json_schema(multiply)
+
+
+def question(a: int, b: int) -> str:
+    return f"What is {a} times {b}?"
+
+
+def transcript(a: int, b: int, rng: random.Random) -> list[dict]:
+    """A conversation the warm start learns from: a call, its result, the answer; sometimes a second call first."""
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+    turns = [{"role": "user", "content": question(a, b)}]
+    if rng.random() < 0.3:  # a wrong first call, then the right one: episodes of three turns
+        wrong = {"type": "function", "function": {"name": "multiply", "arguments": {"a": b, "b": a + 1}}}
+        turns += [
+            {"role": "assistant", "content": "", "tool_calls": [wrong]},
+            {"role": "tool", "name": "multiply", "content": str(b * (a + 1))},
+        ]
+    return turns + [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "multiply", "content": str(a * b)},
+        {"role": "assistant", "content": f"The answer is {a * b}."},
+    ]
+
+
+def warm_start(model_dir: str, texts: list[str], steps: int = 200, seed: int = 0) -> None:
+    """Supervised steps on whole rendered conversations (every token), so the model writes tool calls."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    rng = random.Random(seed)
+    model.train()
+    for _ in range(steps):
+        batch = rng.sample(rows, 8)
+        width = max(map(len, batch))
+        ids = torch.full((len(batch), width), tok.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        for i, r in enumerate(batch):
+            ids[i, : len(r)] = labels[i, : len(r)] = torch.tensor(r)
+        loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(model_dir)
+
+
+def world(root: Path) -> Path:
+    """Build the world in `root` (model/, questions.parquet, tools.py, calculator_env.py, rewards.py)."""
+    rng = random.Random(0)
+    pairs = [(a, b) for a in range(2, 16) for b in range(2, 10)]
+    rng.shuffle(pairs)
+    from transformers import PreTrainedTokenizerFast
+
+    from grpo.tiny_model import build_chat_tokenizer
+
+    shaper: PreTrainedTokenizerFast = build_chat_tokenizer(["x"], 300, TOOLS_CHAT_TEMPLATE)  # renders the texts
+    schema = multiply_schema()
+    texts = [shaper.apply_chat_template(transcript(a, b, rng), tools=[schema], tokenize=False) for a, b in pairs]
+    texts += [shaper.apply_chat_template(transcript(a, b, rng)[:1], tokenize=False) for a, b in pairs[:8]]
+    model = str(root / "model")
+    build_chat_model(model, texts, vocab_size=600, max_position_embeddings=512, chat_template=TOOLS_CHAT_TEMPLATE)
+    warm_start(model, texts[: len(pairs)])
+    rows = [{"question": question(a, b), "answer": str(a * b), "level": a % 3} for a, b in pairs]
+    pd.DataFrame(rows).to_parquet(root / "questions.parquet")
+    (root / "tools.py").write_text(TOOLS)
+    (root / "calculator_env.py").write_text(ENVIRONMENT)
+    (root / "rewards.py").write_text(REWARDS)
+    (root / "world.json").write_text(json.dumps({"pairs": pairs}))
+    return root
+
+
+def config(root: Path, *extra: str) -> list[str]:
+    """A small run of episodes with the tools (override with `extra`)."""
+    return [
+        f"model.base_model={root / 'model'}",
+        "task.name=math",
+        f"task.dataset={root / 'questions.parquet'}",
+        "task.prompt_column=question",
+        "task.answer_column=answer",
+        f"rollout.tools=[{root / 'tools.py'}:multiply]",
+        f"reward.functions=[{root / 'rewards.py'}:answered]",
+        "rollout.backend=hf",
+        "rollout.prompts_per_iteration=4",
+        "rollout.group_size=4",
+        "rollout.max_tokens=120",
+        "rollout.max_turns=3",
+        "rollout.tool_timeout_s=1",
+        "rollout.tool_workers=2",
+        "learn.minibatch_size=16",
+        "learn.microbatch_size=16",
+        "learn.epochs=1",
+        "eval.n_prompts=4",
+        "eval.split_fraction=0.1",
+        "reward.workers=1",
+        *extra,
+    ]
