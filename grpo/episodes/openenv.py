@@ -160,11 +160,17 @@ def action_schema(url: str) -> dict:
     http = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).rstrip("/")
     try:
         response = requests.get(f"{http}/schema", timeout=30)
+    except requests.RequestException as e:  # refused, unreachable, timed out
+        raise EnvironmentFailure(
+            f"rollout.environment {url!r}: no OpenEnv server answers there ({type(e).__name__}); start it first"
+        ) from None
+    try:
         response.raise_for_status()
         return response.json()["action"]
-    except Exception as e:  # noqa: BLE001
+    except (requests.RequestException, ValueError, KeyError, TypeError):
         raise EnvironmentFailure(
-            f"rollout.environment {url!r}: no OpenEnv server answers there ({type(e).__name__}: {e}); start it first"
+            f"rollout.environment {url!r}: GET /schema answered HTTP {response.status_code} without an action schema: "
+            "is it an OpenEnv server (openenv-core's create_app)?"
         ) from None
 
 
