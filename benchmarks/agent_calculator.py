@@ -93,7 +93,9 @@ def make_world(root: Path, n: int, held: int, seed: int, vocab: int) -> tuple[st
     tok, tools = AutoTokenizer.from_pretrained(probe), tools_of(Calculator())
     for r in train[:500]:
         p = tok.apply_chat_template(prompt_of(r), tools=tools, tokenize=False, add_generation_prompt=True)
-        texts.append(p + call_text(r) + f"<tool_response>\n{r['answer']}\n</tool_response>The answer is 1.")
+        texts.append(
+            p + call_text(r) + f"<tool_response>\nThe answer is {r['answer']}.\n</tool_response>The answer is 1."
+        )
     model = build_chat_model(
         str(root / "model"), texts, vocab_size=vocab, max_position_embeddings=384, seed=seed,
         chat_template=TOOLS_CHAT_TEMPLATE, **SHAPE,
@@ -108,7 +110,9 @@ def transcript(tok, tools, row: dict, use_tool: bool) -> tuple[list[int], list[i
     mask = [0] * len(ids)
     if use_tool:
         turn = tok(call_text(row) + tok.eos_token, add_special_tokens=False)["input_ids"]
-        obs = observation_ids(tok, "calculate", row["answer"])
+        env = Calculator()
+        env.reset(**row)
+        obs = observation_ids(tok, "calculate", env.calculate(row["operation"]))
         ids, mask = ids + turn + obs, mask + [1] * len(turn) + [0] * len(obs)
     last = tok(f"The answer is {row['answer']}." + tok.eos_token, add_special_tokens=False)["input_ids"]
     return ids + last, mask + [1] * len(last)
@@ -332,7 +336,9 @@ def ours_side(root: Path, model_dir: str, train: list[dict], test: list[dict], a
     for k, out in run_warm(storage, "calculator", 0, args.iterations):
         policy = AutoModelForCausalLM.from_pretrained(local_checkpoint(out["learn"]), dtype="float32")
         curve.append({**held_out(policy, tok, test), "seconds": time.perf_counter() - start})
-        print(f"grpo-flow iteration {k}: {fmt(curve[-1])}", flush=True)
+        calls = out["rollouts"].manifest.summary["tool_calls"] / (args.prompts * args.group)
+        trained = f"reward {out['advantages'].manifest.summary['reward_mean']:.3f}, tool calls an episode {calls:.2f}"
+        print(f"grpo-flow iteration {k}: {trained}; {fmt(curve[-1])}", flush=True)
     return {"curve": curve, "seconds": time.perf_counter() - start, "storage": storage.url}
 
 
@@ -351,7 +357,7 @@ def main() -> int:
     p.add_argument("--problems", type=int, default=2000)
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--vocab", type=int, default=600)
-    p.add_argument("--sft-steps", type=int, default=800)
+    p.add_argument("--sft-steps", type=int, default=600)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-problems", type=int, default=400, help="warm-start transcripts")
     p.add_argument("--tool-share", type=float, default=0.5, help="share of warm-start transcripts calling the tool")

@@ -50,7 +50,7 @@ def test_a_warm_start_transcript_is_the_conversation_the_template_renders(tok):
     conversation = bench.prompt_of(row) + [
         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
             "name": "calculate", "arguments": {"operation": row["operation"]}}}]},
-        {"role": "tool", "name": "calculate", "content": row["answer"]},
+        {"role": "tool", "name": "calculate", "content": f"The answer is {row['answer']}."},
         {"role": "assistant", "content": f"The answer is {row['answer']}."},
     ]  # fmt: skip
     rendered = tok.apply_chat_template(conversation, tools=tools, tokenize=False)

@@ -7,12 +7,13 @@ A problem multiplies a 2-digit by a 3-digit number, or adds two 3-digit numbers,
 `Calculator` is written in TRL's `environment_factory` contract and runs unchanged on both sides: one instance per
 episode, `reset(**row)` with the dataset row (it keys in the problem's two numbers, the row's `a` and `b`), its public
 methods the tools (name, docstring and type hints give the schema), and reward functions reading what the episode
-did from `environments`. The model presses an operation (`calculate(operation="multiply")`) and copies the result
-into its answer: which operation the sentence asks for is the model's to learn, and copying the result from the
-tool's message is a few tokens back. Copying two numbers out of the question into the call is left out on purpose:
-a model of the recipe's size (a few hundred thousand weights, minutes of training on 2 CPU cores) did not learn it in
-a 500-step warm start (0 of 12 sampled calls had both numbers right), while it copied a tool's result into its
-answer in 20 of 30 (benchmarks/agent_calculator.py).
+did from `environments`. The model presses an operation (`calculate(operation="multiply")`), the calculator says
+"The answer is 3381.", and the model says it again as its answer: which operation the sentence asks for, and that
+the calculator is worth calling, are the model's to learn. Copying made as easy as a model of the recipe's size (a
+few hundred thousand weights, minutes of training on 2 CPU cores) needs, as measured with its warm start
+(benchmarks/agent_calculator.py): with `multiply(a, b)` it wrote well-formed calls whose numbers were not the
+question's (0 of 12 sampled calls right); with a bare number as the result, an 800-step warm start stated another
+number after it (0 of 10), while a sentence it has seen is copied token by token (an induction head's work).
 
 The rewards are TRL reward functions (lists in, a float per completion out):
 
@@ -25,7 +26,7 @@ correct_answer + 0.5 x correct_tool_use, from the episode's messages and its env
     >>> env = Calculator()
     >>> env.reset(question="...", answer="3381", a=23, b=147)
     >>> env.calculate(operation="multiply")
-    '3381'
+    'The answer is 3381.'
     >>> episode = [{"role": "assistant", "content": "The answer is 3381."}]
     >>> correct_answer([episode], answer=["3381"]), correct_tool_use([episode], environments=[env], answer=["3381"])
     ([1.0], [1.0])
@@ -94,7 +95,7 @@ class Calculator:
         self.calls = []
 
     def calculate(self, operation: str):
-        """Apply an operation to the two numbers of the problem and return the result.
+        """Apply an operation to the two numbers of the problem and say the result.
 
         Args:
             operation: "add" or "multiply".
@@ -103,7 +104,7 @@ class Calculator:
             raise ValueError(f"unknown operation {operation!r}: use 'add' or 'multiply'")
         result = OPERATIONS[operation](self.a, self.b)
         self.calls.append((operation, result))
-        return str(result)
+        return f"The answer is {result}."
 
 
 def last_assistant(messages: list[dict]) -> str:
