@@ -123,7 +123,6 @@ TURNS = pa.schema(  # episodes (rollout.tools, rollout.environment): a row per s
         pa.field("tool_arguments", pa.list_(pa.string()), nullable=False),  # each call's arguments, JSON
         pa.field("observation", pa.string(), nullable=True),  # what answered it (its messages' contents); null: none
         pa.field("observation_tokens", pa.int32(), nullable=False),  # tokens appended after it (0: none)
-        pa.field("tool_s", pa.float64(), nullable=False),  # seconds the environment took to answer it
         pa.field("tool_errors", pa.int32(), nullable=False),  # calls that failed (raised, timed out, unknown, unparsed)
         pa.field("error", pa.string(), nullable=True),  # the first of them
         pa.field("policy_version", pa.int32(), nullable=False),  # the policy that sampled it

@@ -5,7 +5,9 @@ The held-out prompts are the same every iteration (stages.rollouts.eval_prompts)
 else the task generator's prompts of `eval.seed`. Each gets a greedy response
 (accuracy); with `eval.samples_per_prompt` k > 1 also k samples at the rollout
 temperature (avg@k: the share correct, pass@k: any correct). Responses are scored in
-the reward worker pool like the rollouts, with the same per-sample timeout.
+the reward worker pool like the rollouts, with the same per-sample timeout. With episodes
+(rollout.tools, rollout.environment) each is an episode as the rollouts sample them, greedy
+(the same environments, seeded from eval.seed: the same every iteration).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from grpo import devices
 from grpo.config import RunConfig
 from grpo.progress import Progress
 from grpo.record.identity import section
-from grpo.record.layout import stage_dir
+from grpo.record.layout import Salt, iteration_seed, stage_dir
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage, committed_attempts, latest_committed
 from grpo.sampling.base import SamplingSpec, decode_responses
@@ -24,7 +26,8 @@ from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
 from schemas import table_file, write_parquet
 from stages.common import load_run, measured, run_stage
-from stages.prompts import eval_prompts, held_out_config, policy_and_prompts, sampler
+from stages.prompts import environments, episode_files, eval_prompts, held_out_config, policy_and_prompts, sampler
+from stages.samples import reward_arguments, sample_all
 
 
 def exact_match(components: dict[str, float]) -> float:
@@ -48,7 +51,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
     iteration its caller runs; a forced eval is always due), a skipped eval instead (see `skip`)."""
     cfg = load_run(storage, run_id)
     inputs = {"policy": committed_input(storage, run_id, iteration, "learn")}
-    if cfg.reward.functions or cfg.learn.lora is not None:  # reward files; LoRA: the weights under the adapters
+    if cfg.reward.functions or cfg.learn.lora is not None or episode_files(cfg):  # code files; LoRA: the base
         inputs["base"] = committed_input(storage, run_id, None, "base")
     check_chain(storage, run_id, iteration, "eval", inputs)
     if not force and not due(iteration, cfg.eval.every, last):
@@ -56,39 +59,31 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
     k = cfg.eval.samples_per_prompt
 
     def body(writer):
-        p = policy_and_prompts(inputs["policy"], eval_prompts(cfg), cfg, base=inputs.get("base"))
+        with environments(cfg, inputs.get("base")) as env:  # episodes: the rollouts' environments and tools
+            return held_out(writer, env)
+
+    def held_out(writer, env):
+        tools = None if env is None else env[1]
+        p = policy_and_prompts(inputs["policy"], eval_prompts(cfg), cfg, base=inputs.get("base"), tools=tools)
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)
         t1 = time.perf_counter()
         report = Progress(f"eval {iteration}", len(p.ids) * (1 if k == 1 else 2), "prompts")  # greedy, then k samples
-        greedy = [
-            g[0]
-            for g in gen.generate(
-                p.ids, SamplingSpec(n=1, temperature=0.0, stop=tuple(cfg.rollout.stop)), p.budgets, report.part
-            )
-        ]
-        sampled = (
-            []
-            if k == 1
-            else gen.generate(
-                p.ids,
-                SamplingSpec(
-                    n=k,
-                    temperature=cfg.rollout.temperature,
-                    top_p=cfg.rollout.top_p,
-                    stop=tuple(cfg.rollout.stop),
-                    seed=cfg.eval.seed,
-                ),
-                p.budgets,
-                lambda done: report.part(len(p.ids) + done),
-            )
-        )
+        seed = iteration_seed(cfg.eval.seed, 0, Salt.ENVIRONMENT)  # episodes: the same every iteration
+        greedy_spec = SamplingSpec(n=1, temperature=0.0, stop=tuple(cfg.rollout.stop))
+        greedy = [g[0] for g in sample_all(gen, p, greedy_spec, env, cfg, seed, report.part)]
+        r = cfg.rollout
+        spec = SamplingSpec(n=k, temperature=r.temperature, top_p=r.top_p, stop=tuple(r.stop), seed=cfg.eval.seed)
+        later = lambda done: report.part(len(p.ids) + done)  # noqa: E731
+        sampled = [] if k == 1 else sample_all(gen, p, spec, env, cfg, seed, later)
         report.end()
         engine_s, generate_s = t1 - t0, time.perf_counter() - t1
         flat = greedy + [s for group in sampled for s in group]
         responses = decode_responses(p.tokenizer, [s.response_ids for s in flat], p.eos_ids)
         owner = list(range(len(greedy))) + [i for i, group in enumerate(sampled) for _ in group]
-        items = [(r, p.examples[i].ground_truth, p.texts[i], p.examples[i].row or {}) for r, i in zip(responses, owner)]
+        texts = [s.prompt_text for s in greedy] if env is not None else p.texts
+        rows = [(p.examples[i].row or {}) | extra for i, extra in zip(owner, reward_arguments(flat))]
+        items = [(r, p.examples[i].ground_truth, texts[i], row) for r, i, row in zip(responses, owner, rows)]
         with WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool:
             scored = score_batch(pool, scorer_key(cfg, inputs.get("base")), cfg.reward, items)
         correct = [exact_match(c) if err is None else 0.0 for _, c, err in scored]
@@ -98,7 +93,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
             "run_id": [run_id] * n,
             "iteration": [iteration] * n,
             "prompt_id": p.index,
-            "prompt": p.texts,
+            "prompt": texts,
             "response": responses[:n],
             "ground_truth": [e.ground_truth for e in p.examples],
             "reward": [r for r, _, _ in scored[:n]],
@@ -161,4 +156,7 @@ def stage_config(cfg: RunConfig) -> dict:
         config["sampling"] = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
     if cfg.task.dataset:
         config["held_out"] = held_out_config(cfg)
+    if cfg.rollout.tools or cfg.rollout.environment:  # episodes, as the rollouts sample them
+        names = ("tools", "environment", "max_turns", "tool_timeout_s", "tool_max_memory_mb")
+        config["episodes"] = {name: section(cfg, "rollout")[name] for name in names}
     return config

@@ -13,11 +13,13 @@ import time
 
 from grpo import data
 from grpo.config import RolloutConfig, RunConfig
+from grpo.episodes.environment import FinalState
 from grpo.episodes.loop import Limits, Loop
 from grpo.episodes.records import Episode, episode_columns, turn_columns
+from grpo.episodes.workers import Workers
 from grpo.record.commit import StageWriter
 from grpo.record.storage import Storage
-from grpo.sampling.base import Sample, SamplingSpec, decode_responses
+from grpo.sampling.base import Generator, Sample, SamplingSpec, decode_responses
 from schemas import ParquetWriter, table_file
 from stages.prompts import Prompts, episode_starts
 
@@ -107,31 +109,76 @@ class Episodes:
     """A stage's episodes (grpo/episodes): the loop over its sampler and workers, the turns and episodes tables
     written beside the rollouts, what they counted."""
 
-    def __init__(self, storage: Storage, writer: StageWriter, gen, p: Prompts, workers, cfg: RunConfig, seed: int):
+    def __init__(
+        self,
+        storage: Storage,
+        writer: StageWriter,
+        gen: Generator,
+        p: Prompts,
+        workers: Workers,
+        cfg: RunConfig,
+        seed: int,
+    ):
+        """`seed`: the environments' (grpo.record.layout.Salt.ENVIRONMENT). The sampler's prefix cache starts empty,
+        so what it reuses depends on this stage's requests alone (a resumed stage commits the same bytes)."""
         r = cfg.rollout
-        self.loop = Loop(
-            gen, p.tokenizer, p.eos_ids, workers, Limits(r.max_turns, r.max_tokens, p.context, r.tool_timeout_s)
-        )
-        self.cfg, self.seed, self.turns, self.calls, self.errors = cfg, seed, 0, 0, 0
+        limits = Limits(r.max_turns, r.max_tokens, p.context, r.tool_timeout_s)
+        self.loop, self.cfg, self.seed = Loop(gen, p.tokenizer, p.eos_ids, workers, limits), cfg, seed
+        self.turns = self.calls = self.errors = 0
+        self.tool_s, self.slowest = 0.0, 0.0  # seconds environments took: timings stay out of the tables' bytes
         self.tables = {t: ParquetWriter(storage.fs, writer.path(table_file(t)), t) for t in ("turns", "episodes")}
+        gen.reset_prefix_cache()
 
-    def sample(self, p: Prompts, chunk: slice, spec: SamplingSpec, run_id, iteration, stamp, progress=None) -> list:
+    def sample(
+        self, p: Prompts, chunk: slice, spec: SamplingSpec, run_id: str, iteration: int, stamp: dict, progress=None
+    ) -> list[list[Episode]]:
+        """The episodes of one chunk of prompts, grouped by prompt; their turns and episodes rows written."""
         groups = self.loop.run(episode_starts(p, chunk, self.cfg), spec, self.seed, progress)
         done = [e for group in groups for e in group]
-        keys = lambda n: {"run_id": [run_id] * n, "iteration": [iteration] * n}  # noqa: E731
         turns, rows = turn_columns(done, stamp), episode_columns(done)
-        self.tables["turns"].write(keys(len(turns["turn"])) | turns)
-        self.tables["episodes"].write(keys(len(done)) | rows)
-        self.turns, self.calls, self.errors = (
-            a + sum(rows[k])
-            for a, k in zip((self.turns, self.calls, self.errors), ("turns", "tool_calls", "tool_errors"))
-        )
+        for table, columns in (("turns", turns), ("episodes", rows)):
+            n = len(columns["prompt_id"])
+            self.tables[table].write({"run_id": [run_id] * n, "iteration": [iteration] * n} | columns)
+        self.turns += sum(rows["turns"])
+        self.calls += sum(rows["tool_calls"])
+        self.errors += sum(rows["tool_errors"])
+        seconds = [t.tool_s for e in done for t in e.turns]
+        self.tool_s, self.slowest = self.tool_s + sum(seconds), max([self.slowest] + seconds)
         return groups
 
     def summary(self, samples: int) -> dict:
-        """The rollouts summary's episode figures: turns per episode, tool calls and errors of the iteration."""
-        return {"turns_per_episode": self.turns / max(samples, 1), "tool_calls": self.calls, "tool_errors": self.errors}
+        """The rollouts summary's episode figures: turns per episode, tool calls and errors of the iteration, the
+        seconds environments took answering turns (in their workers, all together) and the longest answer."""
+        return {
+            "turns_per_episode": self.turns / max(samples, 1),
+            "tool_calls": self.calls,
+            "tool_errors": self.errors,
+            "tool_s": self.tool_s,
+            "tool_s_max": self.slowest,
+        }
 
     def close(self) -> None:
         for table in self.tables.values():
             table.close()
+
+
+def sample_all(gen: Generator, p: Prompts, spec: SamplingSpec, env, cfg: RunConfig, seed: int, progress=None) -> list:
+    """Every prompt of `p` sampled at once, grouped by prompt: the sampler's spec.n samples of each, or with `env`
+    (stages.prompts.environments: episodes) spec.n episodes of each (the held-out eval's; `seed` its environments')."""
+    if env is None:
+        return gen.generate(p.ids, spec, p.budgets, progress)
+    r = cfg.rollout
+    loop = Loop(gen, p.tokenizer, p.eos_ids, env[0], Limits(r.max_turns, r.max_tokens, p.context, r.tool_timeout_s))
+    gen.reset_prefix_cache()
+    return loop.run(episode_starts(p, slice(None), cfg), spec, seed, progress)
+
+
+def reward_arguments(samples: list) -> list[dict]:
+    """What reward functions get of each sample beside its dataset row: an episode's environment and messages
+    (grpo.tasks.functions.EPISODE_ARGUMENTS), nothing for a single-turn sample."""
+    return [
+        {"environment": None if s.final is None else FinalState(s.final), "messages": s.messages[s.prompt_messages :]}
+        if isinstance(s, Episode)
+        else {}
+        for s in samples
+    ]

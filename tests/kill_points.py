@@ -8,6 +8,7 @@ Points (iteration k):
     learn:k     learn k after its first optimizer step, before its second (the update half done)
     rollouts:k  rollouts k after its first chunk's rows reached the file, before the next chunk is sampled
     rewards:k   rewards k committing: its files written and hashed, its manifest not yet written
+    episodes:k  rollouts k with episodes (grpo/episodes), every environment's first answer in, no second turn sampled
 """
 
 from __future__ import annotations
@@ -59,5 +60,28 @@ def install(folder: str, points: list[str]) -> None:
                 _put(self, path, data)
 
             grpo.record.storage.Storage.write_bytes_atomic = write_bytes_atomic
+        elif stage == "episodes":  # every environment has answered a turn; the episodes go on
+            _hold_mid_episodes(folder, point, int(k))
         else:
             raise ValueError(f"unknown kill point {point!r}")
+
+
+def _hold_mid_episodes(folder: str, point: str, k: int) -> None:
+    """Hold once iteration k's episode loop has its environments' first answers (every episode half done)."""
+    import grpo.episodes.workers
+    import stages.samples
+
+    at = {"iteration": None}
+    sample, run = stages.samples.Episodes.sample, grpo.episodes.workers.Workers.run
+
+    def sample_chunk(self, p, chunk, spec, run_id, iteration, *a, **kw):
+        at["iteration"] = iteration
+        return sample(self, p, chunk, spec, run_id, iteration, *a, **kw)
+
+    def run_op(self, op, items):
+        out = run(self, op, items)
+        if op == "respond" and at["iteration"] == k:
+            hold(folder, point)
+        return out
+
+    stages.samples.Episodes.sample, grpo.episodes.workers.Workers.run = sample_chunk, run_op

@@ -154,8 +154,9 @@ def warm_start(model_dir: str, texts: list[str], steps: int = 200, seed: int = 0
     model.save_pretrained(model_dir)
 
 
-def world(root: Path) -> Path:
-    """Build the world in `root` (model/, questions.parquet, tools.py, calculator_env.py, rewards.py)."""
+def world(root: Path, hidden_size: int = 64, num_layers: int = 2, steps: int = 200) -> Path:
+    """Build the world in `root` (model/, questions.parquet, tools.py, calculator_env.py, rewards.py); the model's
+    width and depth as given (head_dim 32: vLLM's CPU backend needs >= 32), warm-started `steps` steps."""
     rng = random.Random(0)
     pairs = [(a, b) for a in range(2, 16) for b in range(2, 10)]
     rng.shuffle(pairs)
@@ -168,8 +169,18 @@ def world(root: Path) -> Path:
     texts = [shaper.apply_chat_template(transcript(a, b, rng), tools=[schema], tokenize=False) for a, b in pairs]
     texts += [shaper.apply_chat_template(transcript(a, b, rng)[:1], tokenize=False) for a, b in pairs[:8]]
     model = str(root / "model")
-    build_chat_model(model, texts, vocab_size=600, max_position_embeddings=512, chat_template=TOOLS_CHAT_TEMPLATE)
-    warm_start(model, texts[: len(pairs)])
+    heads = hidden_size // 32
+    shape = {
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": heads,
+        "num_kv_heads": max(1, heads // 2),
+    }
+    shape["intermediate_size"] = 2 * hidden_size
+    build_chat_model(
+        model, texts, vocab_size=600, max_position_embeddings=512, chat_template=TOOLS_CHAT_TEMPLATE, **shape
+    )
+    warm_start(model, texts[: len(pairs)], steps)
     rows = [{"question": question(a, b), "answer": str(a * b), "level": a % 3} for a, b in pairs]
     pd.DataFrame(rows).to_parquet(root / "questions.parquet")
     (root / "tools.py").write_text(TOOLS)

@@ -68,9 +68,8 @@ class Loop:
         """The spec.n episodes of each start, grouped by start; spec.seed seeds the sampler, env_seed the
         environments; progress(k): the first k starts' episodes have all ended (in no particular order: a count)."""
         g = spec.n
-        episodes = [
-            Episode(s.prompt_id, j, self.workers.key(i * g + j)) for i, s in enumerate(starts) for j in range(g)
-        ]
+        keys = iter(self.workers.keys(len(starts) * g))
+        episodes = [Episode(s.prompt_id, j, next(keys)) for s in starts for j in range(g)]
         tools = self._reset(starts, episodes, g, env_seed)
         one = dataclasses.replace(spec, n=1)
         live, turn = list(episodes), 0

@@ -91,7 +91,6 @@ def turn_columns(episodes: list[Episode], stamp: dict) -> dict[str, list]:
         "tool_arguments": [[json.dumps(c.arguments, sort_keys=True) for c in t.calls] for _, _, t in rows],
         "observation": [t.observation for _, _, t in rows],
         "observation_tokens": [t.appended for _, _, t in rows],
-        "tool_s": [t.tool_s for _, _, t in rows],
         "tool_errors": [len(t.errors) for _, _, t in rows],
         "error": [t.errors[0] if t.errors else None for _, _, t in rows],
         "policy_version": [stamp["policy_version"]] * len(rows),

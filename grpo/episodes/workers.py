@@ -131,9 +131,12 @@ class Workers:
         self.home: dict[tuple, int] = {}  # episode key -> the index of its worker
         self.lost: dict[tuple, str] = {}  # episode key -> how its environment was lost
         self.token = os.urandom(6).hex()  # keys of this stage's episodes, apart from any other's in a warm pool
+        self.count = 0
 
-    def key(self, episode: int) -> tuple:
-        return (self.token, episode)
+    def keys(self, n: int) -> list[tuple]:
+        """Keys for `n` new episodes, never given before."""
+        self.count += n
+        return [(self.token, i) for i in range(self.count - n, self.count)]
 
     def run(self, op: str, items: list[Item]) -> list[Outcome]:
         """Adapter method `op` (reset, respond, final, close) for each item's episode, every worker's items as one

@@ -170,6 +170,14 @@ def fork_config(storage: Storage, parent: str, overrides: list[str]) -> tuple[Ru
                 f"reward.functions: {spec!r} is a file, and a fork scores with the reward files its parent's base "
                 "holds (copied at `grpo init`); name a module (package.module:function) or start a new run"
             )
+    b, a = before.rollout, after.rollout  # episodes: the tool and environment files are the parent base's too
+    for setting, old, new in (("tools", b.tools, a.tools), ("environment", [b.environment], [a.environment])):
+        for i, spec in enumerate(new):
+            if spec and functions.is_file_spec(spec) and old[i : i + 1] != [spec]:
+                raise ConfigError(
+                    f"rollout.{setting}: {spec!r} is a file, and a fork runs the tool and environment files its "
+                    "parent's base holds (copied at `grpo init`); name a module or start a new run"
+                )
     return before, after
 
 

@@ -188,6 +188,8 @@ class Scorer:
         total = out["total"] + float(own)
         if not math.isfinite(total):
             raise ValueError(f"non-finite reward {total}: the environment's get_reward() gave {own}")
+        if len(self.fns) == 1 and self.weights == [1.0]:  # the function's own total, kept beside the environment's
+            out = {**out, self.fns[0][0]: out["total"]}
         return {**out, "environment": float(own), "total": total}
 
     def _functions(self, response: str, ground_truth: str, prompt: str, row: dict, calling) -> dict[str, float]:
