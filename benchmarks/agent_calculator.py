@@ -120,7 +120,7 @@ def transcript(tok, tools, row: dict, use_tool: bool) -> tuple[list[int], list[i
 
 def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, tool_share: float, seed: int) -> None:
     """Supervised steps on transcripts, `tool_share` of them calling the calculator, loss on the assistant's
-    tokens only, the learning rate decayed linearly to 0; the model is saved in place. The prompt's opening
+    tokens only; the model is saved in place. The prompt's opening
     (system message and tools, ~85% of a transcript's tokens, the same in all) is computed once a step and its
     keys and values shared by the batch: the same loss and gradients as whole sequences, several times faster."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -131,7 +131,6 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, tool_sha
     examples = [transcript(tok, tools, r, rng.random() < tool_share) for r in rows]
     shared = examples[0][0][: len(os.path.commonprefix([ids for ids, _ in examples])) - 1]  # (P,)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps)  # linearly to 0
     model.train()
     for step in range(steps):
         batch = [(ids[len(shared) :], mask[len(shared) :]) for ids, mask in rng.sample(examples, 16)]
@@ -152,7 +151,6 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, tool_sha
         loss.backward()
         opt.step()
         opt.zero_grad()
-        decay.step()
         if (step + 1) % 50 == 0 or step + 1 == steps:
             print(f"warm start: step {step + 1}/{steps}, loss {loss.item():.3f}", flush=True)
     model.save_pretrained(model_dir)

@@ -2,7 +2,7 @@
 
 A problem multiplies a 2-digit by a 3-digit number, or adds two 3-digit numbers, in one of a few sentences:
 
-    Ana packs 23 boxes with 147 coins in each. How many coins is that in all?     ->  3381
+    Ana packs twenty-three boxes with one hundred forty-seven coins in each. How many coins is that in all?  -> 3381
 
 `Calculator` is written in TRL's `environment_factory` contract and runs unchanged on both sides: one instance per
 episode, `reset(**row)` with the dataset row (it keys in the problem's two numbers, the row's `a` and `b`), its public
@@ -13,7 +13,9 @@ the calculator is worth calling, are the model's to learn. Copying made as easy 
 few hundred thousand weights, minutes of training on 2 CPU cores) needs, as measured with its warm start
 (benchmarks/agent_calculator.py): with `multiply(a, b)` it wrote well-formed calls whose numbers were not the
 question's (0 of 12 sampled calls right); with a bare number as the result, an 800-step warm start stated another
-number after it (0 of 10), while a sentence it has seen is copied token by token (an induction head's work).
+number after it (0 of 10), and so did one whose calculator said "The answer is N." while the question held
+numbers in digits too (0 of 10: which digit follows a space is ambiguous there). The questions spell their numbers
+in words, so the calculator's are the only digits in the context and copying them is an induction head's work.
 
 The rewards are TRL reward functions (lists in, a float per completion out):
 
@@ -55,19 +57,40 @@ TOOL_USE_WEIGHT = 0.5
 _ANSWER = re.compile(r"The answer is (-?\d+)\.?\s*$")
 
 
+ONES = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen".split()
+)
+TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+
+def words(n: int) -> str:
+    """A number below 1000 in words, as the problems spell their numbers (so that the only digits a model ever
+    reads are the calculator's).
+
+    >>> words(7), words(40), words(76), words(598), words(300)
+    ('seven', 'forty', 'seventy-six', 'five hundred ninety-eight', 'three hundred')
+    """
+    hundreds, rest = divmod(n, 100)
+    tens = ONES[rest] if rest < 20 else TENS[rest // 10] + (f"-{ONES[rest % 10]}" if rest % 10 else "")
+    if not hundreds:
+        return tens
+    return f"{ONES[hundreds]} hundred" + (f" {tens}" if rest else "")
+
+
 def problem(rng: random.Random) -> dict:
     """One word problem: a product of a 2-digit and a 3-digit number or a sum of two 3-digit ones. The row's
     `answer` is the result as text, `operation` the one that solves it, `a` and `b` the numbers.
 
     >>> problem(random.Random(0))
-    {'question': 'Mia has 76 bags of 598 apples. How many apples does Mia have?', 'answer': '45448', \
-'operation': 'multiply', 'a': 76, 'b': 598}
+    {'question': 'Mia has seventy-six bags of five hundred ninety-eight apples. How many apples does Mia have?', \
+'answer': '45448', 'operation': 'multiply', 'a': 76, 'b': 598}
     """
     operation = rng.choice(sorted(OPERATIONS))
     name, thing, phrase = rng.choice(NAMES), rng.choice(THINGS), rng.choice(PHRASES[operation])
     a = rng.randint(11, 99) if operation == "multiply" else rng.randint(101, 999)
     b = rng.randint(101, 999)
-    question = phrase.format(name=name, thing=thing, a=a, b=b)
+    question = phrase.format(name=name, thing=thing, a=words(a), b=words(b))
     return {"question": question, "answer": str(OPERATIONS[operation](a, b)), "operation": operation, "a": a, "b": b}
 
 
