@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import machine  # noqa: E402
 
 from grpo.tasks.calculator import (  # noqa: E402
+    OPERATIONS,
     SYSTEM,
     TOOL_USE_WEIGHT,
     Calculator,
@@ -103,32 +104,41 @@ def make_world(root: Path, n: int, held: int, seed: int, vocab: int) -> tuple[st
     return model, train, test
 
 
-def transcript(tok, tools, row: dict, use_tool: bool) -> tuple[list[int], list[int]]:
+def transcript(tok, tools, row: dict, operation: str | None) -> tuple[list[int], list[int]]:
     """A warm-start episode's ids and loss mask (1 on the assistant's tokens), built turn by turn as the
-    episode loop appends them: prompt, [tool call, observation,] "The answer is N."."""
+    episode loop appends them: the prompt, then with an `operation` its call and the calculator's answer, and
+    "The answer is N." (the calculator's N, right or wrong; without a call the problem's, which the model can only
+    guess)."""
     ids = tok.apply_chat_template(prompt_of(row), tools=tools, add_generation_prompt=True, return_dict=False)
-    mask = [0] * len(ids)
-    if use_tool:
-        turn = tok(call_text(row) + tok.eos_token, add_special_tokens=False)["input_ids"]
+    mask, said = [0] * len(ids), f"The answer is {row['answer']}."
+    if operation is not None:
+        turn = tok(call_text({**row, "operation": operation}) + tok.eos_token, add_special_tokens=False)["input_ids"]
         env = Calculator()
         env.reset(**row)
-        obs = observation_ids(tok, "calculate", env.calculate(row["operation"]))
+        said = env.calculate(operation)
+        obs = observation_ids(tok, "calculate", said)
         ids, mask = ids + turn + obs, mask + [1] * len(turn) + [0] * len(obs)
-    last = tok(f"The answer is {row['answer']}." + tok.eos_token, add_special_tokens=False)["input_ids"]
+    last = tok(said + tok.eos_token, add_special_tokens=False)["input_ids"]
     return ids + last, mask + [1] * len(last)
 
 
-def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, tool_share: float, seed: int) -> None:
-    """Supervised steps on transcripts, `tool_share` of them calling the calculator, loss on the assistant's
-    tokens only; the model is saved in place. The prompt's opening
-    (system message and tools, ~85% of a transcript's tokens, the same in all) is computed once a step and its
-    keys and values shared by the batch: the same loss and gradients as whole sequences, several times faster."""
+def warm_start(
+    model_dir: str, rows: list[dict], steps: int, lr: float, tool_share: float, op_noise: float, seed: int
+) -> None:
+    """Supervised steps on transcripts, `tool_share` of them calling the calculator (`op_noise` of those with an
+    operation drawn at random, not the sentence's), loss on the assistant's tokens only; the model is saved in
+    place. The prompt's opening (system message and tools, ~85% of a transcript's tokens, the same in all) is
+    computed once a step and its keys and values shared by the batch: the same loss and gradients as whole
+    sequences, several times faster."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tools, rng = tools_of(Calculator()), random.Random(seed)
-    examples = [transcript(tok, tools, r, rng.random() < tool_share) for r in rows]
+    examples = []
+    for r in rows:
+        operation = rng.choice(sorted(OPERATIONS)) if rng.random() < op_noise else r["operation"]
+        examples.append(transcript(tok, tools, r, operation if rng.random() < tool_share else None))
     shared = examples[0][0][: len(os.path.commonprefix([ids for ids, _ in examples])) - 1]  # (P,)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -359,6 +369,7 @@ def main() -> int:
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-problems", type=int, default=400, help="warm-start transcripts")
     p.add_argument("--tool-share", type=float, default=0.5, help="share of warm-start transcripts calling the tool")
+    p.add_argument("--op-noise", type=float, default=1.0, help="share of warm-start calls pressing a random operation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=["trl", "grpo-flow"])
     p.add_argument("--set", action="append", default=[], help="grpo-flow settings on top of the recipe")
@@ -381,7 +392,8 @@ def main() -> int:
         shutil.rmtree(model_dir)
         model_dir = str(shutil.copytree(args.warm_model, model_dir))
     else:
-        warm_start(model_dir, train[: args.sft_problems], args.sft_steps, args.sft_lr, args.tool_share, args.seed)
+        rows = train[: args.sft_problems]
+        warm_start(model_dir, rows, args.sft_steps, args.sft_lr, args.tool_share, args.op_noise, args.seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)

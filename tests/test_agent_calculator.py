@@ -46,7 +46,7 @@ def test_a_warm_start_transcript_is_the_conversation_the_template_renders(tok):
     it is the whole conversation as the chat template renders it, and the loss mask covers the two turns alone."""
     row, env = problem(random.Random(1)), Calculator()
     tools = bench.tools_of(env)
-    ids, mask = bench.transcript(tok, tools, row, use_tool=True)
+    ids, mask = bench.transcript(tok, tools, row, row["operation"])
     conversation = bench.prompt_of(row) + [
         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
             "name": "calculate", "arguments": {"operation": row["operation"]}}}]},
