@@ -5,11 +5,12 @@
 
 1. Word problems (grpo/tasks/calculator.py): products of a 2-digit and a 3-digit number and sums of two 3-digit
    ones, which a model of this size cannot work out in its head; a seeded set is held out.
-2. A Qwen2 model built here (byte-level BPE, Qwen2.5's own chat template with tools), warm-started on a few
-   transcripts: `--tool-share` of them call `calculate` with the sentence's operation in Qwen's
-   `<tool_call>{json}</tool_call>` format and copy its result into "The answer is N.", the rest state the
-   result straight away (which the model can only guess). So the warm start calls the tool sometimes and
-   mostly guesses: greedy, it guesses.
+2. A Qwen2 model built here (byte-level BPE, Qwen2.5's own chat template with tools), warm-started on transcripts:
+   `--tool-share` of them call `calculate` in Qwen's `<tool_call>{json}</tool_call>` format (`--op-noise` of
+   those with an operation drawn at random, not the sentence's) and say the calculator's "The answer is N."
+   again; the rest state the result straight away (which the model can only guess). By default every transcript
+   calls the tool with a random operation: the warm start calls it and picks the operation by chance, and GRPO
+   has to learn which operation each sentence asks for.
 3. GRPO on both sides with the same model, environment class (`Calculator`, TRL's `environment_factory`
    contract, unchanged), reward (`correct_answer` + 0.5 x `correct_tool_use`), episodes per iteration,
    optimizer steps and learning rate; after every iteration the held-out problems are played greedily,
@@ -356,7 +357,7 @@ def fmt(point: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16, help="prompts an iteration")
     p.add_argument("--group", type=int, default=8, help="episodes a prompt")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps an iteration")
@@ -365,10 +366,10 @@ def main() -> int:
     p.add_argument("--problems", type=int, default=2000)
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--vocab", type=int, default=600)
-    p.add_argument("--sft-steps", type=int, default=600)
+    p.add_argument("--sft-steps", type=int, default=800)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-problems", type=int, default=400, help="warm-start transcripts")
-    p.add_argument("--tool-share", type=float, default=0.5, help="share of warm-start transcripts calling the tool")
+    p.add_argument("--tool-share", type=float, default=1.0, help="share of warm-start transcripts calling the tool")
     p.add_argument("--op-noise", type=float, default=1.0, help="share of warm-start calls pressing a random operation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=["trl", "grpo-flow"])
