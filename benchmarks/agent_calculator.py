@@ -99,7 +99,7 @@ def make_world(root: Path, n: int, held: int, seed: int, vocab: int) -> tuple[st
             p + call_text(r) + f"<tool_response>\nThe answer is {r['answer']}.\n</tool_response>The answer is 1."
         )
     model = build_chat_model(
-        str(root / "model"), texts, vocab_size=vocab, max_position_embeddings=384, seed=seed,
+        str(root / "model"), texts, vocab_size=vocab, max_position_embeddings=512, seed=seed,
         chat_template=TOOLS_CHAT_TEMPLATE, **SHAPE,
     )  # fmt: skip
     return model, train, test
