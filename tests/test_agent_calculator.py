@@ -83,5 +83,7 @@ def test_trl_s_side_runs_end_to_end_at_toy_size(tmp_path):
         env={**os.environ, "GRPO_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    curve = next(line for line in proc.stdout.splitlines() if line.strip().startswith("TRL") and "accuracy" in line)
-    assert len(curve.split()) == 3 + 3 + 1  # name, version, key; the warm start and 2 iterations; wall seconds
+    table = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] == ["TRL"]]
+    curve = next(row for row in table if row[2] == "accuracy")  # TRL, its version, the key; 3 points; wall seconds
+    assert len(curve) == 3 + 3 + 1 and float(curve[-1]) > 0
+    assert sum(row[1] == "iteration" for row in table) == 2  # a line each iteration, its reward and tool calls
