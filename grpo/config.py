@@ -234,7 +234,8 @@ class RolloutConfig:
     or `package.module:Class`): one instance per episode, `reset(**row)` (what it returns is appended to the
     prompt), its public methods the model's tools, and `get_reward()`, if it has one, a reward of its own (weight 1,
     as in TRL). Reward functions that take an `environment` argument get the episode's final state (its public
-    attributes). None: no environment."""
+    attributes). Or the URL of an OpenEnv server (`http://127.0.0.1:8000`): a gym-style reset/step environment,
+    each episode a session of it, each assistant turn an action (grpo/episodes/openenv.py). None: no environment."""
     max_turns: int = 8
     """Episodes: the most assistant turns one samples. An episode's tokens after the prompt, sampled turns and
     appended observations together, are at most max_tokens (it ends when they would be more)."""
@@ -291,6 +292,8 @@ class RolloutConfig:
                 f"rollout.tool_max_memory_mb must be >= 64 or null (no cap), got {self.tool_max_memory_mb}"
             )
         for spec in self.tools + ([self.environment] if self.environment else []):
+            if spec == self.environment and "://" in spec:
+                continue  # an OpenEnv server's URL (grpo/episodes/openenv.py)
             target, _, name = spec.rpartition(":")
             if not target or not name.isidentifier():
                 where = "rollout.environment" if spec == self.environment else "rollout.tools"

@@ -5,7 +5,8 @@ A run has episodes when its config names where their environment comes from:
                        reward.functions are named): kind `tools` (tools.py)
   rollout.environment  a TRL `environment_factory` class (`path/to/file.py:Class` or `package.module:Class`):
                        kind `environment` (trl_environment.py); rollout.tools then adds standalone tools beside
-                       its methods, as TRL's `tools=` does beside `environment_factory`
+                       its methods, as TRL's `tools=` does beside `environment_factory`; or an OpenEnv server's
+                       URL (`http://host:port`): kind `openenv` (openenv.py)
 Neither: single-turn rollouts, as before episodes existed.
 
 A kind's module has `build(source: Source) -> Callable[[], Environment]`: the factory a worker process calls once
@@ -69,9 +70,11 @@ def kind_of(rollout) -> str | None:
     >>> from grpo.config import RolloutConfig
     >>> kind_of(RolloutConfig()), kind_of(RolloutConfig(tools=["m:f"])), kind_of(RolloutConfig(environment="m:C"))
     (None, 'tools', 'environment')
+    >>> kind_of(RolloutConfig(environment="http://127.0.0.1:8000"))
+    'openenv'
     """
     if rollout.environment:
-        return "environment"
+        return "openenv" if "://" in rollout.environment else "environment"
     return "tools" if rollout.tools else None
 
 
