@@ -374,12 +374,13 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
             folder, source = prepared or prepare_base(cfg, tmp)
             upload_folder(writer, folder)
             for specs, prefix in code_files(cfg):  # the code that scores, tools and environments travel with the run
-                for i, spec in enumerate(specs):
-                    into = writer.path(functions.committed_name(i, spec, prefix))
+                for i, spec in enumerate(specs):  # a module or an OpenEnv server's URL: nothing to copy
                     if functions.is_file_spec(spec):
+                        into = writer.path(functions.committed_name(i, spec, prefix))
                         writer.storage.fs.put_file(str(Path(functions.split_spec(spec)[0])), into)
                     elif functions.is_pickled_spec(spec):  # a callable handed to grpo.train, cloudpickled
-                        writer.storage.fs.pipe_file(into, functions.pickled_bytes(spec))
+                        writer.storage.fs.pipe_file(writer.path(functions.committed_name(i, spec, prefix)),
+                                                    functions.pickled_bytes(spec))  # fmt: skip
             return {"base_model": source, "datasets": datasets}
 
         stage_cfg = {"model": section(cfg, "model"), "task": section(cfg, "task"), "seed": cfg.seed}

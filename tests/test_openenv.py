@@ -190,13 +190,13 @@ def test_an_openenv_server_s_episodes_go_through_the_stages(guess_world, tmp_pat
         said = [m["content"] for m in conversation if m["role"] == "user"]
         assert set(said) <= hints and len(said) == ep.turns - 1  # each answer but the last (no turn reads it)
         assert len(state["rewards"]) == ep.turns and state["url"] == server.url  # every turn was a step
-        assert (ep.end == "done") <= state["done"] and state["done"] <= (ep.end in ("done", "budget"))
+        assert (ep.ended_by == "done") <= state["done"] and state["done"] <= (ep.ended_by in ("done", "budget"))
         assert state["reward"] == float(state["observation"]["prompt"] == "Correct!")
         turns = t["turns"][(t["turns"].prompt_id == row.prompt_id) & (t["turns"].sample_index == row.sample_index)]
         mask = list(row.loss_mask)
         for turn in turns.itertuples():  # sampled ids trained on, the server's answers between them not
-            assert mask[turn.start : turn.end] == [1] * (turn.end - turn.start)
-            assert mask[turn.end : turn.end + turn.observation_tokens] == [0] * turn.observation_tokens
+            assert mask[turn.token_start : turn.token_end] == [1] * (turn.token_end - turn.token_start)
+            assert mask[turn.token_end : turn.token_end + turn.observation_tokens] == [0] * turn.observation_tokens
     scored = pd.read_parquet(storage.uri(rw.path("rewards.parquet")))
     states = {(e.prompt_id, e.sample_index): json.loads(e.environment) for e in t["episodes"].itertuples()}
     for s in scored.itertuples():

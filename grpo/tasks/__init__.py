@@ -9,6 +9,7 @@ them. A task without `generate` (`math`) scores a dataset (`task.dataset`).
   sort.py        sort a list of numbers (the tiny default: rewards as plain functions with doctests)
   arithmetic.py  small sums and products
   math.py        math answers checked by math-verify, for datasets
+  calculator.py  word problems a model answers with a calculator tool (the agents recipe; TRL's environment class)
   functions.py   the user's own reward functions (reward.functions): files and module:name, loaded and checked
 
     >>> task = get_task("sort", n_numbers=3)
