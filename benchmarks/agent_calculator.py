@@ -100,7 +100,7 @@ def make_world(root: Path, n: int, held: int, seed: int, vocab: int) -> tuple[st
         )
     model = build_chat_model(
         str(root / "model"), texts, vocab_size=vocab, max_position_embeddings=512, seed=seed,
-        chat_template=TOOLS_CHAT_TEMPLATE, **SHAPE,
+        chat_template=TOOLS_CHAT_TEMPLATE, split_digits=True, **SHAPE,
     )  # fmt: skip
     return model, train, test
 

@@ -189,15 +189,25 @@ TOOLS_CHAT_TEMPLATE = (
 )
 
 
+def qwen2_pre_tokenizer():
+    """Qwen2's pre-tokenizer: its regex (every digit a piece of its own, `\\p{N}`), then bytes."""
+    from tokenizers import Regex
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    split = pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False)
+    return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 def build_chat_tokenizer(
-    texts: list[str], vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE
+    texts: list[str], vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE, split_digits: bool = False
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on `texts`, with Qwen's special tokens and chat template:
-    eos `<|im_end|>`, pad `<|endoftext|>` (distinct from eos, as in Qwen2.5-Instruct)."""
+    eos `<|im_end|>`, pad `<|endoftext|>` (distinct from eos, as in Qwen2.5-Instruct). `split_digits`: trained on
+    Qwen2's pre-tokens (`qwen2_pre_tokenizer`, one digit a token) instead of GPT-2's (digit runs merged)."""
     from tokenizers import decoders, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = qwen2_pre_tokenizer() if split_digits else pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -232,15 +242,23 @@ def build_chat_model(
     dtype: str = "float32",
     model_vocab_size: int | None = None,
     chat_template: str = CHAT_TEMPLATE,
+    split_digits: bool = False,
 ) -> str:
     """Save a randomly initialised Qwen2 model (grouped-query attention) with a BPE tokenizer trained
     on `texts`, a chat template, and generation_config.json listing two eos ids (`<|im_end|>`,
     `<|endoftext|>`, like Qwen2.5). What a user's own HF checkpoint looks like, at toy size (or, with
     Qwen2.5-0.5B's shape, at its size: `model_vocab_size` pads the embedding past the tokenizer's
-    vocabulary as Qwen's does; `dtype` is the saved weights'; `chat_template` TOOLS_CHAT_TEMPLATE for tools)."""
+    vocabulary as Qwen's does; `dtype` is the saved weights'; `chat_template` TOOLS_CHAT_TEMPLATE for tools).
+
+    `split_digits` trains the BPE on Qwen2's own pre-tokens, every digit apart, so tokenizer.json is the
+    tokenizer every reader applies. transformers 5 loads a qwen2 folder through its Qwen2Tokenizer, which puts
+    Qwen2's pre-tokenizer over whatever tokenizer.json says: digits are split when loaded either way, but without
+    `split_digits` the vocabulary holds merges of digit runs (GPT-2's pre-tokens) no loaded tokenizer uses, and
+    `tokenizers` reading tokenizer.json alone merges them. Off by default: the test models' vocabularies and
+    bytes stay as they were (the golden identities of their runs)."""
     from transformers import Qwen2Config
 
-    tokenizer = build_chat_tokenizer(texts, vocab_size, chat_template)
+    tokenizer = build_chat_tokenizer(texts, vocab_size, chat_template, split_digits)
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = Qwen2Config(
         vocab_size=model_vocab_size or len(tokenizer),

@@ -79,17 +79,21 @@ def words(n: int) -> str:
 
 
 def problem(rng: random.Random) -> dict:
-    """One word problem: a product of a 2-digit and a 3-digit number or a sum of two 3-digit ones. The row's
-    `answer` is the result as text, `operation` the one that solves it, `a` and `b` the numbers.
+    """One word problem: a product of two 2-digit numbers or a sum of two 3-digit ones, drawn again until the
+    result has 4 digits (every answer the same length: the calculator's number sits at one offset from the answer
+    the model writes, so copying it is one attention head's fixed-offset copy). The row's `answer` is the result as
+    text, `operation` the one that solves it, `a` and `b` the numbers.
 
     >>> problem(random.Random(0))
-    {'question': 'Mia has seventy-six bags of five hundred ninety-eight apples. How many apples does Mia have?', \
-'answer': '45448', 'operation': 'multiply', 'a': 76, 'b': 598}
+    {'question': 'Mia has forty-three bags of seventy-five cards. How many cards does Mia have?', 'answer': '3225', \
+'operation': 'multiply', 'a': 43, 'b': 75}
     """
     operation = rng.choice(sorted(OPERATIONS))
+    low, high = (10, 99) if operation == "multiply" else (100, 999)
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    while not 1000 <= OPERATIONS[operation](a, b) <= 9999:
+        a, b = rng.randint(low, high), rng.randint(low, high)
     name, thing, phrase = rng.choice(NAMES), rng.choice(THINGS), rng.choice(PHRASES[operation])
-    a = rng.randint(11, 99) if operation == "multiply" else rng.randint(101, 999)
-    b = rng.randint(101, 999)
     question = phrase.format(name=name, thing=thing, a=words(a), b=words(b))
     return {"question": question, "answer": str(OPERATIONS[operation](a, b)), "operation": operation, "a": a, "b": b}
 
