@@ -148,10 +148,9 @@ def test_only_complete_groups_go_on_the_oldest_first_and_the_rest_is_carried_who
         assert Counter(segs.state) == {
             "released": len(rows), "carried": summary["responses_carried"], "finished": summary["responses_waiting"],
         }  # fmt: skip
-        started = (carried.prompt_id // N).tolist()
-        assert summary["carried_ages"] == {
-            str(a): n for a, n in sorted(Counter(k - s for s, f in zip(started, carried.finish_reason) if pd.isna(f)).items())
-        }  # fmt: skip
+        unfinished = carried[carried.finish_reason.isna()]
+        ages = Counter(k - unfinished.prompt_id // N)
+        assert summary["carried_ages"] == {str(a): n for a, n in sorted(ages.items())}
         rewarded = pd.read_parquet(storage.uri(committed(storage, "s", k, "rewards").path("rewards.parquet")))
         assert sorted(zip(rewarded.prompt_id, rewarded.sample_index)) == sorted(zip(rows.prompt_id, rows.sample_index))
         if k:  # what k - 1 carried is here: released, carried again or finished, never lost nor sampled afresh
@@ -176,7 +175,8 @@ def test_the_learn_reads_each_tokens_age_from_its_version(segmented):
 
 def test_query_report_and_timeline_show_what_was_carried(segmented, capsys):
     storage, _ = segmented
-    per = query(storage, "s", "SELECT iteration, count(*) FILTER (WHERE state = 'carried') AS c FROM segments GROUP BY 1")
+    sql = "SELECT iteration, count(*) FILTER (WHERE state = 'carried') AS c FROM segments GROUP BY 1"
+    per = query(storage, "s", sql)
     rows = iteration_rows(storage, "s")
     assert [r["responses_carried"] for r in rows] == per.sort_values("iteration").c.tolist()
     assert main(["--storage", storage.url, "timeline", "--run", "s"]) == 0
@@ -205,10 +205,7 @@ def test_segment_tokens_is_checked_and_left_out_of_identities_unset():
         (["rollout.segment_tokens=0"], "rollout.segment_tokens must be >= 1"),
         (["rollout.segment_tokens=4", "rollout.stop=[x]"], "rollout.segment_tokens with rollout.stop"),
         (["rollout.segment_tokens=4", "rollout.min_signal_groups=8"], "with rollout.min_signal_groups"),
-        (
-            ["rollout.segment_tokens=4", "rollout.shards=2", "rollout.chunk_prompts=8", "rollout.prompts_per_iteration=16"],
-            "with rollout.shards",
-        ),
+        (["rollout.segment_tokens=4", "rollout.shards=2", "rollout.chunk_prompts=8"], "with rollout.shards"),
     ]:
         with pytest.raises(ConfigError, match=said):
             load_config(None, bad)
@@ -254,7 +251,8 @@ def test_a_fork_continues_its_parents_carried_responses_and_a_rescore_scores_the
     and all), and the fork's rollouts 3 continue the parent's carried responses from exactly their ids, with the
     fork's policy. A rescore of 0..1 scores each iteration's released rows, as committed."""
     storage, _ = segmented
-    assert main(["--storage", storage.url, "fork", "--from", "s", "--at", "2", "--run", "f", "--set", "learn.lr=3e-3"]) == 0
+    fork = ["fork", "--from", "s", "--at", "2", "--run", "f", "--set", "learn.lr=3e-3"]
+    assert main(["--storage", storage.url, *fork]) == 0
     cold()
     mp = pytest.MonkeyPatch()
     spy = Spy(mp)

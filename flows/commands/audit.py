@@ -156,7 +156,8 @@ def print_segments(rows: list[dict]) -> None:
     their ages (iterations since their group started: {age: count}); nothing for a run without segments."""
     if not rows:
         return
-    print(f"\n{'iteration':>9}  {'carried':>7}  {'finished':>8}  {'waiting':>7}  {'released':>8}  ages carried / released")
+    head = f"{'iteration':>9}  {'carried':>7}  {'finished':>8}  {'waiting':>7}  {'released':>8}"
+    print(f"\n{head}  ages carried / released")
     for r in rows:
         ages = f"{_ages(r['carried_ages'])} / {_ages(r['released_ages'])}"
         print(f"{r['iteration']:>9}  {r['responses_carried']:>7}  {r['responses_finished']:>8}  "
