@@ -26,7 +26,7 @@ from grpo.record.storage import committed_attempts, latest_committed, list_attem
 from grpo.report import iteration_rows
 from grpo.sampling.engines import close_generators
 from grpo.sampling.hf import HFGenerator
-from stages import learn
+from stages import learn, segments
 from stages.init import init_run
 from stages.iteration import run_iteration
 
@@ -171,6 +171,45 @@ def test_the_learn_reads_each_tokens_age_from_its_version(segmented):
         assert got == {str(a): n for a, n in sorted(expected.items())}
         ages_seen |= set(expected)
     assert ages_seen >= {0, 1}
+
+
+def test_at_staleness_1_each_token_is_its_iterations_stale_policy_and_the_learn_corrects_by_its_own_logprob(tmp_path):
+    """S = 1: iteration j samples learn j - 2's policy, so every token's version is policy_version(j, 1) of the
+    iteration that sampled it, every trained token is at least 1 old, and the behaviour weights read each token's own
+    sampler log-prob (the learn's sampler KL and weights are those of the committed per-token log-probs)."""
+    storage = open_storage((tmp_path / "s1").as_uri())
+    init_run(storage, "s", load_config(None, SEGMENTED + ["rollout.staleness=1", "learn.behavior_correction=tis"]))
+    cold()
+    for k in range(3):
+        run_iteration(storage, "s", k)
+        segs = table(storage, "s", k, "segments")
+        assert (segs.policy_version == policy_version(k, 1)).all()
+        rows = table(storage, "s", k, "rollouts")
+        versions = Counter(v for vs in rows.token_versions for v in vs)
+        assert set(versions) <= {policy_version(j, 1) for j in range(k + 1)}
+        ages = committed(storage, "s", k, "learn").manifest.summary["token_ages"]
+        assert ages == {str(k - 1 - v): n for v, n in sorted(versions.items(), reverse=True)}
+        assert min(map(int, ages)) >= 1 or k == 0  # learn 0 starts from the base, which sampled iteration 0
+
+
+def test_the_oldest_complete_groups_are_released_in_whole_minibatches_and_the_rest_carried():
+    """hold: of groups 0-6 (G = 2), the complete ones are 1, 2, 4, 5, 6; a learn of N = 4 groups in minibatches of 2
+    takes 1, 2, 4, 5; group 6 (complete), 0 and 3 (a response unfinished) are carried whole, finished ones included;
+    with only 3 complete, one minibatch of 2."""
+
+    def response(pid: int, j: int, finish: str | None) -> segments.Response:
+        return segments.Response(pid, j, pid // 4, "p", [1], 8, "", "{}", [5], [0.0], [1], [0], finish)
+
+    unfinished = {(0, 1), (3, 0)}
+    rs = [response(p, j, None if (p, j) in unfinished else "stop") for p in (6, 5, 4, 3, 2, 1, 0) for j in (1, 0)]
+    held = segments.hold(rs, n=4, per_step=2)
+    assert [[(x.prompt_id, x.sample_index) for x in grp] for grp in held.release] == [
+        [(p, 0), (p, 1)] for p in (1, 2, 4, 5)
+    ]
+    assert [(x.prompt_id, x.sample_index) for x in held.carry] == [(0, 0), (0, 1), (3, 0), (3, 1), (6, 0), (6, 1)]
+    assert len(held.responses) == 14
+    few = segments.hold([x for x in rs if x.prompt_id in (0, 1, 2, 3, 4)], n=4, per_step=2)
+    assert [grp[0].prompt_id for grp in few.release] == [1, 2]  # 3 complete: one whole minibatch, the oldest
 
 
 def test_query_report_and_timeline_show_what_was_carried(segmented, capsys):
