@@ -251,6 +251,14 @@ class RolloutConfig:
     tool_pass_env: list[str] = field(default_factory=list)
     """Episodes: names of credential variables tools and environments may read (as reward.pass_env). Not part of the
     stage's identity."""
+    segment_tokens: int | None = None
+    """Partial rollouts (stages/segments.py): each iteration samples at most this many new tokens per response; a
+    response not ended by then is committed unfinished (its tokens, sampler log-probs and each token's policy version)
+    and continued by the next iteration's rollouts, with that iteration's policy, from exactly its ids, until it ends
+    or reaches max_tokens. Only complete groups go on to rewards and learn: a group waits for its slowest response,
+    and a learn takes the oldest complete groups, prompts_per_iteration of them where that many are complete (whole
+    minibatches), fixed by the config and the seed, never by timing. Every iteration starts its own
+    prompts_per_iteration prompts, as without it. None: off, every response sampled to its end in its iteration."""
 
     def check(self) -> None:
         for name in ("prompts_per_iteration", "group_size", "max_tokens", "chunk_prompts", "shards"):
@@ -277,6 +285,26 @@ class RolloutConfig:
         check_device(self.device, "rollout.device")
         self.vllm.check()
         self.check_episodes()
+        self.check_segments()
+
+    def check_segments(self) -> None:
+        """segment_tokens: >= 1, and none of what samples otherwise (rounds of new prompts, shards, stop strings)."""
+        b = self.segment_tokens
+        if b is None:
+            return
+        if b < 1:
+            raise ConfigError(f"rollout.segment_tokens must be >= 1 or null (off), got {b}")
+        clash = (
+            ("min_signal_groups", self.min_signal_groups is not None, "samples rounds of new prompts"),
+            ("shards", self.shards > 1, "splits prompts, where carried responses are the stage's whole"),
+            ("stop", bool(self.stop), "is sought in one segment's text, and may span two"),
+        )
+        for name, on, why in clash:
+            if on:
+                raise ConfigError(
+                    f"rollout.segment_tokens with rollout.{name}: that setting {why}; unset one of them "
+                    "(an eos id, the chat template's end of turn, ends a segmented response)"
+                )
 
     def check_episodes(self) -> None:
         """The episode settings: counts >= 1, a positive time limit, names of the form reward.functions take."""

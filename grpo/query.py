@@ -11,9 +11,12 @@ rerun. The files read are hash-checked against their manifest by default.
 Views: rollouts, rewards, advantages, logprobs, learn_metrics, eval, and with episodes (rollout.tools,
 rollout.environment) turns (a row per sampled assistant turn: its token span in the rollout's response_ids, tool calls,
 observation, tool seconds, error) and episodes (how each ended, its conversation, its environment's final state);
-draws with dynamic sampling; columns as declared in `schemas/tables.py`. A view with nothing committed is empty, not
-missing. In a fork (`grpo fork`, `grpo rescore`) the parent's views too, as `parent.rewards` and so on, and `rescore`
-(RESCORE_VIEW): per sample of the iterations both runs share, the reward and advantage before and after.
+draws with dynamic sampling; with partial rollouts (rollout.segment_tokens) segments (a row per response an iteration
+held: its tokens before and after, those sampled there, released, finished or carried, its group's start) and carried
+(the responses handed on to the next iteration, whole); columns as declared in `schemas/tables.py`. A view with
+nothing committed is empty, not missing. In a fork (`grpo fork`, `grpo rescore`) the parent's views too, as
+`parent.rewards` and so on, and `rescore` (RESCORE_VIEW): per sample of the iterations both runs share, the reward and
+advantage before and after.
 
     grpo query --run r1-fix "SELECT iteration, count(*) FILTER (WHERE reward_changed) FROM rescore GROUP BY 1"
     grpo query --run agent "SELECT iteration, avg(tool_errors), sum(len(tool_names)) FROM turns GROUP BY 1"

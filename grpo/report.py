@@ -56,6 +56,12 @@ COLUMNS = [
     ("turns_per_episode", "rollouts", "turns_per_episode"),  # episodes (rollout.tools, rollout.environment)
     ("tool_calls", "rollouts", "tool_calls"),
     ("tool_errors", "rollouts", "tool_errors"),
+    ("responses_carried", "rollouts", "responses_carried"),  # partial rollouts (rollout.segment_tokens)
+    ("responses_finished", "rollouts", "responses_finished"),
+    ("responses_waiting", "rollouts", "responses_waiting"),
+    ("groups_released", "rollouts", "groups_released"),
+    ("released_age_mean", "rollouts", "released_age_mean"),
+    ("oldest_age", "rollouts", "oldest_age"),
 ]
 
 
@@ -140,6 +146,9 @@ PLOTS = [  # (title, row keys); a plot with no value in any row (KL with learn.k
     # episodes (rollout.tools, rollout.environment): the rollouts' summary, the turns table per iteration
     ("turns per episode", ["turns_per_episode"]),
     ("tool calls and tool errors", ["tool_calls", "tool_errors"]),
+    # partial rollouts (rollout.segment_tokens): the rollouts' summary, what each iteration carried and finished
+    ("responses carried, finished, waiting", ["responses_carried", "responses_finished", "responses_waiting"]),
+    ("age of released groups, oldest held (iterations)", ["released_age_mean", "oldest_age"]),
 ]
 COLUMNS_PER_ROW = 4
 
@@ -469,6 +478,23 @@ def timeline_png(rows: list[dict], title: str, dpi: int = 90) -> bytes:
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title)
     return _png(fig, dpi)
+
+
+SEGMENT_KEYS = ("responses_carried", "responses_finished", "responses_waiting", "groups_released", "carried_ages",
+                "released_ages")  # fmt: skip
+
+
+def segment_rows(storage: Storage, run_id: str) -> list[dict]:
+    """Per iteration whose rollouts committed with rollout.segment_tokens: the responses it carried on unfinished,
+    finished, left waiting for their group, the groups it released, and their ages ({iterations since their group
+    started: responses (carried) or groups (released)}); [] for a run without segments."""
+    out = []
+    for k in iterations(storage, run_id):
+        attempts = committed_attempts(storage, stage_dir(storage, run_id, k, "rollouts"))
+        summary = load_manifest(storage, attempts[-1], verify=False)[0].summary if attempts else {}
+        if "responses_carried" in summary:
+            out.append({"iteration": k, **{key: summary[key] for key in SEGMENT_KEYS}})
+    return out
 
 
 def write_timeline(storage: Storage, run_id: str) -> tuple[str, list[dict]]:

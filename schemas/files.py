@@ -7,6 +7,8 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
     "draws": ("rollouts", "draws.parquet"),
     "turns": ("rollouts", "turns.parquet"),
     "episodes": ("rollouts", "episodes.parquet"),
+    "carried": ("rollouts", "carried.parquet"),
+    "segments": ("rollouts", "segments.parquet"),
     "rewards": ("rewards", "rewards.parquet"),
     "advantages": ("advantages", "advantages.parquet"),
     "logprobs": ("learn", "logprobs.parquet"),
@@ -14,9 +16,9 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
     "eval": ("eval", "eval.parquet"),
 }
 
-OPTIONAL_TABLES = ("draws", "turns", "episodes")
+OPTIONAL_TABLES = ("draws", "turns", "episodes", "carried", "segments")
 """Tables a stage commits only with a setting on (draws: rollout.min_signal_groups; turns and episodes: rollout.tools
-or rollout.environment); `grpo query` skips an attempt without one."""
+or rollout.environment; carried and segments: rollout.segment_tokens); `grpo query` skips an attempt without one."""
 
 
 def table_file(table: str) -> str:

@@ -20,6 +20,8 @@ SCHEMA_VERSION = 5  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null 
 # 5: rollouts.loss_mask (which tokens of an episode the sampler produced) and rollouts.token_versions (the policy that
 #    sampled each token; null: the row's policy_version); an older rollouts file reads as all ones and null; the
 #    turns and episodes tables (rollout.tools, rollout.environment)
+# the carried and segments tables (rollout.segment_tokens) are new tables, no other changed: still version 5, so every
+# file a run without them writes keeps its bytes (the version is in each file's metadata)
 
 _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
     pa.field("run_id", pa.string(), nullable=False),
@@ -149,6 +151,39 @@ EPISODES = pa.schema(  # episodes: a row per episode (a rollouts row), how it en
     ]
 )
 
+CARRIED = pa.schema(  # rollout.segment_tokens: a row per response the rollouts stage hands on to the next iteration's
+    _SAMPLE_KEYS  # prompt_id: the group's place in the run's prompts, started x prompts_per_iteration + its place there
+    + [
+        pa.field("started", pa.int32(), nullable=False),  # the iteration whose prompts its group was among
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("prompt_ids", _IDS, nullable=False),
+        pa.field("budget", pa.int32(), nullable=False),  # its most tokens after the prompt (max_tokens, context)
+        pa.field("response_ids", _IDS, nullable=False),  # so far: the next segment continues from exactly these
+        pa.field("sampler_logprobs", FLOAT_LISTS, nullable=False),
+        pa.field("loss_mask", MASKS, nullable=False),
+        pa.field("token_versions", _IDS, nullable=False),  # the policy version that sampled each token
+        pa.field("finish_reason", pa.string(), nullable=True),  # null: not ended, continued; else its group waits
+        pa.field("ground_truth", pa.string(), nullable=False),
+        pa.field("row", pa.string(), nullable=False),
+        pa.field("policy_hash", pa.string(), nullable=False),  # of the policy that sampled its newest token
+        pa.field("episode", pa.string(), nullable=True),  # JSON: an episode's conversation and turns so far; null: none
+    ]
+)
+
+SEGMENTS = pa.schema(  # rollout.segment_tokens: a row per response an iteration held, what became of it there
+    _SAMPLE_KEYS
+    + [
+        pa.field("started", pa.int32(), nullable=False),  # the iteration whose prompts its group was among
+        pa.field("tokens_before", pa.int32(), nullable=False),  # its response_ids when the iteration began
+        pa.field("tokens", pa.int32(), nullable=False),  # and when it ended
+        pa.field("sampled", pa.int32(), nullable=False),  # of those, tokens this iteration's policy sampled
+        # released (its group went on to rewards and learn), finished (ended; its group waits) or carried (unfinished)
+        pa.field("state", pa.string(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=True),  # null while unfinished
+        pa.field("policy_version", pa.int32(), nullable=False),  # the policy this iteration sampled with
+    ]
+)
+
 EVAL = pa.schema(
     _KEYS
     + [
@@ -168,6 +203,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "draws": DRAWS,
     "turns": TURNS,
     "episodes": EPISODES,
+    "carried": CARRIED,
+    "segments": SEGMENTS,
     "rewards": REWARDS,
     "advantages": ADVANTAGES,
     "logprobs": LOGPROBS,

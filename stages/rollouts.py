@@ -29,7 +29,7 @@ from grpo.record.storage import Committed, Storage
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
 from schemas import ParquetWriter, table_file
-from stages import rewards
+from stages import rewards, segments
 from stages.common import StageError, load_run, measured
 from stages.dynamic_sampling import draw_start, dynamic_inputs, flat_epoch, group_signal
 from stages.prompts import (
@@ -67,6 +67,8 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         inputs.update(dynamic_inputs(storage, cfg, run_id, iteration))
     if adapters.names_files(cfg.rollout):  # the copies of the files rollout.tools and rollout.environment name
         inputs["base"] = committed_input(storage, run_id, None, "base")
+    if cfg.rollout.segment_tokens is not None and iteration > 0:  # the responses iteration k - 1 carried on
+        inputs["carried"] = committed_input(storage, run_id, iteration - 1, "rollouts")
     check_chain(storage, run_id, iteration, "rollouts", inputs)
     r = cfg.rollout
 
@@ -74,7 +76,35 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         if r.min_signal_groups is not None:  # one shard (config.validate_dynamic_sampling)
             return sample_rounds(storage, cfg, run_id, iteration, inputs, writer)
         with environments(cfg, inputs.get("base")) as env:  # episodes: workers forked before the sampler starts
+            if r.segment_tokens is not None:  # one shard (config: check_segments)
+                return sample_segmented(writer, env)
             return sample_part(writer, shard_k, env)
+
+    def sample_segmented(writer, env) -> dict:
+        """rollout.segment_tokens: the carried responses and this iteration's, at most B new tokens each (segments)."""
+        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, None if env is None else env[1])
+        t0 = time.perf_counter()
+        gen, settings = sampler(p, cfg)
+        engine_s = time.perf_counter() - t0
+        responses = segments.carried_in(storage, inputs.get("carried"))
+        responses += segments.started_here(p, iteration, r.prompts_per_iteration, r.group_size)
+        report = Progress(f"rollouts {iteration}", sum(x.finish is None for x in responses), "responses")
+        held, figures = segments.sample_segments(gen, p, responses, cfg, iteration, stamp, report)
+        n = segments.write(storage, writer, run_id, iteration, held, p, cfg, stamp["policy_version"])
+        released = [x for grp in held.release for x in grp]
+        return {
+            "prompts": len(p.ids),
+            "skipped_prompts": p.skipped,
+            "samples": n,
+            "response_tokens": sum(len(x.response_ids) for x in released),
+            "stop_fraction": sum(x.finish == "stop" for x in released) / max(n, 1),
+            **segments.summary(held, iteration, figures),
+            "segment_tokens": r.segment_tokens,
+            **stamp,
+            "engine_s": engine_s,
+            "generate_s": figures["generate_s"],
+            "sampler": settings,
+        }
 
     def sample_part(writer, shard_k: int, env) -> dict:
         p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, None if env is None else env[1])

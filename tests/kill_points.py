@@ -9,6 +9,7 @@ Points (iteration k):
     rollouts:k  rollouts k after its first chunk's rows reached the file, before the next chunk is sampled
     rewards:k   rewards k committing: its files written and hashed, its manifest not yet written
     episodes:k  rollouts k with episodes (grpo/episodes), every environment's first answer in, no second turn sampled
+    segments:k  rollouts k with rollout.segment_tokens, its first sampler call's responses continued, nothing written
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def install(folder: str, points: list[str]) -> None:
             grpo.record.storage.Storage.write_bytes_atomic = write_bytes_atomic
         elif stage == "episodes":  # every environment has answered a turn; the episodes go on
             _hold_mid_episodes(folder, point, int(k))
+        elif stage == "segments":  # the carried responses and the new ones, one sampler call into the round
+            _hold_mid_segments(folder, point, int(k))
         else:
             raise ValueError(f"unknown kill point {point!r}")
 
@@ -85,3 +88,24 @@ def _hold_mid_episodes(folder: str, point: str, k: int) -> None:
         return out
 
     stages.samples.Episodes.sample, grpo.episodes.workers.Workers.run = sample_chunk, run_op
+
+
+def _hold_mid_segments(folder: str, point: str, k: int) -> None:
+    """Hold once iteration k's segmented rollouts (stages/segments.py) have their first sampler call's answer."""
+    import stages.segments
+
+    sample = stages.segments.sample_segments
+
+    def sample_iteration(gen, p, responses, cfg, iteration, *a, **kw):
+        if iteration == k:
+            generate = gen.generate
+
+            def generate_once(*args, **kwargs):
+                out = generate(*args, **kwargs)
+                hold(folder, point)
+                return out
+
+            gen.generate = generate_once  # this generator, in this process only: it is killed here
+        return sample(gen, p, responses, cfg, iteration, *a, **kw)
+
+    stages.segments.sample_segments = sample_iteration

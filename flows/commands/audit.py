@@ -136,7 +136,7 @@ def cmd_report(args, storage):
 
 
 def cmd_timeline(args, storage):
-    from grpo.report import write_timeline
+    from grpo.report import segment_rows, write_timeline
 
     png, rows = write_timeline(storage, args.run)
     placed = any("sent" in r for r in rows)
@@ -147,7 +147,28 @@ def cmd_timeline(args, storage):
         print(line + ("  " + waited) * placed)
     if placed:
         print("(start-up s: a placed stage, from the flow sending it off to its start: a worker and its process)")
+    print_segments(segment_rows(storage, args.run))
     print(png)
+
+
+def print_segments(rows: list[dict]) -> None:
+    """rollout.segment_tokens: per iteration the responses carried on, finished, waiting, the groups released, and
+    their ages (iterations since their group started: {age: count}); nothing for a run without segments."""
+    if not rows:
+        return
+    head = f"{'iteration':>9}  {'carried':>7}  {'finished':>8}  {'waiting':>7}  {'released':>8}"
+    print(f"\n{head}  ages carried / released")
+    for r in rows:
+        ages = f"{_ages(r['carried_ages'])} / {_ages(r['released_ages'])}"
+        print(f"{r['iteration']:>9}  {r['responses_carried']:>7}  {r['responses_finished']:>8}  "
+              f"{r['responses_waiting']:>7}  {r['groups_released']:>8}  {ages}")  # fmt: skip
+    print("(carried: unfinished, continued next iteration; waiting: ended, its group not complete or not taken yet; "
+          "released: groups on to rewards and learn)")  # fmt: skip
+
+
+def _ages(counts: dict) -> str:
+    """{"0": 26, "1": 3} -> 0:26 1:3; "-" for none."""
+    return " ".join(f"{a}:{n}" for a, n in counts.items()) or "-"
 
 
 def cmd_query(args, storage):

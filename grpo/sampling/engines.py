@@ -127,8 +127,9 @@ def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None
         "dtype": dtype,
         "max_model_len": max_len,
         "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
-        # episodes (rollout.tools, rollout.environment): every turn's context starts with the last one's
-        "enable_prefix_caching": (gpu or episodes(rollout))
+        # episodes (rollout.tools, rollout.environment): every turn's context starts with the last one's; segments
+        # (rollout.segment_tokens): a prompt's G responses are G requests of one prompt
+        "enable_prefix_caching": (gpu or episodes(rollout) or getattr(rollout, "segment_tokens", None) is not None)
         if v.enable_prefix_caching is None
         else v.enable_prefix_caching,
         "kv_cache_dtype": v.kv_cache_dtype,
