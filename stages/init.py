@@ -180,27 +180,31 @@ def code_files(cfg: RunConfig) -> list[tuple[list[str], str]]:
 
 
 def check_episodes(cfg: RunConfig, tokenizer) -> None:
-    """rollout.tools and rollout.environment: the code imports and its tools have schemas (its adapter builds, in
-    this process: a typo fails here), and the model's chat template renders tools and continues a conversation."""
-    if adapters.kind_of(cfg.rollout) is None:
+    """rollout.tools and rollout.environment: the code imports and its tools have schemas (its adapter builds in a
+    tool worker, as the rollouts stage builds it: without credentials but rollout.tool_pass_env's, so its
+    module-level code never runs in this process; a typo, an exit or a crash is one line), and the model's chat
+    template renders tools and continues a conversation."""
+    from grpo.episodes.workers import check
+    from grpo.scoring.pool import RewardPool
+
+    r = cfg.rollout
+    if adapters.kind_of(r) is None:
         return
     if not data.has_chat_template(tokenizer):
         raise ConfigError(
             "rollout.tools / rollout.environment: episodes render their prompts, tools and observations with the "
             "model's chat template, and the model's tokenizer has none"
         )
-    try:
-        make = adapters.factory(adapters.source(cfg.rollout, {}))
-        env = make()
-        schemas = env.tools()
-        env.close()
-    except functions.UserCodeError as e:
-        raise ConfigError(str(e)) from e
-    except Exception as e:  # noqa: BLE001 (the user's class fails to build)
-        where = f"rollout.environment {cfg.rollout.environment!r}" if cfg.rollout.environment else "rollout.tools"
-        raise ConfigError(f"{where}: does not build: {type(e).__name__}: {e}") from e
-    finally:
-        adapters.factory.cache_clear()  # the stages build it from the committed copies
+    where = f"rollout.environment {r.environment!r}" if r.environment else "rollout.tools"
+    with RewardPool(1, tuple(r.tool_pass_env)) as pool:
+        try:
+            schemas = pool.apply(check, (adapters.source(r, {}), r.tool_max_memory_mb), timeout=IMPORT_TIMEOUT_S)
+        except RuntimeError as e:
+            raise ConfigError(f"{where}: does not build in a tool worker: {' '.join(str(e).split())}") from e
+        finally:
+            pool.log_printed()
+    if isinstance(schemas, str):
+        raise ConfigError(schemas)
     try:
         data.apply_template(tokenizer, [{"role": "user", "content": "x"}], schemas, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)

@@ -323,3 +323,28 @@ def test_an_environment_that_breaks_fails_the_stage_in_one_line_naming_it(root, 
     assert "\n" not in said and said.startswith(f"environment {broken}:Remote failed in reset of the episode prompt_id")
     assert said.endswith("ConnectionError: env.example:8000 refused")
     assert not committed_attempts(storage, stage_dir(storage, "r", 0, "rollouts"))
+
+
+TOOL_AT_IMPORT = {  # module-level code of a tools file, run when `grpo init` builds its schemas
+    "reads": "import os\nopen(os.environ['SEEN_FILE'], 'w').write(os.environ.get('AWS_SECRET_ACCESS_KEY', 'absent'))\n",
+    "exits": "import os\nos._exit(0)\n",
+}
+
+
+@pytest.mark.parametrize("module", ["reads", "exits"])
+def test_init_builds_the_tools_in_a_worker_without_credentials_and_an_exit_is_one_line(root, tmp_path, module):
+    """grpo init checks rollout.tools where the rollouts stage runs them, a tool worker: module-level code never sees
+    the CLI's credentials, and one that exits as it imports fails init in one line, no run made."""
+    tools = tmp_path / f"{module}.py"
+    tools.write_text(TOOL_AT_IMPORT[module] + "\n\n" + (root / "tools.py").read_text())
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": "s3cr3t-v4lue", "SEEN_FILE": str(tmp_path / "seen")}
+    sets = [f"--set={s}" for s in config(root, f"rollout.tools=[{tools}:multiply]")]
+    argv = [sys.executable, "-m", "flows.cli", "--storage", str(tmp_path / "store"), "init", "--run", "t", *sets]
+    done = subprocess.run(argv, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    if module == "reads":
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert (tmp_path / "seen").read_text() == "absent"
+    else:
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+        assert "rollout.tools: does not build in a tool worker: reward worker died" in done.stderr
+        assert "exit code 0" in done.stderr and not (tmp_path / "store" / "runs" / "t").exists()

@@ -124,6 +124,17 @@ def probe(source: Source, max_memory_mb: int | None) -> list[dict]:
         env.close()
 
 
+def check(source: Source, max_memory_mb: int | None) -> list[dict] | str:
+    """In a worker, at `grpo init`: the tools' schemas as `probe` gives them, or the one line a mistake in the
+    user's code makes (a name that is not there, a class without `reset`)."""
+    from grpo.tasks.functions import UserCodeError
+
+    try:
+        return probe(source, max_memory_mb)
+    except UserCodeError as e:
+        return str(e)
+
+
 class Workers:
     """The episodes of one stage in a pool's workers: where each lives, which are lost."""
 
