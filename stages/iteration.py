@@ -8,7 +8,6 @@ import gc
 from contextlib import contextmanager
 from typing import Iterator
 
-from grpo import devices
 from grpo.record.layout import STAGES
 from grpo.record.storage import Committed, Storage
 from grpo.scoring.pool import WARM_POOLS
@@ -75,6 +74,8 @@ def run_warm(storage: Storage, run_id: str, first: int, iterations: int) -> Iter
     the field), checked before the first stage commits anything."""
     cfg = load_run(storage, run_id)
     if iterations > 0:
+        from grpo import devices  # torch: a finished run's no-op (`grpo demo` again) imports none
+
         devices.check(cfg, set(STAGES))
     with warm_state() as warm, tracking(storage, run_id, cfg):  # the tracker run ended with the iterations
         for k in range(first, first + iterations):

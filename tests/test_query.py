@@ -70,6 +70,8 @@ def test_counts_match_committed_parquet(run):
         "draws": 0,  # only with rollout.min_signal_groups
         "turns": 0,  # these two only with episodes (rollout.tools, rollout.environment: tests/test_episodes.py)
         "episodes": 0,
+        "segments": 0,  # these two only with rollout.segment_tokens (tests/test_segments.py)
+        "carried": 0,
         "rewards": 1,
         "advantages": 1,
         "logprobs": 1,
@@ -79,7 +81,7 @@ def test_counts_match_committed_parquet(run):
     con = connect(run, "q")
     for view, uris in files.items():
         expected = sum(num_rows(run, u) for u in uris)
-        assert expected > 0 or view in ("draws", "turns", "episodes")
+        assert expected > 0 or view in ("draws", "turns", "episodes", "segments", "carried")
         assert con.execute(f'SELECT count(*) FROM "{view}"').fetchall() == [(expected,)], view
     assert con.execute("SELECT iteration, count(*) FROM rollouts GROUP BY 1 ORDER BY 1").fetchall() == [
         (0, 64),
