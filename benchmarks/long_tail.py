@@ -54,9 +54,11 @@ def long_solution(row: dict, rng: random.Random) -> str:
     return RAMBLE * rng.randint(10, 70) + solution(row)
 
 
-def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: int, long_share: float) -> None:
+def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: int, long_share: float,
+               per_example: bool) -> None:  # fmt: skip
     """Supervised steps on (chat prompt, solution + <|im_end|>), loss on the response only; batches of 32 short or
-    8 long solutions, long ones drawn so that `long_share` of the solutions seen are long."""
+    8 long solutions, long ones drawn so that `long_share` of the solutions seen are long; the loss a token mean over
+    the batch, or `per_example` a mean over solutions."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -83,7 +85,11 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: in
         for i, (p, a) in enumerate(batch):
             ids[i, : len(p) + len(a)] = torch.tensor(p + a)
             labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
-        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tok.pad_token_id), labels=labels).loss
+        logits = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tok.pad_token_id)).logits
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
+        # per example: each solution's tokens summed (/ 16, a short one's length), so that a long one's first token
+        # weighs what a short one's does (a batch's token mean gave rambles' starts ~1/4 their share)
+        loss = nll.sum(1).mean() / 16 if per_example else nll.sum() / (labels != -100).sum()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -135,7 +141,9 @@ def make_world(work: Path, args) -> list[str]:
 
     train, _ = held_out_split(load_config(None, overrides))
     trained = {e.prompt for e in train}
-    warm_start(model, [r for r in rows if r["question"] in trained], args.sft_steps, 3e-3, args.seed, args.long_share)
+    train_rows = [r for r in rows if r["question"] in trained]
+    warm_start(model, train_rows, args.sft_steps, 3e-3, args.seed, args.long_share, per_example=False)
+    warm_start(model, train_rows, args.topup_steps, 1e-3, args.seed + 1, args.long_share, per_example=True)
     return overrides
 
 
@@ -231,6 +239,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--eval-prompts", type=int, default=64)
     p.add_argument("--sft-steps", type=int, default=500)
+    p.add_argument("--topup-steps", type=int, default=150, help="then steps of a loss per solution")
     p.add_argument("--long-share", type=float, default=0.1, help="share of warm-start solutions that ramble")
     p.add_argument("--seed", type=int, default=0, help="problems and warm start")
     p.add_argument("--warm-model", default=None, help="a model folder made by an earlier run of the same --seed")
@@ -254,7 +263,8 @@ def main() -> None:
     print(f"machine: {machine()}; load average {load()}; folder {tmp}", flush=True)
     base = make_world(tmp, args) + args.set
     print(f"world made in {time.time() - t0:.0f} s; overrides: {' '.join(base)}", flush=True)
-    print(f"probe, the warm model's response lengths (64 prompts x 4, temperature 1): {probe(base)}", flush=True)
+    if not args.warm_model:  # the model made here: its lengths before any run (a copied one's were printed then)
+        print(f"probe, the warm model's response lengths (64 prompts x 4, temperature 1): {probe(base)}", flush=True)
     pools = "; ".join(f"{pool} on core {core}: {' '.join(stages)}" for pool, (core, stages) in POOLS.items())
     print(f"pools: {pools}", flush=True)
     runs = []
