@@ -2,7 +2,8 @@
 and sometimes run to rollout.max_tokens, with and without partial rollouts (rollout.segment_tokens), at S = 1 and
 S = 0 on the two pinned pools of overlap.py; held-out accuracy at equal finished samples.
 
-    .venv/bin/python benchmarks/long_tail.py [--iterations 8] [--rounds 3] [--segment-tokens 32] [--staleness 1 0]
+    .venv/bin/python benchmarks/long_tail.py [--prompts 48] [--iterations 12] [--rounds 2] [--segment-tokens 32]
+        [--staleness 1 0]
         [--warm-model WORK/model] [--set SECTION.FIELD=VALUE ...] [--dir DIR]
 
 The recipe: chat_math.py's word problems and Qwen2 chat model (4 layers, hidden 128, a BPE trained here), warm-started
@@ -231,11 +232,11 @@ def med(xs: list[float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iterations", type=int, default=8, help="per run; iteration 0 is not counted in the periods")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every arm once, run seed = the round")
+    p.add_argument("--iterations", type=int, default=12, help="per run; iteration 0 is not counted in the periods")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs every arm once, run seed = the round")
     p.add_argument("--segment-tokens", type=int, default=32)
     p.add_argument("--staleness", type=int, nargs="+", default=[1, 0], help="S values, in this order a round")
-    p.add_argument("--prompts", type=int, default=16, help="rollout.prompts_per_iteration (G = 4)")
+    p.add_argument("--prompts", type=int, default=48, help="rollout.prompts_per_iteration (G = 4)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--eval-prompts", type=int, default=64)
     p.add_argument("--sft-steps", type=int, default=500)
