@@ -288,7 +288,8 @@ class RolloutConfig:
         self.check_segments()
 
     def check_segments(self) -> None:
-        """segment_tokens: >= 1, and none of what samples otherwise (rounds of new prompts, shards, stop strings)."""
+        """segment_tokens: >= 1, and none of what samples otherwise (rounds of new prompts, shards, stop strings,
+        episodes)."""
         b = self.segment_tokens
         if b is None:
             return
@@ -298,6 +299,8 @@ class RolloutConfig:
             ("min_signal_groups", self.min_signal_groups is not None, "samples rounds of new prompts"),
             ("shards", self.shards > 1, "splits prompts, where carried responses are the stage's whole"),
             ("stop", bool(self.stop), "is sought in one segment's text, and may span two"),
+            ("tools", bool(self.tools), "samples episodes, which are not carried across iterations yet"),
+            ("environment", bool(self.environment), "samples episodes, which are not carried across iterations yet"),
         )
         for name, on, why in clash:
             if on:
