@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/agent_calculator.py [--iterations 12] [--seed 0] [--only trl|grpo-flow]
         [--warm-model DIR/model]   # an earlier run's warm start, not made again
 
-1. Word problems (grpo/tasks/calculator.py): products of a 2-digit and a 3-digit number and sums of two 3-digit
-   ones, which a model of this size cannot work out in its head; a seeded set is held out.
+1. Word problems (grpo/tasks/calculator.py): a one-digit number times a four-digit one, or their sum, numbers in
+   words, which a model of this size cannot work out in its head; a seeded set is held out.
 2. A Qwen2 model built here (byte-level BPE, Qwen2.5's own chat template with tools), warm-started on transcripts:
    `--tool-share` of them call `calculate` in Qwen's `<tool_call>{json}</tool_call>` format (`--op-noise` of
    those with an operation drawn at random, not the sentence's) and say the calculator's "The answer is N."
@@ -14,9 +14,9 @@
 3. GRPO on both sides with the same model, environment class (`Calculator`, TRL's `environment_factory`
    contract, unchanged), reward (`correct_answer` + 0.5 x `correct_tool_use`), episodes per iteration,
    optimizer steps and learning rate; after every iteration the held-out problems are played greedily,
-   calculator in hand, by one function (`held_out`) for both sides: accuracy and the share that pressed the
-   right operation. Prints both curves and each side's wall time (training and its evals, from the start
-   of its trainer or run).
+   calculator in hand, by one function (`held_out`) for both sides: accuracy, the share that pressed the
+   right operation and the share that copied the calculator's result (whichever operation). Prints both
+   curves and each side's wall time (training and its evals, from the start of its trainer or run).
 """
 
 from __future__ import annotations
@@ -170,8 +170,9 @@ def warm_start(
 @torch.no_grad()
 def held_out(model, tok, rows: list[dict], max_turns: int = 3, max_tokens: int = 40) -> dict:
     """Greedy episodes of the held-out problems with a Calculator each, played in batches turn by turn
-    (the observation's ids appended to the sampled ones, never re-tokenized): the share answered right
-    and the share whose episode pressed the operation the problem needs."""
+    (the observation's ids appended to the sampled ones, never re-tokenized): the share answered right, the
+    share whose episode pressed the operation the problem needs, and of the episodes that pressed, the share whose
+    answer is the last result they were told (the warm start's copy, right operation or wrong)."""
     was_training = model.training
     model.eval()
     envs = [Calculator() for _ in rows]
@@ -212,7 +213,9 @@ def held_out(model, tok, rows: list[dict], max_turns: int = 3, max_tokens: int =
     model.train(was_training)
     right = [final_answer(t[-1]) == int(r["answer"]) for t, r in zip(texts, rows)]
     used = [any(result == int(r["answer"]) for _, result in env.calls) for env, r in zip(envs, rows)]
-    return {"accuracy": sum(right) / len(rows), "tool_use": sum(used) / len(rows)}
+    copied = [final_answer(t[-1]) == env.calls[-1][1] for t, env in zip(texts, envs) if env.calls]
+    n = len(rows)  # copy: of the episodes that pressed, the share whose answer is the last result they were told
+    return {"accuracy": sum(right) / n, "tool_use": sum(used) / n, "copy": sum(copied) / max(1, len(copied))}
 
 
 def reward_total(completions, environments, answer, **_) -> list[float]:
@@ -352,7 +355,10 @@ def ours_side(root: Path, model_dir: str, train: list[dict], test: list[dict], a
 
 
 def fmt(point: dict) -> str:
-    return f"held-out accuracy {point['accuracy']:.3f}, correct tool use {point['tool_use']:.3f}"
+    return (
+        f"held-out accuracy {point['accuracy']:.3f}, correct tool use {point['tool_use']:.3f}, "
+        f"answer copies the result {point['copy']:.3f}"
+    )
 
 
 def main() -> int:
@@ -409,7 +415,7 @@ def main() -> int:
         results[f"TRL {trl.__version__}"] = trl_side(root, model_dir, train, test, args)
     print(f"\n{'':>16} {'by iteration, the warm start first':>40} {'wall s':>8}")
     for name, r in results.items():
-        for key in ("accuracy", "tool_use"):
+        for key in ("accuracy", "tool_use", "copy"):
             curve = " ".join(f"{c[key]:.2f}" for c in [before, *r["curve"]])
             wall = f"{r['seconds']:.1f}" if key == "accuracy" else ""
             print(f"{name + ' ' + key:>16} {curve:>40} {wall:>8}")
