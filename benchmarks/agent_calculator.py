@@ -52,6 +52,7 @@ from grpo.tasks.calculator import (  # noqa: E402
 from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_model  # noqa: E402
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+BETAS = (0.9, 0.99)  # AdamW's, both sides
 SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384)
 
 
@@ -142,6 +143,7 @@ def warm_start(
         examples.append(transcript(tok, tools, r, operation if rng.random() < tool_share else None))
     shared = examples[0][0][: len(os.path.commonprefix([ids for ids, _ in examples])) - 1]  # (P,)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 50))  # 50 steps up to lr, then lr
     model.train()
     for step in range(steps):
         batch = [(ids[len(shared) :], mask[len(shared) :]) for ids, mask in rng.sample(examples, 16)]
@@ -161,6 +163,7 @@ def warm_start(
         )
         loss.backward()
         opt.step()
+        warmup.step()
         opt.zero_grad()
         if (step + 1) % 50 == 0 or step + 1 == steps:
             print(f"warm start: step {step + 1}/{steps}, loss {loss.item():.3f}", flush=True)
@@ -264,6 +267,7 @@ def trl_side(root: Path, model_dir: str, train: list[dict], test: list[dict], ar
         num_iterations=1,
         loss_type="grpo",  # grpo-flow's default aggregation (each sequence's token mean, then the mean)
         learning_rate=args.lr,
+        adam_beta2=BETAS[1],  # TRL's default 0.999, grpo-flow's 0.99: the same on both sides
         lr_scheduler_type="constant",
         max_steps=args.steps * args.iterations,
         use_cpu=True,
@@ -318,6 +322,7 @@ def ours_config(root: Path, model_dir: str, train: list[dict], test: list[dict],
         "learn.epochs=1",
         "learn.kl_coef=0",
         f"learn.lr={args.lr}",
+        f"learn.betas={list(BETAS)}",
         "learn.lr_decay_steps=0",  # constant, as TRL's side
         "learn.mixed_precision=no",
         f"eval.dataset={root / 'held_out.parquet'}",
@@ -372,8 +377,8 @@ def main() -> int:
     p.add_argument("--problems", type=int, default=2000)
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--vocab", type=int, default=600)
-    p.add_argument("--sft-steps", type=int, default=800)
-    p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--sft-steps", type=int, default=600)
+    p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("--sft-problems", type=int, default=400, help="warm-start transcripts")
     p.add_argument("--tool-share", type=float, default=1.0, help="share of warm-start transcripts calling the tool")
     p.add_argument("--op-noise", type=float, default=1.0, help="share of warm-start calls pressing a random operation")
