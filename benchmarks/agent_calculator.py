@@ -1,6 +1,6 @@
 """A small chat model learns to use a calculator: grpo-flow's episodes and TRL's GRPOTrainer side by side.
 
-    .venv/bin/python benchmarks/agent_calculator.py [--iterations 12] [--seed 0] [--only trl|grpo-flow]
+    .venv/bin/python benchmarks/agent_calculator.py [--iterations 8] [--seed 0] [--only trl|grpo-flow]
         [--warm-model DIR/model]   # an earlier run's warm start, not made again
 
 1. Word problems (grpo/tasks/calculator.py): a one-digit number times a four-digit one, or their sum, numbers in
@@ -264,19 +264,19 @@ def trl_side(root: Path, model_dir: str, train: list[dict], test: list[dict], ar
         max_tool_calling_iterations=2,
         temperature=1.0,
         beta=0.0,
-        num_iterations=1,
+        num_iterations=args.epochs,  # passes over an iteration's episodes: learn.epochs
         loss_type="grpo",  # grpo-flow's default aggregation (each sequence's token mean, then the mean)
         learning_rate=args.lr,
         adam_beta2=BETAS[1],  # TRL's default 0.999, grpo-flow's 0.99: the same on both sides
         lr_scheduler_type="constant",
-        max_steps=args.steps * args.iterations,
+        max_steps=args.steps * args.epochs * args.iterations,
         use_cpu=True,
         bf16=False,
         save_strategy="no",
         report_to="none",
         seed=args.seed,
         disable_tqdm=True,
-        logging_steps=args.steps,
+        logging_steps=args.steps * args.epochs,
     )
     start = time.perf_counter()
     trainer = GRPOTrainer(
@@ -319,7 +319,7 @@ def ours_config(root: Path, model_dir: str, train: list[dict], test: list[dict],
         f"rollout.group_size={args.group}",
         f"learn.minibatch_size={batch}",
         f"learn.microbatch_size={batch}",
-        "learn.epochs=1",
+        f"learn.epochs={args.epochs}",
         "learn.kl_coef=0",
         f"learn.lr={args.lr}",
         f"learn.betas={list(BETAS)}",
@@ -371,9 +371,10 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16, help="prompts an iteration")
     p.add_argument("--group", type=int, default=8, help="episodes a prompt")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps an iteration")
+    p.add_argument("--steps", type=int, default=1, help="optimizer steps an epoch (1: all episodes a step)")
+    p.add_argument("--epochs", type=int, default=8, help="passes over an iteration's episodes")
     p.add_argument("--max-tokens", type=int, default=96, help="an episode's sampled and observed tokens")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--problems", type=int, default=2000)
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--vocab", type=int, default=600)
