@@ -268,7 +268,7 @@ def trl_side(root: Path, model_dir: str, train: list[dict], test: list[dict], ar
         loss_type="grpo",  # grpo-flow's default aggregation (each sequence's token mean, then the mean)
         learning_rate=args.lr,
         adam_beta2=BETAS[1],  # TRL's default 0.999, grpo-flow's 0.99: the same on both sides
-        lr_scheduler_type="linear" if args.decay else "constant",  # linear: to 0 over max_steps
+        lr_scheduler_type=args.schedule,  # linear: to 0 over max_steps
         max_steps=args.steps * args.epochs * args.iterations,
         use_cpu=True,
         bf16=False,
@@ -323,7 +323,7 @@ def ours_config(root: Path, model_dir: str, train: list[dict], test: list[dict],
         "learn.kl_coef=0",
         f"learn.lr={args.lr}",
         f"learn.betas={list(BETAS)}",
-        f"learn.lr_decay_steps={args.steps * args.epochs * args.iterations if args.decay else 0}",  # as TRL's
+        f"learn.lr_decay_steps={args.steps * args.epochs * args.iterations * (args.schedule == 'linear')}",  # as TRL
         "learn.mixed_precision=no",
         f"eval.dataset={root / 'held_out.parquet'}",
         f"eval.n_prompts={len(test)}",
@@ -374,8 +374,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=1, help="optimizer steps an epoch (1: all episodes a step)")
     p.add_argument("--epochs", type=int, default=8, help="passes over an iteration's episodes")
     p.add_argument("--max-tokens", type=int, default=96, help="an episode's sampled and observed tokens")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--decay", action="store_true", help="lr decays linearly to 0 over the run (else constant)")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--schedule", choices=["linear", "constant"], default="linear", help="lr: linear to 0 over the run")
     p.add_argument("--problems", type=int, default=2000)
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--vocab", type=int, default=600)
