@@ -1,10 +1,10 @@
 """A small chat model learns to use a calculator: grpo-flow's episodes and TRL's GRPOTrainer side by side.
 
-    .venv/bin/python benchmarks/agent_calculator.py [--iterations 12] [--seed 0] [--only trl|grpo-flow]
+    .venv/bin/python benchmarks/agent_calculator.py [--iterations 8] [--seed 0] [--only trl|grpo-flow]
         [--warm-model DIR/model]   # an earlier run's warm start, not made again
 
-1. Word problems (grpo/tasks/calculator.py): products of a 2-digit and a 3-digit number and sums of two 3-digit
-   ones, which a model of this size cannot work out in its head; a seeded set is held out.
+1. Word problems (grpo/tasks/calculator.py): a one-digit number times a four-digit one, or their sum, numbers in
+   words, which a model of this size cannot work out in its head; a seeded set is held out.
 2. A Qwen2 model built here (byte-level BPE, Qwen2.5's own chat template with tools), warm-started on transcripts:
    `--tool-share` of them call `calculate` in Qwen's `<tool_call>{json}</tool_call>` format (`--op-noise` of
    those with an operation drawn at random, not the sentence's) and say the calculator's "The answer is N."
@@ -14,9 +14,9 @@
 3. GRPO on both sides with the same model, environment class (`Calculator`, TRL's `environment_factory`
    contract, unchanged), reward (`correct_answer` + 0.5 x `correct_tool_use`), episodes per iteration,
    optimizer steps and learning rate; after every iteration the held-out problems are played greedily,
-   calculator in hand, by one function (`held_out`) for both sides: accuracy and the share that pressed the
-   right operation. Prints both curves and each side's wall time (training and its evals, from the start
-   of its trainer or run).
+   calculator in hand, by one function (`held_out`) for both sides: accuracy, the share that pressed the
+   right operation and the share that copied the calculator's result (whichever operation). Prints both
+   curves and each side's wall time (training and its evals, from the start of its trainer or run).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from grpo.tasks.calculator import (  # noqa: E402
 from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_model  # noqa: E402
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+BETAS = (0.9, 0.99)  # AdamW's, both sides
 SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384)
 
 
@@ -142,6 +143,7 @@ def warm_start(
         examples.append(transcript(tok, tools, r, operation if rng.random() < tool_share else None))
     shared = examples[0][0][: len(os.path.commonprefix([ids for ids, _ in examples])) - 1]  # (P,)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 50))  # 50 steps up to lr, then lr
     model.train()
     for step in range(steps):
         batch = [(ids[len(shared) :], mask[len(shared) :]) for ids, mask in rng.sample(examples, 16)]
@@ -161,6 +163,7 @@ def warm_start(
         )
         loss.backward()
         opt.step()
+        warmup.step()
         opt.zero_grad()
         if (step + 1) % 50 == 0 or step + 1 == steps:
             print(f"warm start: step {step + 1}/{steps}, loss {loss.item():.3f}", flush=True)
@@ -170,8 +173,9 @@ def warm_start(
 @torch.no_grad()
 def held_out(model, tok, rows: list[dict], max_turns: int = 3, max_tokens: int = 40) -> dict:
     """Greedy episodes of the held-out problems with a Calculator each, played in batches turn by turn
-    (the observation's ids appended to the sampled ones, never re-tokenized): the share answered right
-    and the share whose episode pressed the operation the problem needs."""
+    (the observation's ids appended to the sampled ones, never re-tokenized): the share answered right, the
+    share whose episode pressed the operation the problem needs, and of the episodes that pressed, the share whose
+    answer is the last result they were told (the warm start's copy, right operation or wrong)."""
     was_training = model.training
     model.eval()
     envs = [Calculator() for _ in rows]
@@ -212,7 +216,9 @@ def held_out(model, tok, rows: list[dict], max_turns: int = 3, max_tokens: int =
     model.train(was_training)
     right = [final_answer(t[-1]) == int(r["answer"]) for t, r in zip(texts, rows)]
     used = [any(result == int(r["answer"]) for _, result in env.calls) for env, r in zip(envs, rows)]
-    return {"accuracy": sum(right) / len(rows), "tool_use": sum(used) / len(rows)}
+    copied = [final_answer(t[-1]) == env.calls[-1][1] for t, env in zip(texts, envs) if env.calls]
+    n = len(rows)  # copy: of the episodes that pressed, the share whose answer is the last result they were told
+    return {"accuracy": sum(right) / n, "tool_use": sum(used) / n, "copy": sum(copied) / max(1, len(copied))}
 
 
 def reward_total(completions, environments, answer, **_) -> list[float]:
@@ -258,18 +264,19 @@ def trl_side(root: Path, model_dir: str, train: list[dict], test: list[dict], ar
         max_tool_calling_iterations=2,
         temperature=1.0,
         beta=0.0,
-        num_iterations=1,
+        num_iterations=args.epochs,  # passes over an iteration's episodes: learn.epochs
         loss_type="grpo",  # grpo-flow's default aggregation (each sequence's token mean, then the mean)
         learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        max_steps=args.steps * args.iterations,
+        adam_beta2=BETAS[1],  # TRL's default 0.999, grpo-flow's 0.99: the same on both sides
+        lr_scheduler_type=args.schedule,  # linear: to 0 over max_steps
+        max_steps=args.steps * args.epochs * args.iterations,
         use_cpu=True,
         bf16=False,
         save_strategy="no",
         report_to="none",
         seed=args.seed,
         disable_tqdm=True,
-        logging_steps=args.steps,
+        logging_steps=args.steps * args.epochs,
     )
     start = time.perf_counter()
     trainer = GRPOTrainer(
@@ -312,10 +319,11 @@ def ours_config(root: Path, model_dir: str, train: list[dict], test: list[dict],
         f"rollout.group_size={args.group}",
         f"learn.minibatch_size={batch}",
         f"learn.microbatch_size={batch}",
-        "learn.epochs=1",
+        f"learn.epochs={args.epochs}",
         "learn.kl_coef=0",
         f"learn.lr={args.lr}",
-        "learn.lr_decay_steps=0",  # constant, as TRL's side
+        f"learn.betas={list(BETAS)}",
+        f"learn.lr_decay_steps={args.steps * args.epochs * args.iterations * (args.schedule == 'linear')}",  # as TRL
         "learn.mixed_precision=no",
         f"eval.dataset={root / 'held_out.parquet'}",
         f"eval.n_prompts={len(test)}",
@@ -352,7 +360,10 @@ def ours_side(root: Path, model_dir: str, train: list[dict], test: list[dict], a
 
 
 def fmt(point: dict) -> str:
-    return f"held-out accuracy {point['accuracy']:.3f}, correct tool use {point['tool_use']:.3f}"
+    return (
+        f"held-out accuracy {point['accuracy']:.3f}, correct tool use {point['tool_use']:.3f}, "
+        f"answer copies the result {point['copy']:.3f}"
+    )
 
 
 def main() -> int:
@@ -360,14 +371,16 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16, help="prompts an iteration")
     p.add_argument("--group", type=int, default=8, help="episodes a prompt")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps an iteration")
+    p.add_argument("--steps", type=int, default=1, help="optimizer steps an epoch (1: all episodes a step)")
+    p.add_argument("--epochs", type=int, default=8, help="passes over an iteration's episodes")
     p.add_argument("--max-tokens", type=int, default=96, help="an episode's sampled and observed tokens")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--schedule", choices=["linear", "constant"], default="linear", help="lr: linear to 0 over the run")
     p.add_argument("--problems", type=int, default=2000)
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--vocab", type=int, default=600)
-    p.add_argument("--sft-steps", type=int, default=800)
-    p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--sft-steps", type=int, default=600)
+    p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("--sft-problems", type=int, default=400, help="warm-start transcripts")
     p.add_argument("--tool-share", type=float, default=1.0, help="share of warm-start transcripts calling the tool")
     p.add_argument("--op-noise", type=float, default=1.0, help="share of warm-start calls pressing a random operation")
@@ -409,7 +422,7 @@ def main() -> int:
         results[f"TRL {trl.__version__}"] = trl_side(root, model_dir, train, test, args)
     print(f"\n{'':>16} {'by iteration, the warm start first':>40} {'wall s':>8}")
     for name, r in results.items():
-        for key in ("accuracy", "tool_use"):
+        for key in ("accuracy", "tool_use", "copy"):
             curve = " ".join(f"{c[key]:.2f}" for c in [before, *r["curve"]])
             wall = f"{r['seconds']:.1f}" if key == "accuracy" else ""
             print(f"{name + ' ' + key:>16} {curve:>40} {wall:>8}")

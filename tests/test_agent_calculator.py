@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import agent_calculator as bench  # noqa: E402
 
-from grpo.tasks.calculator import Calculator, problem, reward  # noqa: E402
+from grpo.tasks.calculator import OPERATIONS, Calculator, problem, reward  # noqa: E402
 from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_model  # noqa: E402
 
 
@@ -28,7 +28,8 @@ def tok(tmp_path_factory):
     rows = [problem(random.Random(i)) for i in range(40)]
     texts = [f"{r['question']} {bench.call_text(r)} {r['answer']} The answer is {r['answer']}." for r in rows]
     folder = tmp_path_factory.mktemp("calc") / "model"
-    return AutoTokenizer.from_pretrained(build_chat_model(str(folder), texts, chat_template=TOOLS_CHAT_TEMPLATE))
+    model = build_chat_model(str(folder), texts, chat_template=TOOLS_CHAT_TEMPLATE, split_digits=True)
+    return AutoTokenizer.from_pretrained(model)
 
 
 def test_the_tools_template_is_qwen2_5_s_so_trl_parses_its_tool_calls(tok):
@@ -57,6 +58,25 @@ def test_a_warm_start_transcript_is_the_conversation_the_template_renders(tok):
     assert tok.decode(ids) == rendered.removesuffix("\n")  # the template's newline after the last <|im_end|>
     trained = tok.decode([t for t, m in zip(ids, mask) if m])
     assert trained == bench.call_text(row) + tok.eos_token + f"The answer is {row['answer']}." + tok.eos_token
+
+
+def test_whichever_operation_a_warm_start_transcript_presses_its_answer_copies_the_result_at_one_offset(tok):
+    """The recipe's premise (grpo/tasks/calculator.py, `problem`): the warm start teaches the copy, RL the choice of
+    operation. Every result, right or wrong operation, has 4 digits, one token each, and the trained answer repeats
+    them at the same distance from the observation's in every transcript, so an episode that pressed the wrong
+    operation copies as surely as a right one and only the operation's token tells them apart."""
+    tools, offsets = bench.tools_of(Calculator()), set()
+    for i in range(40):
+        row = problem(random.Random(i))
+        for operation in sorted(OPERATIONS):
+            ids, mask = bench.transcript(tok, tools, row, operation)
+            result = str(OPERATIONS[operation](row["a"], row["b"]))
+            digits = [k for k, t in enumerate(ids) if tok.decode([t]) in set("0123456789")]
+            assert len(result) == 4 and [tok.decode([ids[k]]) for k in digits] == list(result + result)
+            told, said = digits[:4], digits[4:]
+            assert not any(mask[k] for k in told) and all(mask[k] for k in said)  # the copy alone is trained
+            offsets |= {s - t for s, t in zip(said, told)}
+    assert len(offsets) == 1
 
 
 def test_the_recipe_s_reward_is_the_two_trl_rewards_on_one_episode():

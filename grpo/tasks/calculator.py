@@ -1,21 +1,21 @@
 """Word problems a small model cannot do in its head, and the calculator it may press.
 
-A problem multiplies a 2-digit by a 3-digit number, or adds two 3-digit numbers, in one of a few sentences:
+A problem multiplies a one-digit number by a four-digit one, or adds them, in one of a few sentences:
 
-    Ana packs twenty-three boxes with one hundred forty-seven coins in each. How many coins is that in all?  -> 3381
+    Ana packs seven boxes with one thousand two hundred nine coins in each. How many coins is that in all?  -> 8463
 
 `Calculator` is written in TRL's `environment_factory` contract and runs unchanged on both sides: one instance per
 episode, `reset(**row)` with the dataset row (it keys in the problem's two numbers, the row's `a` and `b`), its public
 methods the tools (name, docstring and type hints give the schema), and reward functions reading what the episode
 did from `environments`. The model presses an operation (`calculate(operation="multiply")`), the calculator says
-"The answer is 3381.", and the model says it again as its answer: which operation the sentence asks for, and that
-the calculator is worth calling, are the model's to learn. Copying made as easy as a model of the recipe's size (a
-few hundred thousand weights, minutes of training on 2 CPU cores) needs, as measured with its warm start
-(benchmarks/agent_calculator.py): with `multiply(a, b)` it wrote well-formed calls whose numbers were not the
-question's (0 of 12 sampled calls right); with a bare number as the result, an 800-step warm start stated another
-number after it (0 of 10), and so did one whose calculator said "The answer is N." while the question held
-numbers in digits too (0 of 10: which digit follows a space is ambiguous there). The questions spell their numbers
-in words, so the calculator's are the only digits in the context and copying them is an induction head's work.
+"The answer is 8463.", and the model says it again as its answer: which operation the sentence asks for, and that
+the calculator is worth calling, are the model's to learn. What makes copying learnable at the recipe's size (a few
+hundred thousand weights, minutes of training on 2 CPU cores), as measured with its warm start
+(benchmarks/agent_calculator.py, RESULTS.md): the questions spell their numbers in words, so the calculator's are
+the only digits in the context; the tokenizer splits digits (`build_chat_model(split_digits=True)`); and every
+result of either operation has 4 digits, so the copy is one fixed-offset copy. Before the last, a warm start copied
+4-digit results (92% sampled) and never the 2-3 or 5-6 digit ones a wrong operation gave, and GRPO's negative
+advantage on those copies broke the copy everywhere (held-out accuracy 0.50 -> 0.12 in two iterations).
 
 The rewards are TRL reward functions (lists in, a float per completion out):
 
@@ -65,34 +65,33 @@ TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
 
 
 def words(n: int) -> str:
-    """A number below 1000 in words, as the problems spell their numbers (so that the only digits a model ever
+    """A number below 10000 in words, as the problems spell their numbers (so that the only digits a model ever
     reads are the calculator's).
 
-    >>> words(7), words(40), words(76), words(598), words(300)
-    ('seven', 'forty', 'seventy-six', 'five hundred ninety-eight', 'three hundred')
+    >>> words(7), words(76), words(598), words(1040), words(3000)
+    ('seven', 'seventy-six', 'five hundred ninety-eight', 'one thousand forty', 'three thousand')
     """
+    thousands, n = divmod(n, 1000)
     hundreds, rest = divmod(n, 100)
     tens = ONES[rest] if rest < 20 else TENS[rest // 10] + (f"-{ONES[rest % 10]}" if rest % 10 else "")
-    if not hundreds:
-        return tens
-    return f"{ONES[hundreds]} hundred" + (f" {tens}" if rest else "")
+    said = [f"{ONES[thousands]} thousand"] * bool(thousands) + [f"{ONES[hundreds]} hundred"] * bool(hundreds)
+    return " ".join(said + [tens] * bool(rest or not said))
 
 
 def problem(rng: random.Random) -> dict:
-    """One word problem: a product of two 2-digit numbers or a sum of two 3-digit ones, drawn again until the
-    result has 4 digits (every answer the same length: the calculator's number sits at one offset from the answer
-    the model writes, so copying it is one attention head's fixed-offset copy). The row's `answer` is the result as
+    """One word problem on a one-digit number `a` (2-9) and a four-digit `b` small enough that `a` x `b` has four
+    digits too: either operation's result has 4 digits, so whichever the model presses, the calculator's number
+    sits at one offset from the answer it writes (copying is one attention head's fixed-offset copy), and an
+    episode that pressed the wrong operation copies as surely as a right one. The row's `answer` is the result as
     text, `operation` the one that solves it, `a` and `b` the numbers.
 
     >>> problem(random.Random(0))
-    {'question': 'Mia has forty-three bags of seventy-five cards. How many cards does Mia have?', 'answer': '3225', \
-'operation': 'multiply', 'a': 43, 'b': 75}
+    {'question': 'Lee has eight bags of one thousand ten shells. How many shells does Lee have?', 'answer': '8080', \
+'operation': 'multiply', 'a': 8, 'b': 1010}
     """
     operation = rng.choice(sorted(OPERATIONS))
-    low, high = (10, 99) if operation == "multiply" else (100, 999)
-    a, b = rng.randint(low, high), rng.randint(low, high)
-    while not 1000 <= OPERATIONS[operation](a, b) <= 9999:
-        a, b = rng.randint(low, high), rng.randint(low, high)
+    a = rng.randint(2, 9)
+    b = rng.randint(1000, 9999 // a)
     name, thing, phrase = rng.choice(NAMES), rng.choice(THINGS), rng.choice(PHRASES[operation])
     question = phrase.format(name=name, thing=thing, a=words(a), b=words(b))
     return {"question": question, "answer": str(OPERATIONS[operation](a, b)), "operation": operation, "a": a, "b": b}
