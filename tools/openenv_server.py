@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo.runtime.procs import free_port, stop_group, tail, tied_to_this_process
+from grpo.runtime.procs import free_port, stop_group, tied_to_this_process
+from tools.readiness import answers, wait_ready
 
 
 @dataclass(frozen=True)
@@ -61,19 +60,8 @@ def openenv_server(app: str, home: Path, app_dir: str | Path = ".", timeout: flo
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise OpenEnvServerError(f"OpenEnv server {app} exited {proc.returncode}:\n{tail(log)}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise OpenEnvServerError(f"OpenEnv server {app} not healthy after {timeout:.0f}s:\n{tail(log)}")
-            time.sleep(0.2)
+        what = f"OpenEnv server {app} (/health at {url})"
+        wait_ready(proc, lambda: answers(f"{url}/health"), log, timeout, what, OpenEnvServerError, poll_s=0.2)
         yield Server(url, proc)
     finally:
         stop_group(proc)

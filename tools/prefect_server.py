@@ -27,6 +27,7 @@ import psutil
 
 from grpo.runtime.procs import free_port, stop_group, tail
 from tools.prefect_logging import SETTINGS_PATH
+from tools.readiness import answers, wait_ready
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
@@ -147,19 +148,8 @@ def prefect_server(home: Path, timeout: float = 180):
             start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise PrefectServerError(f"prefect server exited {proc.returncode}:\n{tail(log)}")
-            try:
-                with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise PrefectServerError(f"prefect server not healthy after {timeout:.0f}s:\n{tail(log)}")
-            time.sleep(0.5)
+        what = f"prefect server (/health at {api_url})"
+        wait_ready(proc, lambda: answers(f"{api_url}/health"), log, timeout, what, PrefectServerError)
         yield PrefectServer(api_url=api_url, home=home, env=env)
     finally:
         if "prefect.logging.handlers" in sys.modules:  # this process's run-log lines still queued: sent now, or
@@ -186,13 +176,8 @@ def process_worker(
         )
     proc.log = log  # type: ignore[attr-defined]
     try:
-        deadline = time.monotonic() + timeout
-        while "started!" not in log.read_text(errors="replace"):
-            if proc.poll() is not None:
-                raise PrefectServerError(f"worker exited {proc.returncode}:\n{tail(log)}")
-            if time.monotonic() > deadline:
-                raise PrefectServerError(f"worker not started after {timeout:.0f}s:\n{tail(log)}")
-            time.sleep(0.5)
+        what = f"prefect worker of pool {pool}"
+        wait_ready(proc, lambda: "started!" in log.read_text(errors="replace"), log, timeout, what, PrefectServerError)
         yield proc
     finally:
         stop_group(proc)
