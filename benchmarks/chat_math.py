@@ -78,51 +78,65 @@ def solution(row: dict, stated: int | None = None) -> str:
     return f"{row['work']}. The answer is {row['result'] if stated is None else stated}."
 
 
-def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: int, noise: float = 0.0) -> None:
-    """Supervised steps on (chat prompt, formatted solution + <|im_end|>), loss on the response only;
-    a `noise` share of the solutions state a wrong final answer after the right working."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def chat_pair(tok, question: str, answer: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids): the chat template's system and user turns, then `answer` + <|im_end|>."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tuple(tok(text, add_special_tokens=False)["input_ids"] for text in (prompt, answer + "<|im_end|>"))
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # as the learner and the sampler take the GPU
+
+def token_mean(model, ids, labels, mask):
+    """The model's own loss: the mean negative log-likelihood of the tokens `labels` keeps (not -100); (B, T) each."""
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def supervised(model_dir: str, tok, steps: int, lr: float, next_batch, loss=token_mean, device: str = "cpu") -> None:
+    """`steps` AdamW steps at `lr` on the model in `model_dir`, saved back there: each on `next_batch()`'s (prompt
+    ids, response ids) pairs, right-padded, `loss(model, ids, labels, mask)` on the responses only."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    rng = random.Random(seed)
-    examples = []
-    for r in rows:
-        prompt = tok.apply_chat_template(
-            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        p = tok(prompt, add_special_tokens=False)["input_ids"]
-        wrong = rng.choice([n for n in range(0, 19) if n != r["result"]]) if rng.random() < noise else None
-        a = tok(solution(r, wrong) + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        examples.append((p, a))
     model.train()
     t0 = shown = time.time()
     for step in range(steps):
-        batch = rng.sample(examples, 32)
+        batch = next_batch()
         width = max(len(p) + len(a) for p, a in batch)
-        ids = torch.full((len(batch), width), tok.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
+        ids = torch.full((len(batch), width), tok.pad_token_id)  # (B, T)
+        labels = torch.full((len(batch), width), -100)  # (B, T): -100 but on the response
         for i, (p, a) in enumerate(batch):
             ids[i, : len(p) + len(a)] = torch.tensor(p + a)
             labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
         ids, labels = ids.to(device), labels.to(device)
-        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tok.pad_token_id), labels=labels).loss
-        loss.backward()
+        mask = (labels != -100) | (ids != tok.pad_token_id)
+        value = loss(model, ids, labels, mask)
+        value.backward()
         opt.step()
         opt.zero_grad()
         if time.time() - shown >= 20 or step + 1 == steps:  # a line every 20 s: the estimate from the pace so far
             per_step = (time.time() - t0) / (step + 1)
             print(
-                f"warm start: step {step + 1}/{steps}, loss {loss.item():.3f}, {per_step:.2f} s a step, "
+                f"warm start: step {step + 1}/{steps}, loss {value.item():.3f}, {per_step:.2f} s a step, "
                 f"~{per_step * (steps - step - 1) / 60:.1f} min left",
                 flush=True,
             )
             shown = time.time()
     model.save_pretrained(model_dir)
+
+
+def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: int, noise: float = 0.0) -> None:
+    """Supervised steps on (chat prompt, formatted solution + <|im_end|>), batches of 32, loss on the response
+    only; a `noise` share of the solutions state a wrong final answer after the right working."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    examples = []
+    for r in rows:
+        wrong = rng.choice([n for n in range(0, 19) if n != r["result"]]) if rng.random() < noise else None
+        examples.append(chat_pair(tok, r["question"], solution(r, wrong)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # as the learner and the sampler take the GPU
+    supervised(model_dir, tok, steps, lr, lambda: rng.sample(examples, 32), device=device)
 
 
 def accuracy(model_dir: str, cfg) -> float:

@@ -32,6 +32,7 @@ runs with learn.behavior_correction=tis. Figures from the manifests, iterations 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -42,7 +43,15 @@ import time
 from pathlib import Path
 
 import pandas as pd
-from chat_math import NAMES, SYSTEM, THINGS, problem, solution  # noqa: F401 (NAMES, THINGS: the problems' words)
+from chat_math import (  # noqa: F401 (NAMES, THINGS: the problems' words)
+    NAMES,
+    SYSTEM,
+    THINGS,
+    chat_pair,
+    problem,
+    solution,
+    supervised,
+)
 from overlap import POOLS, STALENESS, pinned_workers, run_one
 from placement_overhead import load, ts
 from timing import committed_at, machine, manifests
@@ -55,48 +64,35 @@ def long_solution(row: dict, rng: random.Random) -> str:
     return RAMBLE * rng.randint(10, 70) + solution(row)
 
 
+def solution_nll(model, ids, labels, mask, per_example: bool):
+    """The loss on the solutions (`labels` not -100; (B, T) each): a token mean over the batch, or `per_example` each
+    solution's tokens summed, / 16 (a short one's length), then the mean over solutions."""
+    import torch
+
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
+    # per example, a long solution's first token weighs what a short one's does (a batch's token mean gave rambles'
+    # starts ~1/4 their share)
+    return nll.sum(1).mean() / 16 if per_example else nll.sum() / (labels != -100).sum()
+
+
 def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: int, long_share: float,
                per_example: bool) -> None:  # fmt: skip
-    """Supervised steps on (chat prompt, solution + <|im_end|>), loss on the response only; batches of 32 short or
-    8 long solutions, long ones drawn so that `long_share` of the solutions seen are long; the loss a token mean over
-    the batch, or `per_example` a mean over solutions."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Supervised steps on (chat prompt, solution + <|im_end|>) (chat_math.py's, on the CPU), loss on the response
+    only; batches of 32 short or 8 long solutions, long ones drawn so that `long_share` of the solutions seen are
+    long; the loss `solution_nll`'s."""
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
-
-    def encode(r: dict, long: bool) -> tuple[list[int], list[int]]:
-        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}]
-        prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        text = (long_solution(r, rng) if long else solution(r)) + "<|im_end|>"
-        return tok(prompt, add_special_tokens=False)["input_ids"], tok(text, add_special_tokens=False)["input_ids"]
-
     long_batches = long_share * 32 / (8 * (1 - long_share) + long_share * 32)  # share of steps that are long
-    model.train()
-    t0 = time.time()
-    for step in range(steps):
+
+    def next_batch() -> list[tuple[list[int], list[int]]]:
         long = rng.random() < long_batches
-        batch = [encode(r, long) for r in rng.sample(rows, 8 if long else 32)]
-        width = max(len(p) + len(a) for p, a in batch)
-        ids = torch.full((len(batch), width), tok.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        for i, (p, a) in enumerate(batch):
-            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
-        logits = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tok.pad_token_id)).logits
-        nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
-        # per example: each solution's tokens summed (/ 16, a short one's length), so that a long one's first token
-        # weighs what a short one's does (a batch's token mean gave rambles' starts ~1/4 their share)
-        loss = nll.sum(1).mean() / 16 if per_example else nll.sum() / (labels != -100).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            print(f"  warm start: step {step + 1}/{steps}, loss {loss.item():.3f}, {time.time() - t0:.0f} s")
-    model.save_pretrained(model_dir)
+        drawn = rng.sample(rows, 8 if long else 32)
+        return [chat_pair(tok, r["question"], long_solution(r, rng) if long else solution(r)) for r in drawn]
+
+    supervised(model_dir, tok, steps, lr, next_batch, functools.partial(solution_nll, per_example=per_example))
 
 
 def make_world(work: Path, args) -> list[str]:
