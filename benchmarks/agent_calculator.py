@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timing import machine  # noqa: E402
+from trl_grpo import grpo_config, grpo_trainer  # noqa: E402
 
 from grpo.tasks.calculator import (  # noqa: E402
     OPERATIONS,
@@ -232,8 +233,7 @@ def trl_side(root: Path, model_dir: str, train: list[dict], test: list[dict], ar
     """TRL's GRPOTrainer(environment_factory=Calculator): the held-out curve after each iteration and the
     wall time from the trainer's construction to the last eval."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     batch = args.prompts * args.group // args.steps  # samples an optimizer step
@@ -254,40 +254,23 @@ def trl_side(root: Path, model_dir: str, train: list[dict], test: list[dict], ar
     dataset = Dataset.from_list(
         [{"prompt": prompt_of(r), "answer": r["answer"], "a": r["a"], "b": r["b"]} for r in train]
     )
-    config = GRPOConfig(
-        output_dir=str(root / "trl"),
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        steps_per_generation=args.steps,
-        num_generations=args.group,
-        max_completion_length=args.max_tokens,
-        max_tool_calling_iterations=2,
-        temperature=1.0,
-        beta=0.0,
-        num_iterations=args.epochs,  # passes over an iteration's episodes: learn.epochs
-        loss_type="grpo",  # grpo-flow's default aggregation (each sequence's token mean, then the mean)
-        learning_rate=args.lr,
-        adam_beta2=BETAS[1],  # TRL's default 0.999, grpo-flow's 0.99: the same on both sides
-        lr_scheduler_type=args.schedule,  # linear: to 0 over max_steps
+    config = grpo_config(
+        root / "trl",
+        batch=batch,
+        steps=args.steps,
+        group=args.group,
+        epochs=args.epochs,  # passes over an iteration's episodes: learn.epochs
+        max_tokens=args.max_tokens,
+        lr=args.lr,
+        schedule=args.schedule,  # linear: to 0 over max_steps
         max_steps=args.steps * args.epochs * args.iterations,
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        report_to="none",
         seed=args.seed,
-        disable_tqdm=True,
-        logging_steps=args.steps * args.epochs,
+        max_tool_calling_iterations=2,
+        loss_type="grpo",  # grpo-flow's default aggregation (each sequence's token mean, then the mean)
+        adam_beta2=BETAS[1],  # TRL's default 0.999, grpo-flow's 0.99: the same on both sides
     )
     start = time.perf_counter()
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
-        reward_funcs=reward_total,
-        args=config,
-        train_dataset=dataset,
-        processing_class=tok,
-        environment_factory=Calculator,
-        callbacks=[Eval()],
-    )
+    trainer = grpo_trainer(config, model_dir, tok, reward_total, dataset, [Eval()], environment_factory=Calculator)
     trainer.remove_callback(PrinterCallback)  # its log dicts between the curve's lines
     trainer.train()
     return {"curve": curve, "seconds": time.perf_counter() - start}

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chat_math import SYSTEM, problem  # noqa: E402
 from timing import machine, manifests  # noqa: E402
+from trl_grpo import grpo_config, grpo_trainer  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,7 @@ def trl(
     """Seconds of each iteration of TRL's GRPOTrainer: one generation of prompts x group samples and the
     `steps` optimizer steps over them (steps_per_generation), timed between optimizer steps."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoTokenizer, TrainerCallback
 
     from grpo.tasks.math import math_reward
 
@@ -172,36 +172,22 @@ def trl(
 
     prompts = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}] for r in rows]
     dataset = Dataset.from_dict({"prompt": prompts, "answer": [r["answer"] for r in rows]})
-    args = GRPOConfig(
-        output_dir=str(root / "trl"),
-        per_device_train_batch_size=r.prompts * r.group // r.steps,
-        gradient_accumulation_steps=1,
-        steps_per_generation=r.steps,
-        num_generations=r.group,
-        max_completion_length=r.max_tokens,
-        temperature=1.0,
-        beta=0.0,
-        num_iterations=1,
-        learning_rate=r.lr,
-        lr_scheduler_type="constant",
+    config = grpo_config(
+        root / "trl",
+        batch=r.prompts * r.group // r.steps,
+        steps=r.steps,
+        group=r.group,
+        epochs=1,
+        max_tokens=r.max_tokens,
+        lr=r.lr,
+        schedule="constant",
         max_steps=r.steps * iterations,
-        use_cpu=device == "cpu",
-        bf16=bf16,
-        logging_steps=r.steps,
-        save_strategy="no",
-        report_to="none",
         seed=seed,
-        disable_tqdm=True,
+        cpu=device == "cpu",
+        bf16=bf16,
     )
     clock = Clock()
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model, dtype="float32"),
-        reward_funcs=correct,
-        args=args,
-        train_dataset=dataset,
-        processing_class=AutoTokenizer.from_pretrained(model),
-        callbacks=[clock],
-    )
+    trainer = grpo_trainer(config, model, AutoTokenizer.from_pretrained(model), correct, dataset, [clock])
     clock.at = [time.perf_counter()]
     trainer.train()
     return [clock.at[r.steps * (k + 1)] - clock.at[r.steps * k] for k in range(iterations)]
@@ -235,8 +221,7 @@ def sort_trl(root: Path, seed: int, iterations: int, target: float) -> tuple[flo
     iteration; None if not reached in `iterations`."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoTokenizer, TrainerCallback
 
     from grpo.config import load_config_file
     from grpo.sampling.base import decode_responses
@@ -282,43 +267,27 @@ def sort_trl(root: Path, seed: int, iterations: int, target: float) -> tuple[flo
             if self.hit or len(self.exact) == iterations:
                 control.should_training_stop = True
 
-    args = GRPOConfig(
-        output_dir=str(root / "trl-sort"),
-        per_device_train_batch_size=lc.minibatch_size,
-        gradient_accumulation_steps=1,
-        steps_per_generation=r.prompts_per_iteration * r.group_size // lc.minibatch_size,
-        num_generations=r.group_size,
-        num_iterations=lc.epochs,
-        max_completion_length=r.max_tokens,
-        temperature=1.0,
-        beta=0.0,
+    config = grpo_config(
+        root / "trl-sort",
+        batch=lc.minibatch_size,
+        steps=r.prompts_per_iteration * r.group_size // lc.minibatch_size,
+        group=r.group_size,
+        epochs=lc.epochs,
+        max_tokens=r.max_tokens,
+        lr=lc.lr,
+        schedule="linear",
+        max_steps=lc.lr_decay_steps,  # decayed linearly to 0 over lr_decay_steps, as grpo-flow; the callback stops
+        seed=seed,
         loss_type="grpo",  # grpo-flow's default aggregation (seq_mean_token_mean) and normalized advantages
         epsilon=lc.clip_eps,
-        learning_rate=lc.lr,
-        lr_scheduler_type="linear",
-        max_steps=lc.lr_decay_steps,  # decayed linearly to 0 over lr_decay_steps, as grpo-flow; the callback stops
         adam_beta1=lc.betas[0],
         adam_beta2=lc.betas[1],
         weight_decay=lc.weight_decay,
         max_grad_norm=lc.max_grad_norm,
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        report_to="none",
-        seed=seed,
-        disable_tqdm=True,
-        logging_steps=per_iteration,
     )
     dataset = Dataset.from_dict({"prompt": [e.prompt for e in train], "ground_truth": [e.ground_truth for e in train]})
     clock = Eval()
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
-        reward_funcs=reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tok,
-        callbacks=[clock],
-    )
+    trainer = grpo_trainer(config, model_dir, tok, reward, dataset, [clock])
     trainer.train()
     print("TRL held-out exact match by iteration: " + " ".join(f"{e:.2f}" for e in clock.exact), flush=True)
     return clock.hit
