@@ -78,6 +78,20 @@ def solution(row: dict, stated: int | None = None) -> str:
     return f"{row['work']}. The answer is {row['result'] if stated is None else stated}."
 
 
+def math_task(model, problems) -> list[str]:
+    """The settings of these recipes' task: `model` answers the math task's problems (a Parquet file of `question`
+    and `answer` columns, GSM8K's format) as chat prompts after SYSTEM."""
+    return [
+        f"model.base_model={model}",
+        "task.name=math",
+        f"task.dataset={problems}",
+        "task.prompt_column=question",
+        "task.answer_column=answer",
+        "task.prompt_format=chat",
+        f"task.system_prompt={SYSTEM}",
+    ]
+
+
 def chat_pair(tok, question: str, answer: str) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids): the chat template's system and user turns, then `answer` + <|im_end|>."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
@@ -232,13 +246,7 @@ def main() -> None:
     cfg = load_config(
         None,
         [
-            f"model.base_model={model}",
-            "task.name=math",
-            f"task.dataset={work / 'problems.parquet'}",
-            "task.prompt_column=question",
-            "task.answer_column=answer",
-            "task.prompt_format=chat",
-            f"task.system_prompt={SYSTEM}",
+            *math_task(model, work / "problems.parquet"),
             "eval.split_fraction=0.2",
             "eval.n_prompts=200",
             "rollout.backend=hf",

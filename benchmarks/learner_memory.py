@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pandas as pd
 import psutil
-from chat_math import SYSTEM, problem
+from chat_math import SYSTEM, math_task, problem
 from timing import machine
 
 from grpo.config import load_config
@@ -94,13 +94,7 @@ def make_world(root: Path, dtype: str, microbatch: int) -> list[str]:
         "def length(response, ground_truth, prompt, **row):\n    return len(response) / 100\n"
     )
     return [
-        f"model.base_model={root / 'model'}",
-        "task.name=math",
-        f"task.dataset={root / 'problems.parquet'}",
-        "task.prompt_column=question",
-        "task.answer_column=answer",
-        "task.prompt_format=chat",
-        f"task.system_prompt={SYSTEM}",
+        *math_task(root / "model", root / "problems.parquet"),
         f"reward.functions=[{root / 'reward.py'}:length]",
         "reward.truncated_reward=null",
         "rollout.backend=hf",

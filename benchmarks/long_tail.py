@@ -48,6 +48,7 @@ from chat_math import (  # noqa: F401 (NAMES, THINGS: the problems' words)
     SYSTEM,
     THINGS,
     chat_pair,
+    math_task,
     problem,
     solution,
     supervised,
@@ -106,13 +107,7 @@ def make_world(work: Path, args) -> list[str]:
     pd.DataFrame(rows)[["question", "answer"]].to_parquet(work / "problems.parquet")
     model = str(work / "model")
     overrides = [
-        f"model.base_model={model}",
-        "task.name=math",
-        f"task.dataset={work / 'problems.parquet'}",
-        "task.prompt_column=question",
-        "task.answer_column=answer",
-        "task.prompt_format=chat",
-        f"task.system_prompt={SYSTEM}",
+        *math_task(model, work / "problems.parquet"),
         "eval.split_fraction=0.2",
         f"eval.n_prompts={args.eval_prompts}",
         "rollout.backend=hf",

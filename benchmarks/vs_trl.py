@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chat_math import SYSTEM, problem  # noqa: E402
+from chat_math import SYSTEM, math_task, problem  # noqa: E402
 from timing import machine, manifests  # noqa: E402
 from trl_grpo import grpo_config, grpo_trainer  # noqa: E402
 
@@ -106,13 +106,7 @@ def grpo_flow(
     cfg = load_config(
         None,
         [
-            f"model.base_model={model}",
-            "task.name=math",
-            f"task.dataset={data}",
-            "task.prompt_column=question",
-            "task.answer_column=answer",
-            "task.prompt_format=chat",
-            f"task.system_prompt={SYSTEM}",
+            *math_task(model, data),
             f"rollout.prompts_per_iteration={r.prompts}",
             f"rollout.group_size={r.group}",
             f"rollout.max_tokens={r.max_tokens}",
