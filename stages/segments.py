@@ -203,53 +203,37 @@ def row_groups(groups: list[list[Response]], chunk: int) -> list[list[list[Respo
     return [groups[i : i + chunk] for i in range(0, len(groups), chunk)] or [[]]
 
 
+ATTRIBUTE = {"sampler_logprobs": "logprobs", "token_versions": "versions", "finish_reason": "finish"}
+"""A table's column named otherwise than the Response attribute it holds."""
+
+
+def response_columns(run_id: str, iteration: int, rows: list[Response], names: tuple[str, ...]) -> dict[str, list]:
+    """Columns `names` of a table with a row per response (run_id and iteration first): each the Response attribute
+    of its name (ATTRIBUTE: or the one named there)."""
+    n = len(rows)
+    out: dict[str, list] = {"run_id": [run_id] * n, "iteration": [iteration] * n}
+    return out | {name: [getattr(x, ATTRIBUTE.get(name, name)) for x in rows] for name in names}
+
+
+ROLLOUTS = ("prompt_id", "sample_index", "prompt", "prompt_ids", "response_ids", "sampler_logprobs", "loss_mask",
+            "token_versions", "finish_reason", "ground_truth", "row", "policy_hash")  # fmt: skip
+CARRIED = ROLLOUTS[:2] + ("started",) + ROLLOUTS[2:4] + ("budget",) + ROLLOUTS[4:]
+
+
 def rollouts_columns(run_id: str, iteration: int, groups: list[list[Response]], p: Prompts) -> dict[str, list]:
     """The rollouts table's columns of released groups: each row as the learner reads it, its token_versions listed
     and its policy the one that sampled its newest token."""
     rows = [x for grp in groups for x in grp]
-    n = len(rows)
-    return {
-        "run_id": [run_id] * n,
-        "iteration": [iteration] * n,
-        "prompt_id": [x.prompt_id for x in rows],
-        "sample_index": [x.sample_index for x in rows],
-        "prompt": [x.prompt for x in rows],
-        "prompt_ids": [x.prompt_ids for x in rows],
-        "response_ids": [x.response_ids for x in rows],
-        "response": decode_responses(p.tokenizer, [x.response_ids for x in rows], p.eos_ids),
-        "sampler_logprobs": [x.logprobs for x in rows],
-        "loss_mask": [x.loss_mask for x in rows],
-        "token_versions": [x.versions for x in rows],
-        "finish_reason": [x.finish for x in rows],
-        "ground_truth": [x.ground_truth for x in rows],
-        "row": [x.row for x in rows],
-        "policy_version": [max(x.versions, default=-1) for x in rows],
-        "policy_hash": [x.policy_hash for x in rows],
-    }
+    out = response_columns(run_id, iteration, rows, ROLLOUTS)
+    out["response"] = decode_responses(p.tokenizer, out["response_ids"], p.eos_ids)
+    out["policy_version"] = [max(x.versions, default=-1) for x in rows]
+    return out
 
 
 def carried_columns(run_id: str, iteration: int, rows: list[Response]) -> dict[str, list]:
-    """The carried table's columns: every response handed on, whole."""
-    n = len(rows)
-    return {
-        "run_id": [run_id] * n,
-        "iteration": [iteration] * n,
-        "prompt_id": [x.prompt_id for x in rows],
-        "sample_index": [x.sample_index for x in rows],
-        "started": [x.started for x in rows],
-        "prompt": [x.prompt for x in rows],
-        "prompt_ids": [x.prompt_ids for x in rows],
-        "budget": [x.budget for x in rows],
-        "response_ids": [x.response_ids for x in rows],
-        "sampler_logprobs": [x.logprobs for x in rows],
-        "loss_mask": [x.loss_mask for x in rows],
-        "token_versions": [x.versions for x in rows],
-        "finish_reason": [x.finish for x in rows],
-        "ground_truth": [x.ground_truth for x in rows],
-        "row": [x.row for x in rows],
-        "policy_hash": [x.policy_hash for x in rows],
-        "episode": [None if x.ep is None else carry.dumps(x.ep) for x in rows],
-    }
+    """The carried table's columns: every response handed on, whole (an episode's turns and conversation as JSON)."""
+    out = response_columns(run_id, iteration, rows, CARRIED)
+    return out | {"episode": [None if x.ep is None else carry.dumps(x.ep) for x in rows]}
 
 
 def state(x: Response, out: set[int]) -> str:
@@ -260,19 +244,13 @@ def state(x: Response, out: set[int]) -> str:
 def segment_columns(run_id: str, iteration: int, held: Held, version: int) -> dict[str, list]:
     """The segments table's columns: a row per response the iteration held."""
     rows, out = held.responses, {id(x) for grp in held.release for x in grp}
-    n = len(rows)
-    return {
-        "run_id": [run_id] * n,
-        "iteration": [iteration] * n,
-        "prompt_id": [x.prompt_id for x in rows],
-        "sample_index": [x.sample_index for x in rows],
-        "started": [x.started for x in rows],
+    return response_columns(run_id, iteration, rows, ("prompt_id", "sample_index", "started")) | {
         "tokens_before": [x.before for x in rows],
         "tokens": [len(x.response_ids) for x in rows],
         "sampled": [sum(x.loss_mask[x.before :]) for x in rows],
         "state": [state(x, out) for x in rows],
         "finish_reason": [x.finish for x in rows],
-        "policy_version": [version] * n,
+        "policy_version": [version] * len(rows),
     }
 
 

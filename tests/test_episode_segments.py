@@ -23,6 +23,7 @@ from test_episodes import check_token_in_token_out, schemas
 from test_segments import Spy, cold, committed, committed_files, table
 from tool_world import config, world
 
+from flows.cli import main
 from grpo.config import load_config
 from grpo.errors import StageError
 from grpo.record.layout import stage_dir
@@ -202,3 +203,21 @@ def test_a_run_killed_with_episodes_carried_resumes_to_the_same_bytes_and_reward
     cold()
     run_iteration(killed, "e", 1, last=False)
     assert committed_files(killed, "e", 2) == committed_files(whole, "e", 2)
+
+
+def test_a_fork_replays_its_parents_carried_episodes_and_goes_on_with_its_own_policy(run):
+    """Forked at 2 with another learning rate: the fork's rollouts 3 re-create the environments of the episodes the
+    parent's rollouts 2 carried (replayed with their own seeds: the same answers) and continue each from its ids."""
+    storage, _, _ = run
+    fork = ["fork", "--from", "e", "--at", "2", "--run", "f", "--set", "learn.lr=3e-3"]
+    assert main(["--storage", storage.url, *fork]) == 0
+    cold()
+    for k in (2, 3):
+        run_iteration(storage, "f", k, last=False)
+    parent = table(storage, "e", 2, "carried")
+    mine = table(storage, "f", 3, "segments").set_index(["prompt_id", "sample_index"])
+    going = parent[parent.finish_reason.isna()]
+    assert len(going)
+    for row in going.itertuples():
+        assert mine.loc[(row.prompt_id, row.sample_index)].tokens_before == len(row.response_ids)
+    assert table(storage, "f", 3, "rollouts").token_versions.map(lambda v: 2 in list(v)).any()  # the fork's learn 2
