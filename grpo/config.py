@@ -258,7 +258,10 @@ class RolloutConfig:
     or reaches max_tokens. Only complete groups go on to rewards and learn: a group waits for its slowest response,
     and a learn takes the oldest complete groups, prompts_per_iteration of them where that many are complete (whole
     minibatches), fixed by the config and the seed, never by timing. Every iteration starts its own
-    prompts_per_iteration prompts, as without it. None: off, every response sampled to its end in its iteration."""
+    prompts_per_iteration prompts, as without it. With tools or an environment a response is an episode: B counts its
+    sampled tokens, a turn cut at B is continued from its ids, and the next iteration re-creates its environment by
+    replaying its answered turns (stages/episode_segments.py). None: off, every response sampled to its end in its
+    iteration."""
 
     def check(self) -> None:
         for name in ("prompts_per_iteration", "group_size", "max_tokens", "chunk_prompts", "shards"):
@@ -288,8 +291,7 @@ class RolloutConfig:
         self.check_segments()
 
     def check_segments(self) -> None:
-        """segment_tokens: >= 1, and none of what samples otherwise (rounds of new prompts, shards, stop strings,
-        episodes)."""
+        """segment_tokens: >= 1, and none of what samples otherwise (rounds of new prompts, shards, stop strings)."""
         b = self.segment_tokens
         if b is None:
             return
@@ -299,8 +301,6 @@ class RolloutConfig:
             ("min_signal_groups", self.min_signal_groups is not None, "samples rounds of new prompts"),
             ("shards", self.shards > 1, "splits prompts, where carried responses are the stage's whole"),
             ("stop", bool(self.stop), "is sought in one segment's text, and may span two"),
-            ("tools", bool(self.tools), "samples episodes, which are not carried across iterations yet"),
-            ("environment", bool(self.environment), "samples episodes, which are not carried across iterations yet"),
         )
         for name, on, why in clash:
             if on:

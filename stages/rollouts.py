@@ -29,7 +29,7 @@ from grpo.record.storage import Committed, Storage
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
 from schemas import ParquetWriter, table_file
-from stages import rewards, segments
+from stages import episode_segments, rewards, segments
 from stages.common import StageError, load_run, measured
 from stages.dynamic_sampling import draw_start, dynamic_inputs, flat_epoch, group_signal
 from stages.prompts import (
@@ -86,11 +86,18 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)
         engine_s = time.perf_counter() - t0
-        responses = segments.carried_in(storage, inputs.get("carried"))
-        responses += segments.started_here(p, iteration, r.prompts_per_iteration, r.group_size)
+        carried = segments.carried_in(storage, inputs.get("carried"))
+        new = segments.started_here(p, iteration, r.prompts_per_iteration, r.group_size)
+        episodes = None if env is None else episode_segments.Episodes(gen, p, env, cfg, iteration)
+        if episodes is not None:
+            episodes.open(p, carried, new)
+        responses = carried + new
         report = Progress(f"rollouts {iteration}", sum(x.finish is None for x in responses), "responses")
-        held, figures = segments.sample_segments(gen, p, responses, cfg, iteration, stamp, report)
+        held, figures = segments.sample_segments(gen, p, responses, cfg, iteration, stamp, report, episodes)
         n = segments.write(storage, writer, run_id, iteration, held, p, cfg, stamp["policy_version"])
+        if episodes is not None:
+            episodes.close()
+            episodes.write(storage, writer, run_id, held)
         released = [x for grp in held.release for x in grp]
         return {
             "prompts": len(p.ids),
@@ -99,6 +106,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
             "response_tokens": sum(len(x.response_ids) for x in released),
             "stop_fraction": sum(x.finish == "stop" for x in released) / max(n, 1),
             **segments.summary(held, iteration, figures),
+            **({} if episodes is None else episodes.summary(held)),
             "segment_tokens": r.segment_tokens,
             **stamp,
             "engine_s": engine_s,

@@ -32,6 +32,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from grpo.config import RunConfig
+from grpo.episodes import carry
+from grpo.episodes.records import Episode
 from grpo.progress import Progress
 from grpo.record.layout import Salt, episode_seed, round_seed
 from grpo.record.storage import Committed, Storage
@@ -64,8 +66,9 @@ class Response:
     """stop or length once ended; None while unfinished."""
     policy_hash: str = ""
     """Of the policy that sampled its newest token."""
-    episode: str | None = None
-    """An episode's conversation and turns so far, JSON (grpo/episodes); None: a single-turn response."""
+    ep: Episode | None = None
+    """An episode's turns and conversation so far (grpo/episodes: its token lists are this response's own); None: a
+    single-turn response."""
     before: int = 0
     """Its tokens when this iteration began."""
 
@@ -82,14 +85,18 @@ def carried_in(storage: Storage, previous: Committed | None) -> list[Response]:
     if previous is None:
         return []
     table = read_parquet(storage.fs, previous.read_path(table_file("carried")), "carried").to_pylist()
-    return [
-        Response(
+    out = []
+    for r in table:
+        ids, logprobs, mask = list(r["response_ids"]), list(r["sampler_logprobs"]), list(r["loss_mask"])
+        x = Response(
             r["prompt_id"], r["sample_index"], r["started"], r["prompt"], list(r["prompt_ids"]), r["budget"],
-            r["ground_truth"], r["row"], list(r["response_ids"]), list(r["sampler_logprobs"]), list(r["loss_mask"]),
-            list(r["token_versions"]), r["finish_reason"], r["policy_hash"], r["episode"], len(r["response_ids"]),
-        )
-        for r in table
-    ]  # fmt: skip
+            r["ground_truth"], r["row"], ids, logprobs, mask, list(r["token_versions"]), r["finish_reason"],
+            r["policy_hash"], before=len(ids),
+        )  # fmt: skip
+        if r["episode"] is not None:
+            x.ep = carry.loads(r["episode"], x.prompt, x.prompt_ids, ids, mask, logprobs, x.prompt_id, x.sample_index)
+        out.append(x)
+    return out
 
 
 def started_here(p: Prompts, iteration: int, n: int, g: int) -> list[Response]:
@@ -168,9 +175,10 @@ def hold(responses: list[Response], n: int, per_step: int) -> Held:
 
 
 def sample_segments(gen: Generator, p: Prompts, responses: list[Response], cfg: RunConfig, iteration: int,
-                    stamp: dict, report: Progress) -> tuple[Held, dict]:  # fmt: skip
+                    stamp: dict, report: Progress, episodes=None) -> tuple[Held, dict]:  # fmt: skip
     """Round after round until at least a minibatch of groups is complete (or nothing is left unfinished): (what the
-    iteration holds, the summary's sampling figures)."""
+    iteration holds, the summary's sampling figures). `episodes` (stages.episode_segments.Episodes): the responses
+    are episodes, advanced by it."""
     r = cfg.rollout
     per_step, rows = cfg.learn.minibatch_size // r.group_size, r.chunk_prompts * r.group_size
     rounds = sampled = 0
@@ -178,7 +186,10 @@ def sample_segments(gen: Generator, p: Prompts, responses: list[Response], cfg: 
     while True:
         live = [x for x in responses if x.finish is None]
         spec = samples.sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
-        sampled += advance(gen, live, spec, r.segment_tokens, rows, stamp, report.part)
+        if episodes is None:
+            sampled += advance(gen, live, spec, r.segment_tokens, rows, stamp, report.part)
+        else:
+            sampled += episodes.advance(live, spec, r.segment_tokens, rows, stamp)
         rounds += 1
         held = hold(responses, r.prompts_per_iteration, per_step)
         if held.release or all(x.finish is not None for x in responses):
@@ -192,53 +203,37 @@ def row_groups(groups: list[list[Response]], chunk: int) -> list[list[list[Respo
     return [groups[i : i + chunk] for i in range(0, len(groups), chunk)] or [[]]
 
 
+ATTRIBUTE = {"sampler_logprobs": "logprobs", "token_versions": "versions", "finish_reason": "finish"}
+"""A table's column named otherwise than the Response attribute it holds."""
+
+
+def response_columns(run_id: str, iteration: int, rows: list[Response], names: tuple[str, ...]) -> dict[str, list]:
+    """Columns `names` of a table with a row per response (run_id and iteration first): each the Response attribute
+    of its name (ATTRIBUTE: or the one named there)."""
+    n = len(rows)
+    out: dict[str, list] = {"run_id": [run_id] * n, "iteration": [iteration] * n}
+    return out | {name: [getattr(x, ATTRIBUTE.get(name, name)) for x in rows] for name in names}
+
+
+ROLLOUTS = ("prompt_id", "sample_index", "prompt", "prompt_ids", "response_ids", "sampler_logprobs", "loss_mask",
+            "token_versions", "finish_reason", "ground_truth", "row", "policy_hash")  # fmt: skip
+CARRIED = ROLLOUTS[:2] + ("started",) + ROLLOUTS[2:4] + ("budget",) + ROLLOUTS[4:]
+
+
 def rollouts_columns(run_id: str, iteration: int, groups: list[list[Response]], p: Prompts) -> dict[str, list]:
     """The rollouts table's columns of released groups: each row as the learner reads it, its token_versions listed
     and its policy the one that sampled its newest token."""
     rows = [x for grp in groups for x in grp]
-    n = len(rows)
-    return {
-        "run_id": [run_id] * n,
-        "iteration": [iteration] * n,
-        "prompt_id": [x.prompt_id for x in rows],
-        "sample_index": [x.sample_index for x in rows],
-        "prompt": [x.prompt for x in rows],
-        "prompt_ids": [x.prompt_ids for x in rows],
-        "response_ids": [x.response_ids for x in rows],
-        "response": decode_responses(p.tokenizer, [x.response_ids for x in rows], p.eos_ids),
-        "sampler_logprobs": [x.logprobs for x in rows],
-        "loss_mask": [x.loss_mask for x in rows],
-        "token_versions": [x.versions for x in rows],
-        "finish_reason": [x.finish for x in rows],
-        "ground_truth": [x.ground_truth for x in rows],
-        "row": [x.row for x in rows],
-        "policy_version": [max(x.versions, default=-1) for x in rows],
-        "policy_hash": [x.policy_hash for x in rows],
-    }
+    out = response_columns(run_id, iteration, rows, ROLLOUTS)
+    out["response"] = decode_responses(p.tokenizer, out["response_ids"], p.eos_ids)
+    out["policy_version"] = [max(x.versions, default=-1) for x in rows]
+    return out
 
 
-def carried_columns(run_id: str, iteration: int, carry: list[Response]) -> dict[str, list]:
-    """The carried table's columns: every response handed on, whole."""
-    n = len(carry)
-    return {
-        "run_id": [run_id] * n,
-        "iteration": [iteration] * n,
-        "prompt_id": [x.prompt_id for x in carry],
-        "sample_index": [x.sample_index for x in carry],
-        "started": [x.started for x in carry],
-        "prompt": [x.prompt for x in carry],
-        "prompt_ids": [x.prompt_ids for x in carry],
-        "budget": [x.budget for x in carry],
-        "response_ids": [x.response_ids for x in carry],
-        "sampler_logprobs": [x.logprobs for x in carry],
-        "loss_mask": [x.loss_mask for x in carry],
-        "token_versions": [x.versions for x in carry],
-        "finish_reason": [x.finish for x in carry],
-        "ground_truth": [x.ground_truth for x in carry],
-        "row": [x.row for x in carry],
-        "policy_hash": [x.policy_hash for x in carry],
-        "episode": [x.episode for x in carry],
-    }
+def carried_columns(run_id: str, iteration: int, rows: list[Response]) -> dict[str, list]:
+    """The carried table's columns: every response handed on, whole (an episode's turns and conversation as JSON)."""
+    out = response_columns(run_id, iteration, rows, CARRIED)
+    return out | {"episode": [None if x.ep is None else carry.dumps(x.ep) for x in rows]}
 
 
 def state(x: Response, out: set[int]) -> str:
@@ -249,19 +244,13 @@ def state(x: Response, out: set[int]) -> str:
 def segment_columns(run_id: str, iteration: int, held: Held, version: int) -> dict[str, list]:
     """The segments table's columns: a row per response the iteration held."""
     rows, out = held.responses, {id(x) for grp in held.release for x in grp}
-    n = len(rows)
-    return {
-        "run_id": [run_id] * n,
-        "iteration": [iteration] * n,
-        "prompt_id": [x.prompt_id for x in rows],
-        "sample_index": [x.sample_index for x in rows],
-        "started": [x.started for x in rows],
+    return response_columns(run_id, iteration, rows, ("prompt_id", "sample_index", "started")) | {
         "tokens_before": [x.before for x in rows],
         "tokens": [len(x.response_ids) for x in rows],
         "sampled": [sum(x.loss_mask[x.before :]) for x in rows],
         "state": [state(x, out) for x in rows],
         "finish_reason": [x.finish for x in rows],
-        "policy_version": [version] * n,
+        "policy_version": [version] * len(rows),
     }
 
 

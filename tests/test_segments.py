@@ -245,8 +245,6 @@ def test_segment_tokens_is_checked_and_left_out_of_identities_unset():
         (["rollout.segment_tokens=4", "rollout.stop=[x]"], "rollout.segment_tokens with rollout.stop"),
         (["rollout.segment_tokens=4", "rollout.min_signal_groups=8"], "with rollout.min_signal_groups"),
         (["rollout.segment_tokens=4", "rollout.shards=2", "rollout.chunk_prompts=8"], "with rollout.shards"),
-        (["rollout.segment_tokens=4", "rollout.tools=[tools.py:add]"], "with rollout.tools: that setting samples ep"),
-        (["rollout.segment_tokens=4", "rollout.environment=env.py:Env"], "with rollout.environment"),
     ]:
         with pytest.raises(ConfigError, match=said):
             load_config(None, bad)

@@ -146,6 +146,7 @@ STANDALONE = {
 """The modules of grpo/ that stand alone: one concept each, no wing of their own."""
 STAGE_PARTS = {"common": "every stage", "prompts": "rollouts", "dynamic_sampling": "rollouts", "shards": "rollouts",
                "samples": "rollouts (and eval's episodes)", "segments": "rollouts (partial rollouts)",
+               "episode_segments": "rollouts (partial rollouts of episodes)",
                "learn_data": "learn", "init": "the run's base", "rescore": "a fork's rewards",
                "iteration": "the stages in order"}  # fmt: skip
 """The modules of stages/ besides the stage modules: each a part of the stage (or stages) it names."""

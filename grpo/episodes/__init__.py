@@ -17,5 +17,7 @@ One component a file, read in this order:
   records.py          what an episode leaves: its tokens, loss mask and log-probs, its turns, its end; the rows
                       of the rollouts, turns and episodes tables
   loop.py             the episode loop: a turn sampled for every live episode at once, answered, appended, until
-                      each ends; token in, token out, the loss mask and the turns
+                      each ends (or, with rollout.segment_tokens, has sampled B tokens); token in, token out, the
+                      loss mask and the turns; a carried episode's environment re-created by replay
+  carry.py            an episode carried across iterations: what the carried table's `episode` column holds
 """

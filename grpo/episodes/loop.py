@@ -28,7 +28,7 @@ from grpo.episodes.chat import observation_tokens, prompt_tokens, with_reset
 from grpo.episodes.environment import EnvironmentFailure
 from grpo.episodes.parsing import parse_turn
 from grpo.episodes.records import Episode, Turn
-from grpo.episodes.workers import Item, Outcome, Workers
+from grpo.episodes.workers import RESET_S, Item, Outcome, Workers
 from grpo.record.layout import episode_seed
 from grpo.sampling.base import Generator, SamplingSpec
 
@@ -61,28 +61,80 @@ class Loop:
         self.turn_ends = [tokenizer.decode([i], skip_special_tokens=False) for i in eos_ids]
         self.parse_prefix = getattr(tokenizer, "response_template", None) is not None
         self.name = workers.source.environment or ", ".join(workers.source.tools)
+        self.tools: list[dict] = []  # the tools' schemas, once episodes are open
 
     def run(
         self, starts: list[Start], spec: SamplingSpec, env_seed: int, progress: Callable[[int], None] | None = None
     ) -> list[list[Episode]]:
         """The spec.n episodes of each start, grouped by start; spec.seed seeds the sampler, env_seed the
         environments; progress(k): the first k starts' episodes have all ended (in no particular order: a count)."""
-        g = spec.n
-        keys = iter(self.workers.keys(len(starts) * g))
-        episodes = [Episode(s.prompt_id, j, next(keys)) for s in starts for j in range(g)]
-        tools = self._reset(starts, episodes, g, env_seed)
+        groups = self.open(starts, spec.n, env_seed)
+        episodes = [e for group in groups for e in group]
         one = dataclasses.replace(spec, n=1)
-        live, turn = list(episodes), 0
+        live = list(episodes)
         while live:
-            self._sample(live, one, turn, tools)
-            outcomes = self.workers.run("respond", [self._respond_item(e, env_seed, turn) for e in live])
-            live = [e for e, o in zip(live, outcomes) if self._answered(e, o, tools)]
-            turn += 1
+            live = self._answer(self._sample(live, one))
             if progress is not None:
                 ended = {e.prompt_id for e in live}
                 progress(sum(s.prompt_id not in ended for s in starts))
-        self._finish(episodes, env_seed)
+        self.finish(episodes)
+        return groups
+
+    def open(self, starts: list[Start], g: int, env_seed: int) -> list[list[Episode]]:
+        """g new episodes of each start, reset (their environments seeded by env_seed), grouped by start."""
+        keys = iter(self.workers.keys(len(starts) * g))
+        episodes = [Episode(s.prompt_id, j, next(keys), env_seed=env_seed) for s in starts for j in range(g)]
+        self.tools = self._reset(starts, episodes, g, env_seed)
         return [episodes[i * g : (i + 1) * g] for i in range(len(starts))]
+
+    def advance(self, live: list[Episode], spec: SamplingSpec, cap: int) -> int:
+        """Go on with each episode of `live` until it ends or has sampled `cap` tokens in this call (rollout.
+        segment_tokens: a turn cut there stays open, to be continued from its ids; one that ends on the cap is
+        answered); returns the tokens sampled."""
+        one, before = dataclasses.replace(spec, n=1), {id(e): len(e.response_ids) for e in live}
+
+        def sampled(e: Episode) -> int:
+            return sum(e.loss_mask[before[id(e)] :])
+
+        going = [e for e in live if e.end is None]
+        while going:
+            ended = self._sample(going, one, [cap - sampled(e) for e in going])
+            going = [e for e in self._answer(ended) if sampled(e) < cap]
+        return sum(map(sampled, live))
+
+    def reopen(self, episodes: list[Episode]) -> None:
+        """Re-create the environments of episodes carried from an earlier stage (rollout.segment_tokens): each reset
+        with its group's seed, then asked each turn it answered, with that turn's seed, again. An answer other than
+        the one recorded fails the stage in one line: that environment does not answer alike given its seeds (it
+        has effects outside it, or draws from a generator it does not seed), so it cannot go on in another process."""
+        for e, key in zip(episodes, self.workers.keys(len(episodes))):
+            e.key = key
+        outcomes = self.workers.run("replay", [self._replay_item(e) for e in episodes])
+        for e, o in zip(episodes, outcomes):
+            self._check(e, o, "replay")
+            added, self.tools, replies = o.value
+            answers = [(False, t.observation, t.errors) for t in e.turns]
+            for k, (got, recorded) in enumerate(zip([(added, None, [])] + replies, [(e.added, None, [])] + answers)):
+                if got != recorded:
+                    where = "reset" if k == 0 else f"turn {k - 1}"
+                    raise EnvironmentFailure(
+                        f"environment {self.name}: replayed to continue the episode prompt_id {e.prompt_id} sample "
+                        f"{e.sample_index}, it answered {where} otherwise than recorded ({got!r:.120} against "
+                        f"{recorded!r:.120}); an environment must answer alike given its seeds to be carried across "
+                        "iterations: seed it from reset's seed, or unset rollout.segment_tokens"
+                    )
+
+    def _replay_item(self, e: Episode) -> Item:
+        turns = [(t.text, t.calls, episode_seed(e.env_seed, e.prompt_id, e.sample_index, k + 1)) for k, t in
+                 enumerate(e.turns)]  # fmt: skip
+        limit = RESET_S + self.limits.tool_timeout_s * sum(len(t.calls) + 1 for t in e.turns)
+        seed = episode_seed(e.env_seed, e.prompt_id, 0, 0)
+        return Item(e.key, seed, (e.row, seed, turns), limit)
+
+    def _answer(self, ended: list[Episode]) -> list[Episode]:
+        """The environments' answers to the turns that ended; the episodes that go on."""
+        outcomes = self.workers.run("respond", [self._respond_item(e) for e in ended])
+        return [e for e, o in zip(ended, outcomes) if self._answered(e, o, self.tools)]
 
     def _reset(self, starts: list[Start], episodes: list[Episode], g: int, env_seed: int) -> list[dict]:
         """Reset every episode (a group's with one seed), render each prompt with its tools and what reset added;
@@ -110,29 +162,39 @@ class Loop:
                 )
             for e in episodes[i * g : (i + 1) * g]:
                 e.prompt_text, e.prompt_ids, e.messages, e.prompt_messages = text, ids, list(messages), len(messages)
-                e.budget = budget
+                e.budget, e.row, e.added = budget, s.row, group[0]
         return tools
 
-    def _sample(self, live: list[Episode], spec: SamplingSpec, turn: int, tools: list[dict]) -> None:
-        """One turn of every live episode, appended with mask 1 and parsed."""
+    def _sample(self, live: list[Episode], spec: SamplingSpec, caps: list[int] | None = None) -> list[Episode]:
+        """One turn of every live episode, appended with mask 1 and parsed; with `caps`, at most caps[i] tokens of it
+        (a turn cut there stays open: its next call continues it). Returns the episodes whose turn ended."""
         contexts = [e.prompt_ids + e.response_ids for e in live]
-        budgets = [e.budget - len(e.response_ids) for e in live]
-        seeds = [episode_seed(spec.seed, e.prompt_id, e.sample_index, turn) for e in live]
+        room = [e.budget - len(e.response_ids) for e in live]
+        budgets = room if caps is None else [min(c, r) for c, r in zip(caps, room)]
+        seeds = [episode_seed(spec.seed, e.prompt_id, e.sample_index, len(e.turns)) for e in live]
         samples = self.gen.generate(contexts, spec, budgets, seeds=seeds)
-        for e, context, [s] in zip(live, contexts, samples):
-            start = len(e.response_ids)
+        ended = []
+        for e, left, [s] in zip(live, room, samples):
+            start = len(e.response_ids) if e.open is None else e.open
             e.append(list(s.response_ids), True, list(s.logprobs))
-            ids = s.response_ids[:-1] if s.response_ids and s.response_ids[-1] in self.eos_ids else s.response_ids
+            if caps is not None and s.finish_reason == "length" and len(s.response_ids) < left:
+                e.open = start  # cut by the cap, not the budget
+                continue
+            e.open, sampled = None, e.response_ids[start:]
+            ids = sampled[:-1] if sampled and sampled[-1] in self.eos_ids else sampled
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            context = e.prompt_ids + e.response_ids[:start]
             prefix = self.tokenizer.decode(context, skip_special_tokens=False) if self.parse_prefix else ""
-            message, calls = parse_turn(self.tokenizer, text, prefix, tools)
+            message, calls = parse_turn(self.tokenizer, text, prefix, self.tools)
             e.messages.append(message)
             e.turns.append(Turn(start, len(e.response_ids), text, s.finish_reason, calls))
+            ended.append(e)
+        return ended
 
-    def _respond_item(self, e: Episode, env_seed: int, turn: int) -> Item:
-        t = e.turns[-1]
+    def _respond_item(self, e: Episode) -> Item:
+        t, turn = e.turns[-1], len(e.turns) - 1
         limit = self.limits.tool_timeout_s * (len(t.calls) + 1)  # each call's own alarm comes first
-        return Item(e.key, episode_seed(env_seed, e.prompt_id, e.sample_index, turn + 1), (t.text, t.calls), limit)
+        return Item(e.key, episode_seed(e.env_seed, e.prompt_id, e.sample_index, turn + 1), (t.text, t.calls), limit)
 
     def _answered(self, e: Episode, o: Outcome, tools: list[dict]) -> bool:
         """Record the environment's answer to the episode's last turn; True when the episode goes on (its
@@ -165,10 +227,10 @@ class Loop:
                 t.appended = len(ids)
         return e.end is None
 
-    def _finish(self, episodes: list[Episode], env_seed: int) -> None:
+    def finish(self, episodes: list[Episode]) -> None:
         """Each environment's final state (then it closes)."""
         last = self.limits.max_turns + 1
-        items = [Item(e.key, episode_seed(env_seed, e.prompt_id, e.sample_index, last)) for e in episodes]
+        items = [Item(e.key, episode_seed(e.env_seed, e.prompt_id, e.sample_index, last)) for e in episodes]
         limit = 2 * self.limits.tool_timeout_s
         items = [dataclasses.replace(item, limit_s=limit) for item in items]
         for e, o in zip(episodes, self.workers.run("final", items)):
@@ -178,7 +240,7 @@ class Loop:
 
     def _check(self, e: Episode, o: Outcome, where: str) -> None:
         """A failed (or, in reset, lost) environment call fails the stage in one line naming it."""
-        why = o.failed or (o.lost if where == "reset" else None)
+        why = o.failed or (o.lost if where in ("reset", "replay") else None)
         if why is not None:
             raise EnvironmentFailure(
                 f"environment {self.name} failed in {where} of the episode prompt_id {e.prompt_id} sample "

@@ -63,6 +63,14 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     end: str | None = None
     final: dict | None = None
+    env_seed: int = 0
+    """The seed its environment's calls draw from: that of the stage that reset it (Salt.ENVIRONMENT)."""
+    row: dict = field(default_factory=dict)
+    """What its reset was given (the dataset row, every column under its own name)."""
+    added: list[dict] = field(default_factory=list)
+    """What its reset added to the prompt."""
+    open: int | None = None
+    """Where the turn it is in the middle of starts (rollout.segment_tokens cut it); None: between turns."""
 
     def append(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
         """Append tokens: sampled (mask 1, their sampler log-probs) or observed (mask 0, log-prob 0.0)."""

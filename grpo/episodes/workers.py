@@ -83,6 +83,16 @@ def _call(make, op: str, item: Item):
         return env.reset(*item.args), env.tools()
     if op == "respond":
         return _reply(_LIVE[item.key].respond(*item.args))
+    if op == "replay":  # a carried episode's environment, re-created: reset, then each turn it answered again
+        row, seed, turns = item.args
+        env = _LIVE[item.key] = make()
+        added, replies = env.reset(row, seed), []
+        for text, calls, turn_seed in turns:
+            _seed(turn_seed)
+            reply = _reply(env.respond(text, calls))
+            text = "\n".join(str(m["content"]) for m in reply.messages) if reply.messages else None
+            replies.append((reply.done, text, list(reply.errors)))
+        return added, env.tools(), replies
     env = _LIVE.pop(item.key, None)  # final, close: the episode ends either way
     if env is None:
         return None
@@ -151,11 +161,12 @@ class Workers:
         return [(self.token, i) for i in range(self.count - n, self.count)]
 
     def run(self, op: str, items: list[Item]) -> list[Outcome]:
-        """Adapter method `op` (reset, respond, final, close) for each item's episode, every worker's items as one
-        job, the workers in parallel; an Outcome per item, in order. A reset places episode i in worker i mod the
-        workers; an item of a lost episode is not sent (its outcome says how it was lost)."""
+        """Adapter method `op` (reset, replay, respond, final, close) for each item's episode, every worker's items
+        as one job, the workers in parallel; an Outcome per item, in order. A reset (or a replay, which re-creates a
+        carried episode's environment) places episode i in worker i mod the workers; an item of a lost episode is
+        not sent (its outcome says how it was lost)."""
         n = len(self.pool.workers)
-        if op == "reset":
+        if op in ("reset", "replay"):
             self.home.update({item.key: i % n for i, item in enumerate(items)})
         out: list[Outcome | None] = [None] * len(items)
         jobs: dict[int, list[int]] = {}

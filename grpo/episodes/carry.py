@@ -1,0 +1,37 @@
+"""An episode carried from one iteration to the next (rollout.segment_tokens): what the carried table keeps of it.
+
+Its tokens stay where a single-turn response's do, in the carried row's columns (response_ids, loss_mask,
+sampler_logprobs, token_versions); its `episode` column holds the rest as JSON: the conversation, each turn (its span,
+text, calls, what answered it), the turn it is in the middle of, how it ended and its final state (an episode whose
+group still waits), what its reset was given and added, and its environment's seed. Timings are left out, so a
+rerun writes the same bytes. Its environment is not stored: the next iteration's stage re-creates it by replay
+(grpo.episodes.loop.Loop.reopen).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from grpo.episodes.environment import ToolCall
+from grpo.episodes.records import Episode, Turn
+
+KEPT = ("messages", "prompt_messages", "budget", "end", "final", "env_seed", "row", "added", "open")
+"""The Episode fields the JSON holds beside its turns (its tokens and prompt are the row's columns)."""
+
+
+def dumps(e: Episode) -> str:
+    """The carried table's `episode` of `e`."""
+    turns = [{k: v for k, v in dataclasses.asdict(t).items() if k != "tool_s"} for t in e.turns]  # a timing
+    return json.dumps({**{k: getattr(e, k) for k in KEPT}, "turns": turns}, sort_keys=True, default=str)
+
+
+def loads(text: str, prompt: str, prompt_ids: list[int], response_ids: list[int], loss_mask: list[int],
+          logprobs: list[float], prompt_id: int, sample_index: int) -> Episode:  # fmt: skip
+    """The episode a carried row holds: its token lists are the row's own (what the loop appends to them, the row
+    has)."""
+    state = json.loads(text)
+    turns = [Turn(**{**t, "calls": [ToolCall(**c) for c in t["calls"]]}) for t in state.pop("turns")]
+    e = Episode(prompt_id, sample_index, (), prompt_text=prompt, prompt_ids=prompt_ids, turns=turns, **state)
+    e.response_ids, e.loss_mask, e.logprobs = response_ids, loss_mask, logprobs
+    return e

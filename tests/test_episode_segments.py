@@ -1,0 +1,223 @@
+"""Partial rollouts of episodes (issue 42 with issue 41): with rollout.segment_tokens B and tools, an iteration samples
+at most B tokens of each episode, a turn cut there is continued by the next round or iteration from exactly its ids,
+and an episode's environment is re-created in the next iteration's stage by replaying its answered turns. Every
+released episode is still the tokens the sampler was given and gave, each sampled token by the policy of the iteration
+that sampled it; an environment that answers otherwise on replay fails the stage in one line; a run killed with
+episodes carried resumes to the bytes of a run never stopped.
+
+The world (tests/tool_world.py) is the episode tests': a Qwen2 model warm-started to call a calculator tool.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from test_episodes import check_token_in_token_out, schemas
+from test_segments import Spy, cold, committed, committed_files, table
+from tool_world import config, world
+
+from flows.cli import main
+from grpo.config import load_config
+from grpo.errors import StageError
+from grpo.record.layout import stage_dir
+from grpo.record.lineage import policy_version
+from grpo.record.storage import committed_attempts, list_attempts, open_storage
+from stages.init import init_run
+from stages.iteration import run_iteration
+
+pytestmark = [pytest.mark.e2e, pytest.mark.precision_pinned]  # the learner pins float32
+REPO = Path(__file__).resolve().parents[1]
+B, N, ITERATIONS = 8, 4, 3
+SEGMENTED = [
+    f"rollout.segment_tokens={B}",
+    "rollout.chunk_prompts=2",  # two sampler calls a round: the kill below lands between them
+    "learn.minibatch_size=4",  # a group a minibatch: an iteration releases what is complete, carries the rest
+    "learn.microbatch_size=4",
+    "learn.mixed_precision=no",
+    "eval.every=100",  # with last=False no eval runs: every tool call that runs is a rollouts' (counted below)
+]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return world(tmp_path_factory.mktemp("tools"))
+
+
+@pytest.fixture(scope="module")
+def run(root, tmp_path_factory):
+    """A segmented run of episodes, 3 iterations, every sampler call seen; its storage, the calls and the file where
+    every tool call that ran wrote its arguments."""
+    mp, log = pytest.MonkeyPatch(), tmp_path_factory.mktemp("log") / "calls.log"
+    mp.setenv("TOOL_LOG", str(log))
+    spy = Spy(mp)
+    storage = open_storage((tmp_path_factory.mktemp("seg") / "store").as_uri())
+    init_run(storage, "e", load_config(None, config(root, *SEGMENTED)))
+    cold()
+    for k in range(ITERATIONS):
+        spy.iteration = k
+        run_iteration(storage, "e", k, last=False)
+    mp.undo()
+    return storage, spy, log
+
+
+def tables(storage, k: int) -> dict[str, pd.DataFrame]:
+    return {t: table(storage, "e", k, t) for t in ("rollouts", "turns", "episodes", "carried")}
+
+
+def test_every_released_episode_is_its_segments_token_in_token_out_each_token_by_its_iteration(root, run):
+    """Each released episode, walked from the iteration its group started to the one that released it: every run of
+    sampled ids is what one sampler call gave (at most B) for the context prompt + the ids before, in the iteration
+    whose policy version each of those ids records; between turns, the template's render of the stored tool messages
+    (mask 0); an episode's turns, conversation and end as without segments."""
+    storage, spy, _ = run
+    tools = schemas(f"{root / 'tools.py'}:multiply")
+    crossed = cut_turns = 0
+    for k in range(ITERATIONS):
+        t = tables(storage, k)
+        assert len(t["rollouts"]) and (t["rollouts"].iteration == k).all()
+        check_token_in_token_out(t, str(root / "model"), None, tools)
+        turns = t["turns"].set_index(["prompt_id", "sample_index", "turn"])
+        for row in t["rollouts"].itertuples():
+            ids, mask, logps = list(row.response_ids), list(row.loss_mask), list(row.sampler_logprobs)
+            versions, at, j = list(row.token_versions), 0, row.prompt_id // N
+            while at < len(ids):
+                if not mask[at]:  # appended between turns: checked above
+                    at += 1
+                    continue
+                context = tuple(list(row.prompt_ids) + ids[:at])
+                while not spy.has(j, context, ids[at:]):
+                    j += 1
+                    assert j <= k, f"no sampler call of iterations {row.prompt_id // N}..{k} gave these ids"
+                got, their_logps = spy.take(j, context, ids[at:])
+                assert 0 < len(got) <= B and mask[at : at + len(got)] == [1] * len(got)
+                assert logps[at : at + len(got)] == pytest.approx(their_logps, abs=1e-6)
+                assert versions[at : at + len(got)] == [policy_version(j, 0)] * len(got)
+                at += len(got)
+                crossed += j > row.prompt_id // N
+            mine = turns.loc[(row.prompt_id, row.sample_index)]
+            assert list(mine.policy_version) == [versions[end - 1] for end in mine.token_end]
+            cut_turns += sum(len(set(versions[s:e])) > 1 for s, e in zip(mine.token_start, mine.token_end))
+    assert crossed > 10 and cut_turns > 0  # episodes crossed iterations, some turns were cut and continued
+
+
+def ran(turns) -> Counter:
+    """The multiply calls of `turns` (the turns table's rows, or a carried episode's turns) that reach the function."""
+    calls = [(n, json.loads(a) if isinstance(a, str) else a) for t in turns for n, a in zip(*t)]
+    return Counter(f"{c['a']} {c['b']}" for n, c in calls if n == "multiply" and set(c) == {"a", "b"})
+
+
+def test_each_carried_episode_is_continued_from_its_ids_and_its_environment_replayed(run):
+    """What iteration k carries, iteration k + 1 continues from exactly its ids (a turn cut by B left open); its
+    environment is re-created by replay: each call a carried episode's turns made runs once more per iteration it is
+    carried into, and no other call runs twice."""
+    storage, spy, log = run
+    first = Counter()  # every turn once: in the turns table that released it, or in the last carried table
+    for k in range(ITERATIONS):
+        t = tables(storage, k)["turns"]
+        first += ran(zip(t.tool_names, t.tool_arguments))
+    replayed, opened = Counter(), 0
+    for k in range(ITERATIONS):
+        carried = tables(storage, k)["carried"]
+        episodes = [json.loads(e) for e in carried.episode]
+        going = [(row, e) for row, e in zip(carried.itertuples(), episodes) if e["end"] is None]
+        assert len(going) and all(pd.isna(row.finish_reason) for row, _ in going)
+        turns = [([c["name"] for c in t["calls"]], [c["arguments"] for c in t["calls"]]) for _, e in going
+                 for t in e["turns"]]  # fmt: skip
+        if k == ITERATIONS - 1:
+            ended = [([c["name"] for c in t["calls"]], [c["arguments"] for c in t["calls"]]) for e in episodes
+                     if e["end"] is not None for t in e["turns"]]  # fmt: skip
+            first += ran(turns) + ran(ended)
+            continue
+        replayed += ran(turns)
+        for row, e in going:
+            assert len(e["turns"]) <= 3 and tuple(list(row.prompt_ids) + list(row.response_ids)) in spy.calls[k + 1]
+            opened += e["open"] is not None
+    assert Counter(log.read_text().splitlines()) == first + replayed and sum(replayed.values()) > 0
+    assert opened > 0  # turns cut in the middle were carried
+
+
+def test_an_environment_that_answers_otherwise_on_replay_fails_in_one_line(root, tmp_path, monkeypatch):
+    """A tool with an effect outside its episode (its answers count the calls before it, in a file) answers a replayed
+    call otherwise: iteration 1's rollouts fail in one line naming the environment, the episode and what to do, and
+    commit nothing."""
+    monkeypatch.setenv("TOOL_LOG", str(tmp_path / "calls.log"))
+    counted = tmp_path / "counted.py"
+    counted.write_text(
+        (root / "tools.py")
+        .read_text()
+        .replace("    return a * b\n", "    return a * b + len(open(os.environ['TOOL_LOG']).read().splitlines())\n")
+    )
+    storage = open_storage((tmp_path / "store").as_uri())
+    init_run(storage, "c", load_config(None, config(root, *SEGMENTED, f"rollout.tools=[{counted}:multiply]")))
+    cold()
+    run_iteration(storage, "c", 0, last=False)
+    carried = table(storage, "c", 0, "carried")
+    answered = [t for e in carried.episode.dropna() if json.loads(e)["end"] is None for t in json.loads(e)["turns"]]
+    assert any(t["observation"] and not t["errors"] for t in answered)  # a call that ran is replayed
+    with pytest.raises(StageError) as failed:
+        run_iteration(storage, "c", 1, last=False)
+    said = str(failed.value)
+    assert "\n" not in said and said.startswith("environment ") and "multiply: replayed to continue the episode" in said
+    assert "otherwise than recorded" in said and "unset rollout.segment_tokens" in said
+    assert not committed_attempts(storage, stage_dir(storage, "c", 1, "rollouts"))
+
+
+def test_a_run_killed_with_episodes_carried_resumes_to_the_same_bytes_and_rewards_read_them(root, run, tmp_path):
+    """SIGKILL in iteration 1's rollouts, its carried episodes' environments replayed and one sampler call into the
+    round: resumed in a new process, every file of iterations 0 and 1 has the bytes of the run never stopped."""
+    whole, _, _ = run
+    for k in range(2):  # the rewards scored what was released, with the episodes' conversations
+        scored = table(whole, "e", k, "rollouts").merge(
+            pd.read_parquet(whole.uri(committed(whole, "e", k, "rewards").path("rewards.parquet"))),
+            on=["prompt_id", "sample_index"],
+        )
+        assert len(scored) == len(table(whole, "e", k, "rollouts")) and scored.error.isna().all()
+    killed = open_storage((tmp_path / "killed").as_uri())
+    init_run(killed, "e", load_config(None, config(root, *SEGMENTED)))
+    held = tmp_path / "held"
+    held.mkdir()
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import kill_points;"
+        "kill_points.install(sys.argv[2], ['segments:1']);"
+        "from grpo.record.storage import open_storage; from stages.iteration import run_iteration;"
+        "[run_iteration(open_storage(sys.argv[3]), 'e', k, last=False) for k in range(2)]"
+    )
+    env = {**os.environ, "GRPO_THREADS": "1", "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-c", code, str(Path(__file__).parent), str(held), killed.url]
+    with open(tmp_path / "killed.log", "wb") as log:
+        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    while not (held / "segments:1").exists():
+        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)  # the stage process and its environment workers at once
+    proc.wait(timeout=60)
+    attempts = stage_dir(killed, "e", 1, "rollouts")
+    assert list_attempts(killed, attempts) and not committed_attempts(killed, attempts)
+    cold()
+    run_iteration(killed, "e", 1, last=False)
+    assert committed_files(killed, "e", 2) == committed_files(whole, "e", 2)
+
+
+def test_a_fork_replays_its_parents_carried_episodes_and_goes_on_with_its_own_policy(run):
+    """Forked at 2 with another learning rate: the fork's rollouts 3 re-create the environments of the episodes the
+    parent's rollouts 2 carried (replayed with their own seeds: the same answers) and continue each from its ids."""
+    storage, _, _ = run
+    fork = ["fork", "--from", "e", "--at", "2", "--run", "f", "--set", "learn.lr=3e-3"]
+    assert main(["--storage", storage.url, *fork]) == 0
+    cold()
+    for k in (2, 3):
+        run_iteration(storage, "f", k, last=False)
+    parent = table(storage, "e", 2, "carried")
+    mine = table(storage, "f", 3, "segments").set_index(["prompt_id", "sample_index"])
+    going = parent[parent.finish_reason.isna()]
+    assert len(going)
+    for row in going.itertuples():
+        assert mine.loc[(row.prompt_id, row.sample_index)].tokens_before == len(row.response_ids)
+    assert table(storage, "f", 3, "rollouts").token_versions.map(lambda v: 2 in list(v)).any()  # the fork's learn 2
