@@ -8,6 +8,7 @@ episodes carried resumes to the bytes of a run never stopped.
 The world (tests/tool_world.py) is the episode tests': a Qwen2 model warm-started to call a calculator tool.
 """
 
+import importlib.util
 import json
 import os
 import signal
@@ -29,8 +30,11 @@ from grpo.errors import StageError
 from grpo.record.layout import stage_dir
 from grpo.record.lineage import policy_version
 from grpo.record.storage import committed_attempts, list_attempts, open_storage
+from grpo.sampling.engines import close_generators
 from stages.init import init_run
 from stages.iteration import run_iteration
+from stages.rollouts import rollouts
+from stages.snapshot import snapshot
 
 pytestmark = [pytest.mark.e2e, pytest.mark.precision_pinned]  # the learner pins float32
 REPO = Path(__file__).resolve().parents[1]
@@ -67,26 +71,26 @@ def run(root, tmp_path_factory):
     return storage, spy, log
 
 
-def tables(storage, k: int) -> dict[str, pd.DataFrame]:
-    return {t: table(storage, "e", k, t) for t in ("rollouts", "turns", "episodes", "carried")}
+def tables(storage, k: int, run_id: str = "e") -> dict[str, pd.DataFrame]:
+    return {t: table(storage, run_id, k, t) for t in ("rollouts", "turns", "episodes", "carried")}
 
 
-def test_every_released_episode_is_its_segments_token_in_token_out_each_token_by_its_iteration(root, run):
+def walk(storage, run_id: str, root, spy: Spy, iterations: int, staleness: int = 0) -> tuple[int, int]:
     """Each released episode, walked from the iteration its group started to the one that released it: every run of
     sampled ids is what one sampler call gave (at most B) for the context prompt + the ids before, in the iteration
     whose policy version each of those ids records; between turns, the template's render of the stored tool messages
-    (mask 0); an episode's turns, conversation and end as without segments."""
-    storage, spy, _ = run
+    (mask 0); an episode's turns, conversation and end as without segments. Returns (the sampler calls that continued
+    an episode of an earlier iteration, the turns that took more than one call)."""
     tools = schemas(f"{root / 'tools.py'}:multiply")
     crossed = cut_turns = 0
-    for k in range(ITERATIONS):
-        t = tables(storage, k)
+    for k in range(iterations):
+        t = tables(storage, k, run_id)
         assert len(t["rollouts"]) and (t["rollouts"].iteration == k).all()
         check_token_in_token_out(t, str(root / "model"), None, tools)
         turns = t["turns"].set_index(["prompt_id", "sample_index", "turn"])
         for row in t["rollouts"].itertuples():
             ids, mask, logps = list(row.response_ids), list(row.loss_mask), list(row.sampler_logprobs)
-            versions, at, j = list(row.token_versions), 0, row.prompt_id // N
+            versions, at, j, calls = list(row.token_versions), 0, row.prompt_id // N, []
             while at < len(ids):
                 if not mask[at]:  # appended between turns: checked above
                     at += 1
@@ -98,13 +102,48 @@ def test_every_released_episode_is_its_segments_token_in_token_out_each_token_by
                 got, their_logps = spy.take(j, context, ids[at:])
                 assert 0 < len(got) <= B and mask[at : at + len(got)] == [1] * len(got)
                 assert logps[at : at + len(got)] == pytest.approx(their_logps, abs=1e-6)
-                assert versions[at : at + len(got)] == [policy_version(j, 0)] * len(got)
+                assert versions[at : at + len(got)] == [policy_version(j, staleness)] * len(got)
+                calls.append(at)
                 at += len(got)
                 crossed += j > row.prompt_id // N
             mine = turns.loc[(row.prompt_id, row.sample_index)]
             assert list(mine.policy_version) == [versions[end - 1] for end in mine.token_end]
-            cut_turns += sum(len(set(versions[s:e])) > 1 for s, e in zip(mine.token_start, mine.token_end))
+            cut_turns += sum(sum(s <= c < e for c in calls) > 1 for s, e in zip(mine.token_start, mine.token_end))
+    return crossed, cut_turns
+
+
+def test_every_released_episode_is_its_segments_token_in_token_out_each_token_by_its_iteration(root, run):
+    """walk: every token of every released episode is what a sampler call of its iteration gave, by its policy."""
+    storage, spy, _ = run
+    crossed, cut_turns = walk(storage, "e", root, spy, ITERATIONS)
     assert crossed > 10 and cut_turns > 0  # episodes crossed iterations, some turns were cut and continued
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_continues_cut_turns_and_carried_episodes_from_their_ids_and_a_rerun_the_same_bytes(root, tmp_path):
+    """With vLLM (staleness 1: iteration 1 samples the base policy, no learn needed), rounds and iterations continue
+    episodes from their ids as with transformers' sampler, and a rerun of rollouts 1 commits the same bytes."""
+    from grpo.sampling.vllm_engine import VLLMGenerator
+
+    mp = pytest.MonkeyPatch()
+    spy = Spy(mp, VLLMGenerator)
+    storage = open_storage((tmp_path / "store").as_uri())
+    init_run(storage, "v", load_config(None, config(root, *SEGMENTED, "rollout.backend=vllm", "rollout.staleness=1")))
+    try:
+        for k in range(2):
+            spy.iteration = k
+            snapshot(storage, "v", k)
+            first = rollouts(storage, "v", k)
+        crossed, cut_turns = walk(storage, "v", root, spy, 2, staleness=1)
+        again = rollouts(storage, "v", 1, force=True)
+    finally:
+        mp.undo()
+        close_generators()
+    assert crossed > 0 and cut_turns > 0
+    assert sorted((f.path, f.sha256) for f in again.manifest.files) == sorted(
+        (f.path, f.sha256) for f in first.manifest.files
+    )
 
 
 def ran(turns) -> Counter:

@@ -63,10 +63,10 @@ def committed_files(storage, run_id: str, iterations: int) -> dict:
 class Spy:
     """Every sampler call, by the iteration whose rollouts made it: {iteration: {context: [(ids, log-probs)]}}."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, cls=HFGenerator):
         self.calls: dict[int, dict[tuple, list]] = {}
         self.iteration = None
-        generate = HFGenerator.generate
+        generate = cls.generate
 
         def spied(gen, prompts, spec, budgets=None, progress=None, seeds=None):
             out = generate(gen, prompts, spec, budgets, progress, seeds)
@@ -75,7 +75,7 @@ class Spy:
                 at.append((list(sample.response_ids), list(sample.logprobs)))
             return out
 
-        monkeypatch.setattr(HFGenerator, "generate", spied)
+        monkeypatch.setattr(cls, "generate", spied)
 
     def _find(self, k: int, context: tuple, ids: list[int]) -> int | None:
         given = self.calls.get(k, {}).get(context, [])
