@@ -20,6 +20,7 @@ and a fork commit the same bytes; an environment that answers otherwise on repla
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from grpo.config import RunConfig
 from grpo.episodes.loop import Limits, Loop
@@ -42,13 +43,16 @@ class Episodes:
         limits = Limits(r.max_turns, r.max_tokens, p.context, r.tool_timeout_s)
         self.loop, self.cfg, self.iteration = Loop(gen, p.tokenizer, p.eos_ids, env[0], limits), cfg, iteration
         self.here: list[Response] = []
+        self.replay_s, self.replayed = 0.0, 0
         gen.reset_prefix_cache()  # what it reuses depends on this stage's requests alone (as Episodes in samples.py)
 
     def open(self, p: Prompts, carried: list[Response], new: list[Response]) -> None:
         """Re-create the environments of the unfinished episodes `carried` in; reset those of `new` (the responses
         started here, in stages.segments.started_here's order), each response then its episode's."""
         going = [x for x in carried if x.finish is None]
+        t0 = time.perf_counter()
         self.loop.reopen([x.ep for x in going])
+        self.replay_s, self.replayed = time.perf_counter() - t0, len(going)
         n, g = self.cfg.rollout.prompts_per_iteration, self.cfg.rollout.group_size
         placed = dataclasses.replace(p, index=[self.iteration * n + i for i in p.index])  # their prompt_ids
         seed = iteration_seed(self.cfg.seed, self.iteration, Salt.ENVIRONMENT)
@@ -90,7 +94,8 @@ class Episodes:
 
     def summary(self, held: Held) -> dict:
         """The rollouts summary's episode figures (as without segments): turns per released episode, their tool calls
-        and errors; seconds environments took answering turns here (in their workers, all together), the longest."""
+        and errors; seconds environments took answering turns here (in their workers, all together), the longest; the
+        carried episodes whose environments were re-created, and the seconds that took (what carrying costs)."""
         done = [x.ep for group in held.release for x in group]
         seconds = [t.tool_s for x in self.here for t in x.ep.turns]
         return {
@@ -99,4 +104,6 @@ class Episodes:
             "tool_errors": sum(len(t.errors) for e in done for t in e.turns),
             "tool_s": sum(seconds),
             "tool_s_max": max(seconds, default=0.0),
+            "episodes_replayed": self.replayed,
+            "replay_s": self.replay_s,
         }

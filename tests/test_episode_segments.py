@@ -179,6 +179,10 @@ def test_each_carried_episode_is_continued_from_its_ids_and_its_environment_repl
             assert len(e["turns"]) <= 3 and tuple(list(row.prompt_ids) + list(row.response_ids)) in spy.calls[k + 1]
             opened += e["open"] is not None
     assert Counter(log.read_text().splitlines()) == first + replayed and sum(replayed.values()) > 0
+    for k in range(1, ITERATIONS):  # the summary counts what was re-created
+        summary = committed(storage, "e", k, "rollouts").manifest.summary
+        carried = table(storage, "e", k - 1, "carried")
+        assert summary["episodes_replayed"] == carried.finish_reason.isna().sum() > 0 and summary["replay_s"] > 0
     assert opened > 0  # turns cut in the middle were carried
 
 

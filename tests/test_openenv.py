@@ -91,6 +91,33 @@ def test_any_other_action_is_the_step_tool_and_the_model_s_mistakes_are_observat
         ep.close()
 
 
+def test_a_carried_episode_is_re_created_by_replay_in_another_worker(walk):
+    """rollout.segment_tokens: the next iteration's stage re-creates a carried episode's server session in a fresh
+    worker by reset with its seed and its answered turns again: the session answers as it did (position 1, not 0)."""
+    from grpo.episodes.workers import Item, Workers
+    from grpo.scoring.pool import RewardPool
+
+    source = Source(kind="openenv", environment=walk.url, timeout_s=30.0)
+    row, turns = {"goal": 3}, [("", [ToolCall("step", {"steps": 2})], 1), ("", [ToolCall("step", {"steps": "x"})], 2)]
+    with RewardPool(1) as pool:
+        workers = Workers(pool, source, None)
+        [key] = workers.keys(1)
+        [reset] = workers.run("reset", [Item(key, 5, (row, 5))])
+        recorded = []
+        for text, calls, seed in turns:
+            [out] = workers.run("respond", [Item(key, seed, (text, calls))])
+            recorded.append((out.value.done, "\n".join(m["content"] for m in out.value.messages), out.value.errors))
+        workers.run("close", [Item(key, 0)])
+    with RewardPool(1) as pool:  # another process, as the next iteration's stage
+        workers = Workers(pool, source, None)
+        [key] = workers.keys(1)
+        [replayed] = workers.run("replay", [Item(key, 5, (row, 5, turns))])
+        [out] = workers.run("respond", [Item(key, 3, ("", [ToolCall("step", {"steps": -1})]))])
+        workers.run("close", [Item(key, 0)])
+    assert replayed.value == (reset.value[0], reset.value[1], recorded) and len(recorded[1][2]) == 1
+    assert out.value.messages[0]["content"] == '{"position": 1, "goal": 3}'  # the session went on from position 2
+
+
 def test_a_server_that_dies_fails_in_one_line_naming_it(tmp_path):
     with openenv_server("openenv_envs:guess_app", tmp_path, app_dir="tests") as server:
         ep = episode(server.url)
