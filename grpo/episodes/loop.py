@@ -16,6 +16,12 @@ Deterministic: which rows a chunk commits depends on the committed inputs and th
 numbers come from (the stage's seed, the prompt, the sample, the turn), each environment call's from the run's seed,
 the episode and the turn, whatever else shares a sampler call or a worker; so a rerun or a resumed run commits the same
 bytes (given the same sampler numerics, as single-turn rollouts).
+
+Partial rollouts (rollout.segment_tokens B: stages/episode_segments.py) run the loop's parts apart: `open` resets new
+episodes, `reopen` re-creates the environments of episodes an earlier stage carried (replay: reset with its seed, each
+answered turn asked again with its seed, every answer checked against the one recorded), `advance` goes on with each
+until it ends or has sampled B tokens (a turn cut there stays open, its ids continued by the next call), `finish`
+takes each ended one's final state.
 """
 
 from __future__ import annotations
@@ -134,7 +140,7 @@ class Loop:
     def _answer(self, ended: list[Episode]) -> list[Episode]:
         """The environments' answers to the turns that ended; the episodes that go on."""
         outcomes = self.workers.run("respond", [self._respond_item(e) for e in ended])
-        return [e for e, o in zip(ended, outcomes) if self._answered(e, o, self.tools)]
+        return [e for e, o in zip(ended, outcomes) if self._answered(e, o)]
 
     def _reset(self, starts: list[Start], episodes: list[Episode], g: int, env_seed: int) -> list[dict]:
         """Reset every episode (a group's with one seed), render each prompt with its tools and what reset added;
@@ -144,7 +150,7 @@ class Loop:
         outcomes = self.workers.run("reset", items)
         for e, o in zip(episodes, outcomes):
             self._check(e, o, "reset")
-        tools = outcomes[0].value[1] if outcomes else []
+        tools = outcomes[0].value[1] if outcomes else self.tools
         for i, s in enumerate(starts):
             group = [o.value[0] for o in outcomes[i * g : (i + 1) * g]]
             if any(added != group[0] for added in group):
@@ -196,7 +202,7 @@ class Loop:
         limit = self.limits.tool_timeout_s * (len(t.calls) + 1)  # each call's own alarm comes first
         return Item(e.key, episode_seed(e.env_seed, e.prompt_id, e.sample_index, turn + 1), (t.text, t.calls), limit)
 
-    def _answered(self, e: Episode, o: Outcome, tools: list[dict]) -> bool:
+    def _answered(self, e: Episode, o: Outcome) -> bool:
         """Record the environment's answer to the episode's last turn; True when the episode goes on (its
         observation's ids appended)."""
         t = e.turns[-1]
@@ -218,7 +224,7 @@ class Loop:
             sampled = e.response_ids[t.start : t.end]
             ended = self.tokenizer.decode(sampled[-1:], skip_special_tokens=False) if sampled else None
             ended = ended if sampled and sampled[-1] in self.eos_ids else None
-            _, ids = observation_tokens(self.tokenizer, e.messages, reply.messages, tools, ended, self.turn_ends)
+            _, ids = observation_tokens(self.tokenizer, e.messages, reply.messages, self.tools, ended, self.turn_ends)
             if len(e.response_ids) + len(ids) >= e.budget:  # no room left for the observation and a token after it
                 e.end = "budget"
             else:
