@@ -264,3 +264,22 @@ def test_a_fork_replays_its_parents_carried_episodes_and_goes_on_with_its_own_po
     for row in going.itertuples():
         assert mine.loc[(row.prompt_id, row.sample_index)].tokens_before == len(row.response_ids)
     assert table(storage, "f", 3, "rollouts").token_versions.map(lambda v: 2 in list(v)).any()  # the fork's learn 2
+
+
+def test_a_rescore_scores_the_released_episodes_as_committed_and_runs_no_tool(root, run, monkeypatch):
+    """grpo rescore of 0..1 with a reward that counts an episode's tool results scores each iteration's released
+    episodes from their stored conversations: the rows the learns took, each its own count, and not one tool call."""
+    storage, _, log = run
+    before = log.read_text()
+    monkeypatch.setenv("TOOL_LOG", str(log))
+    counted = f"reward.functions=[{root / 'rewards.py'}:tool_turns]"
+    rescore = ["rescore", "--run", "e", "--iterations", "0:1", "--set", counted, "--as", "x"]
+    assert main(["--storage", storage.url, *rescore]) == 0
+    assert log.read_text() == before
+    for k in range(2):
+        scored = pd.read_parquet(storage.uri(committed(storage, "x", k, "rewards").path("rewards.parquet")))
+        episodes = table(storage, "e", k, "episodes")
+        tools = {(e.prompt_id, e.sample_index): sum(m["role"] == "tool" for m in json.loads(e.messages))
+                 for e in episodes.itertuples()}  # fmt: skip
+        assert {(s.prompt_id, s.sample_index): s.reward for s in scored.itertuples()} == tools
+    assert sum(tools.values()) > 0
