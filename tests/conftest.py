@@ -6,6 +6,7 @@ import os
 import uuid
 
 import module_weights
+import once
 import pytest
 
 from tools.s3server import S3Endpoint, S3ServerError, find_weed, s3_server
@@ -42,6 +43,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     slow = {module(item) for item in items if item.get_closest_marker("slow")}
     weights = {module(item): module_weights.weight(module(item), module(item) in slow) for item in items}
     items.sort(key=lambda item: -weights[module(item)])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def builds(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The run's folder for tests/once.py: the xdist workers' temporary folders lie in the controller's."""
+    base = tmp_path_factory.getbasetemp()
+    os.environ[once.RUN_BUILDS] = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "builds")
 
 
 @pytest.fixture(scope="session")
