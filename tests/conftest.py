@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import uuid
 
+import module_weights
+import once
 import pytest
 
 from tools.s3server import S3Endpoint, S3ServerError, find_weed, s3_server
@@ -35,11 +37,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with a slow test first, in their order; the rest after, in theirs: two workers that take whole
-    modules (--dist loadfile) then end together rather than one running a long module alone at the end."""
+    """Modules heaviest first (tests/module_weights.py), each in its own order: two workers that take whole modules
+    (--dist loadfile) then end together rather than one running a long module alone at the end."""
     module = lambda item: item.nodeid.split("::")[0]  # noqa: E731
     slow = {module(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: module(item) not in slow)
+    weights = {module(item): module_weights.weight(module(item), module(item) in slow) for item in items}
+    items.sort(key=lambda item: -weights[module(item)])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def builds(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The run's folder for tests/once.py: the xdist workers' temporary folders lie in the controller's."""
+    base = tmp_path_factory.getbasetemp()
+    os.environ[once.RUN_BUILDS] = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "builds")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ on a few calculator transcripts so that it calls the tool (and, sampled at tempe
 answers at once or calls on), a dataset of multiplication questions, tools as plain functions (TRL's `tools=`), an
 environment class written for TRL's `environment_factory`, and reward functions.
 
-`world(root)` builds it once per test session in `root`; the warm start is a few seconds on a CPU.
+`world(root)` copies it into `root`, built once per test run (tests/once.py): the warm start is 20-50 s on a busy CPU.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 import pandas as pd
+from once import copy_of
 
 from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_model
 
@@ -164,8 +165,14 @@ def warm_start(model_dir: str, texts: list[str], steps: int = 200, seed: int = 0
 
 
 def world(root: Path, hidden_size: int = 64, num_layers: int = 2, steps: int = 200) -> Path:
-    """Build the world in `root` (model/, questions.parquet, tools.py, calculator_env.py, rewards.py); the model's
-    width and depth as given (head_dim 32: vLLM's CPU backend needs >= 32), warm-started `steps` steps."""
+    """The world in `root` (model/, questions.parquet, tools.py, calculator_env.py, rewards.py); the model's width and
+    depth as given (head_dim 32: vLLM's CPU backend needs >= 32), warm-started `steps` steps."""
+    name = f"tool-world-{hidden_size}-{num_layers}-{steps}"
+    return copy_of(name, lambda folder: build(folder, hidden_size, num_layers, steps), root)
+
+
+def build(root: Path, hidden_size: int, num_layers: int, steps: int) -> None:
+    """Build the world in `root` (see `world`)."""
     rng = random.Random(0)
     pairs = [(a, b) for a in range(2, 16) for b in range(2, 10)]
     rng.shuffle(pairs)
@@ -196,7 +203,6 @@ def world(root: Path, hidden_size: int = 64, num_layers: int = 2, steps: int = 2
     (root / "calculator_env.py").write_text(ENVIRONMENT)
     (root / "rewards.py").write_text(REWARDS)
     (root / "world.json").write_text(json.dumps({"pairs": pairs}))
-    return root
 
 
 def config(root: Path, *extra: str) -> list[str]:
