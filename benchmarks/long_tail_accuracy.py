@@ -2,7 +2,7 @@
 timed rounds can afford (issue 42's Done-when: "within the run-to-run spread").
 
     .venv/bin/python benchmarks/long_tail_accuracy.py [--seeds 0 1 2 3 4] [--iterations 12] [--prompts 48]
-        [--segment-tokens 32] [--staleness 1] [--warm-model WORK/model] [--dir DIR]
+        [--segment-tokens 32] [--staleness 1] [--warm-model WORK/model] [--set SECTION.FIELD=VALUE ...] [--dir DIR]
 
 The recipe and the arms are long_tail.py's (the same world, config and warm start), run here in one process, one
 iteration after the other (stages.iteration.run_iteration), not on the pinned pools: which rows a learn trains on is
@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 from long_tail import STALENESS, at_equal_samples, make_world, probe
-
 from placement_overhead import load
 from timing import machine
 
@@ -66,6 +65,7 @@ def main() -> None:
     p.add_argument("--long-share", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0, help="problems and warm start (long_tail.py's)")
     p.add_argument("--warm-model", default=None, help="a model folder made by an earlier run of the same --seed")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="more overrides, all arms")
     p.add_argument("--dir", default=None)
     args = p.parse_args()
     from grpo.runtime.threads import apply_threads
@@ -76,7 +76,7 @@ def main() -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     url = (tmp / "store").as_uri()
     print(f"machine: {machine()}; load average {load()}; folder {tmp}", flush=True)
-    base = make_world(tmp, args)
+    base = make_world(tmp, args) + args.set
     print(f"world made in {time.time() - t0:.0f} s; overrides: {' '.join(base)}", flush=True)
     if not args.warm_model:
         print(f"probe, the warm model's response lengths (64 prompts x 4, temperature 1): {probe(base)}", flush=True)
@@ -95,7 +95,7 @@ def main() -> None:
 
 
 def report(pairs: list[list[dict]]) -> None:
-    print("\n| seed | finished samples | accuracy without (its last iteration) | with (its iteration there) | with - "
+    print("\n| seed | finished samples | accuracy without (at as many) | with (its iteration there) | with - "
           "without |\n|" + " --- |" * 5)  # fmt: skip
     plain, seg = [], []
     for x, y in pairs:
