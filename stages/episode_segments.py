@@ -23,6 +23,7 @@ import dataclasses
 import time
 
 from grpo.config import RunConfig
+from grpo.episodes import carry
 from grpo.episodes.loop import Limits, Loop
 from grpo.episodes.records import episode_columns, turn_columns
 from grpo.episodes.workers import Item
@@ -58,6 +59,7 @@ class Episodes:
         seed = iteration_seed(self.cfg.seed, self.iteration, Salt.ENVIRONMENT)
         started = [e for group in self.loop.open(episode_starts(placed, slice(None), self.cfg), g, seed) for e in group]
         for x, e in zip(new, started, strict=True):
+            carry.check_row(e)  # before anything is sampled
             x.ep, x.prompt, x.prompt_ids, x.budget = e, e.prompt_text, e.prompt_ids, e.budget
             x.response_ids, x.loss_mask, x.logprobs = e.response_ids, e.loss_mask, e.logprobs  # one list each
         self.here = going + new

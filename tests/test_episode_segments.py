@@ -283,3 +283,18 @@ def test_a_rescore_scores_the_released_episodes_as_committed_and_runs_no_tool(ro
                  for e in episodes.itertuples()}  # fmt: skip
         assert {(s.prompt_id, s.sample_index): s.reward for s in scored.itertuples()} == tools
     assert sum(tools.values()) > 0
+
+
+def test_a_row_json_cannot_hold_as_it_is_is_refused_in_one_line_before_it_is_carried():
+    """A carried episode's environment is reset again from its stored row: a date would come back a string."""
+    import datetime
+
+    from grpo.episodes import carry
+    from grpo.episodes.records import Episode
+
+    plain = Episode(3, 0, (), row={"question": "2 x 3?", "answer": "6", "tags": ["x"], "n": 2})
+    assert carry.loads(carry.dumps(plain), "", [], [], [], [], 3, 0).row == plain.row
+    dated = Episode(3, 0, (), row={"question": "2 x 3?", "asked": datetime.date(2026, 12, 6)})
+    with pytest.raises(StageError, match=r"prompt_id 3 has columns JSON does not hold as they are \(asked\)") as e:
+        carry.dumps(dated)
+    assert "\n" not in str(e.value) and "unset rollout.segment_tokens" in str(e.value)

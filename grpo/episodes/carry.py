@@ -15,13 +15,36 @@ import json
 
 from grpo.episodes.environment import ToolCall
 from grpo.episodes.records import Episode, Turn
+from grpo.errors import StageError
 
 KEPT = ("messages", "prompt_messages", "budget", "end", "final", "env_seed", "row", "added", "open")
 """The Episode fields the JSON holds beside its turns (its tokens and prompt are the row's columns)."""
 
 
+def check_row(e: Episode) -> None:
+    """A dataset row JSON cannot hold as it is (a date, a decimal) is refused in one line: a carried episode's replay
+    would reset its environment with another row than its first reset had."""
+    kept = [k for k, v in e.row.items() if not _plain(v)]
+    if kept:
+        raise StageError(
+            f"rollout.segment_tokens: the dataset row of prompt_id {e.prompt_id} has columns JSON does not hold as "
+            f"they are ({', '.join(map(str, kept))}), and a carried episode's environment is reset again from its "
+            "stored row; cast them to plain values (str, int, float, bool, lists of them) or unset "
+            "rollout.segment_tokens"
+        )
+
+
+def _plain(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def dumps(e: Episode) -> str:
-    """The carried table's `episode` of `e`."""
+    """The carried table's `episode` of `e` (its row checked: check_row)."""
+    check_row(e)
     turns = [{k: v for k, v in dataclasses.asdict(t).items() if k != "tool_s"} for t in e.turns]  # a timing
     return json.dumps({**{k: getattr(e, k) for k in KEPT}, "turns": turns}, sort_keys=True, default=str)
 
