@@ -10,6 +10,8 @@ per response, and hands what has not ended, unfinished, to the next iteration's 
         in whole minibatches: the rollouts table, what rewards, advantages and learn read
     the rest, unfinished or ended with their group still waiting, to the `carried` table: the next iteration's input
     a row per response held to the `segments` table: what became of it here
+With rollout.tools or rollout.environment each response is an episode, continued turn by turn and its environment
+re-created by replay (stages/episode_segments.py).
 
 How many new prompts. Every iteration starts its own prompts_per_iteration prompts (those it would start without
 segments), whatever it carries: as AReaL admits a batch of new prompts per policy version and its trainer takes a
