@@ -94,10 +94,10 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         responses = carried + new
         report = Progress(f"rollouts {iteration}", sum(x.finish is None for x in responses), "responses")
         held, figures = segments.sample_segments(gen, p, responses, cfg, iteration, stamp, report, episodes)
-        n = segments.write(storage, writer, run_id, iteration, held, p, cfg, stamp["policy_version"])
-        if episodes is not None:
+        if episodes is not None:  # the final states of those that ended here: stored with them, carried or released
             episodes.close()
             episodes.write(storage, writer, run_id, held)
+        n = segments.write(storage, writer, run_id, iteration, held, p, cfg, stamp["policy_version"])
         released = [x for grp in held.release for x in grp]
         return {
             "prompts": len(p.ids),

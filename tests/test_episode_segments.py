@@ -298,3 +298,29 @@ def test_a_row_json_cannot_hold_as_it_is_is_refused_in_one_line_before_it_is_car
     with pytest.raises(StageError, match=r"prompt_id 3 has columns JSON does not hold as they are \(asked\)") as e:
         carry.dumps(dated)
     assert "\n" not in str(e.value) and "unset rollout.segment_tokens" in str(e.value)
+
+
+def test_a_trl_environment_class_s_final_state_waits_with_its_episode_and_reaches_the_rewards(root, tmp_path):
+    """With TRL's environment_factory class, an episode that ends while its group waits keeps the final state its
+    environment gave when it ended (carried with it): every released episode has one, and the rewards read it."""
+    storage = open_storage((tmp_path / "store").as_uri())
+    overrides = config(
+        root,
+        *SEGMENTED,
+        f"rollout.environment={root / 'calculator_env.py'}:Calculator",
+        "rollout.tools=[]",
+        f"reward.functions=[{root / 'rewards.py'}:calculator]",
+    )
+    init_run(storage, "t", load_config(None, overrides))
+    cold()
+    waited = 0
+    for k in range(3):
+        run_iteration(storage, "t", k, last=False)
+        episodes, segments = table(storage, "t", k, "episodes"), table(storage, "t", k, "segments")
+        assert episodes.environment.notna().all()
+        states = [json.loads(s) for s in episodes.environment]
+        scored = pd.read_parquet(storage.uri(committed(storage, "t", k, "rewards").path("rewards.parquet")))
+        assert list(scored.components.map(lambda c: dict(c)["environment"])) == [s["get_reward"] for s in states]
+        released = segments[segments.state == "released"]
+        waited += (released.tokens_before == released.tokens).sum()  # ended in an earlier iteration, then waited
+    assert waited > 0
