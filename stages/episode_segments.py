@@ -24,7 +24,6 @@ import time
 
 from grpo.config import RunConfig
 from grpo.episodes import carry
-from grpo.episodes.loop import Limits, Loop
 from grpo.episodes.records import episode_columns, turn_columns
 from grpo.episodes.workers import Item
 from grpo.record.layout import Salt, iteration_seed
@@ -32,6 +31,7 @@ from grpo.record.storage import Storage
 from grpo.sampling.base import Generator, SamplingSpec
 from schemas import ParquetWriter, table_file
 from stages.prompts import Prompts, episode_starts
+from stages.samples import episode_loop
 from stages.segments import Held, Response
 
 
@@ -40,12 +40,9 @@ class Episodes:
     holds (those carried in and those started here)."""
 
     def __init__(self, gen: Generator, p: Prompts, env: tuple, cfg: RunConfig, iteration: int):
-        r = cfg.rollout
-        limits = Limits(r.max_turns, r.max_tokens, p.context, r.tool_timeout_s)
-        self.loop, self.cfg, self.iteration = Loop(gen, p.tokenizer, p.eos_ids, env[0], limits), cfg, iteration
+        self.loop, self.cfg, self.iteration = episode_loop(gen, p, env[0], cfg), cfg, iteration
         self.here: list[Response] = []
         self.replay_s, self.replayed = 0.0, 0
-        gen.reset_prefix_cache()  # what it reuses depends on this stage's requests alone (as Episodes in samples.py)
 
     def open(self, p: Prompts, carried: list[Response], new: list[Response]) -> None:
         """Re-create the environments of the unfinished episodes `carried` in; reset those of `new` (the responses

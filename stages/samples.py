@@ -53,6 +53,15 @@ def chunk_columns(
     } | {k: [v] * n for k, v in stamp.items()}
 
 
+def episode_loop(gen: Generator, p: Prompts, workers: Workers, cfg: RunConfig) -> Loop:
+    """The episode loop of a stage (grpo/episodes) over its sampler and workers, bounded by the rollout settings; the
+    sampler's prefix cache emptied, so what it reuses depends on the stage's own requests (a resumed stage commits the
+    same bytes)."""
+    r = cfg.rollout
+    gen.reset_prefix_cache()
+    return Loop(gen, p.tokenizer, p.eos_ids, workers, Limits(r.max_turns, r.max_tokens, p.context, r.tool_timeout_s))
+
+
 def sampling_spec(r: RolloutConfig, seed: int) -> SamplingSpec:
     """The rollout settings as the sampler takes them, seeded."""
     return SamplingSpec(
@@ -122,13 +131,10 @@ class Episodes:
     ):
         """`seed`: the environments' (grpo.record.layout.Salt.ENVIRONMENT). The sampler's prefix cache starts empty,
         so what it reuses depends on this stage's requests alone (a resumed stage commits the same bytes)."""
-        r = cfg.rollout
-        limits = Limits(r.max_turns, r.max_tokens, p.context, r.tool_timeout_s)
-        self.loop, self.cfg, self.seed = Loop(gen, p.tokenizer, p.eos_ids, workers, limits), cfg, seed
+        self.loop, self.cfg, self.seed = episode_loop(gen, p, workers, cfg), cfg, seed
         self.turns = self.calls = self.errors = 0
         self.tool_s, self.slowest = 0.0, 0.0  # seconds environments took: timings stay out of the tables' bytes
         self.tables = {t: ParquetWriter(storage.fs, writer.path(table_file(t)), t) for t in ("turns", "episodes")}
-        gen.reset_prefix_cache()
 
     def sample(
         self, p: Prompts, chunk: slice, spec: SamplingSpec, run_id: str, iteration: int, stamp: dict, progress=None
@@ -168,9 +174,7 @@ def sample_all(gen: Generator, p: Prompts, spec: SamplingSpec, env, cfg: RunConf
     (stages.prompts.environments: episodes) spec.n episodes of each (the held-out eval's; `seed` its environments')."""
     if env is None:
         return gen.generate(p.ids, spec, p.budgets, progress)
-    r = cfg.rollout
-    loop = Loop(gen, p.tokenizer, p.eos_ids, env[0], Limits(r.max_turns, r.max_tokens, p.context, r.tool_timeout_s))
-    gen.reset_prefix_cache()
+    loop = episode_loop(gen, p, env[0], cfg)
     return loop.run(episode_starts(p, slice(None), cfg), spec, seed, progress)
 
 

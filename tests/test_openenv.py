@@ -106,7 +106,7 @@ def test_a_carried_episode_is_re_created_by_replay_in_another_worker(walk):
         recorded = []
         for text, calls, seed in turns:
             [out] = workers.run("respond", [Item(key, seed, (text, calls))])
-            recorded.append((out.value.done, "\n".join(m["content"] for m in out.value.messages), out.value.errors))
+            recorded.append((out.value.done, out.value.messages, out.value.errors))
         workers.run("close", [Item(key, 0)])
     with RewardPool(1) as pool:  # another process, as the next iteration's stage
         workers = Workers(pool, source, None)

@@ -119,7 +119,7 @@ class Loop:
         for e, o in zip(episodes, outcomes):
             self._check(e, o, "replay")
             added, self.tools, replies = o.value
-            answers = [(False, t.observation, t.errors) for t in e.turns]
+            answers = [(False, t.reply, t.errors) for t in e.turns]
             for k, (got, recorded) in enumerate(zip([(added, None, [])] + replies, [(e.added, None, [])] + answers)):
                 if got != recorded:
                     where = "reset" if k == 0 else f"turn {k - 1}"
@@ -214,6 +214,7 @@ class Loop:
         reply = o.value
         t.errors = list(reply.errors)
         t.observation = "\n".join(str(m["content"]) for m in reply.messages) if reply.messages else None
+        t.reply = list(reply.messages)
         if t.finish == "length":
             e.end = "budget"
         elif reply.done or not reply.messages:

@@ -34,6 +34,8 @@ class Turn:
     calls: list[ToolCall] = field(default_factory=list)
     observation: str | None = None
     """The text of the messages that answered it (their contents, one a line); None: nothing answered."""
+    reply: list[dict] = field(default_factory=list)
+    """The messages that answered it, as the environment gave them (a carried episode's replay must give them again)."""
     appended: int = 0
     """Tokens appended after it (the observation as the template renders it); 0 when it was not appended."""
     tool_s: float = 0.0

@@ -90,8 +90,7 @@ def _call(make, op: str, item: Item):
         for text, calls, turn_seed in turns:
             _seed(turn_seed)
             reply = _reply(env.respond(text, calls))
-            said = "\n".join(str(m["content"]) for m in reply.messages) if reply.messages else None
-            replies.append((reply.done, said, list(reply.errors)))  # as the loop records an answer: Turn.observation
+            replies.append((reply.done, list(reply.messages), list(reply.errors)))
         return added, env.tools(), replies
     env = _LIVE.pop(item.key, None)  # final, close: the episode ends either way
     if env is None:
