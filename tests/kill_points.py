@@ -14,8 +14,14 @@ Points (iteration k):
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
 
 
 def hold(folder: str, point: str) -> None:
@@ -23,6 +29,30 @@ def hold(folder: str, point: str) -> None:
     Path(folder, point).write_text("")
     while not Path(folder, f"{point}.go").exists():
         time.sleep(0.05)
+
+
+def kill_iterations_at(point: str, url: str, run_id: str, iterations: int, tmp: Path, last: bool = True) -> None:
+    """Run iterations 0..iterations-1 of `run_id` (stages.iteration.run_iteration, `last` as given) in a new process,
+    hold it at `point`, then SIGKILL its process group (the stage process and every worker it started) at once. Its
+    output goes to `tmp`/killed.log, shown if it ends before reaching the point."""
+    held = tmp / "held"
+    held.mkdir()
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import kill_points;"
+        f"kill_points.install(sys.argv[2], [{point!r}]);"
+        "from grpo.record.storage import open_storage; from stages.iteration import run_iteration;"
+        f"[run_iteration(open_storage(sys.argv[3]), {run_id!r}, k, last={last}) for k in range({iterations})]"
+    )
+    env = {**os.environ, "GRPO_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    args = [sys.executable, "-c", code, str(HERE), str(held), url]
+    with open(tmp / "killed.log", "wb") as log:
+        proc = subprocess.Popen(args, cwd=HERE.parent, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    while not (held / point).exists():
+        assert proc.poll() is None, (tmp / "killed.log").read_text()[-3000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
 
 
 def install(folder: str, points: list[str]) -> None:

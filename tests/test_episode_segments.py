@@ -10,16 +10,11 @@ The world (tests/tool_world.py) is the episode tests': a Qwen2 model warm-starte
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
-from pathlib import Path
 
 import pandas as pd
 import pytest
+from kill_points import kill_iterations_at
 from test_episodes import check_token_in_token_out, schemas
 from test_segments import Spy, cold, committed, committed_files, table
 from tool_world import config, world
@@ -37,7 +32,6 @@ from stages.rollouts import rollouts
 from stages.snapshot import snapshot
 
 pytestmark = [pytest.mark.e2e, pytest.mark.precision_pinned]  # the learner pins float32
-REPO = Path(__file__).resolve().parents[1]
 B, N, ITERATIONS = 8, 4, 3
 SEGMENTED = [
     f"rollout.segment_tokens={B}",
@@ -224,23 +218,7 @@ def test_a_run_killed_with_episodes_carried_resumes_to_the_same_bytes_and_reward
         assert len(scored) == len(table(whole, "e", k, "rollouts")) and scored.error.isna().all()
     killed = open_storage((tmp_path / "killed").as_uri())
     init_run(killed, "e", load_config(None, config(root, *SEGMENTED)))
-    held = tmp_path / "held"
-    held.mkdir()
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import kill_points;"
-        "kill_points.install(sys.argv[2], ['segments:1']);"
-        "from grpo.record.storage import open_storage; from stages.iteration import run_iteration;"
-        "[run_iteration(open_storage(sys.argv[3]), 'e', k, last=False) for k in range(2)]"
-    )
-    env = {**os.environ, "GRPO_THREADS": "1", "PYTHONPATH": str(REPO)}
-    args = [sys.executable, "-c", code, str(Path(__file__).parent), str(held), killed.url]
-    with open(tmp_path / "killed.log", "wb") as log:
-        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    while not (held / "segments:1").exists():
-        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)  # the stage process and its environment workers at once
-    proc.wait(timeout=60)
+    kill_iterations_at("segments:1", killed.url, "e", 2, tmp_path, last=False)
     attempts = stage_dir(killed, "e", 1, "rollouts")
     assert list_attempts(killed, attempts) and not committed_attempts(killed, attempts)
     cold()

@@ -10,14 +10,13 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from kill_points import kill_iterations_at
 from tool_world import config, world
 from transformers import AutoTokenizer
 
@@ -235,23 +234,7 @@ def test_a_run_killed_with_its_episodes_half_done_resumes_to_the_same_bytes_and_
     close_generators()
     for k in range(2):
         run_iteration(whole, "r", k)
-    held = tmp_path / "held"
-    held.mkdir()
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import kill_points;"
-        "kill_points.install(sys.argv[2], ['episodes:1']);"
-        "from grpo.record.storage import open_storage; from stages.iteration import run_iteration;"
-        "[run_iteration(open_storage(sys.argv[3]), 'r', k) for k in range(2)]"
-    )
-    env = {**os.environ, "GRPO_THREADS": "1", "PYTHONPATH": str(REPO)}
-    args = [sys.executable, "-c", code, str(Path(__file__).parent), str(held), killed.url]
-    with open(tmp_path / "killed.log", "wb") as log:
-        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    while not (held / "episodes:1").exists():
-        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)  # the stage process and its environment workers at once
-    proc.wait(timeout=60)
+    kill_iterations_at("episodes:1", killed.url, "r", 2, tmp_path)
     attempts = stage_dir(killed, "r", 1, "rollouts")
     assert list_attempts(killed, attempts) and not committed_attempts(killed, attempts)  # half done, nothing committed
     learn.WARM.take(None)  # what a new process has

@@ -4,16 +4,11 @@ complete groups reach rewards and learn, the oldest first, fixed by the config a
 policy version that sampled it, and the learn's token ages are read from them; a run killed with responses carried
 resumes to the bytes of a run never stopped; fork and rescore see carried responses as they were."""
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
-from pathlib import Path
 
 import pandas as pd
 import pytest
+from kill_points import kill_iterations_at
 from test_learn import F32, TINY
 
 from flows.cli import main
@@ -31,7 +26,6 @@ from stages.init import init_run
 from stages.iteration import run_iteration
 
 pytestmark = [pytest.mark.e2e, pytest.mark.precision_pinned]  # every learner here pins float32
-REPO = Path(__file__).resolve().parents[1]
 G, N = 4, 16
 RUN = TINY + [F32, "learn.minibatch_size=4", "learn.microbatch_size=4", "learn.epochs=1", "rollout.max_tokens=12"]
 SEGMENTED = RUN + ["rollout.segment_tokens=3"]
@@ -260,23 +254,7 @@ def test_a_run_killed_with_responses_carried_resumes_to_the_same_bytes(tmp_path)
     cold()
     for k in range(3):
         run_iteration(whole, "s", k)
-    held = tmp_path / "held"
-    held.mkdir()
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import kill_points;"
-        "kill_points.install(sys.argv[2], ['segments:2']);"
-        "from grpo.record.storage import open_storage; from stages.iteration import run_iteration;"
-        "[run_iteration(open_storage(sys.argv[3]), 's', k) for k in range(3)]"
-    )
-    env = {**os.environ, "GRPO_THREADS": "1", "PYTHONPATH": str(REPO)}
-    args = [sys.executable, "-c", code, str(Path(__file__).parent), str(held), killed.url]
-    with open(tmp_path / "killed.log", "wb") as log:
-        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    while not (held / "segments:2").exists():
-        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+    kill_iterations_at("segments:2", killed.url, "s", 3, tmp_path)
     attempts = stage_dir(killed, "s", 2, "rollouts")
     assert list_attempts(killed, attempts) and not committed_attempts(killed, attempts)
     assert table(killed, "s", 1, "carried").finish_reason.isna().sum() > 0  # it was carrying unfinished responses
