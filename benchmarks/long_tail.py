@@ -221,12 +221,8 @@ def med(xs: list[float]) -> str:
 # ---------------------------------------------------------------- main
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iterations", type=int, default=12, help="per run; iteration 0 is not counted in the periods")
-    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs every arm once, run seed = the round")
-    p.add_argument("--segment-tokens", type=int, default=32)
-    p.add_argument("--staleness", type=int, nargs="+", default=[1, 0], help="S values, in this order a round")
+def world_options(p: argparse.ArgumentParser) -> None:
+    """The options make_world reads (the recipe, its warm start), and --set: more overrides for every arm."""
     p.add_argument("--prompts", type=int, default=48, help="rollout.prompts_per_iteration (G = 4)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--eval-prompts", type=int, default=64)
@@ -236,6 +232,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="problems and warm start")
     p.add_argument("--warm-model", default=None, help="a model folder made by an earlier run of the same --seed")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="more overrides, all arms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iterations", type=int, default=12, help="per run; iteration 0 is not counted in the periods")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs every arm once, run seed = the round")
+    p.add_argument("--segment-tokens", type=int, default=32)
+    p.add_argument("--staleness", type=int, nargs="+", default=[1, 0], help="S values, in this order a round")
+    world_options(p)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--dir", default=None)
     p.add_argument("--report", default=None, metavar="RUNS.json", help="print the tables of an earlier run's runs.json")

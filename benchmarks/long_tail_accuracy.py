@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from long_tail import STALENESS, at_equal_samples, make_world, probe
+from long_tail import STALENESS, at_equal_samples, make_world, probe, world_options
 from placement_overhead import load
 from timing import machine
 
@@ -57,15 +57,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=12)
     p.add_argument("--segment-tokens", type=int, default=32)
     p.add_argument("--staleness", type=int, default=1)
-    p.add_argument("--prompts", type=int, default=48, help="rollout.prompts_per_iteration (G = 4)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--eval-prompts", type=int, default=64)
-    p.add_argument("--sft-steps", type=int, default=500)
-    p.add_argument("--topup-steps", type=int, default=150)
-    p.add_argument("--long-share", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0, help="problems and warm start (long_tail.py's)")
-    p.add_argument("--warm-model", default=None, help="a model folder made by an earlier run of the same --seed")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="more overrides, all arms")
+    world_options(p)
     p.add_argument("--dir", default=None)
     args = p.parse_args()
     from grpo.runtime.threads import apply_threads
