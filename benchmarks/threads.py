@@ -1,5 +1,5 @@
 """The learner's update on a shared CPU machine: the same forced learn at each torch thread count, alone and
-beside busy processes (what GRPO_THREADS is for; README, "A machine other processes share").
+beside busy processes (what GRPO_THREADS is for; docs/setup.md, "A machine other processes share").
 
     .venv/bin/python benchmarks/threads.py [--threads default 1 2] [--busy 0 2] [--repeats 2] [--set ...]
 

@@ -66,7 +66,7 @@ def train(
     reward_funcs: callables, `(completions, **kwargs) -> list[float]` as TRL's or `(response, ground_truth, prompt,
     **row) -> float | dict`, or reward.functions specs; none: the task's reward.
     config: a dict of sections ({"learn": {"lr": 1e-3}}, or dotted keys {"learn.lr": 1e-3}) or a YAML file; a TRL
-    GRPOConfig name is refused naming its setting here (README, "Coming from TRL").
+    GRPOConfig name is refused naming its setting here (docs/coming-from-trl.md).
     target: stop once the held-out exact match reaches it. storage: $GRPO_STORAGE or ./storage by default.
     """
     from flows.commands.runs import train as train_iterations

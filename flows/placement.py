@@ -104,7 +104,7 @@ def check_pools(stages_on: dict[str, list[str]]) -> None:
                 how += "" if pool in ("gpu", "cpu") else "deploy/placement/prefect.yaml, then " + deploy
                 raise ConfigError(
                     f"{where}: no deployment grpo-stage/{pool}; create its work pool (`prefect work-pool create "
-                    f"{pool} --type process`) and the deployment: {how} (README, Across machines)"
+                    f"{pool} --type process`) and the deployment: {how} (docs/prefect.md, Across machines)"
                 ) from None
             try:
                 client.read_work_pool(deployment.work_pool_name)

@@ -6,7 +6,7 @@
     python -m flows.stage_worker rewards advantages snapshot   # on a CPU machine
 
 A worker runs one task at a time, so learn has a worker of its own: with rollout.staleness >= 1 it runs while the
-sampling workers sample the next iteration (README, "Warm stage workers").
+sampling workers sample the next iteration (docs/prefect.md, "Warm stage workers").
 
 The flow `grpo` sends a stage placed on `warm` (`placement={"rollouts": "warm", ...}`) to whichever
 worker serves it (`Task.delay`) and waits; the stage commits to storage as everywhere else, and the

@@ -1,4 +1,4 @@
-"""TRL's GRPOConfig names and what each is here, for a user coming from TRL: README's "Coming from TRL" table is this
+"""TRL's GRPOConfig names and what each is here, for a user coming from TRL: docs/coming-from-trl.md's table is this
 dict (tests/test_api.py holds them equal), and a config naming a TRL field gets its setting in its one line.
 
 Taken from benchmarks/vs_trl.py, which runs TRL 1.16's GRPOTrainer on the recipes grpo-flow runs.

@@ -22,6 +22,7 @@ from grpo.record.layout import run_json, stage_dir
 from grpo.record.storage import latest_committed, open_storage
 from grpo.tasks import functions, get_task
 from grpo.trl_names import GRPO_CONFIG
+from tests.doc_pages import page
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_", "VLLM_"))}
@@ -105,8 +106,7 @@ def test_trl_names_are_refused_naming_their_settings_and_readme_has_the_table(tm
     with pytest.raises(ConfigError, match=r"learn\.beta.*learn\.kl_coef"):
         train(config={"learn.beta": 0.1}, iterations=0, storage=str(tmp_path))
     assert list(tmp_path.iterdir()) == []  # nothing written
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Coming from TRL", 1)[1].split("\n## ", 1)[0]
+    section = page("coming-from-trl.md").split("\n## ", 1)[0]
     table = {m[0]: m[1] for m in re.findall(r"^\| `(\w+)` \| (?:`([\w.]+)`)? *\|", section, re.M)}
     assert table == {name: setting for name, (setting, _) in GRPO_CONFIG.items()}
 

@@ -22,6 +22,7 @@ from grpo.record.commit import StageWriter
 from grpo.record.layout import stage_dir
 from grpo.record.storage import open_storage
 from stages import stage_function
+from tests.doc_pages import DOCS
 
 FAST = TINY + ["rollout.chunk_prompts=4"]  # 16 prompts: 4 chunks, 4 progress lines
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +107,7 @@ def test_progress_shows_in_a_terminal_and_never_in_a_pipe(tmp_path):
 
 
 def test_the_readme_config_files_are_valid_configs():
-    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```yaml\n(.*?)```", DOCS, re.S)
     assert blocks
     for block in blocks:
         load_config(yaml.safe_load(textwrap.dedent(block)))  # a ConfigError names the field

@@ -1,7 +1,8 @@
-"""README.md's recipes, walked as a new user would: every command of its code blocks is read from README.md
-itself and run in a fresh folder (`.venv/bin/grpo` is this checkout's CLI), so a README that drifts from the
-code fails here. A command that cannot run here (a download, a server, several machines) is named in
-ELSEWHERE with where it is tested instead; a new recipe must be added to one or the other."""
+"""The docs' recipes, walked as a new user would: every command of the code blocks of README.md and the site's pages
+(docs/, in mkdocs.yml's order: tests/doc_pages.py) is read from them and run in a fresh folder (`.venv/bin/grpo` is
+this checkout's CLI), so a page that drifts from the code fails here. A command that cannot run here (a download, a
+server, several machines) is named in ELSEWHERE with where it is tested instead; a new recipe must be added to one
+or the other."""
 
 import os
 import re
@@ -17,9 +18,9 @@ import yaml
 from grpo import data
 from grpo.config import load_config
 from grpo.tiny_model import build_chat_model
+from tests.doc_pages import DOCS
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_", "VLLM_", "PREFECT_", "MLFLOW_"))}
 ENV["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
@@ -67,8 +68,8 @@ def code_blocks(text: str) -> list[tuple[str, str]]:
     return blocks
 
 
-def commands(text: str = README) -> list[str]:
-    """The shell commands of the README's code blocks, a line ending in `\\` joined with the next."""
+def commands(text: str = DOCS) -> list[str]:
+    """The shell commands of the docs' code blocks, a line ending in `\\` joined with the next."""
     out = []
     for lang, body in code_blocks(text):
         if lang not in ("", "bash", "sh"):
@@ -128,7 +129,7 @@ def test_readme_recipe_runs_as_written(run, tmp_path):
             assert len(text.split(":", 1)[1].split()) <= 5, text
             assert "[transformers]" not in done.stderr, done.stderr  # none of its warnings (max_new_tokens as a kwarg)
     if run == "r1":
-        audit = next(body for lang, body in code_blocks(README) if lang == "python" and "committed_files" in body)
+        audit = next(body for lang, body in code_blocks(DOCS) if lang == "python" and "committed_files" in body)
         done = subprocess.run([sys.executable, "-c", audit], cwd=tmp_path, env=ENV, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         assert (tmp_path / "storage/runs/r1/exports/iter-0000/config.json").exists()  # grpo export's default
@@ -137,15 +138,15 @@ def test_readme_recipe_runs_as_written(run, tmp_path):
 def test_readme_8_gpu_settings_are_a_valid_run_on_the_defaults():
     """The inline "8 GPUs on one machine" settings make a valid config (what `grpo init` checks) with every
     other setting at its default: the microbatch fits 8 processes by itself."""
-    found = re.search(r"\*\*8 GPUs on one machine:\*\* `([^`]+)`", README)
-    assert found, "README lost its 8 GPUs line"
+    found = re.search(r"\*\*8 GPUs on one machine:\*\* `([^`]+)`", DOCS)
+    assert found, "the docs lost their 8 GPUs line"
     cfg = load_config(None, re.findall(r"--set\s+(\S+)", found.group(1)))
     assert cfg.learn.num_processes == 8 and cfg.learn.process_microbatch == 32
 
 
 def test_my_yaml_renders_chat_prompts(tmp_path):
     """README's my.yaml for an Instruct model: its string questions reach the model inside the chat template."""
-    block = next(body for lang, body in code_blocks(README) if lang == "yaml" and "Instruct" in body)
+    block = next(body for lang, body in code_blocks(DOCS) if lang == "yaml" and "Instruct" in body)
     model = build_chat_model(str(tmp_path / "model"), ["What is 2 + 3 ? 5"], vocab_size=300)
     settings = yaml.safe_load(block)
     settings["model"]["base_model"] = model  # a tiny chat model with Qwen's template, for the hub's

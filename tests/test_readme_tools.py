@@ -1,8 +1,9 @@
-"""README's "Tools and environments", walked as a new user would: its files (`my_tools.py`, `won.py`) and commands
-are read from README.md itself and run in a fresh folder with `my.yaml` of "Your own model, data and reward",
-whose hub model is swapped for a tiny Qwen2 chat model with Qwen2.5's tool template (tests/tool_world.py, made
-here: no network) and whose `train.parquet` each example writes as its text says. Tiny settings are appended to
-each `grpo init` (the hf backend, a few prompts, short episodes) and `--iterations 20` runs 1."""
+"""The docs' "Tools and environments" page (docs/tools.md), walked as a new user would: its files (`my_tools.py`,
+`won.py`) and commands are read from the page itself and run in a fresh folder with `my.yaml` of "Your own model,
+data and reward", whose hub model is swapped for a tiny Qwen2 chat model with Qwen2.5's tool template
+(tests/tool_world.py, made here: no network) and whose `train.parquet` each example writes as its text says. Tiny
+settings are appended to each `grpo init` (the hf backend, a few prompts, short episodes) and `--iterations 20` runs
+1."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests.test_readme import ENV, README, code_blocks, commands
+from tests.doc_pages import DOCS, page
+from tests.test_readme import ENV, code_blocks, commands
 from tests.tool_world import world
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SECTION = README.split("## Tools and environments\n", 1)[1].split("\n## ", 1)[0]
+SECTION = page("tools.md")
 TINY = [
     "rollout.backend=hf",
     "rollout.prompts_per_iteration=4",
@@ -41,7 +43,7 @@ def folder(tmp_path_factory):
     """A user's folder: my.yaml naming the tiny tool-calling model, and the section's Python files."""
     root = world(tmp_path_factory.mktemp("world"))
     here = tmp_path_factory.mktemp("user")
-    my_yaml = next(body for lang, body in code_blocks(README) if lang == "yaml" and "Instruct" in body)
+    my_yaml = next(body for lang, body in code_blocks(DOCS) if lang == "yaml" and "Instruct" in body)
     config = yaml.safe_load(my_yaml)
     assert config["task"]["dataset"] == "train.parquet", "README's my.yaml names its dataset otherwise"
     config["model"]["base_model"] = str(root / "model")

@@ -124,7 +124,7 @@ def cpu_watch(what: str, on: bool = True):
         log.warning(
             f"{what}: other processes kept {others:.1f} of the machine's {n_cores} cores busy while it ran "
             f"{threads} torch threads, which then wait on each other (several times slower); set {ENV}=1 or "
-            f"cores/K for K processes sharing the machine (README, Set up)"
+            f"cores/K for K processes sharing the machine (docs/setup.md)"
         )
 
 
