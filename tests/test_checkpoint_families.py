@@ -5,6 +5,7 @@ export; LoRA and fsdp2 train a hybrid (Qwen3.5) and a MoE (Qwen3-MoE) family. Ti
 tests/families.py, CPU, float32, the transformers sampler."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from tests.families import build_family_model
 
 TEXTS = [f"Tom has {a} apples and buys {b} more. How many apples? #### {a + b}" for a in range(5) for b in range(4)]
 TEXTS += ["<|im_start|>system\nYou solve.<|im_end|>\n<|im_start|>user\n<|im_start|>assistant\n"]
+STEP = ["rollout.group_size=2", "learn.minibatch_size=4", "learn.microbatch_size=2"]  # forced_batch: a step
 FAST = ["learn.gradient_checkpointing=true", "learn.padding_free=false"]  # the full-sequence path: every family
 
 
@@ -169,3 +171,99 @@ def test_a_multimodal_checkpoint_trains_on_text_and_exports_with_its_vision_towe
     model, info = AutoModelForImageTextToText.from_pretrained(exported, output_loading_info=True)
     assert type(model).__name__ == architectures[0]
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+# --- the learner alone on a forced batch: hybrid (Qwen3.5) and MoE families, LoRA and fsdp2 -----------------------
+
+
+def forced_batch(vocab: int, groups: int = 2, g: int = 2, seed: int = 0):
+    """Random prompts (P, 5) and responses (P*G, 4), advantages +1 / -1 in every group: an update that moves."""
+    from grpo.learner.batch import Batch
+
+    gen, n = torch.Generator().manual_seed(seed), groups * g
+    prompt_ids = torch.randint(3, vocab, (groups, 5), generator=gen)
+    response_ids = torch.randint(3, vocab, (n, 4), generator=gen)
+    mask = torch.ones(n, 4)
+    advantages = torch.tensor([1.0, -1.0] * (n // 2))
+    return Batch(
+        prompt_ids,
+        torch.ones_like(prompt_ids),
+        response_ids,
+        mask,
+        mask,
+        torch.full((n, 4), -math.log(vocab)),  # a random model's log-prob of a token: the ratio starts near 1
+        torch.full((n, 4), -1),  # sampled by the base (version -1), which iteration 0 starts from
+        advantages,
+        advantages.clone(),
+        g,
+        [i // g for i in range(n)],
+        [i % g for i in range(n)],
+    )
+
+
+def learn_once(model_dir: Path, out: Path, *settings: str, nproc: int = 1) -> Path:
+    """One learn of `forced_batch` on the checkpoint in model_dir (policy and reference), in this process or under
+    torchrun (gloo on CPU); returns the folder its policy/ (or adapter/) is in."""
+    from grpo.learner.launch import learner_args, run_distributed
+    from grpo.learner.rank import new_learner, train_and_save
+
+    # pi_old the sampler's and no KL: no scoring pass (it shares the prompt, which hybrid layers do not take yet)
+    cfg = load_config(
+        None, ["learn.old_logprobs=sampler", "learn.kl_coef=0", "learn.mixed_precision=no", *STEP, *FAST, *settings]
+    )
+    vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size") or 300
+    batch = forced_batch(min(vocab, 300))
+    out.mkdir(parents=True)
+    if nproc == 1:
+        train_and_save(new_learner(cfg, 0, str(model_dir), str(model_dir), None, None), "t", 0, batch, str(out))
+        return out
+    folders = dict(policy_dir=str(model_dir), ref_dir=str(model_dir), state_dir=None, adapter_dir=None)
+    (out / "tmp").mkdir()
+    run_distributed(learner_args(cfg, "t", 0, batch, folders, str(out), str(out / "tmp")), nproc)
+    return out
+
+
+def test_a_multimodal_qwen3_5_learner_trains_its_language_model_and_saves_its_vision_tower(world, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    base = family(world, "qwen3_5_vl")
+    policy = learn_once(base, tmp_path / "out") / "policy"
+    config = json.loads((policy / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config
+    trained, before = load_file(policy / "model.safetensors"), load_file(base / "model.safetensors")
+    assert trained.keys() == before.keys()
+    vision = [k for k in before if k.startswith("model.visual.")]
+    assert vision and all(torch.equal(trained[k], before[k]) for k in vision)
+    assert any(not torch.equal(trained[k], before[k]) for k in before if k.startswith("model.language_model."))
+    model, info = AutoModelForImageTextToText.from_pretrained(policy, output_loading_info=True)
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_moe"])
+def test_lora_with_the_default_targets_trains_a_hybrid_and_a_moe_family(world, tmp_path, name):
+    """The default target_modules are layers of both (Qwen3-MoE's gate/up/down_proj inside its experts, which
+    transformers fuses and peft adapts as the fused tensors); a typo is still refused."""
+    from grpo.config import ConfigError
+    from stages.init import check_lora_targets
+
+    base, lora = family(world, name), "learn.lora={r: 2, alpha: 4}"
+    check_lora_targets(load_config(None, [lora]), str(base))
+    with pytest.raises(ConfigError, match="'q_prj' names no linear layer"):
+        check_lora_targets(load_config(None, ["learn.lora={r: 2, target_modules: [q_prj, q_proj]}"]), str(base))
+    adapter = load_file(learn_once(base, tmp_path / "out", lora) / "adapter/adapter_model.safetensors")
+    trained = {k for k, v in adapter.items() if "lora_B" in k and v.abs().max() > 0}  # B starts at 0
+    assert any(".self_attn.q_proj." in k for k in trained) and any(".mlp." in k for k in trained), trained
+    if name == "qwen3_moe":
+        assert any(".mlp.experts." in k for k in trained)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_moe"])
+def test_fsdp2_on_two_processes_trains_a_hybrid_and_a_moe_family_as_one_process_does(world, tmp_path, name):
+    base = family(world, name)
+    one = load_file(learn_once(base, tmp_path / "one") / "policy/model.safetensors")
+    two = learn_once(base, tmp_path / "two", "learn.sharding=fsdp2", "learn.num_processes=2", nproc=2)
+    sharded, before = load_file(two / "policy/model.safetensors"), load_file(base / "model.safetensors")
+    assert sharded.keys() == before.keys() == one.keys()  # the hub's layout, per-expert for the MoE
+    assert any(not torch.equal(sharded[k], before[k]) for k in before)
+    assert max((sharded[k] - one[k]).abs().max().item() for k in one) < 1e-5

@@ -131,3 +131,27 @@ def weights_mismatch(model, files: dict[str, tuple[tuple[int, ...], str]], model
             where = names[0] if len(names) == 1 else f"any of its {len(names)} weight files"
             return f"tensor {key} is not in {where} (config.json's model_type is {model_type!r})"
     return None
+
+
+def lora_target_problem(targets: list[str], model_dir: str) -> str | None:
+    """The first of `targets` (peft's target_modules) that matches no linear layer of the checkpoint's model as peft
+    matches them (the layer's name, or its dotted path's end), in one line; None when each does. A MoE's expert
+    layers (Qwen3-MoE's gate/up/down_proj) are no linear layers once transformers fuses them: they count where peft
+    adapts them as the fused tensors (its target_parameters), as it does for the families it knows."""
+    import torch
+    from transformers import AutoConfig
+
+    model = meta_model(AutoConfig.from_pretrained(model_dir))  # the modules' names without their weights
+    layers = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in layers)]
+    if missing:
+        from peft import LoraConfig, get_peft_model
+
+        adapted = get_peft_model(model, LoraConfig(target_modules=list(targets)), low_cpu_mem_usage=True)
+        config = adapted.peft_config["default"]
+        if config.target_parameters:  # the experts' names peft took over onto their fused tensors
+            missing = [t for t in missing if t in config.target_modules]
+    if not missing:
+        return None
+    names = sorted({n.rsplit(".", 1)[-1] for n in layers})
+    return f"{missing[0]!r} names no linear layer of the model (its layers: {', '.join(names)})"
