@@ -49,7 +49,9 @@ class HFGenerator:
             input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp_min(0), use_cache=True
         )
         cache = out.past_key_values
-        cache.batch_repeat_interleave(spec.n)  # (B, ...) -> (B*n, ...)
+        # every layer's state (KV, sliding window, conv, recurrent) repeated for the n samples: (B, ...) -> (B*n, ...);
+        # every transformers cache layer kind has reorder_cache (batch_repeat_interleave: only the KV ones)
+        cache.reorder_cache(torch.arange(len(prompts), device=dev).repeat_interleave(spec.n))
         logits = out.logits[:, -1].repeat_interleave(spec.n, 0)  # (B*n, V)
         attn = attn.repeat_interleave(spec.n, 0)
         position = attn.sum(1, keepdim=True)  # (B*n, 1): where the next token sits
