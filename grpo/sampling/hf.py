@@ -17,6 +17,8 @@ class HFGenerator:
     memory grows with sequences x tokens, not x vocabulary. Batched, prompts left-padded.
     """
 
+    logprobs_dtype = "float32"  # a bf16 model's logits upcast before log_softmax, as the learner's are
+
     def __init__(self, model_dir: str, batch_size: int = 1024, dtype: str = "float32", device: str | None = None):
         """device: where it samples (rollout.device resolved); None: the GPU where CUDA is available, else the CPU."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
