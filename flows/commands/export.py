@@ -14,6 +14,7 @@ from grpo.record.checkpoint import WEIGHT_SUFFIXES, checkpoint_dtype, policy_fol
 from grpo.record.counts import is_local
 from grpo.record.layout import export_dir, stage_dir
 from grpo.record.storage import Committed, Storage, committed_attempts, url_to_fs
+from grpo.record.weights import load_model
 from grpo.report import best_iteration
 from stages import StageError
 
@@ -150,8 +151,6 @@ def export_policy(policy: Committed, base: Committed | None, out: str) -> str:
     """Write the committed `policy` (a learn or the base) as a self-contained HF folder at `out` (a local
     folder or an fsspec URL; it must not exist yet): a LoRA learn's adapters merged into `base`'s weights
     (in the base's dtype), the tokenizer, chat template and generation config beside them. Returns `out`."""
-    from transformers import AutoModelForCausalLM
-
     fs, root = url_to_fs(out)
     if fs.exists(root):
         raise FileExistsError(f"{out} exists; export writes a new folder (name another, or remove it)")
@@ -163,7 +162,7 @@ def export_policy(policy: Committed, base: Committed | None, out: str) -> str:
         else:
             from peft import PeftModel
 
-            lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=checkpoint_dtype(model_dir))
+            lm = load_model(model_dir, checkpoint_dtype(model_dir))  # its own architecture: a vision tower kept
             merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()
             merged.save_pretrained(tmp, safe_serialization=True)
             written = {p.name for p in Path(tmp).iterdir()}
