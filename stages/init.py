@@ -31,6 +31,7 @@ from grpo import data
 from grpo.config import ConfigError, RunConfig, load_config_file
 from grpo.episodes import adapters
 from grpo.errors import one_line
+from grpo.learner.paths import learner_path_line
 from grpo.record.checkpoint import (
     ModelNotFoundError,
     checkpoint_problem,
@@ -332,6 +333,7 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
         raise ConfigError(f"model.base_model {source}: {problem}")
     check_inputs(cfg, folder)
     check_lora_targets(cfg, folder)
+    log.info("%s", learner_path_line(folder, cfg.learn.padding_free, cfg.learn.gradient_checkpointing))
     bad = non_finite_weights(folder)
     if bad:
         raise ConfigError(f"model.base_model {source}: non-finite weights in {', '.join(bad[:3])}")

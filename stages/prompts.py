@@ -221,4 +221,4 @@ def sampler(p: Prompts, cfg: RunConfig) -> tuple[Generator, dict]:
     backend, why = choose_backend(cfg.rollout.backend, p.model_dir, sampler_device(cfg.rollout))
     settings = engine_settings(backend, cfg.rollout, cfg.model.dtype, p.model_dir, cfg.learn.lora)
     gen = get_generator(backend, p.model_dir, adapter_dir=p.adapter_dir, **settings)
-    return gen, {"backend": backend, "why": why, **settings}
+    return gen, {"backend": backend, "why": why, **settings, "logprobs_dtype": gen.logprobs_dtype}

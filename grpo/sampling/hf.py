@@ -18,6 +18,8 @@ class HFGenerator:
     memory grows with sequences x tokens, not x vocabulary. Batched, prompts left-padded.
     """
 
+    logprobs_dtype = "float32"  # a bf16 model's logits upcast before log_softmax, as the learner's are
+
     def __init__(self, model_dir: str, batch_size: int = 1024, dtype: str = "float32", device: str | None = None):
         """device: where it samples (rollout.device resolved); None: the GPU where CUDA is available, else the CPU."""
         from transformers import AutoTokenizer
@@ -50,7 +52,9 @@ class HFGenerator:
             input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp_min(0), use_cache=True
         )
         cache = out.past_key_values
-        cache.batch_repeat_interleave(spec.n)  # (B, ...) -> (B*n, ...)
+        # every layer's state (KV, sliding window, conv, recurrent) repeated for the n samples: (B, ...) -> (B*n, ...);
+        # every transformers cache layer kind has reorder_cache (batch_repeat_interleave: only the KV ones)
+        cache.reorder_cache(torch.arange(len(prompts), device=dev).repeat_interleave(spec.n))
         logits = out.logits[:, -1].repeat_interleave(spec.n, 0)  # (B*n, V)
         attn = attn.repeat_interleave(spec.n, 0)
         position = attn.sum(1, keepdim=True)  # (B*n, 1): where the next token sits
