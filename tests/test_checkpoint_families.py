@@ -28,7 +28,6 @@ from tests.families import build_family_model
 TEXTS = [f"Tom has {a} apples and buys {b} more. How many apples? #### {a + b}" for a in range(5) for b in range(4)]
 TEXTS += ["<|im_start|>system\nYou solve.<|im_end|>\n<|im_start|>user\n<|im_start|>assistant\n"]
 STEP = ["rollout.group_size=2", "learn.minibatch_size=4", "learn.microbatch_size=2"]  # forced_batch: a step
-FAST = ["learn.gradient_checkpointing=true", "learn.padding_free=false"]  # the full-sequence path: every family
 
 
 def flat(model) -> dict[str, torch.Tensor]:
@@ -148,14 +147,14 @@ def test_a_hub_layout_moe_checkpoint_trains_and_exports_back_to_that_layout(worl
 # --- multimodal: the language model trains on text, the vision tower and processor files ride along -----------
 
 
-@pytest.mark.parametrize("name", ["gemma3_vl"])  # qwen3_5_vl: once the transformers sampler decodes hybrid caches
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "gemma3_vl"])
 def test_a_multimodal_checkpoint_trains_on_text_and_exports_with_its_vision_tower(world, storage, tmp_path, name):
     from transformers import AutoModelForImageTextToText
 
     base = family(world, name)
     architectures = json.loads((base / "config.json").read_text())["architectures"]
     assert architectures[0].endswith("ForConditionalGeneration") and checkpoint_problem(base) is None
-    init_run(storage, name, config(world, base, *FAST))
+    init_run(storage, name, config(world, base))
     for k in range(2):
         out = run_iteration(storage, name, k)
     policy = out["learn"].manifest.files
@@ -207,9 +206,9 @@ def learn_once(model_dir: Path, out: Path, *settings: str, nproc: int = 1) -> Pa
     from grpo.learner.launch import learner_args, run_distributed
     from grpo.learner.rank import new_learner, train_and_save
 
-    # pi_old the sampler's and no KL: no scoring pass (it shares the prompt, which hybrid layers do not take yet)
+    # pi_old the sampler's (forced_batch's) and no KL: the update alone
     cfg = load_config(
-        None, ["learn.old_logprobs=sampler", "learn.kl_coef=0", "learn.mixed_precision=no", *STEP, *FAST, *settings]
+        None, ["learn.old_logprobs=sampler", "learn.kl_coef=0", "learn.mixed_precision=no", *STEP, *settings]
     )
     vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size") or 300
     batch = forced_batch(min(vocab, 300))
@@ -223,11 +222,15 @@ def learn_once(model_dir: Path, out: Path, *settings: str, nproc: int = 1) -> Pa
     return out
 
 
-def test_a_multimodal_qwen3_5_learner_trains_its_language_model_and_saves_its_vision_tower(world, tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_multimodal_qwen3_5_learner_trains_its_language_model_and_saves_its_vision_tower(world, tmp_path, nproc):
+    """In one process and sharded over two (fsdp2), with weight decay: the vision tower is frozen (AdamW holds the
+    language model alone) and saved unchanged, the architecture is the checkpoint's."""
     from transformers import AutoModelForImageTextToText
 
     base = family(world, "qwen3_5_vl")
-    policy = learn_once(base, tmp_path / "out") / "policy"
+    sharded = ["learn.sharding=fsdp2", "learn.num_processes=2"] if nproc == 2 else []
+    policy = learn_once(base, tmp_path / "out", "learn.weight_decay=0.1", *sharded, nproc=nproc) / "policy"
     config = json.loads((policy / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config
     trained, before = load_file(policy / "model.safetensors"), load_file(base / "model.safetensors")
@@ -238,6 +241,9 @@ def test_a_multimodal_qwen3_5_learner_trains_its_language_model_and_saves_its_vi
     model, info = AutoModelForImageTextToText.from_pretrained(policy, output_loading_info=True)
     assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    if nproc == 1:  # AdamW holds the language model's parameters alone
+        (group,) = torch.load(policy.parent / "optimizer.pt", weights_only=True)["param_groups"]
+        assert len(group["params"]) == sum(1 for n, _ in model.named_parameters() if not n.startswith("model.visual."))
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_moe"])
