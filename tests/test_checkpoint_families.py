@@ -4,6 +4,7 @@ checkpoint trains its language model on text and keeps its vision tower and proc
 export; LoRA and fsdp2 train a hybrid (Qwen3.5) and a MoE (Qwen3-MoE) family. Tiny random checkpoints from
 tests/families.py, CPU, float32, the transformers sampler."""
 
+import importlib.util
 import json
 import math
 import re
@@ -273,3 +274,24 @@ def test_fsdp2_on_two_processes_trains_a_hybrid_and_a_moe_family_as_one_process_
     assert sharded.keys() == before.keys() == one.keys()  # the hub's layout, per-expert for the MoE
     assert any(not torch.equal(sharded[k], before[k]) for k in before)
     assert max((sharded[k] - one[k]).abs().max().item() for k in one) < 1e-5
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_a_trained_moe_policy_loads_in_vllm_and_samples_what_transformers_does(world, tmp_path):
+    """The policy the learner saves (what export copies) in the hub's per-expert layout: vLLM's Qwen3-MoE loader
+    takes it, and its greedy tokens and log-probs are those of the transformers sampler on the same folder."""
+    from grpo.sampling.base import SamplingSpec
+    from grpo.sampling.vllm_engine import VLLMGenerator
+
+    policy = learn_once(family(world, "qwen3_moe"), tmp_path / "out") / "policy"
+    prompts, spec = [[5, 9, 17, 33], [40, 41, 42]], SamplingSpec(temperature=0.0, max_tokens=4)
+    want = HFGenerator(str(policy)).generate(prompts, spec)
+    engine = VLLMGenerator(str(policy), enforce_eager=True, max_model_len=64)
+    try:
+        got = engine.generate(prompts, spec)
+    finally:
+        engine.close()
+    for (a,), (b,) in zip(want, got):
+        assert a.response_ids == b.response_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
