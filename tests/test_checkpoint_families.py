@@ -117,6 +117,30 @@ def test_the_sampler_swaps_in_a_hub_layout_moe_checkpoint_through_transformers(w
     assert sampler.model.lm_head.weight is sampler.model.model.embed_tokens.weight  # still tied
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_a_sharded_bf16_checkpoint_is_checked_and_swapped_in_as_transformers_loads_it(world, tmp_path, name):
+    """Sharded safetensors (an index and several files) in bfloat16, read into a float32 sampler: the files' own
+    names (Llama) directly, the hub's per-expert layout (Qwen3-MoE) through from_pretrained; both as
+    from_pretrained gives them, the tied head still tied."""
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(family(world, name, seed=1), dtype=torch.bfloat16).save_pretrained(
+        sharded, max_shard_size="40KB"
+    )
+    for f in family(world, name).glob("tokenizer*"):
+        (sharded / f.name).write_bytes(f.read_bytes())
+    assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 1
+    assert checkpoint_problem(sharded) is None
+    sampler = HFGenerator(str(family(world, name)))
+    sampler.load_weights(str(sharded))
+    expected = load_model(str(sharded), torch.float32).state_dict()
+    got = sampler.model.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert next(sampler.model.parameters()).dtype == torch.float32
+    assert sampler.model.lm_head.weight is sampler.model.model.embed_tokens.weight
+
+
 def test_weights_that_do_not_fit_are_refused_in_one_line(world):
     sampler = HFGenerator(str(family(world, "qwen3_moe")))
     with pytest.raises(ValueError) as err:
@@ -143,6 +167,25 @@ def test_a_hub_layout_moe_checkpoint_trains_and_exports_back_to_that_layout(worl
 
     _, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+def test_lora_on_a_moe_checkpoint_samples_its_adapters_and_exports_merged_into_the_hub_layout(world, storage, tmp_path):
+    """Two iterations (iteration 1's sampler takes learn 0's adapters, the experts' among them), then export: the
+    adapters merged into the base's weights, saved in the hub's per-expert layout."""
+    base = family(world, "qwen3_moe")
+    init_run(storage, "moe-lora", config(world, base, "learn.lora={r: 2, alpha: 4}"))
+    for k in range(2):
+        out = run_iteration(storage, "moe-lora", k)
+    adapter = {f.path for f in out["learn"].manifest.files if f.path.startswith("adapter/")}
+    assert "adapter/adapter_model.safetensors" in adapter
+    exported = Path(
+        export_policy(out["learn"], committed_input(storage, "moe-lora", None, "base"), str(tmp_path / "x"))
+    )
+    assert {k: s for k, (s, _) in safetensors_shapes(exported).items()} == {
+        k: s for k, (s, _) in safetensors_shapes(base).items()
+    }
+    trained, before = load_file(exported / "model.safetensors"), load_file(base / "model.safetensors")
+    assert any(not torch.equal(trained[k], before[k]) for k in hub_layout_expert_keys(base))  # experts' adapters
 
 
 # --- multimodal: the language model trains on text, the vision tower and processor files ride along -----------
