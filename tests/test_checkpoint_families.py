@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flows.cli import main
 from flows.commands.export import export_policy
 from grpo.config import load_config
 from grpo.record.checkpoint import checkpoint_problem, safetensors_shapes
@@ -203,8 +204,10 @@ def test_a_multimodal_checkpoint_trains_on_text_and_exports_with_its_vision_towe
         out = run_iteration(storage, name, k)
     policy = out["learn"].manifest.files
     assert {"policy/preprocessor_config.json", "policy/config.json"} <= {f.path for f in policy}
-    exported = Path(export_policy(out["learn"], committed_input(storage, name, None, "base"), str(tmp_path / "ex")))
+    exported = tmp_path / "ex"
+    assert main(["--storage", storage.url, "export", "--run", name, str(exported)]) == 0
     assert json.loads((exported / "config.json").read_text())["architectures"] == architectures
+    assert "AutoModelForImageTextToText.from_pretrained(" in (exported / "README.md").read_text()  # the model card
     assert (exported / "preprocessor_config.json").read_bytes() == (base / "preprocessor_config.json").read_bytes()
     trained, before = load_file(exported / "model.safetensors"), load_file(base / "model.safetensors")
     assert trained.keys() == before.keys()

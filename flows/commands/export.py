@@ -10,11 +10,11 @@ import tempfile
 from pathlib import Path
 
 from flows.commands.card import model_card
-from grpo.record.checkpoint import WEIGHT_SUFFIXES, checkpoint_dtype, policy_folders
+from grpo.record.checkpoint import WEIGHT_SUFFIXES, checkpoint_dtype, policy_folders, tokenizer_and_config
 from grpo.record.counts import is_local
 from grpo.record.layout import export_dir, stage_dir
 from grpo.record.storage import Committed, Storage, committed_attempts, url_to_fs
-from grpo.record.weights import load_model
+from grpo.record.weights import load_model, model_class
 from grpo.report import best_iteration
 from stages import StageError
 
@@ -68,7 +68,8 @@ def cmd_export(args, storage):
             return
         raise StageError(str(e)) from e
     evaluated = None if k < 0 else eval_summary(storage, args.run, k)
-    card = model_card(cfg, args.run, None if k < 0 else k, policy.uri, evaluated, args.adapter, shown_path(out))
+    auto = model_class(tokenizer_and_config(base)[1]).__name__  # the class that loads it whole (a vision tower too)
+    card = model_card(cfg, args.run, None if k < 0 else k, policy.uri, evaluated, args.adapter, shown_path(out), auto)
     fs.pipe_file(f"{root}/README.md", card.encode())  # the model card
     fs.pipe_file(f"{root}/{EXPORT_SOURCE}", json.dumps(source, indent=1).encode())  # last: the export is whole
     print(f"{what}: {shown_path(out)}")
