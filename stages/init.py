@@ -31,6 +31,7 @@ from grpo import data
 from grpo.config import ConfigError, RunConfig, load_config_file
 from grpo.episodes import adapters
 from grpo.errors import one_line
+from grpo.learner.paths import learner_path_line
 from grpo.record.checkpoint import (
     ModelNotFoundError,
     checkpoint_problem,
@@ -44,6 +45,7 @@ from grpo.record.identity import CHANGED_DEFAULTS, EVAL_READING, LEARN_PLACEMENT
 from grpo.record.layout import run_dir, run_json
 from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage
+from grpo.record.weights import lora_target_problem
 from grpo.tasks import functions, generates, get_task
 from stages.common import (
     StageError,
@@ -309,23 +311,10 @@ def check_held_out(datasets: dict[str, dict]) -> None:
 
 
 def check_lora_targets(cfg: RunConfig, model_dir: str) -> None:
-    """Each name of learn.lora.target_modules must match a layer of the model as peft matches them (the layer's
-    name, or its dotted path's end): a typo would leave that layer without an adapter, or every layer."""
-    if cfg.learn.lora is None:
-        return
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):  # the modules' names without their weights
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    layers = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
-    for target in cfg.learn.lora.target_modules:
-        if not any(n == target or n.endswith("." + target) for n in layers):
-            names = sorted({n.rsplit(".", 1)[-1] for n in layers})
-            raise ConfigError(
-                f"learn.lora.target_modules: {target!r} names no linear layer of the model (its layers: "
-                f"{', '.join(names)}); list those that should get adapters"
-            )
+    """Each name of learn.lora.target_modules must match a layer of the model as peft matches them: a typo would
+    leave that layer without an adapter, or every layer (grpo.record.weights.lora_target_problem)."""
+    if cfg.learn.lora is not None and (problem := lora_target_problem(cfg.learn.lora.target_modules, model_dir)):
+        raise ConfigError(f"learn.lora.target_modules: {problem}; list those that should get adapters")
 
 
 def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
@@ -344,6 +333,7 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
         raise ConfigError(f"model.base_model {source}: {problem}")
     check_inputs(cfg, folder)
     check_lora_targets(cfg, folder)
+    log.info("%s", learner_path_line(folder, cfg.learn.padding_free, cfg.learn.gradient_checkpointing))
     bad = non_finite_weights(folder)
     if bad:
         raise ConfigError(f"model.base_model {source}: non-finite weights in {', '.join(bad[:3])}")

@@ -133,7 +133,7 @@ def policy_and_prompts(
     """
     holder, model_dir, adapter_dir = policy_folders(policy, base)
     tokenizer, config = tokenizer_and_config(holder)
-    max_len = config.max_position_embeddings
+    max_len = config.get_text_config().max_position_embeddings  # a multimodal config holds it in its text part
     if cfg.rollout.backend != "hf" and cfg.rollout.vllm.max_model_len:  # the engine's own limit
         max_len = min(max_len, cfg.rollout.vllm.max_model_len)
     limit = min(max_len - 1, cfg.rollout.max_prompt_tokens or max_len)
@@ -221,4 +221,4 @@ def sampler(p: Prompts, cfg: RunConfig) -> tuple[Generator, dict]:
     backend, why = choose_backend(cfg.rollout.backend, p.model_dir, sampler_device(cfg.rollout))
     settings = engine_settings(backend, cfg.rollout, cfg.model.dtype, p.model_dir, cfg.learn.lora)
     gen = get_generator(backend, p.model_dir, adapter_dir=p.adapter_dir, **settings)
-    return gen, {"backend": backend, "why": why, **settings}
+    return gen, {"backend": backend, "why": why, **settings, "logprobs_dtype": gen.logprobs_dtype}

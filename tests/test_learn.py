@@ -372,6 +372,8 @@ def test_packed_responses_give_the_update_of_one_row_per_response(storage, monke
             assert len(packed) > 0
             calls = len(packed)
     assert len(packed) == calls  # false: never packed
+    paths = {k: out[k].manifest.summary["learner_path"] for k in (True, False)}  # recorded with why
+    assert (paths[True]["train"], paths[False]["train"]) == ("packed", "shared_prompt") and paths[False]["why"]
     on, off = (update(storage, f"pf-{k}", out[k]) for k in (True, False))
     assert off.norm() > 1e-3 and (on - off).norm() / off.norm() < 1e-5, ((on - off).norm() / off.norm()).item()
     old = [

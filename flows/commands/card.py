@@ -15,11 +15,19 @@ SETTINGS = [
 
 
 def model_card(
-    cfg: RunConfig, run_id: str, k: int | None, source: str, evaluated: dict | None, adapter: bool, folder: str
+    cfg: RunConfig,
+    run_id: str,
+    k: int | None,
+    source: str,
+    evaluated: dict | None,
+    adapter: bool,
+    folder: str,
+    auto: str = "AutoModelForCausalLM",
 ) -> str:
     """README.md of an export into `folder`: iteration k's policy of run `run_id` (None: its base model), from the
     committed attempt `source`; `evaluated`: that iteration's eval summary (None: not evaluated there); `adapter`:
-    an unmerged peft adapter."""
+    an unmerged peft adapter; `auto`: the transformers auto class that loads it as its architecture
+    (grpo.record.weights.model_class: AutoModelForImageTextToText for a multimodal checkpoint)."""
     base = cfg.model.base_model
     front = ["---", f"library_name: {'peft' if adapter else 'transformers'}"]
     front += [f"base_model: {base}"] if base and "://" not in base and not base.startswith(("/", ".")) else []
@@ -48,7 +56,7 @@ def model_card(
         "## Load",
         "",
         "```python",
-        *(load_adapter(base, folder) if adapter else load_model(folder)),
+        *(load_adapter(base, folder, auto) if adapter else load_model(folder, auto)),
         "```",
         "",
     ]
@@ -78,22 +86,22 @@ def value(cfg: RunConfig, setting: str):
     return node
 
 
-def load_model(folder: str) -> list[str]:
+def load_model(folder: str, auto: str) -> list[str]:
     return [
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"from transformers import {auto}, AutoTokenizer",
         "",
-        f'model = AutoModelForCausalLM.from_pretrained("{folder}")',
+        f'model = {auto}.from_pretrained("{folder}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{folder}")',
     ]
 
 
-def load_adapter(base: str | None, folder: str) -> list[str]:
+def load_adapter(base: str | None, folder: str, auto: str) -> list[str]:
     where = f'"{base}"' if base else '"BASE_FOLDER")  # the run\'s base: grpo export --run RUN --iteration -1'
     return [
         "from peft import PeftModel",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"from transformers import {auto}, AutoTokenizer",
         "",
-        f"base = AutoModelForCausalLM.from_pretrained({where}" + (")" if base else ""),
+        f"base = {auto}.from_pretrained({where}" + (")" if base else ""),
         f'model = PeftModel.from_pretrained(base, "{folder}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{folder}")',
     ]

@@ -10,10 +10,11 @@ import tempfile
 from pathlib import Path
 
 from flows.commands.card import model_card
-from grpo.record.checkpoint import WEIGHT_SUFFIXES, checkpoint_dtype, policy_folders
+from grpo.record.checkpoint import WEIGHT_SUFFIXES, checkpoint_dtype, policy_folders, tokenizer_and_config
 from grpo.record.counts import is_local
 from grpo.record.layout import export_dir, stage_dir
 from grpo.record.storage import Committed, Storage, committed_attempts, url_to_fs
+from grpo.record.weights import load_model, model_class
 from grpo.report import best_iteration
 from stages import StageError
 
@@ -67,7 +68,8 @@ def cmd_export(args, storage):
             return
         raise StageError(str(e)) from e
     evaluated = None if k < 0 else eval_summary(storage, args.run, k)
-    card = model_card(cfg, args.run, None if k < 0 else k, policy.uri, evaluated, args.adapter, shown_path(out))
+    auto = model_class(tokenizer_and_config(base)[1]).__name__  # the class that loads it whole (a vision tower too)
+    card = model_card(cfg, args.run, None if k < 0 else k, policy.uri, evaluated, args.adapter, shown_path(out), auto)
     fs.pipe_file(f"{root}/README.md", card.encode())  # the model card
     fs.pipe_file(f"{root}/{EXPORT_SOURCE}", json.dumps(source, indent=1).encode())  # last: the export is whole
     print(f"{what}: {shown_path(out)}")
@@ -150,8 +152,6 @@ def export_policy(policy: Committed, base: Committed | None, out: str) -> str:
     """Write the committed `policy` (a learn or the base) as a self-contained HF folder at `out` (a local
     folder or an fsspec URL; it must not exist yet): a LoRA learn's adapters merged into `base`'s weights
     (in the base's dtype), the tokenizer, chat template and generation config beside them. Returns `out`."""
-    from transformers import AutoModelForCausalLM
-
     fs, root = url_to_fs(out)
     if fs.exists(root):
         raise FileExistsError(f"{out} exists; export writes a new folder (name another, or remove it)")
@@ -163,7 +163,7 @@ def export_policy(policy: Committed, base: Committed | None, out: str) -> str:
         else:
             from peft import PeftModel
 
-            lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=checkpoint_dtype(model_dir))
+            lm = load_model(model_dir, checkpoint_dtype(model_dir))  # its own architecture: a vision tower kept
             merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()
             merged.save_pretrained(tmp, safe_serialization=True)
             written = {p.name for p in Path(tmp).iterdir()}

@@ -3,6 +3,7 @@
 One component a file, read in this order:
   batch.py      the typed Batch of whole groups and the Scores (pi_old, reference) computed for it
   model.py      PolicyLM: each prompt computed once for its G responses, packed rows, log-probs, scoring
+  paths.py      which of those paths a model takes, from what its layers are (attention, window, recurrent)
   pi_old.py     where pi_old comes from (learn.old_logprobs: sampler, recompute, auto)
   loss.py       the run's loss as grpo.core takes it (LossSpec, made once from the config)
   loop.py       train: minibatches, microbatches, the clipped loss of grpo.core, guards and metrics

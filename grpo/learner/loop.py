@@ -279,6 +279,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "world_size": world,
         "precision": learner.precision,
         "kernels": kernels.chosen(lcfg.logprob_kernel, learner.device),
+        "learner_path": learner.acc.unwrap_model(learner.model).path.record(),  # grpo/learner/paths.py
         "score_s": score_s,
         "update_s": update_s,
         "tokens": sum(r["n_tokens"] for r in rows),

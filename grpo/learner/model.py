@@ -5,25 +5,27 @@ no-grad scoring pass over them. Knows nothing of processes or sharding (grpo/lea
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grpo.learner import kernels
+from grpo.learner import kernels, paths
 from grpo.learner.batch import Batch
 
 
 class PolicyLM(torch.nn.Module):
     """A causal LM giving the per-token log-probs (and entropy) of each group's G responses.
 
-    Shared prompt (the default): the prompt's keys and values are computed once per group and
-    shared by its G responses (gradients from every response flow back into them), instead of
-    G forwards over the same prompt tokens. With gradient checkpointing the training forward
-    goes over each full sequence instead (checkpointing keeps no KV cache to share); scoring
-    under no_grad still shares the prompt. Both give the same log-probs and gradients. One
-    module, so DDP sees a single forward per backward.
+    Shared prompt: the prompt's state (keys and values, conv and recurrent states) is computed once per
+    group and shared by its G responses (gradients from every response flow back into it), instead of
+    G forwards over the same prompt tokens; padding_free packs the responses into shared rows on top of it.
+    With gradient checkpointing the training forward goes over each full sequence instead (checkpointing
+    keeps no cache to share); scoring under no_grad still shares the prompt. Which of these a model takes
+    is decided once from its layers (`self.path`, grpo/learner/paths.py): every path gives the same
+    log-probs and gradients. One module, so DDP sees a single forward per backward.
     """
 
     def __init__(
@@ -37,6 +39,9 @@ class PolicyLM(torch.nn.Module):
         super().__init__()
         self.lm, self.logprob_chunk, self.full_sequences_in_training = lm, logprob_chunk, full_sequences_in_training
         self.padding_free, self.logprob_kernel = padding_free, logprob_kernel
+        self.path = paths.decide(
+            self.causal.config, self.causal, padding_free=padding_free, checkpointing=full_sequences_in_training
+        )
 
     @property
     def causal(self):
@@ -52,10 +57,10 @@ class PolicyLM(torch.nn.Module):
         right-padded -> log-probs (P*G, T) of response_ids and their entropy (or None). The attention and
         log-prob kernels are the device's (grpo/learner/kernels.py)."""
         with kernels.attention(prompt_ids.device):
-            full = self.full_sequences_in_training and self.training and torch.is_grad_enabled()
-            if not full and (packing := self._packing(prompt_ids, response_mask)) is not None:
+            path = self.path.train if self.training and torch.is_grad_enabled() else self.path.score
+            if path == "packed" and (packing := self._packing(prompt_ids, response_mask)) is not None:
                 return self._packed(prompt_ids, prompt_mask, response_ids, response_mask.bool(), packing, with_entropy)
-            hidden = (self._full_sequences if full else self._shared_prompt)(
+            hidden = (self._full_sequences if path == "full_sequences" else self._shared_prompt)(
                 prompt_ids, prompt_mask, response_ids, response_mask
             )
             return self._logprobs(hidden, response_ids, with_entropy)
@@ -64,7 +69,7 @@ class PolicyLM(torch.nn.Module):
         """Log-probs (B, T) of labels (B, T) from the last hidden states (B, T, H) and the LM head, and their entropy
         (or None), learn.logprob_chunk tokens' logits at a time or by Liger's kernel: never the (B, T, V) logits."""
         kernel = kernels.logprob_kernel(self.logprob_kernel, hidden.device)
-        head = self.causal.get_output_embeddings()
+        head = output_head(self.causal)
         return kernels.token_logprobs(hidden, head, labels, self.logprob_chunk, with_entropy, kernel)
 
     def _prompt(self, prompt_ids, prompt_mask):
@@ -81,8 +86,7 @@ class PolicyLM(torch.nn.Module):
         """Hidden states (P*G, T, H), [:, t] predicting response_ids[:, t]."""
         g = response_ids.shape[0] // prompt_ids.shape[0]
         out = self._prompt(prompt_ids, prompt_mask)
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(g)  # (P, ...) -> (P*G, ...), differentiable
+        cache = select_rows(out.past_key_values, torch.arange(len(prompt_ids), device=prompt_ids.device), g)
         first = out.last_hidden_state[:, -1:].repeat_interleave(g, 0)  # (P*G, 1, H): predicts response token 0
         start = prompt_mask.sum(1).repeat_interleave(g)[:, None]  # (P*G, 1)
         mask = torch.cat([prompt_mask.repeat_interleave(g, 0), response_mask.long()], 1)
@@ -96,10 +100,8 @@ class PolicyLM(torch.nn.Module):
         return torch.cat([first, out.last_hidden_state[:, :-1]], 1)
 
     def _packing(self, prompt_ids, response_mask) -> Packing | None:
-        """The rows packing would use, when padding_free, the attention takes a mask of our own and packing
-        saves at least PACK_MIN_SAVING of the rows; else None (one row per response)."""
-        if not self.padding_free or self.causal.config._attn_implementation not in ("sdpa", "eager"):
-            return None
+        """The rows packing would use when it saves at least PACK_MIN_SAVING of the rows; else None (one row
+        per response)."""
         lengths = response_mask.sum(1).long().tolist()
         packing = pack_responses(lengths, len(lengths) // len(prompt_ids), response_mask.shape[1])
         return packing if len(packing.row_group) <= (1 - PACK_MIN_SAVING) * len(lengths) else None
@@ -111,8 +113,8 @@ class PolicyLM(torch.nn.Module):
         n, t = mask.shape
         g, width, rows = n // len(prompt_ids), packing.width, len(packing.row_group)
         out = self._prompt(prompt_ids, prompt_mask)
-        cache = out.past_key_values
-        cache.batch_select_indices(packing.row_group)  # (P, ...) -> (R, ...), differentiable
+        kept = _kept_columns(out.past_key_values)  # layer type -> prompt columns its cache holds
+        cache = select_rows(out.past_key_values, packing.row_group.to(mask.device))  # (P, ...) -> (R, ...)
         offset = torch.arange(t, device=mask.device).expand(n, t)[mask]  # (M,) each real token's place in its response
         sample = torch.arange(n, device=mask.device)[:, None].expand(n, t)[mask]  # (M,) and its response
         cell = packing.start.to(mask.device)[sample] + offset  # (M,) its flat place row * width + column
@@ -121,23 +123,23 @@ class PolicyLM(torch.nn.Module):
         ids = response_ids.new_zeros(rows * width).index_put((cell,), response_ids[mask])
         prompt_len = prompt_mask.sum(1)  # (P,)
         pos = prompt_len.new_zeros(rows * width).index_put((cell,), prompt_len[sample // g] + offset)
-        seg = seg.view(rows, width)
+        seg, pos = seg.view(rows, width), pos.view(rows, width)
         causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
-        attend = torch.cat(  # (R, 1, width, Lp + width): the group's prompt, then its own tokens causally
+        attend = torch.cat(  # (R, width, Lp + width): the group's prompt, then its own tokens causally
             [
-                prompt_mask[packing.row_group].bool()[:, None, None, :].expand(rows, 1, width, prompt_mask.shape[1]),
-                ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None],
+                prompt_mask[packing.row_group].bool()[:, None, :].expand(rows, width, prompt_mask.shape[1]),
+                (seg[:, :, None] == seg[:, None, :]) & causal,
             ],
             -1,
         )
-        if self.causal.config._attn_implementation == "eager":  # eager adds the mask to the scores
-            attend = torch.zeros(attend.shape, device=mask.device).masked_fill(~attend, torch.finfo(torch.float32).min)
+        prompt_pos = (prompt_mask.cumsum(1) - 1)[packing.row_group]  # (R, Lp)
+        distance = pos[:, :, None] - torch.cat([prompt_pos, pos], 1)[:, None, :]  # (R, width, Lp + width)
         hidden = self.causal.base_model(
             input_ids=ids.view(rows, width),
-            attention_mask=attend,
+            attention_mask=self._packed_masks(attend, distance, kept),
             past_key_values=cache,
             use_cache=True,
-            position_ids=pos.view(rows, width),
+            position_ids=pos,
         ).last_hidden_state.reshape(rows * width, -1)
         # token 0 is predicted by the prompt's last hidden state, token k > 0 by the cell before it
         prompt_last = out.last_hidden_state[:, -1].to(hidden.dtype)  # (P, H)
@@ -147,6 +149,23 @@ class PolicyLM(torch.nn.Module):
         )
         zeros = torch.zeros(n, t, device=mask.device, dtype=logp.dtype)
         return zeros.masked_scatter(mask, logp[0]), None if entropy is None else zeros.masked_scatter(mask, entropy[0])
+
+    def _packed_masks(self, attend, distance, kept: dict[str, int]):
+        """The packed rows' attention mask (R, 1, width, columns) for each layer type of the model: `attend` (R, width,
+        Lp + width) for full attention; for a sliding window also `distance` (position of query - of key) under the
+        window, over the last prompt columns the layer's cache kept. One mask where every layer is one type (the
+        models that take no dict), else a dict by layer type, as transformers builds them."""
+        config = self.causal.config.get_text_config(decoder=True)
+        lp, masks = attend.shape[2] - attend.shape[1], {}
+        for kind, columns in kept.items():
+            allowed = attend if kind == "full_attention" else attend & (distance < config.sliding_window)
+            allowed = allowed[:, None, :, lp - columns :]
+            if config._attn_implementation == "eager":  # eager adds the mask to the scores
+                allowed = torch.zeros(allowed.shape, device=allowed.device).masked_fill(
+                    ~allowed, torch.finfo(torch.float32).min
+                )
+            masks[kind] = allowed
+        return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def _full_sequences(self, prompt_ids, prompt_mask, response_ids, response_mask) -> Tensor:
         """Same hidden states from one forward over each sample's prompt + response, no cache."""
@@ -159,6 +178,61 @@ class PolicyLM(torch.nn.Module):
             use_cache=False,
         )
         return out.last_hidden_state[:, width - 1 : width - 1 + response_ids.shape[1]]  # the last prompt token on
+
+
+class ScaledHead(torch.nn.Module):
+    """An LM head whose logits the model's forward transforms: times `scale`, then soft-capped at `cap` (Gemma)."""
+
+    def __init__(self, head: torch.nn.Module, scale: float, cap: float | None):
+        super().__init__()
+        self.head, self.scale, self.cap = head, scale, cap
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        logits = self.head(hidden) * self.scale
+        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
+
+def output_head(causal) -> torch.nn.Module:
+    """The LM head of `causal` as its forward applies it: Granite's 1 / logits_scaling, Falcon-H1's
+    lm_head_multiplier, Gemma's final_logit_softcapping (each where the config has it); else the head itself."""
+    head, config = causal.get_output_embeddings(), causal.config.get_text_config(decoder=True)
+    scale = getattr(config, "lm_head_multiplier", None) or 1.0
+    scale /= getattr(config, "logits_scaling", None) or 1.0
+    cap = getattr(config, "final_logit_softcapping", None)
+    return head if scale == 1.0 and cap is None else ScaledHead(head, scale, cap)
+
+
+def select_rows(cache, index: Tensor, repeats: int = 1):
+    """`cache` (a transformers Cache after the prompts' forward, P rows) with its rows index (R,) each repeated
+    `repeats` times -> R * repeats rows, in place and differentiably (gradients flow back to the prompts' states):
+    every layer's keys and values and its conv and recurrent states. The recurrent states are taken out of place
+    from then on: the next forward reads them in its graph, and transformers' in-place update would break backward."""
+    index = index.repeat_interleave(repeats)
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+            for i, state in states.items():
+                if state is not None:
+                    states[i] = state[index]
+        if hasattr(layer, "recurrent_states"):
+            layer.update_recurrent_state = functools.partial(_set_state, layer.recurrent_states)
+    return cache
+
+
+def _set_state(states: dict, recurrent_states: Tensor, state_idx: int = 0, **kwargs) -> Tensor:
+    """LinearAttentionLayer.update_recurrent_state, by assignment (transformers copies into the old tensor)."""
+    states[state_idx] = recurrent_states
+    return recurrent_states
+
+
+def _kept_columns(cache) -> dict[str, int]:
+    """Layer type (full_attention, sliding_attention) -> the columns of keys its layers hold after the prompts."""
+    kept = {}
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None:
+            kept["sliding_attention" if layer.is_sliding else "full_attention"] = layer.keys.shape[-2]
+    return kept
 
 
 PACK_MIN_SAVING = 0.1  # pack a microbatch's responses when that leaves out at least this share of its rows

@@ -19,6 +19,7 @@ from grpo.learner.precision import autocast_precision
 from grpo.record.checkpoint import checkpoint_dtype
 from grpo.record.digests import hashed_writer
 from grpo.record.layout import STATE_DCP
+from grpo.record.weights import load_model, text_only
 
 MASTER_WEIGHTS = "master.safetensors"  # float32 weights, written when the checkpoint's dtype is narrower
 
@@ -54,7 +55,6 @@ class Learner:
         adapter_dir: str | None = None,
     ):
         from accelerate import Accelerator
-        from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
         self.loss = loss_spec(cfg)  # the loss the math computes: names and floats, made once
@@ -69,12 +69,14 @@ class Learner:
         self.save_dtype = checkpoint_dtype(ref_dir)  # checkpoints keep the base model's dtype
         self.sharded = lcfg.sharding == "fsdp2"
         self.lora = lcfg.lora is not None
-        # LoRA: the base is frozen and stays in its own dtype; only the adapters (float32) train
-        lm = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=self.save_dtype if self.lora else torch.float32)
+        # LoRA: the base is frozen and stays in its own dtype; only the adapters (float32) train. A multimodal
+        # checkpoint loads whole (its vision tower saved again with the policy) and trains its language model
+        lm = load_model(policy_dir, self.save_dtype if self.lora else torch.float32)
+        text_only(lm)
         if not self.lora and state_dir and Path(state_dir, MASTER_WEIGHTS).exists():  # the last update, unrounded
-            from safetensors.torch import load_model
+            import safetensors.torch
 
-            load_model(lm, f"{state_dir}/{MASTER_WEIGHTS}")
+            safetensors.torch.load_model(lm, f"{state_dir}/{MASTER_WEIGHTS}")
         if lcfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
@@ -115,10 +117,8 @@ class Learner:
         lcfg, world, device = self.cfg.learn, self.acc.num_processes, self.device
         if lcfg.kl_coef == 0 or self.lora or ref_dir == self.ref_dir:
             return
-        from transformers import AutoModelForCausalLM
-
         self.ref = None  # the old reference goes before the new one loads
-        ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).requires_grad_(False)
+        ref = load_model(ref_dir, torch.float32).requires_grad_(False)
         ref = PolicyLM(ref, lcfg.logprob_chunk, padding_free=lcfg.padding_free, logprob_kernel=lcfg.logprob_kernel)
         self.ref = ref.eval().to(device)
         if self.sharded and world > 1:

@@ -12,6 +12,8 @@ One component a file, read in this order (each imports only those above it):
   lineage.py     which attempt is current, what is stale, where a run resumes, which policy samples what
   reward_files.py  the reward files a run scores with: its base's copies, or a fork's own after a fix
   fork.py        runs that start from another's committed history, by reference
+  weights.py     a checkpoint folder as a transformers model: its own architecture, weights in and out through
+                 transformers (key conversions, the hub's layout), whether its files fit its config
   checkpoint.py  HF-format checkpoints in storage: upload a folder, get a local folder to load
   dispatches.py  when the orchestrating flow sent each placed stage off (`grpo timeline`'s start-up)
   resume.py      the learner's resume state, committed after its policy in the background

@@ -26,6 +26,7 @@ from grpo.record.counts import cache_root, cache_temp, is_local
 from grpo.record.digests import WRITTEN_SIDECAR, file_digest, known_digest, remember_digest, settle, sha256_local
 from grpo.record.io import get_files, put_files
 from grpo.record.storage import CollectedError, Committed, CorruptArtifactError, check_entry, url_to_fs, verify_files
+from grpo.record.weights import meta_model, weights_mismatch
 
 CHECKPOINT_PREFIX = "policy/"
 ADAPTER_PREFIX = "adapter/"  # a LoRA policy: peft adapter files on top of the checkpoint under policy/
@@ -326,17 +327,16 @@ def checkpoint_problem(model_dir: str | Path) -> str | None:
     """What keeps a checkpoint folder from loading, in one line; None when its tokenizer files,
     config.json and weights fit together.
 
-    The model config.json describes is built on the meta device (no memory, no weights); each of its
-    tensors found in the safetensors headers must have its shape there, and each parameter must be
-    there, except a lm_head tied to the embeddings and where transformers renames or fuses weights as
-    it loads them (MoE experts: only same-named tensors are compared). Quantized checkpoints and
-    weights only in .bin files are not compared.
+    The model config.json describes is built on the meta device (no memory, no weights), as the architecture it
+    names (grpo.record.weights.meta_model: a multimodal checkpoint with its vision tower); each of its tensors, in
+    the layout save_pretrained writes (the hub's: MoE experts per expert, a tied lm_head once) or in the model's
+    own names, must be in the safetensors headers with its shape there. Quantized checkpoints and weights only
+    in .bin files are not compared.
     """
     import json
 
-    import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if not tokenizer_files(model_dir):
@@ -349,8 +349,7 @@ def checkpoint_problem(model_dir: str | Path) -> str | None:
         return f"config.json's model_type {model_type!r} is none that transformers {transformers.__version__} knows"
     try:
         config = AutoConfig.from_pretrained(model_dir)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = meta_model(config)
     except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a config it cannot build)
         return f"config.json describes no causal LM transformers can build: {one_line(e)}"
     files = safetensors_shapes(model_dir)
@@ -358,28 +357,7 @@ def checkpoint_problem(model_dir: str | Path) -> str | None:
         return None if any(Path(model_dir).glob("*.bin")) else "no weight files (*.safetensors)"
     if getattr(config, "quantization_config", None):
         return None
-    return _weights_mismatch(model, files, model_type)
-
-
-def _weights_mismatch(model, files: dict[str, tuple[tuple[int, ...], str]], model_type: str) -> str | None:
-    """The first tensor of `model` (on the meta device) whose shape differs from the files' or that the
-    files lack, in one line; None when they fit."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
-    compare_names = not get_model_conversion_mapping(model, add_legacy=False)
-    prefix = model.base_model_prefix + "."
-    bare = not any(n.startswith(prefix) for n in files)  # saved from the model without its head
-    params = dict(model.named_parameters())  # a tied lm_head is the embedding: listed once, under its name
-    for name, tensor in model.state_dict().items():
-        key = name.removeprefix(prefix) if bare else name
-        if key in files and files[key][0] != tuple(tensor.shape):
-            shape, file = files[key]
-            return f"tensor {key} in {file} has shape {list(shape)}; config.json makes it {list(tensor.shape)}"
-        if key not in files and name in params and compare_names:
-            names = sorted({file for _, file in files.values()})
-            where = names[0] if len(names) == 1 else f"any of its {len(names)} weight files"
-            return f"tensor {key} is not in {where} (config.json's model_type is {model_type!r})"
-    return None
+    return weights_mismatch(model, files, model_type)
 
 
 def carry_checkpoint_files(policy_dir: str, out_dir: str) -> list[str]:

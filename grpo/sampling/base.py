@@ -30,6 +30,7 @@ class Sample:
 class Generator(Protocol):
     model_dir: str
     adapter_dir: str | None
+    logprobs_dtype: str  # what the sampled tokens' log-probs are computed in (the rollouts manifest's `sampler`)
 
     def generate(
         self,

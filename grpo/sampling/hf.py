@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from grpo.record.weights import load_model, read_weights
 from grpo.sampling.base import Sample, SamplingSpec, pad_token_id, stop_token_ids
 
 
@@ -17,15 +18,17 @@ class HFGenerator:
     memory grows with sequences x tokens, not x vocabulary. Batched, prompts left-padded.
     """
 
+    logprobs_dtype = "float32"  # a bf16 model's logits upcast before log_softmax, as the learner's are
+
     def __init__(self, model_dir: str, batch_size: int = 1024, dtype: str = "float32", device: str | None = None):
         """device: where it samples (rollout.device resolved); None: the GPU where CUDA is available, else the CPU."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.model_dir, self.batch_size = model_dir, batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos = torch.tensor(stop_token_ids(self.tokenizer, model_dir), device=self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.model = load_model(model_dir, getattr(torch, dtype)).eval()  # its own architecture: a multimodal one whole
         self.model.to(self.device)
         self.adapter_dir: str | None = None
 
@@ -49,7 +52,9 @@ class HFGenerator:
             input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp_min(0), use_cache=True
         )
         cache = out.past_key_values
-        cache.batch_repeat_interleave(spec.n)  # (B, ...) -> (B*n, ...)
+        # every layer's state (KV, sliding window, conv, recurrent) repeated for the n samples: (B, ...) -> (B*n, ...);
+        # every transformers cache layer kind has reorder_cache (batch_repeat_interleave: only the KV ones)
+        cache.reorder_cache(torch.arange(len(prompts), device=dev).repeat_interleave(spec.n))
         logits = out.logits[:, -1].repeat_interleave(spec.n, 0)  # (B*n, V)
         attn = attn.repeat_interleave(spec.n, 0)
         position = attn.sum(1, keepdim=True)  # (B*n, 1): where the next token sits
@@ -123,20 +128,11 @@ class HFGenerator:
         pass  # each call prefills its prompts afresh
 
     def load_weights(self, model_dir: str) -> None:
-        from safetensors.torch import load_file
-
+        """The checkpoint in model_dir's weights into the model in place, through transformers' loading (its key
+        conversions: a hub checkpoint's per-expert MoE tensors fused as the model holds them)."""
         if self.adapter_dir is not None or hasattr(self.model, "unload"):  # back to the plain model
             self.model, self.adapter_dir = self.model.unload(), None
-        state = {}
-        for f in sorted(Path(model_dir).glob("*.safetensors")):
-            state.update(load_file(f))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)  # cast to the model's dtype
-        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-        if unexpected or set(missing) - tied:
-            raise ValueError(
-                f"{model_dir}: weights do not fit the loaded model "
-                f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})"
-            )
+        read_weights(self.model, model_dir)
         self.model_dir = model_dir
 
     def load_adapter(self, adapter_dir: str | None) -> None:

