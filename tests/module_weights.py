@@ -25,6 +25,7 @@ SECONDS = {
     "test_flow_e2e": 242,
     "test_overlap_resume": 240,
     "test_readme": 194,
+    "test_family_iterations": 180,  # added after that run: -n 0 beside other work (16 families on hf 65 s, 3 vLLM 96 s)
     "test_placement_e2e": 168,
     "test_episodes": 150,
     "test_episode_segments": 150,  # added after that run: its -n 0 time beside other work (80-100 s)
@@ -39,6 +40,7 @@ SECONDS = {
     "test_state": 66,
     "test_loss_mask": 65,
     "test_fork": 62,
+    "test_family_sampling": 60,  # added after that run: -n 0 beside other work
     "test_trust_rewards": 59,
     "test_tiny_model": 58,
     "test_resume": 58,

@@ -21,6 +21,9 @@ SUMS = [(1, 2), (3, 4), (2, 5), (6, 1), (4, 4), (5, 3), (7, 2), (2, 2)]
 QUESTIONS = [f"What is {a} + {b}?" for a, b in SUMS]
 TEXTS = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\nThe answer is {i}." for i, q in enumerate(QUESTIONS)]
 VLLM_FAMILIES = ["llama", "qwen3", "gemma3", "qwen3_5"]
+# vLLM's CPU Gated DeltaNet kernel (Qwen3.5's linear attention) takes bf16 alone ("CPU GDN attention requires BF16"):
+# there the sampler runs bf16 and the float32 learner is off by bf16's rounding (measured 2e-4 a token, 1.6e-3 at most)
+BF16_ON_VLLM_CPU = {"qwen3_5"}
 
 
 def vllm_params() -> list:
@@ -51,7 +54,7 @@ def dataset(tmp_path_factory) -> str:
     return str(path)
 
 
-def one_iteration(tmp_path, dataset: str, family: str, backend: str) -> dict:
+def one_iteration(tmp_path, dataset: str, family: str, backend: str, dtype: str = "float32") -> dict:
     """init from the family's save_pretrained folder, then iteration 0; the stages' committed outputs by name."""
     model = build_family_model(str(tmp_path / family), family, TEXTS)
     storage = open_storage((tmp_path / "store").as_uri())
@@ -65,6 +68,7 @@ def one_iteration(tmp_path, dataset: str, family: str, backend: str) -> dict:
             "task.answer_column=answer",
             "task.prompt_format=chat",
             f"rollout.backend={backend}",
+            f"model.dtype={dtype}",
             "rollout.prompts_per_iteration=2",
             "rollout.group_size=2",
             "rollout.max_tokens=6",
@@ -84,11 +88,11 @@ def one_iteration(tmp_path, dataset: str, family: str, backend: str) -> dict:
         close_generators()
 
 
-def check(out: dict, backend: str) -> None:
+def check(out: dict, backend: str, dtype: str = "float32") -> None:
     sampler = out["rollouts"].manifest.summary["sampler"]
-    assert sampler["backend"] == backend and sampler["logprobs_dtype"] == "float32"
+    assert sampler["backend"] == backend and sampler["dtype"] == dtype and sampler["logprobs_dtype"] == "float32"
     learn = out["learn"].manifest.summary
-    assert learn["logprob_gap"] < 1e-3, learn["logprob_gap"]
+    assert learn["logprob_gap"] < (1e-3 if dtype == "float32" else 1e-2), learn["logprob_gap"]
 
 
 @pytest.mark.e2e
@@ -101,4 +105,7 @@ def test_each_family_trains_an_iteration_on_the_transformers_sampler(family, tmp
 @pytest.mark.slow
 @pytest.mark.parametrize("family", vllm_params())
 def test_families_vllm_supports_train_an_iteration_on_vllm(family, tmp_path, dataset):
-    check(one_iteration(tmp_path, dataset, family, "vllm"), "vllm")
+    from grpo.devices import vllm_device
+
+    dtype = "bfloat16" if family in BF16_ON_VLLM_CPU and vllm_device().type == "cpu" else "float32"
+    check(one_iteration(tmp_path, dataset, family, "vllm", dtype), "vllm", dtype)

@@ -1,12 +1,15 @@
 """The transformers sampler on every family's cache (KV, sliding window, conv, linear-attention and Mamba states):
 each sampled log-prob is the model's own, teacher-forced over the prompt alone, and taken in float32."""
 
+import importlib.util
+
 import pytest
 import torch
 from families import build_family_model, text_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo.sampling.base import SamplingSpec
+from grpo.sampling.engines import close_generators, get_generator
 from grpo.sampling.hf import HFGenerator
 
 TEXTS = ["the quick brown fox jumps over the lazy dog " * 3, "sort 3 1 2 -> 1 2 3", "hello world, how are you?"]
@@ -57,3 +60,20 @@ def test_bf16_models_logprobs_are_taken_in_float32(tmp_path):
     for p, group in zip(prompts, out):
         for s in group:  # bf16 activations differ between a cached decode and one forward by ~1e-2 at most here
             assert s.logprobs == pytest.approx(teacher_forced(model, p, s.response_ids).tolist(), abs=0.05)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_takes_a_bf16_models_logprobs_in_float32(tmp_path):
+    """vLLM's sampled log-probs of a bf16 model (logprobs_mode raw_logprobs) are float32 numbers, as the transformers
+    sampler's: newer vLLM releases that stopped upcasting the logits first (vLLM PR #48641) would give bf16 values."""
+    model_dir = build_family_model(str(tmp_path / "qwen3"), "qwen3", TEXTS, dtype="bfloat16")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    gen = get_generator("vllm", model_dir, dtype="bfloat16", max_model_len=64, enforce_eager=True)
+    try:
+        out = gen.generate([tok(p)["input_ids"] for p in PROMPTS], SamplingSpec(n=2, max_tokens=BUDGET, seed=1))
+    finally:
+        close_generators()
+    got = torch.tensor([lp for g in out for s in g for lp in s.logprobs])
+    assert gen.logprobs_dtype == "float32" and len(got) >= 6
+    assert (got.bfloat16().float() != got).float().mean() > 0.9  # not bf16 values
