@@ -551,8 +551,10 @@ class LearnConfig:
     """No compute on the padding of responses of unequal length (as TRL's padding_free, verl's remove-padding):
     a group's responses share rows, one after another, as long as the microbatch's longest, each attending to the
     group's prompt and to its own tokens (a block-diagonal mask), and the LM head sees only real tokens. Used
-    for a microbatch where it saves a tenth of the rows or more, with sdpa or eager attention; not for the
-    training forward under gradient_checkpointing. Same log-probs and gradients as one row per response, to
+    for a microbatch where it saves a tenth of the rows or more, with sdpa or eager attention, on models whose
+    every layer keeps packed responses apart (full attention, sliding window: never linear-attention, conv or SSM
+    layers; grpo/learner/paths.py, the learn manifest's learner_path); not for the training forward under
+    gradient_checkpointing. Same log-probs and gradients as one row per response, to
     float rounding; false: one row per response."""
     logprob_chunk: int = 4096
     """Tokens whose logits are formed at once when computing log-probs: memory holds (chunk, vocab)

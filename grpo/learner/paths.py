@@ -7,12 +7,13 @@ Three paths give the same log-probs and gradients (tests/test_model_families.py 
 every layer keeps the responses apart on it:
 
 - full attention, attention sinks: any path (a sink is a per-head logit, the same under any mask);
-- sliding window (and chunked): shared prompt (the cache keeps the window); packed with the window in our mask;
+- sliding window: shared prompt (the cache keeps the window); packed with the window in our mask;
 - linear attention, conv, SSM (Gated DeltaNet, LFM2's conv, Mamba): shared prompt, their conv and recurrent states
   repeated; never packed: a recurrent state runs on through a row, so a response packed after another would start
   from its state (the leak ms-swift #9565 reports for Qwen3.5). Packing them needs varlen kernels that reset the
   state at each response (flash-linear-attention's cu_seqlens), which transformers' layers do not take;
-- a layer kind not listed here: full sequences, the one path that assumes nothing of a layer.
+- a layer kind not listed here (chunked attention, indexed attention, ...): full sequences, the one path that assumes
+  nothing of a layer.
 
 Packing also needs an attention that takes a mask of ours (sdpa, eager). The layer kinds are transformers' own
 (`get_layer_types_and_kwargs`, what its cache is built from) and the model's modules (sinks), so the decision
@@ -26,20 +27,19 @@ from typing import Literal
 
 Path = Literal["packed", "shared_prompt", "full_sequences"]
 
-# transformers' layer types (cache_utils.DYNAMIC_LAYER_TYPE_MAPPING) -> the kind of state the layer keeps
+# transformers' layer types (cache_utils.DYNAMIC_LAYER_TYPE_MAPPING) -> the kinds of state the layer keeps
 LAYER_KINDS = {
-    "full_attention": "full_attention",
-    "sliding_attention": "sliding_window",
-    "chunked_attention": "chunked_attention",
-    "conv": "recurrent",
-    "linear_attention": "recurrent",
-    "mamba": "recurrent",
-    "hybrid": "recurrent",  # an attention and an SSM side by side in one layer (Falcon-H1)
-    "hybrid_sliding": "recurrent",
-    "moe": "stateless",
-    "mlp": "stateless",
+    "full_attention": ("full_attention",),
+    "sliding_attention": ("sliding_window",),
+    "conv": ("recurrent",),
+    "linear_attention": ("recurrent",),
+    "mamba": ("recurrent",),
+    "hybrid": ("full_attention", "recurrent"),  # an attention and an SSM side by side in one layer (Falcon-H1)
+    "hybrid_sliding": ("sliding_window", "recurrent"),
+    "moe": ("stateless",),
+    "mlp": ("stateless",),
 }
-SHARED = {"full_attention", "sliding_window", "chunked_attention", "recurrent", "stateless", "sinks"}
+SHARED = {"full_attention", "sliding_window", "recurrent", "stateless", "sinks"}
 PACKED = {"full_attention", "sliding_window", "stateless", "sinks"}
 MASKED_ATTENTION = ("sdpa", "eager")  # attention implementations that take a mask of ours
 
@@ -63,7 +63,7 @@ def layer_kinds(config, model=None) -> tuple[str, ...]:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    kinds = {LAYER_KINDS.get(t, f"unknown:{t}") for t in types}
+    kinds = {kind for t in types for kind in LAYER_KINDS.get(t, (f"unknown:{t}",))}
     if model is not None and any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
         kinds.add("sinks")
     return tuple(sorted(kinds))
@@ -95,7 +95,7 @@ def _fastest(kinds: set[str], attention: str | None, padding_free: bool) -> tupl
     """The fastest path every layer of `kinds` keeps the responses apart on, and why in one line."""
     layers = "+".join(sorted(kinds))
     if not kinds <= SHARED:
-        return "full_sequences", f"layers {layers}: the learner knows no cache of a kind here, so full sequences"
+        return "full_sequences", f"layers {layers}: the fast paths are not checked on a kind here, so full sequences"
     if not padding_free:
         return "shared_prompt", f"layers {layers}; learn.padding_free is off"
     if "recurrent" in kinds:
