@@ -203,12 +203,16 @@ MISTRAL = r"""
     {%- elif message.role == 'assistant' %}
         {{- message.content + eos_token }}
     {%- elif message.role == 'tool' %}
+        {%- if message.tool_call_id is not defined or message.tool_call_id | length != 9 %}
+            {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+        {%- endif %}
         {{- '[TOOL_RESULTS]' + {'content': message.content, 'call_id': message.tool_call_id} | tojson }}
         {{- '[/TOOL_RESULTS]' }}
     {%- endif %}
 {%- endfor %}
 """
-"""Mistral (v3 tokenizer): the tools before the last user message, calls a JSON list after [TOOL_CALLS]."""
+"""Mistral (v3 tokenizer): the tools before the last user message, calls a JSON list after [TOOL_CALLS], each
+tool answer with its call's 9-character id (which the episodes' tool messages do not carry: refused at init)."""
 
 GPT_OSS = r"""
 {{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: '
@@ -469,7 +473,10 @@ def test_a_template_whose_calls_no_parser_reads_is_refused_naming_its_format():
         ConfigError, match=r"^rollout.tools: the model's chat template writes a tool call as '.*<\|tool_"
     ):
         check_tool_format(tok, "rollout.tools")
-    check_tool_format(tokenizer(QWEN3), "rollout.tools")
+    for name in ("qwen3", "qwen3.5", "qwen3-coder", "llama3", "gpt-oss"):
+        check_tool_format(tokenizer(*CASES[name][:2]), "rollout.tools")
+    with pytest.raises(ConfigError, match="^rollout.tools: the model's chat template does not render a tool's answer"):
+        check_tool_format(tokenizer(MISTRAL, "mistral"), "rollout.tools")  # its answers need the call's id
     assert tool_format(tokenizer(TOOLS_CHAT_TEMPLATE)) == "qwen" and set(PARSERS) >= {"qwen", "harmony"}
 
 

@@ -357,12 +357,20 @@ def _probe_call() -> dict:
 
 def check_tool_format(tokenizer, where: str) -> None:
     """Refuse (ConfigError, one line starting with `where`) a tokenizer whose chat template writes tool calls in a
-    format no parser here reads, showing how it writes one."""
-    if tool_format(tokenizer) is not None:
-        return
-    shown = rendered_turn(tokenizer, {"role": "assistant", "content": "", "tool_calls": [_probe_call()]})
-    raise ConfigError(
-        f"{where}: the model's chat template writes a tool call as {shown[:160]!r}, a format grpo does not parse "
-        f"(it reads {', '.join(PARSERS)}, or the tokenizer's response_template); give the tokenizer a "
-        "response_template for it, or a chat template in one of those formats"
-    )
+    format no parser here reads, showing how it writes one, or cannot render a tool's answer to a call (Mistral's v3
+    template asks each answer for its call's 9-character id)."""
+    probe = {"role": "assistant", "content": "", "tool_calls": [_probe_call()]}
+    if tool_format(tokenizer) is None:
+        raise ConfigError(
+            f"{where}: the model's chat template writes a tool call as {rendered_turn(tokenizer, probe)[:160]!r}, a "
+            f"format grpo does not parse (it reads {', '.join(PARSERS)}, or the tokenizer's response_template); give "
+            "the tokenizer a response_template for it, or a chat template in one of those formats"
+        )
+    answer = {"role": "tool", "name": PROBE["name"], "content": "1"}  # as grpo/episodes/calls.py writes one
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}, probe, answer], tokenize=False)
+    except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)
+        raise ConfigError(
+            f"{where}: the model's chat template does not render a tool's answer as episodes write it ({_line(e)}); "
+            "give the tokenizer a chat template that renders tool messages {role: tool, name, content}"
+        ) from e
