@@ -115,7 +115,26 @@ def observation_tokens(
     text = after[start:]
     if not forged:
         return text, tokenizer(text, add_special_tokens=False)["input_ids"]
-    return text, _as_text_inside(tokenizer, text, [(a - start, b - start) for a, b in slots if a >= start])
+    spans = [(a - start, b - start) for a, b in slots if a >= start] or _found(text, new)
+    return text, _as_text_inside(tokenizer, text, spans)
+
+
+def _found(text: str, new: list[dict]) -> list[tuple[int, int]]:
+    """[(start, end)] of every place a text of the new messages is found as it is in `text`, in order (where the
+    template's render of them could not be told apart by _content_slots: what may be the answer is read as text)."""
+    spans = []
+    for said in {said for m in new for said in _texts(m) if said}:
+        at = text.find(said)
+        while at >= 0:
+            spans.append((at, at + len(said)))
+            at = text.find(said, at + len(said))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return merged
 
 
 def _closing(before: str, turn_ends: list[str]) -> int:
@@ -156,28 +175,50 @@ def _special_texts(tokenizer) -> list[str]:
 def _forged(tokenizer, new: list[dict]) -> bool:
     """Whether a new message's text holds a token's text the tokenizer would read as its own added token."""
     texts = _special_texts(tokenizer)
-    return any(isinstance(m.get("content"), str) and any(t in m["content"] for t in texts) for m in new)
+    return any(any(t in said for t in texts) for m in new for said in _texts(m))
 
 
-MARK = "\ue000grpo{}\ue001"
-"""What stands for a message's text when the template is rendered to find where that text goes."""
+def _texts(message: dict) -> list[str]:
+    """A message's texts: its content, or the text of each of its content blocks."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return [content]
+    blocks = content if isinstance(content, list) else []
+    return [b["text"] for b in blocks if isinstance(b, dict) and isinstance(b.get("text"), str)]
+
+
+def _with_texts(message: dict, texts: list[str]) -> dict:
+    """The message with its texts (as _texts lists them) replaced by `texts`."""
+    if isinstance(message.get("content"), str):
+        return message | {"content": texts[0]}
+    given, blocks = iter(texts), []
+    for b in message.get("content") or []:
+        blocks.append(b | {"text": next(given)} if isinstance(b, dict) and isinstance(b.get("text"), str) else b)
+    return message | {"content": blocks}
+
+
+MARK = "\u27e6grpo{}\u27e7"
+"""What stands for a message's text when the template is rendered to find where that text goes (printable, so a
+template that writes a list's repr or JSON keeps it as it is)."""
 
 
 def _content_slots(tokenizer, history: list[dict], new: list[dict], tools: list[dict], after: str):
-    """[(start, end)] in `after` of each new message's text as the template rendered it (in order); [] where the
-    template does not show a message's text apart from the rest (then nothing is told apart)."""
-    marked = [m | {"content": MARK.format(i)} if isinstance(m.get("content"), str) else m for i, m in enumerate(new)]
+    """[(start, end)] in `after` of each text of the new messages as the template rendered it (in order); [] where
+    the template does not show a text apart from the rest (then nothing is told apart)."""
+    texts = [_texts(m) for m in new]
+    marks = [[MARK.format(f"{i}.{j}") for j in range(len(t))] for i, t in enumerate(texts)]
+    marked = [_with_texts(m, k) for m, k in zip(new, marks)]
     base = apply_template(tokenizer, history + marked, tools, add_generation_prompt=True)
     found = []
-    for i, m in enumerate(new):
-        mark = MARK.format(i)
-        if not isinstance(m.get("content"), str):
-            continue
+    for i, j in [(i, j) for i, t in enumerate(texts) for j in range(len(t))]:
+        mark = marks[i][j]
         if base.count(mark) != 1:
             return []
-        one = apply_template(tokenizer, history + marked[:i] + [m] + marked[i + 1 :], tools, add_generation_prompt=True)
-        at, length = base.index(mark), len(one) - len(base) + len(mark)
-        if one[:at] != base[:at] or one[at + length :] != base[at + len(mark) :]:
+        one = list(marked)
+        one[i] = _with_texts(new[i], marks[i][:j] + [texts[i][j]] + marks[i][j + 1 :])
+        one_text = apply_template(tokenizer, history + one, tools, add_generation_prompt=True)
+        at, length = base.index(mark), len(one_text) - len(base) + len(mark)
+        if one_text[:at] != base[:at] or one_text[at + length :] != base[at + len(mark) :]:
             return []
         found.append((at, length, len(mark)))
     slots, shift = [], 0
