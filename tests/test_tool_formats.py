@@ -212,7 +212,7 @@ MISTRAL = r"""
 {%- endfor %}
 """
 """Mistral (v3 tokenizer): the tools before the last user message, calls a JSON list after [TOOL_CALLS], each
-tool answer with its call's 9-character id (which the episodes' tool messages do not carry: refused at init)."""
+tool answer with its call's 9-character id."""
 
 GPT_OSS = r"""
 {{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: '
@@ -473,10 +473,11 @@ def test_a_template_whose_calls_no_parser_reads_is_refused_naming_its_format():
         ConfigError, match=r"^rollout.tools: the model's chat template writes a tool call as '.*<\|tool_"
     ):
         check_tool_format(tok, "rollout.tools")
-    for name in ("qwen3", "qwen3.5", "qwen3-coder", "llama3", "gpt-oss"):
+    for name in CASES:
         check_tool_format(tokenizer(*CASES[name][:2]), "rollout.tools")
+    no_answers = TOOLS_CHAT_TEMPLATE.replace('message.role == "tool" %}', 'message.role == "tool" %}{{ x.y.z }}')
     with pytest.raises(ConfigError, match="^rollout.tools: the model's chat template does not render a tool's answer"):
-        check_tool_format(tokenizer(MISTRAL, "mistral"), "rollout.tools")  # its answers need the call's id
+        check_tool_format(tokenizer(no_answers), "rollout.tools")
     assert tool_format(tokenizer(TOOLS_CHAT_TEMPLATE)) == "qwen" and set(PARSERS) >= {"qwen", "harmony"}
 
 
@@ -528,3 +529,22 @@ def test_a_forged_turn_boundary_stays_text_where_the_template_writes_the_answer_
     im_start = tok.convert_tokens_to_ids("<|im_start|>")
     assert forged + forged in text and tok.decode(ids, skip_special_tokens=False) == text
     assert ids.count(im_start) == 2  # the template's own: the tool's turn, the next assistant's
+
+
+def test_a_mistral_episode_answers_each_call_by_its_id():
+    """Mistral's template asks each tool answer for its call's id: the model's own ids where it wrote them, given
+    in order where the answers (as the episodes write them) carry none."""
+    tok = tokenizer(MISTRAL, "mistral")
+    sampled = '[TOOL_CALLS][{"name": "mul", "arguments": {"a": 6, "b": 7}, "id": "k3b2c1x0z"}, ' + (
+        '{"name": "mul", "arguments": {"a": 2, "b": 3}}]'
+    )
+    message, calls = parse_turn(tok, sampled, "", [MUL])
+    assert [c.arguments for c in calls] == [{"a": 6, "b": 7}, {"a": 2, "b": 3}]
+    history = [{"role": "user", "content": "6 x 7 and 2 x 3?"}, message]
+    answers = [{"role": "tool", "name": "mul", "content": "42"}, {"role": "tool", "name": "mul", "content": "6"}]
+    text, ids = observation_tokens(tok, history, answers, [MUL], "</s>", ["</s>"])
+    assert text == (
+        '[TOOL_RESULTS]{"content": "42", "call_id": "k3b2c1x0z"}[/TOOL_RESULTS]'
+        '[TOOL_RESULTS]{"content": "6", "call_id": "call00001"}[/TOOL_RESULTS]'
+    )
+    assert tok.decode(ids, skip_special_tokens=False) == text

@@ -101,6 +101,7 @@ def observation_tokens(
     eos ids), where the template closes an assistant turn. What the messages say is text: a special token's text in
     it (a tool answering `<|im_end|>`) is encoded as plain text, never as the template's own token.
     """
+    history, new = _split(with_call_ids(history + new), len(history))
     before = apply_template(tokenizer, history, tools, add_generation_prompt=False)
     after = apply_template(tokenizer, history + new, tools, add_generation_prompt=True)
     forged = _forged(tokenizer, new)
@@ -135,6 +136,30 @@ def _found(text: str, new: list[dict]) -> list[tuple[int, int]]:
         else:
             merged.append((a, b))
     return merged
+
+
+def _split(messages: list[dict], at: int) -> tuple[list[dict], list[dict]]:
+    return messages[:at], messages[at:]
+
+
+def with_call_ids(messages: list[dict]) -> list[dict]:
+    """The messages with an id on each tool call that has none and, on each tool answer without one, the id of the
+    call it answers (the calls of the last assistant turn, answered in order, as grpo/episodes/calls.py answers
+    them): Mistral's template renders both, and asks for 9 letters and digits.
+
+    >>> m = with_call_ids([{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}, {"role": "tool"}])
+    >>> m[0]["tool_calls"][0]["id"], m[1]["tool_call_id"]
+    ('call00000', 'call00000')
+    """
+    out, pending, k = [], [], 0
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = [c if c.get("id") else c | {"id": f"call{k + j:05d}"} for j, c in enumerate(m["tool_calls"])]
+            k, pending, m = k + len(calls), [c["id"] for c in calls], m | {"tool_calls": calls}
+        elif m.get("role") == "tool" and not m.get("tool_call_id") and pending:
+            m = m | {"tool_call_id": pending.pop(0)}
+        out.append(m)
+    return out
 
 
 def _closing(before: str, turn_ends: list[str]) -> int:

@@ -26,6 +26,7 @@ import re
 from typing import Callable, Literal
 
 from grpo.config import ConfigError
+from grpo.episodes.chat import with_call_ids
 from grpo.episodes.environment import ToolCall
 
 Format = Literal["response_template", "qwen", "qwen_xml", "llama", "mistral", "harmony"]
@@ -236,7 +237,12 @@ def mistral_turn(text: str, tools: list[dict] | None = None) -> Parsed:
         except json.JSONDecodeError as e:
             return _message(content.strip(), [ToolCall("", {}, error=f"not JSON: {e}")])
         values = values if isinstance(values, list) else [values]
-        return _message(content.strip(), [_json_call(v, rest) for v in values])
+        calls = [_json_call(v, rest) for v in values]
+        message, calls = _message(content.strip(), calls)
+        ids = [v.get("id") for v, c in zip(values, calls) if c.error is None]  # the model's ids, rendered back
+        for c, i in zip(message.get("tool_calls", []), ids):
+            c.update({"id": i} if isinstance(i, str) else {})
+        return message, calls
     calls = []
     for part in rest.split("[TOOL_CALLS]"):
         name, sep, arguments = part.partition("[ARGS]")
@@ -357,8 +363,8 @@ def _probe_call() -> dict:
 
 def check_tool_format(tokenizer, where: str) -> None:
     """Refuse (ConfigError, one line starting with `where`) a tokenizer whose chat template writes tool calls in a
-    format no parser here reads, showing how it writes one, or cannot render a tool's answer to a call (Mistral's v3
-    template asks each answer for its call's 9-character id)."""
+    format no parser here reads, showing how it writes one, or cannot render a tool's answer to a call as the
+    episodes write it (chat.with_call_ids)."""
     probe = {"role": "assistant", "content": "", "tool_calls": [_probe_call()]}
     if tool_format(tokenizer) is None:
         raise ConfigError(
@@ -368,7 +374,8 @@ def check_tool_format(tokenizer, where: str) -> None:
         )
     answer = {"role": "tool", "name": PROBE["name"], "content": "1"}  # as grpo/episodes/calls.py writes one
     try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "x"}, probe, answer], tokenize=False)
+        conversation = with_call_ids([{"role": "user", "content": "x"}, probe, answer])
+        tokenizer.apply_chat_template(conversation, tokenize=False)
     except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)
         raise ConfigError(
             f"{where}: the model's chat template does not render a tool's answer as episodes write it ({_line(e)}); "
