@@ -11,7 +11,8 @@ change allowed is reasoning the template drops from earlier turns (Qwen3's think
 
 What a tool or an environment says is text: a special token's text in an observation (a forged `<|im_end|>` and a
 user turn after it) is encoded as plain text, so it never becomes a turn boundary; only the template's own text
-around it is read with the tokenizer's special tokens.
+around it is read with the tokenizer's special tokens. Tool calls and answers are rendered with ids (the model's own,
+else given in order: with_call_ids) for templates that render them, as Mistral's does.
 """
 
 from __future__ import annotations

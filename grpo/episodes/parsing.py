@@ -216,7 +216,7 @@ def llama_turn(text: str, tools: list[dict] | None = None) -> Parsed:
             return _message(text.strip(), calls + [ToolCall("", {}, error=f"not JSON: {e}")])
         calls.append(_json_call(value, body[at:end]))
         at = end + len(body[end:]) - len(body[end:].lstrip().removeprefix(";").lstrip())
-    return _message("", calls)
+    return _message("" if any(c.error is None for c in calls) else text.strip(), calls)  # a botched call stays
 
 
 def mistral_turn(text: str, tools: list[dict] | None = None) -> Parsed:
