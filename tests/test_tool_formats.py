@@ -6,10 +6,11 @@ family's published chat template does (the same Jinja logic, trimmed of the tool
 a model writes never fails the stage (issue 53 N4), and a tool's text holding a special token's text stays text
 (a forged `<|im_end|>` is no turn boundary)."""
 
+import pandas as pd
 import pytest
 
 from flows.cli import main
-from grpo.config import ConfigError
+from grpo.config import ConfigError, load_config
 from grpo.episodes.chat import observation_tokens, reads_thinking, with_thinking
 from grpo.episodes.environment import ToolCall
 from grpo.episodes.parsing import PARSERS, check_tool_format, parse_turn, rendered_turn, tool_format
@@ -17,6 +18,8 @@ from grpo.errors import StageError
 from grpo.record.layout import run_json
 from grpo.record.storage import open_storage
 from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_model, build_chat_tokenizer
+from stages import stage_function
+from stages.init import init_run
 
 QWEN_SYSTEM = r"""
 {%- if tools %}
@@ -548,3 +551,22 @@ def test_a_mistral_episode_answers_each_call_by_its_id():
         '[TOOL_RESULTS]{"content": "6", "call_id": "call00001"}[/TOOL_RESULTS]'
     )
     assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_enable_thinking_reaches_the_prompts_a_run_samples_from(tmp_path):
+    """task.enable_thinking=false on a model with Qwen3's template: every prompt of the rollouts ends in the empty
+    think block the template writes for it (and, unset, in the assistant's header alone)."""
+    model = build_chat_model(str(tmp_path / "model"), ["What is 2 + 3 ? 5"], vocab_size=300, chat_template=QWEN3)
+    storage = open_storage((tmp_path / "store").as_uri())
+    ends = {}
+    for run, setting in (("off", ["task.enable_thinking=false"]), ("default", [])):
+        settings = [f"model.base_model={model}", "task.name=arithmetic", "task.prompt_format=chat",
+                    "rollout.backend=hf", "rollout.prompts_per_iteration=2", "rollout.group_size=2",
+                    "rollout.max_tokens=2", "learn.minibatch_size=4", "learn.microbatch_size=4", "eval.n_prompts=2",
+                    "reward.workers=1"]  # fmt: skip
+        init_run(storage, run, load_config(None, settings + setting))
+        stage_function("snapshot")(storage, run, 0)
+        out = stage_function("rollouts")(storage, run, 0)
+        prompts = pd.read_parquet(storage.uri(out.path("rollouts.parquet")))["prompt"]
+        ends[run] = {p[p.rindex("<|im_start|>") :] for p in prompts}
+    assert ends == {"off": {"<|im_start|>assistant\n<think>\n\n</think>\n\n"}, "default": {"<|im_start|>assistant\n"}}
