@@ -210,7 +210,7 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
         data.apply_template(tokenizer, [{"role": "user", "content": "x"}], schemas, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)
         raise ConfigError(f"rollout.tools: the model's chat template does not render tools: {e}") from e
-    parsing.check_tool_format(tokenizer, where)
+    parsing.check_tool_format(tokenizer, where, schemas)
 
 
 IMPORT_TIMEOUT_S = 120.0

@@ -475,12 +475,13 @@ def test_a_template_whose_calls_no_parser_reads_is_refused_naming_its_format():
     with pytest.raises(
         ConfigError, match=r"^rollout.tools: the model's chat template writes a tool call as '.*<\|tool_"
     ):
-        check_tool_format(tok, "rollout.tools")
+        check_tool_format(tok, "rollout.tools", [MUL])
     for name in CASES:
-        check_tool_format(tokenizer(*CASES[name][:2]), "rollout.tools")
+        check_tool_format(tokenizer(*CASES[name][:2]), "rollout.tools", [MUL])
     no_answers = TOOLS_CHAT_TEMPLATE.replace('message.role == "tool" %}', 'message.role == "tool" %}{{ x.y.z }}')
     with pytest.raises(ConfigError, match="^rollout.tools: the model's chat template does not render a tool's answer"):
-        check_tool_format(tokenizer(no_answers), "rollout.tools")
+        check_tool_format(tokenizer(no_answers), "rollout.tools", [MUL])
+    check_tool_format(tok, "rollout.environment", [])  # no tools (an OpenEnv server stepped with the text): no calls
     assert tool_format(tokenizer(TOOLS_CHAT_TEMPLATE)) == "qwen" and set(PARSERS) >= {"qwen", "harmony"}
 
 

@@ -361,10 +361,13 @@ def _probe_call() -> dict:
     return {"type": "function", "id": "a1b2c3d4e", "function": dict(PROBE)}
 
 
-def check_tool_format(tokenizer, where: str) -> None:
+def check_tool_format(tokenizer, where: str, tools: list[dict]) -> None:
     """Refuse (ConfigError, one line starting with `where`) a tokenizer whose chat template writes tool calls in a
     format no parser here reads, showing how it writes one, or cannot render a tool's answer to a call as the
-    episodes write it (chat.with_call_ids)."""
+    episodes write it (chat.with_call_ids). Episodes without tools (an OpenEnv server stepped with the turn's text)
+    call nothing: any template does."""
+    if not tools:
+        return
     probe = {"role": "assistant", "content": "", "tool_calls": [_probe_call()]}
     if tool_format(tokenizer) is None:
         raise ConfigError(
@@ -375,7 +378,7 @@ def check_tool_format(tokenizer, where: str) -> None:
     answer = {"role": "tool", "name": PROBE["name"], "content": "1"}  # as grpo/episodes/calls.py writes one
     try:
         conversation = with_call_ids([{"role": "user", "content": "x"}, probe, answer])
-        tokenizer.apply_chat_template(conversation, tokenize=False)
+        tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False)
     except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)
         raise ConfigError(
             f"{where}: the model's chat template does not render a tool's answer as episodes write it ({_line(e)}); "
