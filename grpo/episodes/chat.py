@@ -25,6 +25,7 @@ from grpo.data import apply_template
 from grpo.errors import StageError
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
+THINKING = "{{%- set enable_thinking = {} %}}"
 
 
 def with_thinking(tokenizer, enable_thinking: bool | None):
@@ -53,9 +54,6 @@ def with_thinking(tokenizer, enable_thinking: bool | None):
         _set(setting, template) if isinstance(template, str) else {k: _set(setting, v) for k, v in template.items()}
     )
     return copied
-
-
-THINKING = "{{%- set enable_thinking = {} %}}"
 
 
 def _set(setting: str, template: str) -> str:
@@ -102,7 +100,8 @@ def observation_tokens(
     eos ids), where the template closes an assistant turn. What the messages say is text: a special token's text in
     it (a tool answering `<|im_end|>`) is encoded as plain text, never as the template's own token.
     """
-    history, new = _split(with_call_ids(history + new), len(history))
+    both = with_call_ids(history + new)
+    history, new = both[: len(history)], both[len(history) :]
     before = apply_template(tokenizer, history, tools, add_generation_prompt=False)
     after = apply_template(tokenizer, history + new, tools, add_generation_prompt=True)
     forged = _forged(tokenizer, new)
@@ -137,10 +136,6 @@ def _found(text: str, new: list[dict]) -> list[tuple[int, int]]:
         else:
             merged.append((a, b))
     return merged
-
-
-def _split(messages: list[dict], at: int) -> tuple[list[dict], list[dict]]:
-    return messages[:at], messages[at:]
 
 
 def with_call_ids(messages: list[dict]) -> list[dict]:

@@ -303,17 +303,16 @@ PROBE = {"name": "grpo_probe", "arguments": {"n": 1, "word": "two"}}
 """The call a chat template renders so its format can be told (`rendered_turn`)."""
 
 
-def rendered_turn(tokenizer, message: dict, turn_ends: list[str] | None = None) -> str:
+def rendered_turn(tokenizer, message: dict) -> str:
     """The text of an assistant `message` as the chat template writes it after the assistant's header: what a
-    model of that template samples for it, its end-of-turn token dropped (`turn_ends`, else the tokenizer's special
-    tokens the text ends with)."""
+    model of that template samples for it, its end-of-turn token dropped (the special tokens the text ends with)."""
     user = [{"role": "user", "content": "x"}]
     before = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=False)
     header = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)[len(before) :]
     text = tokenizer.apply_chat_template(user + [message], tokenize=False, add_generation_prompt=False)
     text = text[len(before) :] if text.startswith(before) else text
     text = text[len(header) :] if text.startswith(header) else text
-    ends = turn_ends if turn_ends is not None else tokenizer.all_special_tokens
+    ends = tokenizer.all_special_tokens
     text = text.rstrip()
     while any(e and text.endswith(e) for e in ends):
         text = text[: -len(next(e for e in ends if e and text.endswith(e)))].rstrip()
@@ -343,7 +342,7 @@ def _probed(tokenizer) -> Format | None:
     probe = {"role": "assistant", "content": "", "tool_calls": [_probe_call()]}
     try:
         text = rendered_turn(tokenizer, probe)
-    except Exception:  # noqa: BLE001 (a template that cannot render a call: read as qwen, as before formats)
+    except Exception:  # noqa: BLE001 (a template that cannot render a call: read as qwen, the one format once)
         return "qwen"
     if PROBE["name"] not in text:
         return "qwen"
