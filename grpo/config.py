@@ -80,6 +80,10 @@ class TaskConfig:
     `chat`: a string becomes one user message, then the template; `text`: strings as they are."""
     system_prompt: str | None = None
     """Chat formats: a system message put before each prompt's messages."""
+    enable_thinking: bool | None = None
+    """Chat formats: the chat template's `enable_thinking` (Qwen3's thinking switch: false puts an empty think block
+    in the generation prompt, so the model answers without reasoning); None leaves the template's default. Refused
+    at `grpo init` for a template that does not read it."""
     skip_invalid_rows: bool = False
     """Dataset rows without a prompt or a ground truth (null, NaN, empty): False refuses the dataset at
     `grpo init` naming the column and the count; True leaves them out, counted in the base manifest."""

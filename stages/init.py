@@ -29,7 +29,7 @@ from pathlib import Path
 
 from grpo import data
 from grpo.config import ConfigError, RunConfig, load_config_file
-from grpo.episodes import adapters
+from grpo.episodes import adapters, chat, parsing
 from grpo.errors import one_line
 from grpo.learner.paths import learner_path_line
 from grpo.record.checkpoint import (
@@ -151,6 +151,7 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a broken folder)
         raise ConfigError(f"model.base_model {cfg.model.base_model}: the tokenizer does not load: {one_line(e)}") from e
+    tokenizer = chat.with_thinking(tokenizer, cfg.task.enable_thinking)  # refused where the template has no switch
     examples = _sample_prompts(cfg)
     for example in examples:
         try:
@@ -211,6 +212,7 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
         data.apply_template(tokenizer, [{"role": "user", "content": "x"}], schemas, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)
         raise ConfigError(f"rollout.tools: the model's chat template does not render tools: {e}") from e
+    parsing.check_tool_format(tokenizer, where, schemas)
 
 
 IMPORT_TIMEOUT_S = 120.0

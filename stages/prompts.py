@@ -19,6 +19,7 @@ from grpo import data
 from grpo.config import RunConfig
 from grpo.devices import sampler_device
 from grpo.episodes import adapters
+from grpo.episodes.chat import with_thinking
 from grpo.episodes.loop import Start
 from grpo.episodes.workers import Workers, probe
 from grpo.record.checkpoint import local_checkpoint, policy_folders, tokenizer_and_config
@@ -133,6 +134,7 @@ def policy_and_prompts(
     """
     holder, model_dir, adapter_dir = policy_folders(policy, base)
     tokenizer, config = tokenizer_and_config(holder)
+    tokenizer = with_thinking(tokenizer, cfg.task.enable_thinking)  # a copy: the cached one stays as loaded
     max_len = config.get_text_config().max_position_embeddings  # a multimodal config holds it in its text part
     if cfg.rollout.backend != "hf" and cfg.rollout.vllm.max_model_len:  # the engine's own limit
         max_len = min(max_len, cfg.rollout.vllm.max_model_len)

@@ -49,6 +49,7 @@ IDENTITY_FIELDS = {
 """Per section, the fields every identity reading it has covered since runs were first committed."""
 
 ADDED_SETTINGS = {
+    "task": (("enable_thinking",),),
     "learn": (
         ("dual_clip_c",), ("ref_update_every",), ("old_logprobs",), ("padding_free",),
         ("behavior_level", "mis_bounds", "icepop_bounds"), ("microbatch_tokens",),
