@@ -52,6 +52,8 @@ class Source:
     """The local path of each one's committed copy (None: a module spec)."""
     timeout_s: float = 10.0
     """rollout.tool_timeout_s: the time limit of one tool call (calls.py)."""
+    max_observation_bytes: int = 65536
+    """rollout.max_observation_bytes: what a worker sends back of an answer's text, at most (workers.py)."""
     options: tuple[tuple[str, object], ...] = ()
     """Anything else a kind needs, as sorted (name, value) pairs."""
 
@@ -91,6 +93,7 @@ def source(rollout, files: dict[str, str]) -> Source | None:
         tools=tuple(rollout.tools),
         tool_files=tuple(files.get(spec) for spec in rollout.tools),
         timeout_s=rollout.tool_timeout_s,
+        max_observation_bytes=rollout.max_observation_bytes,
     )
 
 

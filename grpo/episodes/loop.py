@@ -68,6 +68,10 @@ class Loop:
         self.parse_prefix = getattr(tokenizer, "response_template", None) is not None
         self.name = workers.source.environment or ", ".join(workers.source.tools)
         self.tools: list[dict] = []  # the tools' schemas, once episodes are open
+        # a token's text is at most this many bytes (the vocabulary's longest entry): an observation longer than the
+        # budget's tokens times it cannot fit, and is never rendered or tokenized (an unknown-word token aside)
+        self.token_bytes = max(len(t.encode()) for t in tokenizer.get_vocab())
+        self.cut = 0  # observations cut: past rollout.max_observation_bytes in their worker, or past the budget
 
     def run(
         self, starts: list[Start], spec: SamplingSpec, env_seed: int, progress: Callable[[int], None] | None = None
@@ -150,6 +154,7 @@ class Loop:
         outcomes = self.workers.run("reset", items)
         for e, o in zip(episodes, outcomes):
             self._check(e, o, "reset")
+        self.cut += sum(o.value[2] > 0 for o in outcomes)
         tools = outcomes[0].value[1] if outcomes else self.tools
         for i, s in enumerate(starts):
             group = [o.value[0] for o in outcomes[i * g : (i + 1) * g]]
@@ -215,12 +220,16 @@ class Loop:
         t.errors = list(reply.errors)
         t.observation = "\n".join(str(m["content"]) for m in reply.messages) if reply.messages else None
         t.reply = list(reply.messages)
+        room = (e.budget - len(e.response_ids)) * self.token_bytes  # the most text the budget's tokens can hold
+        over = False
         if t.finish == "length":
             e.end = "budget"
         elif reply.done or not reply.messages:
             e.end = "done"
         elif len(e.turns) >= self.limits.max_turns:
             e.end = "max_turns"
+        elif over := sum(_text_bytes(m["content"]) for m in reply.messages) > room:
+            e.end = "budget"  # cut to nothing: never rendered or tokenized (a tool's 40 MB answer)
         else:
             sampled = e.response_ids[t.start : t.end]
             ended = self.tokenizer.decode(sampled[-1:], skip_special_tokens=False) if sampled else None
@@ -232,6 +241,7 @@ class Loop:
                 e.append(ids, False)
                 e.messages += reply.messages
                 t.appended = len(ids)
+        self.cut += bool(reply.cut) or over
         return e.end is None
 
     def finish(self, episodes: list[Episode]) -> None:
@@ -253,3 +263,12 @@ class Loop:
                 f"environment {self.name} failed in {where} of the episode prompt_id {e.prompt_id} sample "
                 f"{e.sample_index}: {why}"
             )
+
+
+def _text_bytes(content) -> int:
+    """UTF-8 bytes of a message content's text (a string, or content blocks)."""
+    if isinstance(content, str):
+        return len(content.encode("utf-8", "replace"))
+    if isinstance(content, list):
+        return sum(map(_text_bytes, content))
+    return sum(map(_text_bytes, content.values())) if isinstance(content, dict) else len(str(content))
