@@ -324,6 +324,13 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.tool_timeout_s must be > 0 (seconds a tool call may take), got {self.tool_timeout_s}"
             )
+        episodes = self.prompts_per_iteration * self.group_size
+        if (self.tools or self.environment) and self.tool_workers > episodes:
+            raise ConfigError(
+                f"rollout.tool_workers={self.tool_workers} is more than the {episodes} episodes an iteration runs "
+                f"(rollout.prompts_per_iteration x rollout.group_size); the rest would idle: set rollout.tool_workers "
+                f"<= {episodes}"
+            )
         if self.max_observation_bytes < 1:
             raise ConfigError(
                 f"rollout.max_observation_bytes must be >= 1 (bytes of an answer's text), got "

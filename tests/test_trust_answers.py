@@ -2,7 +2,9 @@
 environment block is redacted from every channel an answer takes (observation, error, content blocks, reset's text,
 final state, a broken environment's line, an answer cut in the middle of the credential); a result that cannot become
 text is the model's error to see, naming the tool; a 40 MB answer costs the stage at most rollout.max_observation_bytes
-(its memory stays flat: an RSS bound) and never reaches the tokenizer past what the episode's budget holds."""
+(its memory stays flat: an RSS bound) and never reaches the tokenizer past what the episode's budget holds. And the
+minor cases: building an environment and its reset are bounded by rollout.tool_timeout_s and named as a tool worker's;
+rollout.tool_workers is capped as reward.workers is; a spec that names a path which is no .py file says so."""
 
 import json
 import os
@@ -14,10 +16,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from grpo.episodes.adapters import Source
-from grpo.episodes.environment import ToolCall
+from grpo.episodes.environment import EnvironmentFailure, ToolCall
 from grpo.episodes.loop import Limits, Loop, Start
 from grpo.episodes.records import Turn
-from grpo.episodes.workers import Item, Workers
+from grpo.episodes.workers import Item, Workers, check
 from grpo.scoring.pool import RewardPool
 from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_model
 
@@ -84,7 +86,8 @@ CHANNELS = """
 import dataclasses, json, sys
 from grpo.episodes.adapters import Source
 from grpo.episodes.environment import ToolCall
-from grpo.episodes.workers import Item, Workers
+from grpo.episodes.environment import EnvironmentFailure
+from grpo.episodes.workers import Item, Workers, check
 from grpo.scoring.pool import RewardPool
 
 path = sys.argv[1]
@@ -262,3 +265,66 @@ def test_a_40_mb_answer_leaves_the_stage_s_memory_flat_and_is_never_tokenized_pa
     t = flooded.turns[0]
     assert flooded.end == "budget" and t.appended == 0 and loop.cut == 1  # counted once
     assert len(t.observation.encode()) == 65536 and len(flooded.response_ids) == t.end  # nothing appended
+
+
+SLOW = """
+import os
+import time
+
+if os.environ.get("SLOW_IMPORT"):
+    time.sleep(60)  # module-level code that hangs: no alarm is set while a worker builds the environment
+
+
+class Slow:
+    def reset(self, **row):
+        time.sleep(60)
+"""
+
+
+def test_building_an_environment_and_its_reset_are_bounded_by_the_tool_timeout_and_named(tmp_path, monkeypatch):
+    """A class whose module hangs as it imports, and one whose reset hangs: each is killed past rollout.tool_timeout_s
+    (they had 300 s, whatever the setting), and the stage's one line names a tool worker."""
+    path = tmp_path / "slow.py"
+    path.write_text(SLOW)
+    source = Source(kind="environment", environment=f"{path}:Slow", environment_file=str(path), timeout_s=0.5)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model(tmp_path))
+    with RewardPool(1, role="tool") as pool:
+        monkeypatch.setenv("SLOW_IMPORT", "1")
+        pool.replace(pool.workers[0])  # a worker forked with it set
+        [out] = Workers(pool, source, None).run("reset", [Item(("x", 0), 0, ({}, 0), 0.5)])
+        monkeypatch.delenv("SLOW_IMPORT")
+        pool.replace(pool.workers[0])
+        loop = Loop(None, tokenizer, (0,), Workers(pool, source, None), Limits(4, 120, 4096, tool_timeout_s=0.5))
+        with pytest.raises(EnvironmentFailure) as failure:
+            loop.open([Start(0, [{"role": "user", "content": "hi"}], {})], 1, 0)
+    assert (
+        "building the environment (its code imported, its tools described) ran past 0.5s (its limit by "
+        "rollout.tool_timeout_s); its tool worker was killed"
+    ) in out.lost
+    assert str(failure.value).endswith(
+        "failed in reset of the episode prompt_id 0 sample 0: reset ran past 0.5s (its limit by "
+        "rollout.tool_timeout_s); its tool worker was killed"
+    )
+
+
+def test_tool_workers_past_the_episodes_or_cores_are_refused_at_init():
+    """rollout.tool_workers=100000 passed init (reward.workers was capped already)."""
+    from grpo.config import ConfigError, load_config
+    from stages.init import check_reward_workers, usable_cores
+
+    tools = ["rollout.tools=[m:f]", "rollout.prompts_per_iteration=4", "rollout.group_size=4",
+             "learn.minibatch_size=16", "learn.microbatch_size=16", "reward.workers=1"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^rollout.tool_workers=100000 is more than the 16 episodes"):
+        load_config(None, [*tools, "rollout.tool_workers=100000"])
+    cores = usable_cores()
+    if cores < 16:
+        with pytest.raises(ConfigError, match=rf"^rollout.tool_workers=16 is more than the {cores} CPU core"):
+            check_reward_workers(load_config(None, [*tools, "rollout.tool_workers=16"]))
+    check_reward_workers(load_config(None, [*tools, "rollout.tool_workers=1"]))
+
+
+def test_a_spec_naming_a_path_that_is_no_python_file_names_it():
+    """`../../etc/passwd:x` was taken for a module name, and the message spoke of relative imports."""
+    said = check(Source(kind="tools", tools=("../../etc/passwd:x",)), None)
+    assert said.startswith("rollout.tools: '../../etc/passwd:x' names '../../etc/passwd', neither a .py file nor")
+    assert "\n" not in said and "relative import" not in said

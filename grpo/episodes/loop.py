@@ -34,7 +34,7 @@ from grpo.episodes.chat import observation_tokens, prompt_tokens, with_reset
 from grpo.episodes.environment import EnvironmentFailure
 from grpo.episodes.parsing import parse_turn
 from grpo.episodes.records import Episode, Turn
-from grpo.episodes.workers import RESET_S, Item, Outcome, Workers
+from grpo.episodes.workers import Item, Outcome, Workers
 from grpo.record.layout import episode_seed
 from grpo.sampling.base import Generator, SamplingSpec
 
@@ -137,7 +137,7 @@ class Loop:
     def _replay_item(self, e: Episode) -> Item:
         turns = [(t.text, t.calls, episode_seed(e.env_seed, e.prompt_id, e.sample_index, k + 1)) for k, t in
                  enumerate(e.turns)]  # fmt: skip
-        limit = RESET_S + self.limits.tool_timeout_s * sum(len(t.calls) + 1 for t in e.turns)
+        limit = self.limits.tool_timeout_s * (1 + sum(len(t.calls) + 1 for t in e.turns))  # the reset, each call
         seed = episode_seed(e.env_seed, e.prompt_id, 0, 0)
         return Item(e.key, seed, (e.row, seed, turns), limit)
 
@@ -150,7 +150,8 @@ class Loop:
         """Reset every episode (a group's with one seed), render each prompt with its tools and what reset added;
         the tools' schemas."""
         seeds = [episode_seed(env_seed, s.prompt_id, 0, 0) for s in starts]
-        items = [Item(e.key, seeds[i // g], (starts[i // g].row, seeds[i // g])) for i, e in enumerate(episodes)]
+        limit = self.limits.tool_timeout_s  # a reset (constructing the episode's instance) is bounded as a call
+        items = [Item(e.key, seeds[i // g], (starts[i // g].row, seeds[i // g]), limit) for i, e in enumerate(episodes)]
         outcomes = self.workers.run("reset", items)
         for e, o in zip(episodes, outcomes):
             self._check(e, o, "reset")

@@ -35,7 +35,6 @@ from grpo.scoring import secrets
 from grpo.scoring.pool import IDLE, LOADING, RewardPool, keep_children, progress_record
 
 GRACE_S = 2.0  # how long past its time limit an item may run before the parent kills its worker
-RESET_S = 300.0  # for a reset: the first builds the factory (imports the user's code, probes the class)
 
 _LIVE: dict[object, Environment] = {}  # in a worker: the adapters of its open episodes
 
@@ -47,8 +46,9 @@ class Item:
     key: tuple
     seed: int
     args: tuple = ()
-    limit_s: float = RESET_S
-    """How long the parent lets it run before it kills the worker (the adapter's own alarms come first)."""
+    limit_s: float = 10.0
+    """How long the parent lets it run before it kills the worker (the adapter's own alarms come first): the loop
+    gives rollout.tool_timeout_s for a reset, a final, each call of a turn."""
 
 
 @dataclass(frozen=True)
@@ -228,13 +228,22 @@ class Workers:
                         out[i] = Outcome(failed=payload)
                 elif kind == "died":
                     index, where = self.pool.workers.index(w), int(w.progress[0])
-                    self._lose(index, idx, items, out, where, f"its worker died ({self.pool.replace(w)})")
+                    self._lose(index, idx, items, out, where, f"its tool worker died ({self.pool.replace(w)})")
             for w in self.pool.busy():
                 if time.monotonic() > self._due(w, items):
                     index, where = self.pool.workers.index(w), int(w.progress[0])
                     self.pool.replace(w)
-                    limit = items[w.job[where]].limit_s if where >= 0 else RESET_S
-                    self._lose(index, w.job, items, out, where, f"{op} ran past {limit:g}s; its worker was killed")
+                    limit = items[w.job[where]].limit_s if where >= 0 else self.source.timeout_s
+                    doing = op if where >= 0 else "building the environment (its code imported, its tools described)"
+                    self._lose(
+                        index,
+                        w.job,
+                        items,
+                        out,
+                        where,
+                        f"{doing} ran past {limit:g}s (its limit by rollout."
+                        "tool_timeout_s); its tool worker was killed",
+                    )
         return out
 
     def _redact_cut(self, op: str, value):
@@ -265,12 +274,12 @@ class Workers:
         for i in idx:
             out[i] = Outcome(lost=self.lost[items[i].key])
 
-    @staticmethod
-    def _due(w, items: list[Item]) -> float:
-        """When busy worker `w` is overdue: its item's limit past the item's start (building the factory: RESET_S)."""
+    def _due(self, w, items: list[Item]) -> float:
+        """When busy worker `w` is overdue: its item's limit past the item's start (building the factory, which
+        imports the user's code and constructs a probe instance: rollout.tool_timeout_s)."""
         where, _, since = w.progress[:]
         if where == LOADING:
-            return since + RESET_S + GRACE_S
+            return since + self.source.timeout_s + GRACE_S
         return since + items[w.job[int(where)]].limit_s + GRACE_S if where >= 0 else float("inf")
 
     def _wait_s(self, items: list[Item]) -> float:
