@@ -104,6 +104,7 @@ class Episodes:
             "tool_s": sum(seconds),
             "tool_s_max": max(seconds, default=0.0),
             "observations_cut": self.loop.cut,
+            "episodes_rerun": self.loop.rerun,
             "episodes_replayed": self.replayed,
             "replay_s": self.replay_s,
         }

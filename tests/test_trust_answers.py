@@ -328,3 +328,61 @@ def test_a_spec_naming_a_path_that_is_no_python_file_names_it():
     said = check(Source(kind="tools", tools=("../../etc/passwd:x",)), None)
     assert said.startswith("rollout.tools: '../../etc/passwd:x' names '../../etc/passwd', neither a .py file nor")
     assert "\n" not in said and "relative import" not in said
+
+
+FRAGILE = """
+import os
+import random
+
+
+class Fragile:
+    def reset(self, **row):
+        self.said = []
+
+    def echo(self, text: str) -> str:
+        \"\"\"Say it back, with a draw from the generator the worker seeds for the turn.
+
+        Args:
+            text: what to say
+        \"\"\"
+        self.said.append(text)
+        return f"{' '.join(self.said)} {random.random():.6f}"
+
+    def die(self) -> str:
+        \"\"\"End the worker.\"\"\"
+        os._exit(3)
+"""
+
+
+def test_an_episode_lost_with_a_worker_another_s_call_killed_is_re_created_and_goes_on(tmp_path):
+    """Two episodes in one worker; a turn where one calls a tool that kills the worker: that one is lost (its call
+    did it), the other was lost with it, and trained as `lost` (8 of 16 each time). Now it is re-created on a fresh
+    worker by replaying its answered turns, its turn answered as it would have been, counted; it goes on."""
+    path = tmp_path / "fragile.py"
+    path.write_text(FRAGILE)
+    source = Source(kind="environment", environment=f"{path}:Fragile", environment_file=str(path), timeout_s=5.0)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model(tmp_path))
+    ids = tokenizer.encode("<tool_call>\n{}\n</tool_call><|im_end|>")
+
+    def asks(e, call: ToolCall) -> None:
+        """The episode's next turn (its sampled ids given here: the test forces the call) asks `call`."""
+        start = len(e.response_ids)
+        e.append(ids, True, [0.0] * len(ids))
+        e.messages.append({"role": "assistant", "content": ""})
+        e.turns.append(Turn(start, len(e.response_ids), "", "stop", [call]))
+
+    with RewardPool(1, role="tool") as pool:  # one worker: both episodes live in it
+        loop = Loop(None, tokenizer, (tokenizer.convert_tokens_to_ids("<|im_end|>"),), Workers(pool, source, None),
+                    Limits(max_turns=4, max_tokens=1000, context=4096, tool_timeout_s=5.0))  # fmt: skip
+        [[a, b]] = loop.open([Start(0, [{"role": "user", "content": "hi"}], {})], 2, 0)
+        for e in (a, b):
+            asks(e, ToolCall("echo", {"text": "one"}))
+        assert loop._answer([a, b]) == [a, b]
+        asks(a, ToolCall("die", {}))
+        asks(b, ToolCall("echo", {"text": "two"}))
+        going = loop._answer([a, b])
+        loop.finish([a, b])
+    assert a.end == "lost" and "its tool worker died (exit code 3)" in a.turns[1].errors[0]
+    assert going == [b] and b.end is None and loop.rerun == 1 and not b.turns[1].errors
+    said = b.turns[1].reply[0]["content"]
+    assert said.startswith("one two ") and b.turns[1].appended > 0  # its environment went on from its first turn

@@ -72,6 +72,7 @@ class Loop:
         # budget's tokens times it cannot fit, and is never rendered or tokenized (an unknown-word token aside)
         self.token_bytes = max(len(t.encode()) for t in tokenizer.get_vocab())
         self.cut = 0  # observations cut: past rollout.max_observation_bytes in their worker, or past the budget
+        self.rerun = 0  # episodes lost with a worker another's call killed, re-created on a fresh worker by replay
 
     def run(
         self, starts: list[Start], spec: SamplingSpec, env_seed: int, progress: Callable[[int], None] | None = None
@@ -112,18 +113,19 @@ class Loop:
             going = [e for e in self._answer(ended) if sampled(e) < cap]
         return sum(map(sampled, live))
 
-    def reopen(self, episodes: list[Episode]) -> None:
+    def reopen(self, episodes: list[Episode], pending: bool = False) -> None:
         """Re-create the environments of episodes carried from an earlier stage (rollout.segment_tokens): each reset
-        with its group's seed, then asked each turn it answered, with that turn's seed, again. An answer other than
+        with its group's seed, then asked each turn it answered, with that turn's seed, again (`pending`: all but the
+        last, which awaits its answer). An answer other than
         the one recorded fails the stage in one line: that environment does not answer alike given its seeds (it
         has effects outside it, or draws from a generator it does not seed), so it cannot go on in another process."""
         for e, key in zip(episodes, self.workers.keys(len(episodes))):
             e.key = key
-        outcomes = self.workers.run("replay", [self._replay_item(e) for e in episodes])
+        outcomes = self.workers.run("replay", [self._replay_item(e, len(e.turns) - pending) for e in episodes])
         for e, o in zip(episodes, outcomes):
             self._check(e, o, "replay")
             added, self.tools, replies = o.value
-            answers = [(False, t.reply, t.errors) for t in e.turns]
+            answers = [(False, t.reply, t.errors) for t in e.turns[: len(e.turns) - pending]]
             for k, (got, recorded) in enumerate(zip([(added, None, [])] + replies, [(e.added, None, [])] + answers)):
                 if got != recorded:
                     where = "reset" if k == 0 else f"turn {k - 1}"
@@ -134,9 +136,9 @@ class Loop:
                         "iterations: seed it from reset's seed, or unset rollout.segment_tokens"
                     )
 
-    def _replay_item(self, e: Episode) -> Item:
+    def _replay_item(self, e: Episode, answered: int) -> Item:
         turns = [(t.text, t.calls, episode_seed(e.env_seed, e.prompt_id, e.sample_index, k + 1)) for k, t in
-                 enumerate(e.turns)]  # fmt: skip
+                 enumerate(e.turns[:answered])]  # fmt: skip
         limit = self.limits.tool_timeout_s * (1 + sum(len(t.calls) + 1 for t in e.turns))  # the reset, each call
         seed = episode_seed(e.env_seed, e.prompt_id, 0, 0)
         return Item(e.key, seed, (e.row, seed, turns), limit)
@@ -144,6 +146,15 @@ class Loop:
     def _answer(self, ended: list[Episode]) -> list[Episode]:
         """The environments' answers to the turns that ended; the episodes that go on."""
         outcomes = self.workers.run("respond", [self._respond_item(e) for e in ended])
+        again = [i for i, o in enumerate(outcomes) if o.bystander]
+        if again:  # lost with a worker another episode's call killed: re-created on a fresh worker, asked again
+            try:
+                self.reopen([ended[i] for i in again], pending=True)
+            except EnvironmentFailure:  # an environment that cannot be replayed alike: those stay lost
+                return [e for e, o in zip(ended, outcomes) if self._answered(e, o)]
+            self.rerun += len(again)
+            for i, o in zip(again, self.workers.run("respond", [self._respond_item(ended[i]) for i in again])):
+                outcomes[i] = o
         return [e for e, o in zip(ended, outcomes) if self._answered(e, o)]
 
     def _reset(self, starts: list[Start], episodes: list[Episode], g: int, env_seed: int) -> list[dict]:

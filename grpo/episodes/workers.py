@@ -60,6 +60,9 @@ class Outcome:
     seconds: float = 0.0
     failed: str | None = None
     lost: str | None = None
+    bystander: bool = False
+    """Lost with a worker another episode's call killed: its own environment did nothing wrong (the loop re-creates
+    it on a fresh worker by replay)."""
 
 
 def _seed(seed: int) -> None:
@@ -190,6 +193,7 @@ class Workers:
         self.pool, self.source, self.max_memory_mb = pool, source, max_memory_mb
         self.home: dict[tuple, int] = {}  # episode key -> the index of its worker
         self.lost: dict[tuple, str] = {}  # episode key -> how its environment was lost
+        self.bystanders: set[tuple] = set()  # the lost whose worker another episode's call killed
         self.token = os.urandom(6).hex()  # keys of this stage's episodes, apart from any other's in a warm pool
         self.count = 0
 
@@ -210,7 +214,7 @@ class Workers:
         jobs: dict[int, list[int]] = {}
         for i, item in enumerate(items):
             if item.key in self.lost:
-                out[i] = Outcome(lost=self.lost[item.key])
+                out[i] = Outcome(lost=self.lost[item.key], bystander=item.key in self.bystanders)
             else:
                 jobs.setdefault(self.home[item.key], []).append(i)
         for w, idx in jobs.items():
@@ -271,8 +275,9 @@ class Workers:
         for key, home in self.home.items():
             if home == index and key not in self.lost:
                 self.lost[key] = why if key == culprit else f"lost with its worker ({why})"
+                self.bystanders.update([key] if key != culprit else [])
         for i in idx:
-            out[i] = Outcome(lost=self.lost[items[i].key])
+            out[i] = Outcome(lost=self.lost[items[i].key], bystander=items[i].key in self.bystanders)
 
     def _due(self, w, items: list[Item]) -> float:
         """When busy worker `w` is overdue: its item's limit past the item's start (building the factory, which
