@@ -255,6 +255,12 @@ class RolloutConfig:
     tool_pass_env: list[str] = field(default_factory=list)
     """Episodes: names of credential variables tools and environments may read (as reward.pass_env). Not part of the
     stage's identity."""
+    max_observation_bytes: int = 65536
+    """Episodes: the most UTF-8 bytes of text one answer of a tool or environment (a turn's messages together, or
+    what reset adds) carries into the stage; the rest is cut in its worker and counted (`observations_cut` in the
+    rollouts summary), so a tool answering 40 MB costs the stage 64 KiB. Raise it for long-context agents whose
+    observations are longer; an observation longer than the episode's token budget can hold ends the episode
+    (`budget`) without being rendered or tokenized."""
     segment_tokens: int | None = None
     """Partial rollouts (stages/segments.py): each iteration samples at most this many new tokens per response; a
     response not ended by then is committed unfinished (its tokens, sampler log-probs and each token's policy version)
@@ -321,6 +327,18 @@ class RolloutConfig:
         if self.tool_timeout_s <= 0:
             raise ConfigError(
                 f"rollout.tool_timeout_s must be > 0 (seconds a tool call may take), got {self.tool_timeout_s}"
+            )
+        episodes = self.prompts_per_iteration * self.group_size
+        if (self.tools or self.environment) and self.tool_workers > episodes:
+            raise ConfigError(
+                f"rollout.tool_workers={self.tool_workers} is more than the {episodes} episodes an iteration runs "
+                f"(rollout.prompts_per_iteration x rollout.group_size); the rest would idle: set rollout.tool_workers "
+                f"<= {episodes}"
+            )
+        if self.max_observation_bytes < 1:
+            raise ConfigError(
+                f"rollout.max_observation_bytes must be >= 1 (bytes of an answer's text), got "
+                f"{self.max_observation_bytes}"
             )
         if self.tool_max_memory_mb is not None and self.tool_max_memory_mb < 64:
             raise ConfigError(

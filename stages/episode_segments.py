@@ -103,6 +103,8 @@ class Episodes:
             "tool_errors": sum(len(t.errors) for e in done for t in e.turns),
             "tool_s": sum(seconds),
             "tool_s_max": max(seconds, default=0.0),
+            "observations_cut": self.loop.cut,
+            "episodes_rerun": self.loop.rerun,
             "episodes_replayed": self.replayed,
             "replay_s": self.replay_s,
         }

@@ -7,13 +7,12 @@ copied in once, so every later stage references immutable, hashed files. Reward
 files named in `reward.functions` are copied beside it (`reward/`), and so are the files
 rollout.tools and rollout.environment name (`tools/`, `environment/`).
 
-Everything a later stage needs is checked before run.json is written: the model's
-weights fit its config.json and its tokenizer loads, the chat template exists where the
-prompt format needs one, the datasets have their columns and every row a prompt and a
-ground truth, the reward functions import and take the right arguments, the tools and environment of episodes
-import and describe their tools, eval.dataset is not
-task.dataset, learn.lora.target_modules name layers of the model, reward.workers can all be kept
-busy. A typo fails here, naming the field, and leaves no run behind.
+Everything a later stage needs is checked before run.json is written: the model's weights fit its config.json and its
+tokenizer loads, the chat template exists where the prompt format needs one, the datasets have their columns and every
+row a prompt and a ground truth, the reward functions import and take the right arguments, the tools and environment of
+episodes import and describe their tools, eval.dataset is not task.dataset, learn.lora.target_modules name layers of
+the model, reward.workers and rollout.tool_workers can all be kept busy. A typo fails here, naming the field, and
+leaves no run behind.
 
 The base manifest's summary records each dataset's fingerprint (and the rows left out by
 task.skip_invalid_rows): the run is pinned to those bytes, and a stage refuses a dataset that
@@ -183,11 +182,10 @@ def code_files(cfg: RunConfig) -> list[tuple[list[str], str]]:
 
 
 def check_episodes(cfg: RunConfig, tokenizer) -> None:
-    """rollout.tools and rollout.environment: the code imports and its tools have schemas (its adapter builds in a
-    tool worker, as the rollouts stage builds it: without credentials but rollout.tool_pass_env's, so its
-    module-level code never runs in this process; a typo, an exit or a crash is one line), and the model's chat
-    template renders tools and continues a conversation."""
-    from grpo.episodes.workers import check
+    """rollout.tools and rollout.environment: the code imports and its tools have schemas (its adapter builds in a tool
+    worker, as the rollouts stage builds it, within rollout.tool_timeout_s: without credentials but tool_pass_env's; a
+    typo, an exit, a crash or a hang is one line), and the model's chat template renders tools."""
+    from grpo.episodes.workers import GRACE_S, check
     from grpo.scoring.pool import RewardPool
 
     r = cfg.rollout
@@ -199,9 +197,11 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
             "model's chat template, and the model's tokenizer has none"
         )
     where = f"rollout.environment {r.environment!r}" if r.environment else "rollout.tools"
-    with RewardPool(1, tuple(r.tool_pass_env)) as pool:
+    adapters.preload(adapters.kind_of(r))  # before the worker forks: rollout.tool_timeout_s bounds the user's code
+    with RewardPool(1, tuple(r.tool_pass_env), "tool") as pool:
         try:
-            schemas = pool.apply(check, (adapters.source(r, {}), r.tool_max_memory_mb), timeout=IMPORT_TIMEOUT_S)
+            limit = r.tool_timeout_s + GRACE_S  # the code imported, a probe instance constructed: bounded as a call
+            schemas = pool.apply(check, (adapters.source(r, {}), r.tool_max_memory_mb), timeout=limit)
         except RuntimeError as e:
             raise ConfigError(f"{where}: does not build in a tool worker: {' '.join(str(e).split())}") from e
         finally:
@@ -248,7 +248,7 @@ def usable_cores() -> int:
 
 
 def check_reward_workers(cfg: RunConfig) -> None:
-    """reward.workers: no more than a reward shard's samples or this machine's cores can keep busy."""
+    """reward.workers (rollout.tool_workers: RolloutConfig): no more than a shard's samples or the cores keep busy."""
     r, rc = cfg.rollout, cfg.reward
     per_shard = -(-r.prompts_per_iteration * r.group_size // rc.shards)
     if rc.workers > per_shard:
@@ -257,12 +257,14 @@ def check_reward_workers(cfg: RunConfig) -> None:
             f"prompts_per_iteration x rollout.group_size / reward.shards); the rest would idle: set reward.workers "
             f"<= {per_shard}"
         )
-    cores = usable_cores()
-    if rc.workers > cores:
-        raise ConfigError(
-            f"reward.workers={rc.workers} is more than the {cores} CPU core(s) this machine gives grpo: workers "
-            f"beyond them share cores, each sample runs slower against reward.timeout_s; set reward.workers <= {cores}"
-        )
+    cores, pools = usable_cores(), [("reward.workers", rc.workers, "sample", "reward.timeout_s")]
+    pools += [("rollout.tool_workers", r.tool_workers, "call", "rollout.tool_timeout_s")] if adapters.kind_of(r) else []
+    for setting, n, each, limit in pools:
+        if n > cores:
+            raise ConfigError(
+                f"{setting}={n} is more than the {cores} CPU core(s) this machine gives grpo: workers beyond them "
+                f"share cores, each {each} runs slower against {limit}; set {setting} <= {cores}"
+            )
 
 
 BYTES_PER_TOKEN = 32

@@ -21,7 +21,7 @@ from grpo.devices import sampler_device
 from grpo.episodes import adapters
 from grpo.episodes.chat import with_thinking
 from grpo.episodes.loop import Start
-from grpo.episodes.workers import Workers, probe
+from grpo.episodes.workers import GRACE_S, Workers, probe
 from grpo.record.checkpoint import local_checkpoint, policy_folders, tokenizer_and_config
 from grpo.record.layout import Salt, iteration_seed
 from grpo.record.storage import Committed
@@ -194,9 +194,10 @@ def environments(cfg: RunConfig, base: Committed | None):
         yield None
         return
     r = cfg.rollout
-    with WARM_POOLS.pool(r.tool_workers, r.tool_pass_env) as pool:
+    adapters.preload(source.kind)  # before the workers fork: rollout.tool_timeout_s bounds the user's code alone
+    with WARM_POOLS.pool(r.tool_workers, r.tool_pass_env, "tool") as pool:
         try:
-            tools = pool.apply(probe, (source, r.tool_max_memory_mb))
+            tools = pool.apply(probe, (source, r.tool_max_memory_mb), timeout=r.tool_timeout_s + GRACE_S)
         except RuntimeError as e:
             where = f"rollout.environment {r.environment!r}" if r.environment else f"rollout.tools {r.tools}"
             raise StageError(f"{where}: {e}") from e

@@ -195,6 +195,7 @@ def merged_summary(parts: list[dict]) -> dict:
     if "tool_calls" in first:  # rollout.tools, rollout.environment
         episodes = {k: sum(s[k] for s in parts) for k in ("tool_calls", "tool_errors", "tool_s")}
         episodes["tool_s_max"] = max(s["tool_s_max"] for s in parts)
+        episodes |= {k: sum(s.get(k, 0) for s in parts) for k in ("observations_cut", "episodes_rerun")}
         episodes["turns_per_episode"] = sum(s["turns_per_episode"] * s["samples"] for s in parts) / max(samples, 1)
     return {
         **total,

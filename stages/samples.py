@@ -155,13 +155,17 @@ class Episodes:
 
     def summary(self, samples: int) -> dict:
         """The rollouts summary's episode figures: turns per episode, tool calls and errors of the iteration, the
-        seconds environments took answering turns (in their workers, all together) and the longest answer."""
+        seconds environments took answering turns (in their workers, all together) and the longest answer, the
+        observations cut (rollout.max_observation_bytes, or longer than an episode's budget holds), the episodes lost
+        with a worker another's call killed and re-created on a fresh one."""
         return {
             "turns_per_episode": self.turns / max(samples, 1),
             "tool_calls": self.calls,
             "tool_errors": self.errors,
             "tool_s": self.tool_s,
             "tool_s_max": self.slowest,
+            "observations_cut": self.loop.cut,
+            "episodes_rerun": self.loop.rerun,
         }
 
     def close(self) -> None:

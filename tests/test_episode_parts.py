@@ -108,12 +108,12 @@ def test_episodes_live_in_workers_without_credentials_and_survive_their_tools(ro
             keys,
             [[ToolCall("die", {})], [ToolCall("echo", {"text": "b"})], [ToolCall("echo", {"text": "c"})], []],
         )
-        assert "its worker died (exit code 3)" in out[0].lost
+        assert "its tool worker died (exit code 3)" in out[0].lost
         assert out[2].lost.startswith("lost with its worker")  # its environment lived there too
         assert out[1].value.messages[0]["content"].startswith("b ")  # the other worker's episodes go on
         later = turn(workers, [keys[0], keys[1]], [[ToolCall("echo", {"text": "d"})], [ToolCall("hang", {})]])
         assert later[0].lost == out[0].lost  # not sent again
-        assert "ran past 2s; its worker was killed" in later[1].lost
+        assert "respond ran past 2s (its limit by rollout.tool_timeout_s); its tool worker was killed" in later[1].lost
         fresh = workers.keys(2)  # the replaced workers serve new episodes
         workers.run("reset", [Item(k, 7, ({}, 7)) for k in fresh])
         assert all(o.value.messages for o in turn(workers, fresh, [[ToolCall("echo", {"text": "e"})]] * 2))

@@ -131,6 +131,24 @@ def test_a_server_that_dies_fails_in_one_line_naming_it(tmp_path):
     assert "\n" not in message and message.startswith(f"OpenEnv server {server.url}: step")
 
 
+def test_a_server_that_stops_answering_says_what_timed_out(tmp_path):
+    """A server stopped (SIGSTOP) mid-episode: the step runs past rollout.tool_timeout_s, and the one line says so (it
+    said "TimeoutError: " and nothing more)."""
+    with openenv_server("openenv_envs:guess_app", tmp_path, app_dir="tests") as server:
+        ep = factory(Source(kind="openenv", environment=server.url, timeout_s=1.0))()
+        ep.reset({"target": 4}, seed=0)
+        os.killpg(server.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(EnvironmentFailure) as failure:
+                ep.respond("4", [])
+        finally:
+            os.killpg(server.proc.pid, signal.SIGCONT)
+        ep.close()
+    assert str(failure.value) == (
+        f"OpenEnv server {server.url}: step: TimeoutError: no answer within 1s (rollout.tool_timeout_s)"
+    )
+
+
 def test_no_server_at_the_url_fails_naming_it():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(EnvironmentFailure, match=f"rollout.environment '{url}': no OpenEnv server answers there"):

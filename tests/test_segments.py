@@ -104,7 +104,7 @@ def test_every_released_row_is_its_segments_token_in_token_out_each_token_by_its
     continued it from exactly its prompt's ids and the ids before (the sampler's context), sampled at most B ids, and
     the row holds them, their log-probs as the sampler gave them and that iteration's policy version per token."""
     storage, spy = segmented
-    carried_over = 0
+    carried_over = spans = 0  # the segments sampled in a later iteration; those the rows' policy versions say there are
     for k in range(4):
         rows = table(storage, "s", k, "rollouts")
         assert len(rows) and (rows.iteration == k).all()
@@ -121,8 +121,9 @@ def test_every_released_row_is_its_segments_token_in_token_out_each_token_by_its
                     carried_over += j > started
             assert at == len(ids)  # and nothing else was appended
             assert row.policy_version == max(versions)
+            spans += len(set(versions)) - 1
             assert row.finish_reason == "stop" or len(ids) == 12  # cut off at rollout.max_tokens only
-    assert carried_over > 20  # responses did cross iterations
+    assert carried_over >= spans > 0  # responses did cross iterations (how many is the sampling's on this CPU)
 
 
 def test_only_complete_groups_go_on_the_oldest_first_and_the_rest_is_carried_whole(segmented):

@@ -178,6 +178,45 @@ def test_a_fork_killed_before_its_run_json_is_seen_kept_for_and_finished_or_remo
     assert rc == 0 and not storage.exists(run_dir(storage, "g")), err
 
 
+def test_gc_with_retention_keeps_the_state_a_half_made_fork_resumes_from_and_the_advised_fork_finishes_it(
+    tmp_path, capsys, monkeypatch
+):
+    """A fork at 1 killed before its run.json, before it took learn 0: gc --retention of the parent collects the
+    optimizer state of every learn but the newest, and took learn 0's, which the fork's first learn reads, then
+    advised `grpo fork` again, which refused it ("collected"). Now gc keeps it while the fork is half made: the advised
+    command finishes the fork, and it trains."""
+    import grpo.record.fork
+
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage((tmp_path / "s").as_uri())
+    make_run(storage, "p")
+    for _ in run_warm(storage, "p", 0, 2):
+        pass
+    real, made = grpo.record.fork.reference, []
+
+    def killed_midway(*args):
+        if len(made) == 3:  # the base and iteration 0's first stages taken; its learn not yet
+            raise KeyboardInterrupt  # the process killed mid-fork
+        made.append(real(*args))
+        return made[-1]
+
+    monkeypatch.setattr(grpo.record.fork, "reference", killed_midway)
+    fork = ["fork", "--from", "p", "--at", "1", "--set", "learn.lr=1e-3", "--run", "f"]
+    with pytest.raises(KeyboardInterrupt):
+        cli(storage, capsys, *fork)
+    monkeypatch.setattr(grpo.record.fork, "reference", real)
+    assert not storage.exists(f"{run_dir(storage, 'f')}/run.json")
+    rc, out, err = cli(storage, capsys, "gc", "--run", "p", "--retention", "--delete", "--older-than-s", "0")
+    assert rc == 0 and "run f: a fork of p at 1 killed while it was made: `grpo fork`" in out, out + err
+    assert "iteration 0:" in out and "referenced by run f (a fork)" in out, out
+    rc, _, err = cli(storage, capsys, *fork)  # what gc advised
+    assert rc == 0, err
+    WARM.take(None)
+    rc, _, err = cli(storage, capsys, "run", "--run", "f", "--iterations", "1")  # learn 1 resumes from p's learn 0
+    assert rc == 0, err
+    assert latest_committed(storage, stage_dir(storage, "f", 1, "learn")) is not None
+
+
 def test_a_resume_does_not_wait_for_a_state_writer_this_host_sees_gone(tmp_path, monkeypatch):
     """SIGKILL in learn 0's state commit, the policy committed: the next learn looked at the state's attempt, saw a
     heartbeat of 30 s ago at most, and waited 64-90 s for it to stop counting, though the writer's pid on this very

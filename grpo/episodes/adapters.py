@@ -32,6 +32,14 @@ KINDS = {
 }
 """Adapter kind -> the module whose `build(source)` makes its factory."""
 
+PRELOADS = {
+    "tools": ("grpo.episodes.tools", "transformers.utils.chat_template_utils"),
+    "environment": ("grpo.episodes.trl_environment", "transformers.utils.chat_template_utils"),
+    "openenv": ("grpo.episodes.openenv", "openenv.core"),
+}
+"""What a kind's factory imports that is not the user's code: imported in the stage before its workers fork, so
+rollout.tool_timeout_s bounds the user's code (its import, a class's construction, a reset), not ours."""
+
 PREFIXES = {"tools": "tools/", "environment": "environment/"}
 """Where a run's base commit keeps the copies of the files each setting names (rollout.tools, rollout.environment)."""
 
@@ -52,6 +60,8 @@ class Source:
     """The local path of each one's committed copy (None: a module spec)."""
     timeout_s: float = 10.0
     """rollout.tool_timeout_s: the time limit of one tool call (calls.py)."""
+    max_observation_bytes: int = 65536
+    """rollout.max_observation_bytes: what a worker sends back of an answer's text, at most (workers.py)."""
     options: tuple[tuple[str, object], ...] = ()
     """Anything else a kind needs, as sorted (name, value) pairs."""
 
@@ -62,6 +72,15 @@ def factory(source: Source) -> Callable[[], Environment]:
     if source.kind not in KINDS:
         raise ValueError(f"unknown environment kind {source.kind!r}; valid: {', '.join(KINDS)}")
     return importlib.import_module(KINDS[source.kind]).build(source)
+
+
+def preload(kind: str | None) -> None:
+    """Import PRELOADS[kind] here (before the workers fork); one that is not installed is the factory's to say."""
+    for name in PRELOADS.get(kind, ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 def kind_of(rollout) -> str | None:
@@ -91,6 +110,7 @@ def source(rollout, files: dict[str, str]) -> Source | None:
         tools=tuple(rollout.tools),
         tool_files=tuple(files.get(spec) for spec in rollout.tools),
         timeout_s=rollout.tool_timeout_s,
+        max_observation_bytes=rollout.max_observation_bytes,
     )
 
 

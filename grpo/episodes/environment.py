@@ -66,6 +66,9 @@ class Reply:
     errors: list[str] = field(default_factory=list)
     """What failed this turn (a tool that raised or timed out, an unknown tool, a call that did not parse), one
     line each: counted per iteration, the first stored in the turns table's `error`."""
+    cut: int = 0
+    """Bytes of the messages' text left out past rollout.max_observation_bytes (set by the worker, not the adapter:
+    what reaches the stage is at most that many bytes, whatever the environment answered)."""
 
 
 @runtime_checkable

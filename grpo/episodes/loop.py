@@ -34,7 +34,7 @@ from grpo.episodes.chat import observation_tokens, prompt_tokens, with_reset
 from grpo.episodes.environment import EnvironmentFailure
 from grpo.episodes.parsing import parse_turn
 from grpo.episodes.records import Episode, Turn
-from grpo.episodes.workers import RESET_S, Item, Outcome, Workers
+from grpo.episodes.workers import Item, Outcome, Workers
 from grpo.record.layout import episode_seed
 from grpo.sampling.base import Generator, SamplingSpec
 
@@ -68,6 +68,11 @@ class Loop:
         self.parse_prefix = getattr(tokenizer, "response_template", None) is not None
         self.name = workers.source.environment or ", ".join(workers.source.tools)
         self.tools: list[dict] = []  # the tools' schemas, once episodes are open
+        # a token's text is at most this many bytes (the vocabulary's longest entry): an observation longer than the
+        # budget's tokens times it cannot fit, and is never rendered or tokenized (an unknown-word token aside)
+        self.token_bytes = max(len(t.encode()) for t in tokenizer.get_vocab())
+        self.cut = 0  # observations cut: past rollout.max_observation_bytes in their worker, or past the budget
+        self.rerun = 0  # episodes lost with a worker another's call killed, re-created on a fresh worker by replay
 
     def run(
         self, starts: list[Start], spec: SamplingSpec, env_seed: int, progress: Callable[[int], None] | None = None
@@ -108,18 +113,19 @@ class Loop:
             going = [e for e in self._answer(ended) if sampled(e) < cap]
         return sum(map(sampled, live))
 
-    def reopen(self, episodes: list[Episode]) -> None:
+    def reopen(self, episodes: list[Episode], pending: bool = False) -> None:
         """Re-create the environments of episodes carried from an earlier stage (rollout.segment_tokens): each reset
-        with its group's seed, then asked each turn it answered, with that turn's seed, again. An answer other than
+        with its group's seed, then asked each turn it answered, with that turn's seed, again (`pending`: all but the
+        last, which awaits its answer). An answer other than
         the one recorded fails the stage in one line: that environment does not answer alike given its seeds (it
         has effects outside it, or draws from a generator it does not seed), so it cannot go on in another process."""
         for e, key in zip(episodes, self.workers.keys(len(episodes))):
             e.key = key
-        outcomes = self.workers.run("replay", [self._replay_item(e) for e in episodes])
+        outcomes = self.workers.run("replay", [self._replay_item(e, len(e.turns) - pending) for e in episodes])
         for e, o in zip(episodes, outcomes):
             self._check(e, o, "replay")
             added, self.tools, replies = o.value
-            answers = [(False, t.reply, t.errors) for t in e.turns]
+            answers = [(False, t.reply, t.errors) for t in e.turns[: len(e.turns) - pending]]
             for k, (got, recorded) in enumerate(zip([(added, None, [])] + replies, [(e.added, None, [])] + answers)):
                 if got != recorded:
                     where = "reset" if k == 0 else f"turn {k - 1}"
@@ -130,26 +136,37 @@ class Loop:
                         "iterations: seed it from reset's seed, or unset rollout.segment_tokens"
                     )
 
-    def _replay_item(self, e: Episode) -> Item:
+    def _replay_item(self, e: Episode, answered: int) -> Item:
         turns = [(t.text, t.calls, episode_seed(e.env_seed, e.prompt_id, e.sample_index, k + 1)) for k, t in
-                 enumerate(e.turns)]  # fmt: skip
-        limit = RESET_S + self.limits.tool_timeout_s * sum(len(t.calls) + 1 for t in e.turns)
+                 enumerate(e.turns[:answered])]  # fmt: skip
+        limit = self.limits.tool_timeout_s * (1 + sum(len(t.calls) + 1 for t in e.turns))  # the reset, each call
         seed = episode_seed(e.env_seed, e.prompt_id, 0, 0)
         return Item(e.key, seed, (e.row, seed, turns), limit)
 
     def _answer(self, ended: list[Episode]) -> list[Episode]:
         """The environments' answers to the turns that ended; the episodes that go on."""
         outcomes = self.workers.run("respond", [self._respond_item(e) for e in ended])
+        again = [i for i, o in enumerate(outcomes) if o.bystander]
+        if again:  # lost with a worker another episode's call killed: re-created on a fresh worker, asked again
+            try:
+                self.reopen([ended[i] for i in again], pending=True)
+            except EnvironmentFailure:  # an environment that cannot be replayed alike: those stay lost
+                return [e for e, o in zip(ended, outcomes) if self._answered(e, o)]
+            self.rerun += len(again)
+            for i, o in zip(again, self.workers.run("respond", [self._respond_item(ended[i]) for i in again])):
+                outcomes[i] = o
         return [e for e, o in zip(ended, outcomes) if self._answered(e, o)]
 
     def _reset(self, starts: list[Start], episodes: list[Episode], g: int, env_seed: int) -> list[dict]:
         """Reset every episode (a group's with one seed), render each prompt with its tools and what reset added;
         the tools' schemas."""
         seeds = [episode_seed(env_seed, s.prompt_id, 0, 0) for s in starts]
-        items = [Item(e.key, seeds[i // g], (starts[i // g].row, seeds[i // g])) for i, e in enumerate(episodes)]
+        limit = self.limits.tool_timeout_s  # a reset (constructing the episode's instance) is bounded as a call
+        items = [Item(e.key, seeds[i // g], (starts[i // g].row, seeds[i // g]), limit) for i, e in enumerate(episodes)]
         outcomes = self.workers.run("reset", items)
         for e, o in zip(episodes, outcomes):
             self._check(e, o, "reset")
+        self.cut += sum(o.value[2] > 0 for o in outcomes)
         tools = outcomes[0].value[1] if outcomes else self.tools
         for i, s in enumerate(starts):
             group = [o.value[0] for o in outcomes[i * g : (i + 1) * g]]
@@ -215,12 +232,16 @@ class Loop:
         t.errors = list(reply.errors)
         t.observation = "\n".join(str(m["content"]) for m in reply.messages) if reply.messages else None
         t.reply = list(reply.messages)
+        room = (e.budget - len(e.response_ids)) * self.token_bytes  # the most text the budget's tokens can hold
+        over = False
         if t.finish == "length":
             e.end = "budget"
         elif reply.done or not reply.messages:
             e.end = "done"
         elif len(e.turns) >= self.limits.max_turns:
             e.end = "max_turns"
+        elif over := sum(_text_bytes(m["content"]) for m in reply.messages) > room:
+            e.end = "budget"  # cut to nothing: never rendered or tokenized (a tool's 40 MB answer)
         else:
             sampled = e.response_ids[t.start : t.end]
             ended = self.tokenizer.decode(sampled[-1:], skip_special_tokens=False) if sampled else None
@@ -232,6 +253,7 @@ class Loop:
                 e.append(ids, False)
                 e.messages += reply.messages
                 t.appended = len(ids)
+        self.cut += bool(reply.cut) or over
         return e.end is None
 
     def finish(self, episodes: list[Episode]) -> None:
@@ -253,3 +275,12 @@ class Loop:
                 f"environment {self.name} failed in {where} of the episode prompt_id {e.prompt_id} sample "
                 f"{e.sample_index}: {why}"
             )
+
+
+def _text_bytes(content) -> int:
+    """UTF-8 bytes of a message content's text (a string, or content blocks)."""
+    if isinstance(content, str):
+        return len(content.encode("utf-8", "replace"))
+    if isinstance(content, list):
+        return sum(map(_text_bytes, content))
+    return sum(map(_text_bytes, content.values())) if isinstance(content, dict) else len(str(content))

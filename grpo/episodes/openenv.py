@@ -86,7 +86,7 @@ class OpenEnvEpisode:
     def __init__(self, url: str, field: str | None, schemas: list[dict], timeout_s: float):
         from openenv.core import GenericEnvClient
 
-        self.url, self.field, self.schemas = url, field, schemas
+        self.url, self.field, self.schemas, self.timeout_s = url, field, schemas, timeout_s
         self.client = GenericEnvClient(base_url=url, message_timeout_s=timeout_s).sync()
         self.rewards: list[float | None] = []
         self.done, self.observation = False, None
@@ -150,7 +150,12 @@ class OpenEnvEpisode:
                 return str(e)
             raise EnvironmentFailure(f"OpenEnv server {self.url}: {method} failed: {e}") from None
         except Exception as e:  # noqa: BLE001 (connection refused or lost, timeouts: the server is gone)
-            raise EnvironmentFailure(f"OpenEnv server {self.url}: {method}: {type(e).__name__}: {e}") from None
+            why = str(e) or (  # a timeout says nothing of itself
+                f"no answer within {self.timeout_s:g}s (rollout.tool_timeout_s)"
+                if isinstance(e, TimeoutError)
+                else "no message"
+            )
+            raise EnvironmentFailure(f"OpenEnv server {self.url}: {method}: {type(e).__name__}: {why}") from None
 
 
 def action_schema(url: str) -> dict:

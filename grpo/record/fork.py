@@ -238,10 +238,9 @@ def _history(storage: Storage, parent: str, at: int) -> list[Committed]:
     return order
 
 
-def resume_gone(storage: Storage, parent: str, history: list[Committed], at: int) -> str | None:
-    """What of `parent` the fork's learn `at` reads that gc collected, as "run p's optimizer state after learn 2
-    (<uri>: optimizer.pt)": learn at-1's policy and resume state, or, where that state was never committed, the
-    state and policies its replay reads (grpo.record.lineage.replay_chain); None where all is there."""
+def resume_needs(storage: Storage, parent: str, history: list[Committed], at: int) -> list[tuple[str, Committed]]:
+    """[(what, the attempt)] of `parent` the fork's learn `at` reads: learn at-1's policy and resume state, or, where
+    that state was never committed, the state and policies its replay reads (grpo.record.lineage.replay_chain)."""
     learned = {c.manifest.iteration: c for c in history if c.manifest.stage == "learn"}
     replayed, read = replay_chain(storage, parent, {k: c.attempt_dir for k, c in learned.items()}, at - 1)
     needs = [(f"policy of learn {k}", learned[k]) for k in sorted({at - 1, *replayed, *(m - 1 for m in replayed)})
@@ -249,7 +248,13 @@ def resume_gone(storage: Storage, parent: str, history: list[Committed], at: int
     if read is not None:
         held = committed_state(storage, parent, learned[read]) or learned[read]  # runs before the split: inside
         needs.append((f"optimizer state after learn {read}", held))
-    for what, c in needs:
+    return needs
+
+
+def resume_gone(storage: Storage, parent: str, history: list[Committed], at: int) -> str | None:
+    """What of `parent` the fork's learn `at` reads (resume_needs) that gc collected, as "run p's optimizer state
+    after learn 2 (<uri>: optimizer.pt)"; None where all is there."""
+    for what, c in resume_needs(storage, parent, history, at):
         if c.collected:
             return f"run {parent}'s {what} ({c.uri}: {', '.join(sorted(c.collected)[:2])})"
     return None
@@ -321,4 +326,18 @@ def referenced_by(storage: Storage, run_id: str) -> dict[str, set[str]]:
             for u in uris:
                 if u.startswith(prefix):
                     out.setdefault(u.rstrip("/"), set()).add(other)
+        for u in _resume_files(storage, run_id, being_made(storage, other)):  # what a half-made fork has yet to take
+            out.setdefault(u, set()).add(other)
     return out
+
+
+def _resume_files(storage: Storage, run_id: str, made: dict | None) -> list[str]:
+    """The uris of the files a half-made fork of `run_id` (being_made's record) will read when it is finished and
+    trains: run_id's policy and optimizer state at the fork point (resume_needs); gc keeps them till then."""
+    if not made or made.get("parent") != run_id or not isinstance(made.get("at"), int) or made["at"] < 1:
+        return []
+    try:
+        needs = resume_needs(storage, run_id, _history(storage, run_id, made["at"]), made["at"])
+    except (StageError, ArtifactError):  # a chain the fork could not take either: `grpo fork` says why
+        return []
+    return [storage.uri(f"{c.attempt_dir}/{f.path}") for _, c in needs for f in c.manifest.files if f.uri is None]

@@ -171,9 +171,9 @@ class RewardPool:
     without this process's credentials but those named in `pass_env` (reward.pass_env), and what they
     answer or print reaches the caller and the log with the values of all of them redacted."""
 
-    def __init__(self, workers: int, pass_env: tuple[str, ...] = ()):
+    def __init__(self, workers: int, pass_env: tuple[str, ...] = (), role: str = "reward"):
         self.workers: list[_Worker] = []
-        self.pass_env = tuple(pass_env)
+        self.pass_env, self.role = tuple(pass_env), role  # role: what its messages call a worker ("tool")
         self.secrets: dict[str, str] = {}  # value -> name of each credential, kept from the workers or passed
         self.left_running = 0  # processes its jobs left running (killed), since the pool started
         self.printed, self.printed_head = 0, b""  # what workers printed since the last log, its first bytes
@@ -211,7 +211,7 @@ class RewardPool:
     def idle(self) -> list[_Worker]:
         """Workers without a job; one that died idle (a thread of a reward function, a signal) is replaced."""
         for w in [w for w in self.workers if w.job is None and not w.process.is_alive()]:
-            log.warning("a reward worker ended between jobs (%s); starting another", self.replace(w))
+            log.warning("a %s worker ended between jobs (%s); starting another", self.role, self.replace(w))
         return [w for w in self.workers if w.job is None]
 
     def busy(self) -> list[_Worker]:
@@ -259,10 +259,10 @@ class RewardPool:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 self.replace(w)
-                raise RuntimeError(f"reward worker gave no answer within {timeout:g} s")
+                raise RuntimeError(f"{self.role} worker gave no answer within {timeout:g} s")
             for _, _, kind, payload in self.wait(left):
                 if kind == "died":
-                    raise RuntimeError(f"reward worker died: {self.replace(w)}")
+                    raise RuntimeError(f"{self.role} worker died: {self.replace(w)}")
                 if kind == "failed":
                     raise RuntimeError(payload)
                 if kind == "done":
@@ -332,8 +332,8 @@ def _output_file() -> int:
     return fd
 
 
-def _fork_pool(workers: int, pass_env: tuple[str, ...] = ()) -> RewardPool:
-    return RewardPool(workers, pass_env)
+def _fork_pool(workers: int, pass_env: tuple[str, ...] = (), role: str = "reward") -> RewardPool:
+    return RewardPool(workers, pass_env, role)
 
 
 class _WarmPools:
@@ -358,9 +358,10 @@ class _WarmPools:
                 self._pools.popitem()[1].terminate()
 
     @contextmanager
-    def pool(self, workers: int, pass_env: Sequence[str] = ()):
-        """A pool of `workers` processes keeping the credentials `pass_env` names (reward.pass_env)."""
-        key = (workers, tuple(pass_env))
+    def pool(self, workers: int, pass_env: Sequence[str] = (), role: str = "reward"):
+        """A pool of `workers` processes keeping the credentials `pass_env` names (reward.pass_env); `role` names
+        them in its messages ("tool": rollout.tool_workers)."""
+        key = (workers, tuple(pass_env), role)
         if not self.active:
             with _fork_pool(*key) as pool:
                 yield pool

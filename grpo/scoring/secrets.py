@@ -13,6 +13,7 @@ sandbox (another user, a container), which this is not.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fnmatch
 import os
 from typing import Any, Iterable, Mapping
@@ -65,11 +66,16 @@ def secret_values(environ: Mapping[str, str], pass_env: Iterable[str] = ()) -> d
 
 
 def redact(obj: Any, secrets: Mapping[str, str]) -> Any:
-    """obj with every secret value in its strings (dict keys included, through lists, tuples and dicts)
-    replaced by `<NAME redacted>`.
+    """obj with every secret value in its strings (dict keys included, through lists, tuples, dicts and dataclass
+    instances, such as the Reply an environment answers in) replaced by `<NAME redacted>`.
 
     >>> redact([("KeyError: 'k=abcdefgh1'", {"abcdefgh1": 1.0})], {"abcdefgh1": "AWS_SECRET_ACCESS_KEY"})
     [("KeyError: 'k=<AWS_SECRET_ACCESS_KEY redacted>'", {'<AWS_SECRET_ACCESS_KEY redacted>': 1.0})]
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Reply:
+    ...     messages: list
+    >>> redact(Reply([{"role": "tool", "content": "abcdefgh1"}]), {"abcdefgh1": "MY_KEY"})
+    Reply(messages=[{'role': 'tool', 'content': '<MY_KEY redacted>'}])
     """
     if not secrets:
         return obj
@@ -86,6 +92,9 @@ def redact(obj: Any, secrets: Mapping[str, str]) -> Any:
         return type(obj)(redact(x, secrets) for x in obj)
     if isinstance(obj, dict):
         return {redact(k, secrets): redact(v, secrets) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = [f.name for f in dataclasses.fields(obj) if f.init]
+        return dataclasses.replace(obj, **{name: redact(getattr(obj, name), secrets) for name in fields})
     return obj
 
 

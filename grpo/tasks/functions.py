@@ -135,11 +135,23 @@ def per_sample(fn: Callable) -> Callable:
 
 
 def split_spec(spec: str, setting: str = "reward.functions") -> tuple[str, str]:
-    """`target:function` -> (target, function); a spec without both fails naming it."""
+    """`target:function` -> (target, function); a spec without both, or whose target is neither a .py file nor a
+    module's dotted name (a path such as ../../etc/passwd), fails naming it.
+
+    >>> split_spec("../../etc/passwd:x", "rollout.tools")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    grpo.tasks.functions.RewardFunctionError: rollout.tools: '../../etc/passwd:x' names '../../etc/passwd', neither...
+    """
     target, _, name = spec.rpartition(":")
     if not target or not name.isidentifier():
         raise RewardFunctionError(
             f"{setting}: {spec!r} is not of the form path/to/file.py:function or package.module:function"
+        )
+    module = all(part.isidentifier() for part in target.split("."))
+    if not (module or target.endswith(".py") or target.startswith(PICKLED)):
+        raise RewardFunctionError(
+            f"{setting}: {spec!r} names {target!r}, neither a .py file nor a module (package.module): name a file "
+            f"path/to/file.py:{name} or an importable module"
         )
     return target, name
 
