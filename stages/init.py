@@ -45,6 +45,7 @@ from grpo.record.layout import run_dir, run_json
 from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage
 from grpo.record.weights import lora_target_problem
+from grpo.sampling.engines import vllm_model_problem
 from grpo.tasks import functions, generates, get_task
 from stages.common import (
     StageError,
@@ -321,6 +322,12 @@ def check_lora_targets(cfg: RunConfig, model_dir: str) -> None:
         raise ConfigError(f"learn.lora.target_modules: {problem}; list those that should get adapters")
 
 
+def check_sampler(cfg: RunConfig, model_dir: str) -> None:
+    """rollout.backend=vllm needs vLLM to build the model's architecture here (grpo.sampling.engines)."""
+    if cfg.rollout.backend == "vllm" and (problem := vllm_model_problem(model_dir)):
+        raise ConfigError(f"rollout.backend=vllm: {problem}; set rollout.backend=hf (or auto)")
+
+
 def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
     """(local folder of the checked base model, where it came from), inside `tmp`."""
     folder = f"{tmp}/model"
@@ -337,6 +344,7 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
         raise ConfigError(f"model.base_model {source}: {problem}")
     check_inputs(cfg, folder)
     check_lora_targets(cfg, folder)
+    check_sampler(cfg, folder)
     log.info("%s", learner_path_line(folder, cfg.learn.padding_free, cfg.learn.gradient_checkpointing))
     bad = non_finite_weights(folder)
     if bad:

@@ -109,3 +109,28 @@ def test_families_vllm_supports_train_an_iteration_on_vllm(family, tmp_path, dat
 
     dtype = "bfloat16" if family in BF16_ON_VLLM_CPU and vllm_device().type == "cpu" else "float32"
     check(one_iteration(tmp_path, dataset, family, "vllm", dtype), "vllm", dtype)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_init_refuses_vllm_for_a_model_it_cannot_build_here(tmp_path, dataset):
+    """Qwen3.5's vLLM module imports torchvision: where it does not import, rollout.backend=vllm is refused at init in
+    one line naming the setting to use, before anything is committed; where it does, vLLM builds it (the test above)."""
+    from grpo.config import ConfigError
+    from grpo.record.layout import run_json
+    from grpo.sampling.engines import vllm_model_problem
+
+    qwen35 = build_family_model(str(tmp_path / "qwen3_5"), "qwen3_5", TEXTS)
+    assert vllm_model_problem(build_family_model(str(tmp_path / "llama"), "llama", TEXTS)) is None
+    problem, missing = vllm_model_problem(qwen35), torchvision_fails()
+    assert (problem is None) == (missing is None), problem
+    if missing is None:
+        return
+    assert "Qwen3_5ForCausalLM" in problem and "torchvision" in problem, problem
+    storage = open_storage((tmp_path / "store").as_uri())
+    settings = [f"model.base_model={qwen35}", "task.name=math", f"task.dataset={dataset}", "task.prompt_format=chat"]
+    settings += ["task.prompt_column=question", "task.answer_column=answer", "rollout.backend=vllm"]
+    refused = r"^rollout.backend=vllm: vLLM's model for Qwen3_5ForCausalLM .* set rollout.backend=hf"
+    with pytest.raises(ConfigError, match=refused):
+        init_run(storage, "q", load_config(None, settings))
+    assert not storage.exists(run_json(storage, "q"))
