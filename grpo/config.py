@@ -361,7 +361,7 @@ class RewardConfig:
     of taking the machine. None: no cap."""
     pass_env: list[str] = field(default_factory=list)
     """Names of credential variables reward functions may read (e.g. [OPENAI_API_KEY] for a judge): workers
-    start without every AWS_*, *_TOKEN, *_KEY, *SECRET*, *PASSWORD* (grpo/scoring/secrets.py) but these, and
+    start without every AWS_*, *_TOKEN, *_KEY, *SECRET*, *PASSWORD* (grpo/runtime/secrets.py) but these, and
     the values of all of them, these included, are redacted from errors, component names and printed output.
     Not part of the stage's identity."""
     shards: int = 1

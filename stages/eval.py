@@ -23,8 +23,8 @@ from grpo.record.identity import section
 from grpo.record.layout import Salt, iteration_seed, stage_dir
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage, committed_attempts, latest_committed
+from grpo.runtime.pool import WARM_POOLS
 from grpo.sampling.base import SamplingSpec, decode_responses
-from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
 from schemas import table_file, write_parquet
 from stages.common import StageError, load_run, measured, run_stage

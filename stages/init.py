@@ -185,7 +185,7 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
     module-level code never runs in this process; a typo, an exit or a crash is one line), and the model's chat
     template renders tools and continues a conversation."""
     from grpo.episodes.workers import check
-    from grpo.scoring.pool import RewardPool
+    from grpo.runtime.pool import RewardPool
 
     r = cfg.rollout
     if adapters.kind_of(r) is None:
@@ -219,7 +219,7 @@ def reward_columns(cfg: RunConfig) -> dict[str, list[str]]:
     """{spec: the dataset columns it needs} of reward.functions, each imported and checked in a reward worker (no
     credentials but reward.pass_env's, what it prints logged redacted), as the rewards stage runs them: a reward
     file's module-level code never runs in this process, and an import that exits, crashes or hangs is one line."""
-    from grpo.scoring.pool import RewardPool
+    from grpo.runtime.pool import RewardPool
 
     found = {}
     with RewardPool(1, tuple(cfg.reward.pass_env)) as pool:

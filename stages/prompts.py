@@ -24,9 +24,9 @@ from grpo.episodes.workers import Workers, probe
 from grpo.record.checkpoint import local_checkpoint, policy_folders, tokenizer_and_config
 from grpo.record.layout import Salt, iteration_seed
 from grpo.record.storage import Committed
+from grpo.runtime.pool import WARM_POOLS
 from grpo.sampling.base import Generator, stop_token_ids
 from grpo.sampling.engines import choose_backend, engine_settings, get_generator
-from grpo.scoring.pool import WARM_POOLS
 from grpo.tasks import Example, functions, get_task
 from stages.common import StageError
 

@@ -33,7 +33,7 @@ from grpo.record import reward_files
 from grpo.record.identity import section
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage
-from grpo.scoring.pool import WARM_POOLS
+from grpo.runtime.pool import WARM_POOLS
 from grpo.scoring.score import allowed_errors, batch_items, episode_arguments, score_samples, scorer_key
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, read_parquet, table_file

@@ -26,7 +26,7 @@ from grpo.record.identity import section
 from grpo.record.layout import Salt, iteration_seed, round_seed
 from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version
 from grpo.record.storage import Committed, Storage
-from grpo.scoring.pool import WARM_POOLS
+from grpo.runtime.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
 from schemas import ParquetWriter, table_file
 from stages import episode_segments, rewards, segments

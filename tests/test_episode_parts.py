@@ -15,9 +15,9 @@ from grpo.episodes.environment import Reply, ToolCall
 from grpo.episodes.parsing import parse_turn
 from grpo.episodes.workers import Item, Workers, probe
 from grpo.errors import StageError
+from grpo.runtime.pool import RewardPool
 from grpo.sampling.base import SamplingSpec
 from grpo.sampling.hf import HFGenerator
-from grpo.scoring.pool import RewardPool
 from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_tokenizer, build_tiny_model
 
 ROUGH = '''

@@ -17,8 +17,8 @@ from grpo.config import RewardConfig, RunConfig
 from grpo.errors import StageError
 from grpo.record.checkpoint import local_checkpoint
 from grpo.record.storage import Committed
+from grpo.runtime.pool import IDLE, LOADING, RewardPool, progress_record, tell
 from grpo.runtime.procs import cap_memory
-from grpo.scoring.pool import IDLE, LOADING, RewardPool, progress_record, tell
 from grpo.scoring.shaping import overlong, truncated
 from grpo.tasks import functions
 
