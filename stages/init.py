@@ -45,6 +45,7 @@ from grpo.record.layout import run_dir, run_json
 from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage
 from grpo.tasks import functions, generates, get_task
+from grpo.tasks.base import EPISODE_ARGUMENTS
 from stages.common import (
     StageError,
     dataset_examples,
@@ -160,7 +161,7 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
     for spec, needed in reward_columns(cfg).items():
         missing = set(needed) - columns
         if adapters.kind_of(cfg.rollout) is not None:  # an episode's environment and conversation
-            missing -= set(functions.EPISODE_ARGUMENTS)
+            missing -= set(EPISODE_ARGUMENTS)
         if missing:
             raise ConfigError(
                 f"reward.functions: {spec!r} needs dataset column(s) {sorted(missing)}, which "

@@ -13,13 +13,13 @@ import time
 
 from grpo import data
 from grpo.config import RolloutConfig, RunConfig
-from grpo.episodes.environment import FinalState
 from grpo.episodes.loop import Limits, Loop
 from grpo.episodes.records import Episode, episode_columns, turn_columns
 from grpo.episodes.workers import Workers
 from grpo.record.commit import StageWriter
 from grpo.record.storage import Storage
 from grpo.sampling.base import Generator, Sample, SamplingSpec, decode_responses
+from grpo.tasks.base import episode_arguments
 from schemas import ParquetWriter, table_file
 from stages.prompts import Prompts, episode_starts
 
@@ -180,10 +180,7 @@ def sample_all(gen: Generator, p: Prompts, spec: SamplingSpec, env, cfg: RunConf
 
 def reward_arguments(samples: list) -> list[dict]:
     """What reward functions get of each sample beside its dataset row: an episode's environment and messages
-    (grpo.tasks.functions.EPISODE_ARGUMENTS), nothing for a single-turn sample."""
+    (grpo.tasks.base.episode_arguments), nothing for a single-turn sample."""
     return [
-        {"environment": None if s.final is None else FinalState(s.final), "messages": s.messages[s.prompt_messages :]}
-        if isinstance(s, Episode)
-        else {}
-        for s in samples
+        episode_arguments(s.final, s.messages[s.prompt_messages :]) if isinstance(s, Episode) else {} for s in samples
     ]
