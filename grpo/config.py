@@ -35,6 +35,7 @@ from grpo.variants import (
     KLEstimator,
     LossType,
     OldLogprobs,
+    environment_kind,
 )
 
 Backend = Literal["auto", "vllm", "hf"]
@@ -309,6 +310,10 @@ class RolloutConfig:
                     "(an eos id, the chat template's end of turn, ends a segmented response)"
                 )
 
+    def environment_kind(self) -> str | None:
+        """The episodes' adapter kind (grpo.variants.environment_kind); None: single-turn rollouts."""
+        return environment_kind(self.environment, self.tools)
+
     def check_episodes(self) -> None:
         """The episode settings: counts >= 1, a positive time limit, names of the form reward.functions take."""
         for name in ("max_turns", "tool_workers"):
@@ -323,7 +328,7 @@ class RolloutConfig:
                 f"rollout.tool_max_memory_mb must be >= 64 or null (no cap), got {self.tool_max_memory_mb}"
             )
         for spec in self.tools + ([self.environment] if self.environment else []):
-            if spec == self.environment and "://" in spec:
+            if spec == self.environment and self.environment_kind() == "openenv":
                 continue  # an OpenEnv server's URL (grpo/episodes/openenv.py)
             target, _, name = spec.rpartition(":")
             if not target or not name.isidentifier():

@@ -39,8 +39,8 @@ class Episodes:
     """A segmented stage's episodes: the loop over its sampler and workers, and the episodes whose environments it
     holds (those carried in and those started here)."""
 
-    def __init__(self, gen: Generator, p: Prompts, env: tuple, cfg: RunConfig, iteration: int):
-        self.loop, self.cfg, self.iteration = episode_loop(gen, p, env[0], cfg), cfg, iteration
+    def __init__(self, gen: Generator, p: Prompts, env, cfg: RunConfig, iteration: int):
+        self.loop, self.cfg, self.iteration = episode_loop(gen, p, env.workers, cfg), cfg, iteration
         self.here: list[Response] = []
         self.replay_s, self.replayed = 0.0, 0
 

@@ -78,7 +78,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
             return held_out(writer, env)
 
     def held_out(writer, env):
-        tools = None if env is None else env[1]
+        tools = None if env is None else env.tools
         p = policy_and_prompts(inputs["policy"], eval_prompts(cfg), cfg, base=inputs.get("base"), tools=tools)
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)

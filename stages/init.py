@@ -160,7 +160,7 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
     columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
     for spec, needed in reward_columns(cfg).items():
         missing = set(needed) - columns
-        if adapters.kind_of(cfg.rollout) is not None:  # an episode's environment and conversation
+        if cfg.rollout.environment_kind() is not None:  # an episode's environment and conversation
             missing -= set(EPISODE_ARGUMENTS)
         if missing:
             raise ConfigError(
@@ -189,7 +189,7 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
     from grpo.runtime.pool import RewardPool
 
     r = cfg.rollout
-    if adapters.kind_of(r) is None:
+    if r.environment_kind() is None:
         return
     if not data.has_chat_template(tokenizer):
         raise ConfigError(

@@ -183,10 +183,19 @@ def environment_source(cfg: RunConfig, base: Committed | None) -> adapters.Sourc
     return adapters.source(r, files)
 
 
+@dataclass(frozen=True)
+class Environments:
+    """Where a stage's episodes live: the workers holding their environments, and the tools' schemas every prompt is
+    rendered with."""
+
+    workers: Workers
+    tools: list[dict]
+
+
 @contextmanager
 def environments(cfg: RunConfig, base: Committed | None):
-    """The workers a stage's episodes live in (grpo.episodes.workers; forked before the sampler starts) and their
-    tools' schemas, or None for single-turn rollouts; an environment that does not build fails in one line."""
+    """The Environments of a stage's episodes (grpo.episodes.workers; forked before the sampler starts), or None for
+    single-turn rollouts; an environment that does not build fails in one line."""
     source = environment_source(cfg, base)
     if source is None:
         yield None
@@ -198,7 +207,7 @@ def environments(cfg: RunConfig, base: Committed | None):
         except RuntimeError as e:
             where = f"rollout.environment {r.environment!r}" if r.environment else f"rollout.tools {r.tools}"
             raise StageError(f"{where}: {e}") from e
-        yield Workers(pool, source, r.tool_max_memory_mb), tools
+        yield Environments(Workers(pool, source, r.tool_max_memory_mb), tools)
 
 
 def episode_starts(p: Prompts, chunk: slice, cfg: RunConfig) -> list[Start]:

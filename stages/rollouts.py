@@ -82,7 +82,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
 
     def sample_segmented(writer, env) -> dict:
         """rollout.segment_tokens: the carried responses and this iteration's, at most B new tokens each (segments)."""
-        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, None if env is None else env[1])
+        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, None if env is None else env.tools)
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)
         engine_s = time.perf_counter() - t0
@@ -115,7 +115,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         }
 
     def sample_part(writer, shard_k: int, env) -> dict:
-        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, None if env is None else env[1])
+        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, None if env is None else env.tools)
         chunks = -(-len(p.ids) // r.chunk_prompts)
         if r.shards > chunks:  # fewer prompts than asked for were left (skipped ones)
             raise StageError(
@@ -128,7 +128,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         engine_s = time.perf_counter() - t0
         spec = sampling_spec(r, iteration_seed(cfg.seed, iteration, Salt.SAMPLING))
         seed = iteration_seed(cfg.seed, iteration, Salt.ENVIRONMENT)
-        tally = Tally(episodes=None if env is None else Episodes(storage, writer, gen, p, env[0], cfg, seed))
+        tally = Tally(episodes=None if env is None else Episodes(storage, writer, gen, p, env.workers, cfg, seed))
         report = Progress(f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""), len(part), "prompts")
         with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out, tally.tables():
             for start in range(part.start, part.stop, r.chunk_prompts):

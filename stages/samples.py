@@ -174,7 +174,7 @@ def sample_all(gen: Generator, p: Prompts, spec: SamplingSpec, env, cfg: RunConf
     (stages.prompts.environments: episodes) spec.n episodes of each (the held-out eval's; `seed` its environments')."""
     if env is None:
         return gen.generate(p.ids, spec, p.budgets, progress)
-    loop = episode_loop(gen, p, env[0], cfg)
+    loop = episode_loop(gen, p, env.workers, cfg)
     return loop.run(episode_starts(p, slice(None), cfg), spec, seed, progress)
 
 
