@@ -231,6 +231,20 @@ def start_policy(storage: Storage, inputs: dict[str, Committed]) -> tuple[str, s
     return policy_folders(previous, inputs.get("base"))[1:]
 
 
+@dataclass
+class Left:
+    """What a learn's body leaves to the stage once it has committed (or failed)."""
+
+    learner: Learner | None = None
+    """The learner the update ran in this process: kept warm for iteration k + 1."""
+    held: str | None = None
+    """The resume state's folder, committed apart after the policy (grpo.record.resume)."""
+    made: str | None = None
+    """On object storage: the folder the policy was written to, kept in this machine's cache."""
+    shards: state.Shards | None = None
+    """fsdp2 ranks writing their shards while the policy commits."""
+
+
 @measured
 def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, node_rank: int = 0) -> Committed:
     """The stage; with learn.nodes > 1 this is node 0, and `node_rank` r >= 1 joins it as node r
@@ -241,31 +255,30 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     inputs = learn_inputs(storage, cfg, run_id, iteration)
     how = launcher(cfg, iteration)
     shared = not devices.apart(cfg)  # the learner runs on the sampler's device: they take turns on it
-    learner: Learner | None = None
-    held: str | None = None  # the resume state, committed apart after the policy (grpo.record.resume)
-    made: str | None = None  # on object storage: the folder the policy was written to, kept in this machine's cache
-    shards: state.Shards | None = None  # fsdp2 ranks writing their shards while the policy commits
+    left = Left()
 
     def body(writer: StageWriter) -> dict:
-        nonlocal learner, held, made, shards
         state.settled()  # this process's commit of the state before: one at a time (a failed one: replayed)
         batch = read_batch(storage, cfg, inputs)
         if shared:  # the sampler sleeps (or closes) while the learner runs on its device
             release_accelerator(cfg.rollout.keep_engine)
         if "previous" in inputs and how == "process":  # the model and optimizer the previous iteration left in memory
-            learner = WARM.take(WARM.key(cfg, inputs["previous"].uri))
-        warm = learner is not None
+            left.learner = WARM.take(WARM.key(cfg, inputs["previous"].uri))
+        warm = left.learner is not None
         with tempfile.TemporaryDirectory() as tmp:
             folders = checkpoint_folders(storage, cfg, inputs, tmp, state=not warm)
             local = is_local(storage.fs)  # local storage: write into the attempt itself, no copy of the model
-            out_dir = writer.attempt_dir if local else (made := staging_folder())
+            left.made = None if local else staging_folder()
+            out_dir = writer.attempt_dir if local else left.made
             if how != "nodes":  # several nodes write their shards of it into the learn's attempt
-                held = staging_folder()  # on the cache's disk: grpo.record.resume keeps it there
+                left.held = staging_folder()  # on the cache's disk: grpo.record.resume keeps it there
             if how == "shards":
-                shards = state.Shards(storage, stage_config(cfg), run_id, iteration, held)
-            u = Update(cfg, run_id, iteration, batch, folders, out_dir, held, tmp, learner, writer, shards)
+                left.shards = state.Shards(storage, stage_config(cfg), run_id, iteration, left.held)
+            u = Update(
+                cfg, run_id, iteration, batch, folders, out_dir, left.held, tmp, left.learner, writer, left.shards
+            )
             summary = LAUNCHERS[how](u)
-            learner = u.learner
+            left.learner = u.learner
             if cfg.learn.lora is None:
                 carry_checkpoint_files(folders["policy_dir"], f"{out_dir}/policy")
             if not local:  # policy/ or adapter/, metrics, logprobs (and, several nodes, the state)
@@ -277,22 +290,22 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
         with devices.current(devices.learner_device(cfg.learn) if how == "process" else None):
             out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
     except BaseException:
-        if shards is not None:
-            shards.close()
-        for folder in (held, made):
+        if left.shards is not None:
+            left.shards.close()
+        for folder in (left.held, left.made):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
         raise
-    if made is not None:  # the next learn and a sampler on this machine read the policy without a download
+    if left.made is not None:  # the next learn and a sampler on this machine read the policy without a download
         prefix = ADAPTER_PREFIX if cfg.learn.lora else CHECKPOINT_PREFIX
-        keep_written(out, f"{made}/{prefix.rstrip('/')}", prefix)
-        shutil.rmtree(made, ignore_errors=True)
-    if held is not None and state.due(cfg, iteration):  # the policy is committed: the state follows, meanwhile
-        state.commit_later(storage, config, run_id, out, held, shards)
-    elif held is not None:
-        shutil.rmtree(held)
-    if learner is not None:  # ran in this process and committed: keep it for iteration k + 1
-        WARM.keep(WARM.key(cfg, out.uri), learner, offload=shared)
+        keep_written(out, f"{left.made}/{prefix.rstrip('/')}", prefix)
+        shutil.rmtree(left.made, ignore_errors=True)
+    if left.held is not None and state.due(cfg, iteration):  # the policy is committed: the state follows, meanwhile
+        state.commit_later(storage, config, run_id, out, left.held, left.shards)
+    elif left.held is not None:
+        shutil.rmtree(left.held)
+    if left.learner is not None:  # ran in this process and committed: keep it for iteration k + 1
+        WARM.keep(WARM.key(cfg, out.uri), left.learner, offload=shared)
     return out
 
 
