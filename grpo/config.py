@@ -183,7 +183,7 @@ class RolloutConfig:
     max_prompt_tokens: int | None = None
     """Longer prompts are skipped (counted in the manifest summary as `skipped_prompts`); prompts that
     leave no room for a response within the model's context are skipped too, one whose characters alone say so
-    without being tokenized (grpo.data.surely_longer). None: no limit of its own."""
+    without being tokenized (grpo.grpo.episodes.templates.surely_longer). None: no limit of its own."""
     chunk_prompts: int = 512
     """Prompts generated and written per Parquet row group; bounds memory. Each chunk's sampler call is seeded
     from the stage's seed alone, so another chunk size samples other rows (as another seed would)."""
@@ -261,7 +261,7 @@ class RolloutConfig:
     minibatches), fixed by the config and the seed, never by timing. Every iteration starts its own
     prompts_per_iteration prompts, as without it. With tools or an environment a response is an episode: B counts its
     sampled tokens, a turn cut at B is continued from its ids, and the next iteration re-creates its environment by
-    replaying its answered turns (stages/episode_segments.py). None: off, every response sampled to its end in its
+    replaying its answered turns (stages/segments.py). None: off, every response sampled to its end in its
     iteration."""
 
     def check(self) -> None:

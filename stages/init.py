@@ -17,7 +17,7 @@ busy. A typo fails here, naming the field, and leaves no run behind.
 
 The base manifest's summary records each dataset's fingerprint (and the rows left out by
 task.skip_invalid_rows): the run is pinned to those bytes, and a stage refuses a dataset that
-changed since (grpo.data.pin). A run made before fingerprints were recorded is not pinned.
+changed since (grpo.pins.pin). A run made before fingerprints were recorded is not pinned.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from pathlib import Path
 
 from grpo import data
 from grpo.config import ConfigError, RunConfig, load_config_file
-from grpo.episodes import adapters
+from grpo.episodes import adapters, templates
 from grpo.errors import one_line
+from grpo.record import pins
 from grpo.record.checkpoint import (
     ModelNotFoundError,
     checkpoint_problem,
@@ -153,7 +154,7 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
     examples = _sample_prompts(cfg)
     for example in examples:
         try:
-            data.render(tokenizer, example.prompt, cfg.task.prompt_format, cfg.task.system_prompt)
+            templates.render(tokenizer, example.prompt, cfg.task.prompt_format, cfg.task.system_prompt)
         except data.DatasetError as e:
             raise ConfigError(f"task.prompt_format={cfg.task.prompt_format}: {e}") from e
     check_episodes(cfg, tokenizer)
@@ -191,7 +192,7 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
     r = cfg.rollout
     if r.environment_kind() is None:
         return
-    if not data.has_chat_template(tokenizer):
+    if not templates.has_chat_template(tokenizer):
         raise ConfigError(
             "rollout.tools / rollout.environment: episodes render their prompts, tools and observations with the "
             "model's chat template, and the model's tokenizer has none"
@@ -207,7 +208,7 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
     if isinstance(schemas, str):
         raise ConfigError(schemas)
     try:
-        data.apply_template(tokenizer, [{"role": "user", "content": "x"}], schemas, add_generation_prompt=True)
+        templates.apply_template(tokenizer, [{"role": "user", "content": "x"}], schemas, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)
         raise ConfigError(f"rollout.tools: the model's chat template does not render tools: {e}") from e
 
@@ -367,7 +368,7 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
             pin_datasets(storage, run_id)  # a committed base's datasets must not have changed
             datasets = dataset_facts(cfg)
         else:
-            data.pin(None)  # a new run: nothing recorded yet (a run loaded before in this process pins no more)
+            pins.pin(None)  # a new run: nothing recorded yet (a run loaded before in this process pins no more)
             check_sizes(cfg)
             check_reward_workers(cfg)
             datasets = dataset_facts(cfg)  # before anything is written
@@ -394,6 +395,6 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
         if adapters.names_files(cfg.rollout):  # runs without them keep their base's identity
             stage_cfg["episode_files"] = [s for specs, _ in code_files(cfg)[1:] for s in specs]
         base = run_stage(storage, run_id, None, "base", config=stage_cfg, inputs={}, body=body, force=force)
-    data.pin(base.manifest.summary.get("datasets"))  # what the base recorded: the later stages of this process
+    pins.pin(base.manifest.summary.get("datasets"))  # what the base recorded: the later stages of this process
     log.info("run %s ready at %s", run_id, storage.uri(run_dir(storage, run_id)))
     return base
