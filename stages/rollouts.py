@@ -44,7 +44,7 @@ from stages.prompts import (
     round_prompts,
     sampler,
 )
-from stages.samples import Counts, Rows, episode_loop, sampling_spec
+from stages.samples import Rows, episode_loop, sampling_spec
 from stages.shards import ranges, run_sharded
 
 
@@ -95,13 +95,11 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         report = Progress(f"rollouts {iteration}", sum(x.finish is None for x in responses), "responses")
         held, figures = segments.sample_segments(loop, responses, cfg, iteration, report)
         loop.close(here)  # the final states of those that ended here: stored with them, carried or released
-        environment = env.workers is not None
-        counts = segments.write(storage, writer, run_id, iteration, held, p, cfg, stamp["policy_version"], here,
-                                environment)  # fmt: skip
+        rows = segments.write(storage, writer, run_id, iteration, held, p, cfg, stamp["policy_version"], here, env)
         return {
-            **summary(len(p.ids), p.skipped, counts, environment, stamp, engine_s, figures["generate_s"], settings),
+            **summary(len(p.ids), p.skipped, rows, stamp, engine_s, figures["generate_s"], settings),
             **segments.summary(held, iteration, figures),
-            **(replay if environment else {}),
+            **(replay if rows.environment else {}),  # what carrying an environment costs
             "segment_tokens": r.segment_tokens,
         }
 
@@ -121,7 +119,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         seed = iteration_seed(cfg.seed, iteration, Salt.ENVIRONMENT)
         loop, generate_s = episode_loop(gen, p, env, cfg, stamp), 0.0
         report = Progress(f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""), len(part), "prompts")
-        with Rows(storage, writer, env.workers is not None) as rows:
+        with Rows(storage, writer, env) as rows:
             for start in range(part.start, part.stop, r.chunk_prompts):
                 chunk, at = slice(start, start + r.chunk_prompts), start - part.start
                 t0 = time.perf_counter()
@@ -130,8 +128,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
                 generate_s += time.perf_counter() - t0
                 rows.write(run_id, iteration, groups, p, stamp)
                 report(min(start + r.chunk_prompts, part.stop) - part.start)
-        environment = env.workers is not None
-        return summary(len(part), p.skipped, rows.counts, environment, stamp, engine_s, generate_s, settings)
+        return summary(len(part), p.skipped, rows, stamp, engine_s, generate_s, settings)
 
     with current(sampler_device(r)):  # this thread's CUDA device the sampler's (a learner may hold another)
         return run_sharded(
@@ -173,14 +170,14 @@ def checked_prompts(snap: Committed, examples: list, cfg: RunConfig, tools: list
     return p
 
 
-def summary(prompts: int, skipped: int, counts: Counts, environment: bool, stamp: dict, engine_s: float,
-            generate_s: float, sampler: dict) -> dict:  # fmt: skip
-    """The rollouts summary: the prompts sampled and skipped, what the rows written count (stages.samples.Counts), the
+def summary(prompts: int, skipped: int, rows: Rows, stamp: dict, engine_s: float, generate_s: float,
+            sampler: dict) -> dict:  # fmt: skip
+    """The rollouts summary: the prompts sampled and skipped, what the rows written count (stages.samples.Rows), the
     policy that sampled them, the seconds the engine took to start and the sampling took, the sampler's settings."""
     return {
         "prompts": prompts,
         "skipped_prompts": skipped,
-        **counts.summary(environment),
+        **rows.summary(),
         **stamp,
         "engine_s": engine_s,
         "generate_s": generate_s,
@@ -247,7 +244,7 @@ def sample_rounds(
     engine_s = score_s = generate_s = 0.0
     with (
         WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool,  # forked before the sampler starts
-        Rows(storage, writer, environment=False) as rows,  # single-turn (config.validate_dynamic_sampling)
+        Rows(storage, writer, Environments()) as rows,  # single-turn (config.validate_dynamic_sampling)
         ParquetWriter(storage.fs, writer.path(table_file("draws")), "draws") as draws,
     ):
         while rounds < r.max_sampling_rounds and (rounds == 0 or signal < r.min_signal_groups):
@@ -281,7 +278,7 @@ def sample_rounds(
             if signal == 0 and (flat := flat_epoch(cfg, iteration, rounds)):
                 raise StageError(flat)
     return {
-        **summary(kept, skipped, rows.counts, False, stamp, engine_s, generate_s, settings),
+        **summary(kept, skipped, rows, stamp, engine_s, generate_s, settings),
         "rounds": rounds,
         "prompts_drawn": rounds * n,
         "signal_groups": signal,

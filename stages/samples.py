@@ -122,10 +122,11 @@ class Rows:
     """The tables a rollouts stage writes its episodes to, in its attempt: rollouts, and with an environment turns and
     episodes (each write one row group of each); what they counted."""
 
-    def __init__(self, storage: Storage, writer: StageWriter, environment: bool):
-        names = ("rollouts", "turns", "episodes") if environment else ("rollouts",)
+    def __init__(self, storage: Storage, writer: StageWriter, env: Environments):
+        self.environment = env.workers is not None
+        names = ("rollouts", "turns", "episodes") if self.environment else ("rollouts",)
         self.tables = {t: ParquetWriter(storage.fs, writer.path(table_file(t)), t) for t in names}
-        self.counts, self.environment = Counts(), environment
+        self.counts = Counts()
 
     def write(self, run_id: str, iteration: int, groups: list[list[Episode]], p: Prompts, stamp: dict) -> dict:
         """One chunk's episodes, every token by the stage's policy (`stamp`), to each table; returns its rollouts
@@ -152,6 +153,10 @@ class Rows:
         for table, columns in (("turns", turns), ("episodes", episode_columns(done))):
             n = len(columns["prompt_id"])
             self.tables[table].write({"run_id": [run_id] * n, "iteration": [iteration] * n} | columns)
+
+    def summary(self) -> dict:
+        """The rollouts summary's figures of the rows written (Counts.summary)."""
+        return self.counts.summary(self.environment)
 
     def close(self) -> None:
         for table in self.tables.values():

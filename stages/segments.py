@@ -55,8 +55,8 @@ from grpo.progress import Progress
 from grpo.record.layout import Salt, iteration_seed, round_seed
 from grpo.record.storage import Committed, Storage
 from schemas import ParquetWriter, read_parquet, table_file
-from stages.prompts import Prompts, episode_starts
-from stages.samples import Counts, Rows, sampling_spec
+from stages.prompts import Environments, Prompts, episode_starts
+from stages.samples import Rows, sampling_spec
 
 
 def carried_in(storage: Storage, previous: Committed | None) -> list[Episode]:
@@ -238,11 +238,11 @@ def summary(held: Held, iteration: int, figures: dict) -> dict:
 
 
 def write(storage: Storage, writer, run_id: str, iteration: int, held: Held, p: Prompts, cfg: RunConfig, version: int,
-          here: list[Episode], environment: bool) -> Counts:  # fmt: skip
+          here: list[Episode], env: Environments) -> Rows:  # fmt: skip
     """Write the rollouts (released groups; with an environment their turns and episodes too), carried and segments
-    tables; returns what the released rows count (the environments' seconds: those of `here`, the episodes this
-    stage held)."""
-    with Rows(storage, writer, environment) as rows:
+    tables; returns their Rows, counting the released ones (the environments' seconds: those of `here`, the episodes
+    this stage held)."""
+    with Rows(storage, writer, env) as rows:
         for groups in row_groups(held.release, cfg.rollout.chunk_prompts):
             rows.rollouts(run_id, iteration, groups, p)
         rows.episodes(run_id, iteration, [x for grp in held.release for x in grp], answered=here)
@@ -250,4 +250,4 @@ def write(storage: Storage, writer, run_id: str, iteration: int, held: Held, p: 
         out.write(carried_columns(run_id, iteration, held.carry))
     with ParquetWriter(storage.fs, writer.path(table_file("segments")), "segments") as out:
         out.write(segment_columns(run_id, iteration, held, version))
-    return rows.counts
+    return rows
