@@ -96,17 +96,6 @@ def opened(loop: Loop, p: Prompts, carried: list[Episode], cfg: RunConfig, itera
     return carried + new, going + new, replay
 
 
-def advance(loop: Loop, live: list[Episode], spec, b: int, rows: int, progress=None) -> int:
-    """Continue each response of `live` by at most `b` sampled tokens (Loop.advance), `rows` responses a sampler
-    call; each from exactly its prompt's ids and its ids so far, seeded by spec.seed and itself. Returns the tokens
-    sampled."""
-    sampled = 0
-    for at in range(0, len(live), rows):
-        done = None if progress is None else (lambda k, at=at: progress(at + k))
-        sampled += loop.advance(live[at : at + rows], spec, b, done)
-    return sampled
-
-
 def groups_of(responses: list[Episode]) -> list[list[Episode]]:
     """The responses by group, in prompt_id order (each group's in sample order)."""
     by: dict[int, list[Episode]] = {}
@@ -154,7 +143,7 @@ def sample_segments(loop: Loop, responses: list[Episode], cfg: RunConfig, iterat
     while True:
         live = [x for x in responses if x.finish is None]
         spec = sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
-        sampled += advance(loop, live, spec, r.segment_tokens, rows, report.part)
+        sampled += loop.advance(live, spec, r.segment_tokens, rows, report.part)
         rounds += 1
         held = hold(responses, r.prompts_per_iteration, per_step)
         if held.release or all(x.finish is not None for x in responses):

@@ -244,7 +244,7 @@ def test_a_single_turn_response_is_an_episode_whose_loop_is_the_samplers_own_cal
     assert e.policy_hash == "abc" and not e.has_environment and e.finish is not None
 
     fresh = [g[0] for g in loop.open(starts, 1, env_seed=0)]
-    total = loop.advance(fresh, spec, cap=2)
+    total = loop.advance(fresh, spec, cap=2, rows=2)
     one = dataclasses.replace(spec, n=1)
     seeds = [episode_seed(7, i, 0, 0) for i in range(2)]
     cut = gen.generate(prompts, one, [2, 2], seeds=seeds)

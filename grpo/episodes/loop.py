@@ -120,19 +120,22 @@ class Loop:
             self.tools = self._reset(starts, episodes, g, env_seed)
         return [episodes[i * g : (i + 1) * g] for i in range(len(starts))]
 
-    def advance(self, live: list[Episode], spec: SamplingSpec, cap: int, progress=None) -> int:
+    def advance(self, live: list[Episode], spec: SamplingSpec, cap: int, rows: int, progress=None) -> int:
         """Go on with each episode of `live` until it ends or has sampled `cap` tokens in this call (rollout.
         segment_tokens: a turn cut there stays open, to be continued from its ids; one that ends on the cap is
-        answered); returns the tokens sampled. progress(k) as the first sampler call's first k episodes end."""
+        answered), `rows` episodes at a time (a sampler call each turn); returns the tokens sampled. progress(k) as
+        the first k episodes' first sampler calls end."""
         one, before = dataclasses.replace(spec, n=1), {id(e): len(e.response_ids) for e in live}
 
         def sampled(e: Episode) -> int:
             return sum(e.loss_mask[before[id(e)] :])
 
-        going = [e for e in live if e.end is None]
-        while going:
-            ended = self._sample(going, one, [cap - sampled(e) for e in going], progress)
-            going, progress = [e for e in self._answer(ended) if sampled(e) < cap], None
+        for at in range(0, len(live), rows):
+            going = [e for e in live[at : at + rows] if e.end is None]
+            done = None if progress is None else (lambda k, at=at: progress(at + k))
+            while going:
+                ended = self._sample(going, one, [cap - sampled(e) for e in going], done)
+                going, done = [e for e in self._answer(ended) if sampled(e) < cap], None
         return sum(map(sampled, live))
 
     def close(self, episodes: list[Episode]) -> None:
