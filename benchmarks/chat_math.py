@@ -155,11 +155,11 @@ def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: in
 
 def accuracy(model_dir: str, cfg) -> float:
     """Greedy held-out accuracy of a checkpoint folder, scored like the eval stage."""
-    from grpo import data
+    from grpo.episodes import templates
 
     gen = HFGenerator(model_dir)
     examples = eval_prompts(cfg)
-    _, ids = data.tokenize_prompts(gen.tokenizer, examples, cfg.task.prompt_format, cfg.task.system_prompt)
+    _, ids = templates.tokenize_prompts(gen.tokenizer, examples, cfg.task.prompt_format, cfg.task.system_prompt)
     out = gen.generate(ids, SamplingSpec(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens))
     texts = decode_responses(gen.tokenizer, [g[0].response_ids for g in out], stop_token_ids(gen.tokenizer, model_dir))
     return sum(math_reward(t, e.ground_truth)["correct"] for t, e in zip(texts, examples)) / len(examples)

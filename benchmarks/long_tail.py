@@ -142,8 +142,8 @@ def make_world(work: Path, args) -> list[str]:
 def probe(overrides: list[str]) -> dict:
     """The warm model's response lengths, sampled as rollouts sample (temperature 1, max_tokens), on 64 training
     prompts x 4: median, p90, p99 and the share that reached max_tokens."""
-    from grpo import data
     from grpo.config import load_config
+    from grpo.episodes import templates
     from grpo.sampling.base import SamplingSpec
     from grpo.sampling.hf import HFGenerator
     from stages.prompts import held_out_split
@@ -151,7 +151,7 @@ def probe(overrides: list[str]) -> dict:
     cfg = load_config(None, overrides)
     train, _ = held_out_split(cfg)
     gen = HFGenerator(cfg.model.base_model)
-    _, ids = data.tokenize_prompts(gen.tokenizer, train[:64], cfg.task.prompt_format, cfg.task.system_prompt)
+    _, ids = templates.tokenize_prompts(gen.tokenizer, train[:64], cfg.task.prompt_format, cfg.task.system_prompt)
     t0 = time.time()
     out = gen.generate(ids, SamplingSpec(n=4, temperature=1.0, max_tokens=cfg.rollout.max_tokens, seed=0))
     lengths = [len(s.response_ids) for g in out for s in g]

@@ -35,6 +35,7 @@ from grpo.variants import (
     KLEstimator,
     LossType,
     OldLogprobs,
+    environment_kind,
 )
 
 Backend = Literal["auto", "vllm", "hf"]
@@ -186,7 +187,7 @@ class RolloutConfig:
     max_prompt_tokens: int | None = None
     """Longer prompts are skipped (counted in the manifest summary as `skipped_prompts`); prompts that
     leave no room for a response within the model's context are skipped too, one whose characters alone say so
-    without being tokenized (grpo.data.surely_longer). None: no limit of its own."""
+    without being tokenized (grpo.grpo.episodes.templates.surely_longer). None: no limit of its own."""
     chunk_prompts: int = 512
     """Prompts generated and written per Parquet row group; bounds memory. Each chunk's sampler call is seeded
     from the stage's seed alone, so another chunk size samples other rows (as another seed would)."""
@@ -270,7 +271,7 @@ class RolloutConfig:
     minibatches), fixed by the config and the seed, never by timing. Every iteration starts its own
     prompts_per_iteration prompts, as without it. With tools or an environment a response is an episode: B counts its
     sampled tokens, a turn cut at B is continued from its ids, and the next iteration re-creates its environment by
-    replaying its answered turns (stages/episode_segments.py). None: off, every response sampled to its end in its
+    replaying its answered turns (stages/segments.py). None: off, every response sampled to its end in its
     iteration."""
 
     def check(self) -> None:
@@ -319,6 +320,10 @@ class RolloutConfig:
                     "(an eos id, the chat template's end of turn, ends a segmented response)"
                 )
 
+    def environment_kind(self) -> str | None:
+        """The episodes' adapter kind (grpo.variants.environment_kind); None: single-turn rollouts."""
+        return environment_kind(self.environment, self.tools)
+
     def check_episodes(self) -> None:
         """The episode settings: counts >= 1, a positive time limit, names of the form reward.functions take."""
         for name in ("max_turns", "tool_workers"):
@@ -345,7 +350,7 @@ class RolloutConfig:
                 f"rollout.tool_max_memory_mb must be >= 64 or null (no cap), got {self.tool_max_memory_mb}"
             )
         for spec in self.tools + ([self.environment] if self.environment else []):
-            if spec == self.environment and "://" in spec:
+            if spec == self.environment and self.environment_kind() == "openenv":
                 continue  # an OpenEnv server's URL (grpo/episodes/openenv.py)
             target, _, name = spec.rpartition(":")
             if not target or not name.isidentifier():
@@ -383,7 +388,7 @@ class RewardConfig:
     of taking the machine. None: no cap."""
     pass_env: list[str] = field(default_factory=list)
     """Names of credential variables reward functions may read (e.g. [OPENAI_API_KEY] for a judge): workers
-    start without every AWS_*, *_TOKEN, *_KEY, *SECRET*, *PASSWORD* (grpo/scoring/secrets.py) but these, and
+    start without every AWS_*, *_TOKEN, *_KEY, *SECRET*, *PASSWORD* (grpo/runtime/secrets.py) but these, and
     the values of all of them, these included, are redacted from errors, component names and printed output.
     Not part of the stage's identity."""
     shards: int = 1

@@ -235,7 +235,7 @@ def _gspo_pg(logprobs, mask, raw_rewards, advantages, old_logprobs, eps_low, eps
     logp - old_logp), clipped per sequence; mask, (old_)logprobs (B, T), advantages (B, 1) -> (B, T)."""
     advantages = _require(advantages, "advantages", "loss_type 'gspo'")
     old_logprobs = _require(old_logprobs, "old_logprobs", "loss_type 'gspo'")
-    mask = _require(mask, "response_mask", "loss_type 'gspo'")
+    mask = _require(mask, "loss_mask", "loss_type 'gspo'")
     seq_log_ratio = masked_mean(logprobs - old_logprobs.detach(), mask, dim=-1).unsqueeze(-1)  # (B, 1)
     # the paper's sg[s] * pi / sg[pi]: the value is s on every token, token t's gradient is s * d logp_t,
     # so with seq_mean_token_mean this is the sequence-level GSPO gradient
@@ -266,7 +266,7 @@ def policy_gradient_loss(
     loss_type: LossType,
     logprobs: Tensor,
     *,
-    response_mask: Tensor | None = None,
+    loss_mask: Tensor | None = None,
     raw_rewards: Tensor | None = None,
     advantages: Tensor | None = None,
     old_logprobs: Tensor | None = None,
@@ -276,11 +276,11 @@ def policy_gradient_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token policy-gradient loss (to minimize).
 
-    logprobs, old_logprobs, response_mask: (B, T); raw_rewards, advantages: (B, 1).
+    logprobs, old_logprobs, loss_mask: (B, T); raw_rewards, advantages: (B, 1).
     naive: -r * logp; reinforce_baseline: -A * logp;
     grpo_clip: -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A),
     clip_eps_high defaulting to clip_eps;
-    gspo: the same with one ratio per sequence, exp(masked mean of logp - old_logp) (needs response_mask);
+    gspo: the same with one ratio per sequence, exp(masked mean of logp - old_logp) (needs loss_mask);
     cispo: -sg(clip(ratio, 1 - clip_eps, 1 + clip_eps_high)) * A * logp;
     dual_clip_c (grpo_clip, gspo): where A < 0 the loss is at most -dual_clip_c * A.
     Returns loss (B, T) and detached per-token metadata {ratio, clipped}, each (B, T).
@@ -289,7 +289,7 @@ def policy_gradient_loss(
     if dual_clip_c is not None and loss_type not in get_args(DualClipLossType):
         raise ValueError(f"dual_clip_c applies to loss_type {list(get_args(DualClipLossType))}, not {loss_type!r}")
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    return loss_fn(logprobs, response_mask, raw_rewards, advantages, old_logprobs, clip_eps, eps_high, dual_clip_c)
+    return loss_fn(logprobs, loss_mask, raw_rewards, advantages, old_logprobs, clip_eps, eps_high, dual_clip_c)
 
 
 # ---------------------------------------------------------------- KL to the reference
@@ -496,7 +496,7 @@ class LossSpec:
 def grpo_microbatch_step(
     spec: LossSpec,
     logprobs: Tensor,
-    response_mask: Tensor,
+    loss_mask: Tensor,
     *,
     gradient_accumulation_steps: int,
     raw_rewards: Tensor | None = None,
@@ -509,7 +509,7 @@ def grpo_microbatch_step(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one microbatch under `spec`, scaled by 1/gradient_accumulation_steps, then .backward().
 
-    logprobs, response_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards, advantages: (B, 1); response_mask is 1
+    logprobs, loss_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards, advantages: (B, 1); loss_mask is 1
     on the tokens the loss counts (the loss, KL, metrics and behaviour weights see only those). sampler_logprobs
     (B, T), needed by a spec.behavior_correction other than "none", which weighs each token's policy-gradient loss
     by behavior_weights(old_logprobs, sampler_logprobs, ...) (decoupled PPO: the clip is to old_logprobs = pi_prox,
@@ -531,14 +531,14 @@ def grpo_microbatch_step(
         raise ValueError("kl_coef > 0 requires `ref_logprobs`")
     # a token outside the mask counts for nothing, whatever log-probs it holds (an observation's, padding's): its
     # ratio is 1 and its KL 0, so no inf or nan can reach the gradient through it
-    keep, own = response_mask.bool(), logprobs.detach()
+    keep, own = loss_mask.bool(), logprobs.detach()
     old_logprobs, ref_logprobs, sampler_logprobs = (
         None if x is None else torch.where(keep, x, own) for x in (old_logprobs, ref_logprobs, sampler_logprobs)
     )
     pg_loss, meta = policy_gradient_loss(
         spec.loss_type,
         logprobs,
-        response_mask=response_mask,
+        loss_mask=loss_mask,
         raw_rewards=raw_rewards,
         advantages=advantages,
         old_logprobs=old_logprobs,
@@ -551,21 +551,21 @@ def grpo_microbatch_step(
         weights, behavior = behavior_weights(
             _require(old_logprobs, "old_logprobs", "behavior_correction"),
             _require(sampler_logprobs, "sampler_logprobs", "behavior_correction"),
-            response_mask,
+            loss_mask,
             *spec.behavior,
         )  # (B, T)
         pg_loss = pg_loss * weights
     per_token = pg_loss  # (B, T)
     norms = (spec.max_tokens, token_normalizer, sequence_normalizer)
-    metrics = {"loss/pg": aggregate_loss(pg_loss, response_mask, spec.agg_mode, *norms).detach()}
+    metrics = {"loss/pg": aggregate_loss(pg_loss, loss_mask, spec.agg_mode, *norms).detach()}
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, spec.kl_estimator)  # (B, T)
-        metrics["loss/kl"] = aggregate_loss(kl, response_mask, spec.agg_mode, *norms).detach()
+        metrics["loss/kl"] = aggregate_loss(kl, loss_mask, spec.agg_mode, *norms).detach()
         if spec.kl_coef > 0:
             per_token = per_token + spec.kl_coef * kl
-    loss = aggregate_loss(per_token, response_mask, spec.agg_mode, *norms)
+    loss = aggregate_loss(per_token, loss_mask, spec.agg_mode, *norms)
     loss = loss / gradient_accumulation_steps
     loss.backward()
-    metrics.update(_actor_metrics(meta, response_mask))
+    metrics.update(_actor_metrics(meta, loss_mask))
     metrics.update(behavior)
     return loss.detach(), metrics

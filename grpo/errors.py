@@ -5,6 +5,14 @@ class StageError(RuntimeError):
     """A stage cannot run: missing input, bad data, or a failed check."""
 
 
+class DatasetError(ValueError):
+    """A dataset cannot be read or lacks what the config names."""
+
+
+class DatasetChangedError(DatasetError):
+    """A dataset no longer has the fingerprint its run recorded at grpo init."""
+
+
 class LayoutError(StageError):
     """A run id or iteration that names no place in storage, or a run that does not exist."""
 

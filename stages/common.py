@@ -18,6 +18,7 @@ from typing import Callable
 from grpo import data
 from grpo.config import ConfigError, RunConfig
 from grpo.errors import StageError
+from grpo.record import pins
 from grpo.record.commit import StageWriter
 from grpo.record.counts import counting_io
 from grpo.record.fork import reuse
@@ -136,8 +137,8 @@ def dataset_examples(cfg: RunConfig, name: str, uri: str) -> tuple[Example, ...]
     """The rows of dataset `name` as the stages read them (stages.prompts), a bad one naming the field."""
     t = cfg.task
     try:
-        return data.load_examples(uri, t.prompt_column, t.answer_column, t.skip_invalid_rows, data.pinned_version(uri))
-    except data.DatasetChangedError as e:
+        return data.load_examples(uri, t.prompt_column, t.answer_column, t.skip_invalid_rows, pins.pinned_version(uri))
+    except pins.DatasetChangedError as e:
         raise StageError(str(e)) from e
     except data.DatasetError as e:
         raise ConfigError(f"{name}: {e}") from e
@@ -146,13 +147,13 @@ def dataset_examples(cfg: RunConfig, name: str, uri: str) -> tuple[Example, ...]
 def dataset_facts(cfg: RunConfig) -> dict[str, dict]:
     """{config field: {uri, fingerprint, rows, skipped_rows}} of each dataset, and the web server's `validator`
     where it sends one that follows the content: what the base manifest's summary records, the run's pins
-    (data.pin)."""
+    (pins.pin)."""
     t, facts = cfg.task, {}
     for name, uri in run_datasets(cfg).items():
         rows = dataset_examples(cfg, name, uri)
         skipped = data.blank_row_count(uri, t.prompt_column, t.answer_column) if t.skip_invalid_rows else 0
-        facts[name] = {"uri": uri, "fingerprint": data.pinned_version(uri), "rows": len(rows), "skipped_rows": skipped}
-        if checked := data.validator(uri):
+        facts[name] = {"uri": uri, "fingerprint": pins.pinned_version(uri), "rows": len(rows), "skipped_rows": skipped}
+        if checked := pins.validator(uri):
             facts[name]["validator"] = checked
     return facts
 
@@ -168,15 +169,15 @@ def recorded_datasets(storage: Storage, run_id: str) -> dict[str, dict] | None:
 
 def pin_datasets(storage: Storage, run_id: str) -> None:
     """Hold this process's reads of the run's datasets to the fingerprints its init recorded."""
-    data.pin(recorded_datasets(storage, run_id))
+    pins.pin(recorded_datasets(storage, run_id))
 
 
 def check_datasets(storage: Storage, run_id: str) -> None:
     """A StageError naming the first dataset of the run that changed since grpo init."""
     recorded = recorded_datasets(storage, run_id)
-    data.pin(recorded)
+    pins.pin(recorded)
     for facts in (recorded or {}).values():
         try:
-            data.pinned_version(facts["uri"])
+            pins.pinned_version(facts["uri"])
         except data.DatasetError as e:
             raise StageError(str(e)) from e

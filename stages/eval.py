@@ -23,8 +23,8 @@ from grpo.record.identity import section
 from grpo.record.layout import Salt, iteration_seed, stage_dir
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage, committed_attempts, latest_committed
+from grpo.runtime.pool import WARM_POOLS
 from grpo.sampling.base import SamplingSpec, decode_responses
-from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import score_batch, scorer_key
 from schemas import table_file, write_parquet
 from stages.common import StageError, load_run, measured, run_stage
@@ -78,8 +78,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
             return held_out(writer, env)
 
     def held_out(writer, env):
-        tools = None if env is None else env[1]
-        p = policy_and_prompts(inputs["policy"], eval_prompts(cfg), cfg, base=inputs.get("base"), tools=tools)
+        p = policy_and_prompts(inputs["policy"], eval_prompts(cfg), cfg, base=inputs.get("base"), tools=env.tools)
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)
         t1 = time.perf_counter()
@@ -96,7 +95,7 @@ def evaluate(storage: Storage, run_id: str, iteration: int, force: bool = False,
         flat = greedy + [s for group in sampled for s in group]
         responses = decode_responses(p.tokenizer, [s.response_ids for s in flat], p.eos_ids)
         owner = list(range(len(greedy))) + [i for i, group in enumerate(sampled) for _ in group]
-        texts = [s.prompt_text for s in greedy] if env is not None else p.texts
+        texts = [s.prompt_text for s in greedy]
         rows = [(p.examples[i].row or {}) | extra for i, extra in zip(owner, reward_arguments(flat))]
         items = [(r, p.examples[i].ground_truth, texts[i], row) for r, i, row in zip(responses, owner, rows)]
         with WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool:
@@ -171,7 +170,7 @@ def stage_config(cfg: RunConfig) -> dict:
         config["sampling"] = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
     if cfg.task.dataset:
         config["held_out"] = held_out_config(cfg)
-    if cfg.rollout.tools or cfg.rollout.environment:  # episodes, as the rollouts sample them
+    if cfg.rollout.environment_kind() is not None:  # episodes, as the rollouts sample them
         names = ("tools", "environment", "max_turns", "tool_timeout_s", "tool_max_memory_mb")
         config["episodes"] = {name: section(cfg, "rollout")[name] for name in names}
     return config

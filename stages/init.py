@@ -16,7 +16,7 @@ leaves no run behind.
 
 The base manifest's summary records each dataset's fingerprint (and the rows left out by
 task.skip_invalid_rows): the run is pinned to those bytes, and a stage refuses a dataset that
-changed since (grpo.data.pin). A run made before fingerprints were recorded is not pinned.
+changed since (grpo.pins.pin). A run made before fingerprints were recorded is not pinned.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from pathlib import Path
 
 from grpo import data
 from grpo.config import ConfigError, RunConfig, load_config_file
-from grpo.episodes import adapters, chat, parsing
+from grpo.episodes import adapters, chat, parsing, templates
 from grpo.errors import one_line
 from grpo.learner.paths import learner_path_line
+from grpo.record import pins
 from grpo.record.checkpoint import (
     ModelNotFoundError,
     checkpoint_problem,
@@ -47,6 +48,7 @@ from grpo.record.storage import Committed, Storage
 from grpo.record.weights import lora_target_problem
 from grpo.sampling.engines import vllm_model_problem
 from grpo.tasks import functions, generates, get_task
+from grpo.tasks.base import EPISODE_ARGUMENTS
 from stages.common import (
     StageError,
     dataset_examples,
@@ -155,15 +157,15 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
     examples = _sample_prompts(cfg)
     for example in examples:
         try:
-            data.render(tokenizer, example.prompt, cfg.task.prompt_format, cfg.task.system_prompt)
+            templates.render(tokenizer, example.prompt, cfg.task.prompt_format, cfg.task.system_prompt)
         except data.DatasetError as e:
             raise ConfigError(f"task.prompt_format={cfg.task.prompt_format}: {e}") from e
     check_episodes(cfg, tokenizer)
     columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
     for spec, needed in reward_columns(cfg).items():
         missing = set(needed) - columns
-        if adapters.kind_of(cfg.rollout) is not None:  # an episode's environment and conversation
-            missing -= set(functions.EPISODE_ARGUMENTS)
+        if cfg.rollout.environment_kind() is not None:  # an episode's environment and conversation
+            missing -= set(EPISODE_ARGUMENTS)
         if missing:
             raise ConfigError(
                 f"reward.functions: {spec!r} needs dataset column(s) {sorted(missing)}, which "
@@ -184,21 +186,22 @@ def code_files(cfg: RunConfig) -> list[tuple[list[str], str]]:
 
 def check_episodes(cfg: RunConfig, tokenizer) -> None:
     """rollout.tools and rollout.environment: the code imports and its tools have schemas (its adapter builds in a tool
-    worker, as the rollouts stage builds it, within rollout.tool_timeout_s: without credentials but tool_pass_env's; a
-    typo, an exit, a crash or a hang is one line), and the model's chat template renders tools."""
+    worker, as the rollouts stage builds it, within rollout.tool_timeout_s: without credentials but tool_pass_env's, so
+    its module-level code never runs in this process; a typo, an exit, a crash or a hang is one line), and the model's
+    chat template renders tools and continues a conversation."""
     from grpo.episodes.workers import GRACE_S, check
-    from grpo.scoring.pool import RewardPool
+    from grpo.runtime.pool import RewardPool
 
     r = cfg.rollout
-    if adapters.kind_of(r) is None:
+    if r.environment_kind() is None:
         return
-    if not data.has_chat_template(tokenizer):
+    if not templates.has_chat_template(tokenizer):
         raise ConfigError(
             "rollout.tools / rollout.environment: episodes render their prompts, tools and observations with the "
             "model's chat template, and the model's tokenizer has none"
         )
     where = f"rollout.environment {r.environment!r}" if r.environment else "rollout.tools"
-    adapters.preload(adapters.kind_of(r))  # before the worker forks: rollout.tool_timeout_s bounds the user's code
+    adapters.preload(r.environment_kind())  # before the worker forks: rollout.tool_timeout_s bounds the user's code
     with RewardPool(1, tuple(r.tool_pass_env), "tool") as pool:
         try:
             limit = r.tool_timeout_s + GRACE_S  # the code imported, a probe instance constructed: bounded as a call
@@ -210,7 +213,7 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
     if isinstance(schemas, str):
         raise ConfigError(schemas)
     try:
-        data.apply_template(tokenizer, [{"role": "user", "content": "x"}], schemas, add_generation_prompt=True)
+        templates.apply_template(tokenizer, [{"role": "user", "content": "x"}], schemas, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)
         raise ConfigError(f"rollout.tools: the model's chat template does not render tools: {e}") from e
     parsing.check_tool_format(tokenizer, where, schemas)
@@ -224,7 +227,7 @@ def reward_columns(cfg: RunConfig) -> dict[str, list[str]]:
     """{spec: the dataset columns it needs} of reward.functions, each imported and checked in a reward worker (no
     credentials but reward.pass_env's, what it prints logged redacted), as the rewards stage runs them: a reward
     file's module-level code never runs in this process, and an import that exits, crashes or hangs is one line."""
-    from grpo.scoring.pool import RewardPool
+    from grpo.runtime.pool import RewardPool
 
     found = {}
     with RewardPool(1, tuple(cfg.reward.pass_env)) as pool:
@@ -259,7 +262,8 @@ def check_reward_workers(cfg: RunConfig) -> None:
             f"<= {per_shard}"
         )
     cores, pools = usable_cores(), [("reward.workers", rc.workers, "sample", "reward.timeout_s")]
-    pools += [("rollout.tool_workers", r.tool_workers, "call", "rollout.tool_timeout_s")] if adapters.kind_of(r) else []
+    if r.environment_kind():
+        pools.append(("rollout.tool_workers", r.tool_workers, "call", "rollout.tool_timeout_s"))
     for setting, n, each, limit in pools:
         if n > cores:
             raise ConfigError(
@@ -368,7 +372,7 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
             pin_datasets(storage, run_id)  # a committed base's datasets must not have changed
             datasets = dataset_facts(cfg)
         else:
-            data.pin(None)  # a new run: nothing recorded yet (a run loaded before in this process pins no more)
+            pins.pin(None)  # a new run: nothing recorded yet (a run loaded before in this process pins no more)
             check_sizes(cfg)
             check_reward_workers(cfg)
             datasets = dataset_facts(cfg)  # before anything is written
@@ -395,6 +399,6 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
         if adapters.names_files(cfg.rollout):  # runs without them keep their base's identity
             stage_cfg["episode_files"] = [s for specs, _ in code_files(cfg)[1:] for s in specs]
         base = run_stage(storage, run_id, None, "base", config=stage_cfg, inputs={}, body=body, force=force)
-    data.pin(base.manifest.summary.get("datasets"))  # what the base recorded: the later stages of this process
+    pins.pin(base.manifest.summary.get("datasets"))  # what the base recorded: the later stages of this process
     log.info("run %s ready at %s", run_id, storage.uri(run_dir(storage, run_id)))
     return base

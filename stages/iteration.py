@@ -10,7 +10,7 @@ from typing import Iterator
 
 from grpo.record.layout import STAGES
 from grpo.record.storage import Committed, Storage
-from grpo.scoring.pool import WARM_POOLS
+from grpo.runtime.pool import WARM_POOLS
 from grpo.tracking import track, tracking
 from stages import stage_function
 from stages.common import load_run
@@ -45,7 +45,7 @@ class WarmState:
 def warm_state() -> Iterator[WarmState]:
     """Everything one process keeps between the iterations it runs, entered once by the flow and by
     `grpo run`:
-    - the reward worker pool (grpo.scoring.pool.WARM_POOLS): one for all iterations, stopped on exit;
+    - the reward worker pool (grpo.runtime.pool.WARM_POOLS): one for all iterations, stopped on exit;
     - the learner one learn hands to the next iteration's (stages.learn.WARM, keyed by the commit it
       made; on a GPU it waits in CPU memory, unless it has a device of its own: grpo.devices.apart);
     - the sampling engine (grpo.sampling's live generators): reloaded in place with each new

@@ -1,21 +1,20 @@
 """Stage 5: the GRPO update (grpo.learner) on an iteration's rollouts, writing the next policy checkpoint.
 
-This stage joins the rollouts with their advantages into a `Batch` of whole groups, frees the
-GPU of the sampler where they share it (vLLM sleeps, or closes: rollout.keep_engine; not where learn.device and
-rollout.device are apart: grpo/devices.py), runs the update and commits
-policy/ (or adapter/), the metrics of every step and the old (and reference) log-probs, so an audit can
-recompute every loss; the resume state (optimizer.pt, rng.pt, master.safetensors for a narrower-than-float32
-base) follows in a commit of its own, off the critical path (grpo/record/resume.py). When the next iteration runs
-in the same process (flow `grpo` with `iterations` > 1) it takes the model, optimizer and reference from
-memory (`WARM`) instead, with the same result. The KL
-reference is the base model or, with learn.ref_update_every, an earlier iteration's committed snapshot
-(reference_source): a warm learner loads it when it moves, a cold one reads the same files. With
-rollout.staleness S >= 1 the update still starts from learn k - 1's policy (start_policy); the rollouts came
-from learn k - 1 - S's, which learn.behavior_correction corrects for.
+This stage joins the rollouts with their advantages into a `Batch` of whole groups, frees the GPU of the sampler
+where they share it (vLLM sleeps, or closes: rollout.keep_engine; not where learn.device and rollout.device are
+apart: grpo/devices.py), runs the update and commits policy/ (or adapter/), the metrics of every step and the old
+(and reference) log-probs, so an audit can recompute every loss; the resume state (optimizer.pt, rng.pt,
+master.safetensors for a narrower-than-float32 base) follows in a commit of its own, off the critical path
+(grpo/record/resume.py). When the next iteration runs in the same process (flow `grpo` with `iterations` > 1) it
+takes the model, optimizer and reference from memory (`WARM`) instead, with the same result. The KL reference is
+the base model or, with learn.ref_update_every, an earlier iteration's committed snapshot (reference_source): a warm
+learner loads it when it moves, a cold one reads the same files. With rollout.staleness S >= 1 the update still
+starts from learn k - 1's policy (start_policy); the rollouts came from learn k - 1 - S's, which
+learn.behavior_correction corrects for.
 
-One process runs in-process; `learn.num_processes > 1` runs the same code under torchrun (gloo on
-CPU, NCCL on GPUs; grpo/learner/launch.py), rank r taking every r-th group of each minibatch, on one machine
-or on learn.nodes machines that meet through storage (grpo/learner/nodes.py; this stage is node 0).
+One process runs in-process; `learn.num_processes > 1` runs the same code under torchrun (gloo on CPU, NCCL on GPUs;
+grpo/learner/launch.py), rank r taking every r-th group of each minibatch, on one machine or on learn.nodes machines
+that meet through storage (grpo/learner/nodes.py; this stage is node 0).
 """
 
 from __future__ import annotations
@@ -63,11 +62,7 @@ def reference_source(storage: Storage, run_id: str, iteration: int, every: int |
     """The committed checkpoint the KL of `iteration` is measured against: the base model, or the snapshot of
     reference_iteration (the policy that iteration sampled from, as committed: a cold resume reads the same)."""
     at = reference_iteration(iteration, every)
-    return (
-        committed_input(storage, run_id, None, "base")
-        if at is None
-        else committed_input(storage, run_id, at, "snapshot")
-    )
+    return committed_input(storage, run_id, *((None, "base") if at is None else (at, "snapshot")))
 
 
 def learn_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int) -> dict[str, Committed]:
@@ -231,6 +226,16 @@ def start_policy(storage: Storage, inputs: dict[str, Committed]) -> tuple[str, s
     return policy_folders(previous, inputs.get("base"))[1:]
 
 
+@dataclass
+class Left:
+    """What a learn's body leaves to the stage once it has committed (or failed)."""
+
+    learner: Learner | None = None  # the update ran in this process: kept warm for iteration k + 1
+    held: str | None = None  # the resume state, committed apart after the policy (grpo.record.resume)
+    made: str | None = None  # on object storage: the folder the policy was written to, kept in this machine's cache
+    shards: state.Shards | None = None  # fsdp2 ranks writing their shards while the policy commits
+
+
 @measured
 def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, node_rank: int = 0) -> Committed:
     """The stage; with learn.nodes > 1 this is node 0, and `node_rank` r >= 1 joins it as node r
@@ -238,61 +243,56 @@ def learn(storage: Storage, run_id: str, iteration: int, force: bool = False, no
     cfg = load_run(storage, run_id)
     if node_rank:
         return join_learn(storage, cfg, run_id, iteration, node_rank, force)
-    inputs = learn_inputs(storage, cfg, run_id, iteration)
-    how = launcher(cfg, iteration)
+    inputs, how, config = learn_inputs(storage, cfg, run_id, iteration), launcher(cfg, iteration), stage_config(cfg)
     shared = not devices.apart(cfg)  # the learner runs on the sampler's device: they take turns on it
-    learner: Learner | None = None
-    held: str | None = None  # the resume state, committed apart after the policy (grpo.record.resume)
-    made: str | None = None  # on object storage: the folder the policy was written to, kept in this machine's cache
-    shards: state.Shards | None = None  # fsdp2 ranks writing their shards while the policy commits
+    left = Left()
 
     def body(writer: StageWriter) -> dict:
-        nonlocal learner, held, made, shards
         state.settled()  # this process's commit of the state before: one at a time (a failed one: replayed)
         batch = read_batch(storage, cfg, inputs)
         if shared:  # the sampler sleeps (or closes) while the learner runs on its device
             release_accelerator(cfg.rollout.keep_engine)
         if "previous" in inputs and how == "process":  # the model and optimizer the previous iteration left in memory
-            learner = WARM.take(WARM.key(cfg, inputs["previous"].uri))
-        warm = learner is not None
+            left.learner = WARM.take(WARM.key(cfg, inputs["previous"].uri))
+        warm = left.learner is not None
         with tempfile.TemporaryDirectory() as tmp:
             folders = checkpoint_folders(storage, cfg, inputs, tmp, state=not warm)
             local = is_local(storage.fs)  # local storage: write into the attempt itself, no copy of the model
-            out_dir = writer.attempt_dir if local else (made := staging_folder())
-            if how != "nodes":  # several nodes write their shards of it into the learn's attempt
-                held = staging_folder()  # on the cache's disk: grpo.record.resume keeps it there
-            if how == "shards":
-                shards = state.Shards(storage, stage_config(cfg), run_id, iteration, held)
-            u = Update(cfg, run_id, iteration, batch, folders, out_dir, held, tmp, learner, writer, shards)
+            left.made = None if local else staging_folder()
+            out_dir = writer.attempt_dir if local else left.made
+            # the resume state on the cache's disk, where grpo.record.resume keeps it (nodes: in the learn's attempt)
+            left.held = staging_folder() if how != "nodes" else None
+            left.shards = state.Shards(storage, config, run_id, iteration, left.held) if how == "shards" else None
+            u = Update(
+                cfg, run_id, iteration, batch, folders, out_dir, left.held, tmp, left.learner, writer, left.shards
+            )
             summary = LAUNCHERS[how](u)
-            learner = u.learner
+            left.learner = u.learner
             if cfg.learn.lora is None:
                 carry_checkpoint_files(folders["policy_dir"], f"{out_dir}/policy")
             if not local:  # policy/ or adapter/, metrics, logprobs (and, several nodes, the state)
                 upload_folder(writer, out_dir, prefix="")
         return {**summary, "warm_learner": warm}  # taken from memory, not built from the committed files
 
-    config = stage_config(cfg)
     try:  # this thread's CUDA device the learner's (a sampler may hold another in this process)
         with devices.current(devices.learner_device(cfg.learn) if how == "process" else None):
             out = run_stage(storage, run_id, iteration, "learn", config=config, inputs=inputs, body=body, force=force)
     except BaseException:
-        if shards is not None:
-            shards.close()
-        for folder in (held, made):
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
+        if left.shards is not None:
+            left.shards.close()
+        for folder in filter(None, (left.held, left.made)):
+            shutil.rmtree(folder, ignore_errors=True)
         raise
-    if made is not None:  # the next learn and a sampler on this machine read the policy without a download
+    if left.made is not None:  # the next learn and a sampler on this machine read the policy without a download
         prefix = ADAPTER_PREFIX if cfg.learn.lora else CHECKPOINT_PREFIX
-        keep_written(out, f"{made}/{prefix.rstrip('/')}", prefix)
-        shutil.rmtree(made, ignore_errors=True)
-    if held is not None and state.due(cfg, iteration):  # the policy is committed: the state follows, meanwhile
-        state.commit_later(storage, config, run_id, out, held, shards)
-    elif held is not None:
-        shutil.rmtree(held)
-    if learner is not None:  # ran in this process and committed: keep it for iteration k + 1
-        WARM.keep(WARM.key(cfg, out.uri), learner, offload=shared)
+        keep_written(out, f"{left.made}/{prefix.rstrip('/')}", prefix)
+        shutil.rmtree(left.made, ignore_errors=True)
+    if left.held is not None and state.due(cfg, iteration):  # the policy is committed: the state follows, meanwhile
+        state.commit_later(storage, config, run_id, out, left.held, left.shards)
+    elif left.held is not None:
+        shutil.rmtree(left.held)
+    if left.learner is not None:  # ran in this process and committed: keep it for iteration k + 1
+        WARM.keep(WARM.key(cfg, out.uri), left.learner, offload=shared)
     return out
 
 

@@ -18,26 +18,27 @@ from tokenizers import models as tokenizer_models
 from grpo import data
 from grpo.config import RunConfig
 from grpo.devices import sampler_device
-from grpo.episodes import adapters
+from grpo.episodes import adapters, templates
 from grpo.episodes.chat import with_thinking
 from grpo.episodes.loop import Start
 from grpo.episodes.workers import GRACE_S, Workers, probe
+from grpo.record import pins
 from grpo.record.checkpoint import local_checkpoint, policy_folders, tokenizer_and_config
 from grpo.record.layout import Salt, iteration_seed
 from grpo.record.storage import Committed
+from grpo.runtime.pool import WARM_POOLS
 from grpo.sampling.base import Generator, stop_token_ids
 from grpo.sampling.engines import choose_backend, engine_settings, get_generator
-from grpo.scoring.pool import WARM_POOLS
 from grpo.tasks import Example, functions, get_task
 from stages.common import StageError
 
 
 def _dataset(uri: str, cfg: RunConfig) -> tuple[Example, ...]:
     """The usable rows of a dataset (task.skip_invalid_rows), refused when it changed since grpo init
-    (data.pinned_version: every read of a dataset by a stage comes through here)."""
+    (pins.pinned_version: every read of a dataset by a stage comes through here)."""
     t = cfg.task
     try:
-        return data.load_examples(uri, t.prompt_column, t.answer_column, t.skip_invalid_rows, data.pinned_version(uri))
+        return data.load_examples(uri, t.prompt_column, t.answer_column, t.skip_invalid_rows, pins.pinned_version(uri))
     except data.DatasetError as e:
         raise StageError(str(e)) from e
 
@@ -128,7 +129,7 @@ def policy_and_prompts(
     tools: list[dict] | None = None,
 ) -> Prompts:
     """Render and tokenize `examples` for `policy` (a LoRA learn's adapters go on `base`); skip (and
-    count) those too long. `tools`: an episode's tools, rendered by the chat template (data.render).
+    count) those too long. `tools`: an episode's tools, rendered by the chat template (grpo.episodes.templates.render).
 
     With a word-level tokenizer a word outside the vocabulary fails, naming the prompt.
     """
@@ -141,7 +142,7 @@ def policy_and_prompts(
     limit = min(max_len - 1, cfg.rollout.max_prompt_tokens or max_len)
     try:
         t = cfg.task
-        texts, ids = data.tokenize_prompts(tokenizer, examples, t.prompt_format, t.system_prompt, tools, limit)
+        texts, ids = templates.tokenize_prompts(tokenizer, examples, t.prompt_format, t.system_prompt, tools, limit)
     except data.DatasetError as e:
         raise StageError(f"{cfg.task.dataset or cfg.task.name}: {e}") from e
     if word_level(tokenizer):
@@ -185,13 +186,22 @@ def environment_source(cfg: RunConfig, base: Committed | None) -> adapters.Sourc
     return adapters.source(r, files)
 
 
+@dataclass(frozen=True)
+class Environments:
+    """Where a stage's episodes live: the workers holding their environments, and the tools' schemas every prompt is
+    rendered with; both None for single-turn rollouts (episodes without an environment)."""
+
+    workers: Workers | None = None
+    tools: list[dict] | None = None
+
+
 @contextmanager
 def environments(cfg: RunConfig, base: Committed | None):
-    """The workers a stage's episodes live in (grpo.episodes.workers; forked before the sampler starts) and their
-    tools' schemas, or None for single-turn rollouts; an environment that does not build fails in one line."""
+    """The Environments of a stage's episodes (grpo.episodes.workers; forked before the sampler starts), none for
+    single-turn rollouts; an environment that does not build fails in one line."""
     source = environment_source(cfg, base)
     if source is None:
-        yield None
+        yield Environments()
         return
     r = cfg.rollout
     adapters.preload(source.kind)  # before the workers fork: rollout.tool_timeout_s bounds the user's code alone
@@ -201,20 +211,29 @@ def environments(cfg: RunConfig, base: Committed | None):
         except RuntimeError as e:
             where = f"rollout.environment {r.environment!r}" if r.environment else f"rollout.tools {r.tools}"
             raise StageError(f"{where}: {e}") from e
-        yield Workers(pool, source, r.tool_max_memory_mb), tools
+        yield Environments(Workers(pool, source, r.tool_max_memory_mb), tools)
 
 
-def episode_starts(p: Prompts, chunk: slice, cfg: RunConfig) -> list[Start]:
-    """Where each prompt of `chunk` starts its episodes: its chat messages, and the dataset row reset gets (every
-    column under its own name, as TRL's `reset(**row)`)."""
+def episode_starts(p: Prompts, chunk: slice, cfg: RunConfig, started: int = 0) -> list[Start]:
+    """Where each prompt of `chunk` starts its episodes (grpo.episodes.loop.Start): its chat messages and the dataset
+    row reset gets (every column under its own name, as TRL's `reset(**row)`), its rendered prompt, and what its rows
+    record; `started`: the iteration that drew it."""
     t = cfg.task
     return [
         Start(
             i,
-            data.chat_messages(e.prompt, t.system_prompt),
+            templates.chat_messages(e.prompt, t.system_prompt),
             {t.prompt_column: e.prompt, t.answer_column: e.ground_truth, **(e.row or {})},
+            text,
+            ids,
+            budget,
+            e.ground_truth,
+            data.row_json(e),
+            started,
         )
-        for i, e in zip(p.index[chunk], p.examples[chunk])
+        for i, e, text, ids, budget in zip(
+            p.index[chunk], p.examples[chunk], p.texts[chunk], p.ids[chunk], p.budgets[chunk]
+        )
     ]
 
 

@@ -20,7 +20,7 @@ from grpo.record.fork import fork_config, fork_run
 from grpo.record.identity import config_hash
 from grpo.record.lineage import next_iteration
 from grpo.record.storage import Storage
-from grpo.scoring.pool import WARM_POOLS
+from grpo.runtime.pool import WARM_POOLS
 from stages import advantages as advantages_stage
 from stages import rewards as rewards_stage
 from stages.common import StageError

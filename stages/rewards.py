@@ -33,8 +33,8 @@ from grpo.record import reward_files
 from grpo.record.identity import section
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage
-from grpo.scoring.pool import WARM_POOLS
-from grpo.scoring.score import allowed_errors, batch_items, episode_arguments, score_samples, scorer_key
+from grpo.runtime.pool import WARM_POOLS
+from grpo.scoring.score import allowed_errors, arguments_by_episode, batch_items, score_samples, scorer_key
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, read_parquet, table_file
 from stages.common import StageError, load_run, measured
@@ -72,7 +72,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
         keys = ["run_id", "iteration", "prompt_id", "sample_index"]
         episodes = None  # an episode's stored environment and conversation, for functions that take them
         if table_file("episodes") in {f.path for f in rollouts.manifest.files}:
-            episodes = episode_arguments(
+            episodes = arguments_by_episode(
                 read_parquet(storage.fs, rollouts.read_path(table_file("episodes")), "episodes")
             )
         with (

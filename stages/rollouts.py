@@ -6,8 +6,9 @@ chunk by chunk and each chunk is one Parquet row group, so memory stays bounded 
 samples an iteration has. With rollout.min_signal_groups the stage samples in rounds until enough
 groups have signal (dynamic sampling: `sample_rounds` says how and why). Each row records the policy that
 sampled it (policy_stamp); a snapshot of another than rollout.staleness names is refused (lineage.check_policy).
-With rollout.tools or rollout.environment a sample is an episode (grpo/episodes; stages/samples.py writes its turns
-and its end beside it): the environments live in worker processes forked before the sampler starts.
+Every sample is an episode (grpo/episodes, stages/samples.py); with rollout.tools or rollout.environment it has an
+environment, which lives in a worker process forked before the sampler starts, and its turns and its end are written
+beside it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from grpo.config import RunConfig
 from grpo.devices import current, sampler_device
 from grpo.episodes import adapters
+from grpo.episodes.loop import Loop
 from grpo.progress import Progress
 from grpo.record import reward_files
 from grpo.record.checkpoint import content_hash, non_finite_weights
@@ -26,22 +28,24 @@ from grpo.record.identity import section
 from grpo.record.layout import Salt, iteration_seed, round_seed
 from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version
 from grpo.record.storage import Committed, Storage
-from grpo.scoring.pool import WARM_POOLS
+from grpo.runtime.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
 from schemas import ParquetWriter, table_file
-from stages import episode_segments, rewards, segments
+from stages import rewards, segments
 from stages.common import StageError, load_run, measured
 from stages.dynamic_sampling import draw_start, dynamic_inputs, flat_epoch, group_signal
 from stages.prompts import (
+    Environments,
     Prompts,
     environments,
+    episode_starts,
     held_out_config,
     iteration_prompts,
     policy_and_prompts,
     round_prompts,
     sampler,
 )
-from stages.samples import Episodes, Tally, sampling_spec
+from stages.samples import Rows, episode_loop, sampling_spec
 from stages.shards import ranges, run_sharded
 
 
@@ -82,40 +86,26 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
 
     def sample_segmented(writer, env) -> dict:
         """rollout.segment_tokens: the carried responses and this iteration's, at most B new tokens each (segments)."""
-        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, None if env is None else env[1])
+        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, env.tools)
         t0 = time.perf_counter()
         gen, settings = sampler(p, cfg)
         engine_s = time.perf_counter() - t0
-        carried = segments.carried_in(storage, inputs.get("carried"))
-        new = segments.started_here(p, iteration, r.prompts_per_iteration, r.group_size)
-        episodes = None if env is None else episode_segments.Episodes(gen, p, env, cfg, iteration)
-        if episodes is not None:
-            episodes.open(p, carried, new)
-        responses = carried + new
+        loop = episode_loop(gen, p, env, cfg, stamp)
+        responses, here, replay = segments.opened(loop, p, segments.carried_in(storage, inputs.get("carried")), cfg,
+                                                  iteration)  # fmt: skip
         report = Progress(f"rollouts {iteration}", sum(x.finish is None for x in responses), "responses")
-        held, figures = segments.sample_segments(gen, p, responses, cfg, iteration, stamp, report, episodes)
-        if episodes is not None:  # the final states of those that ended here: stored with them, carried or released
-            episodes.close()
-            episodes.write(storage, writer, run_id, held)
-        n = segments.write(storage, writer, run_id, iteration, held, p, cfg, stamp["policy_version"])
-        released = [x for grp in held.release for x in grp]
+        held, figures = segments.sample_segments(loop, responses, cfg, iteration, report)
+        loop.close(here)  # the final states of those that ended here: stored with them, carried or released
+        rows = segments.write(storage, writer, run_id, iteration, held, p, cfg, stamp["policy_version"], here, env)
         return {
-            "prompts": len(p.ids),
-            "skipped_prompts": p.skipped,
-            "samples": n,
-            "response_tokens": sum(len(x.response_ids) for x in released),
-            "stop_fraction": sum(x.finish == "stop" for x in released) / max(n, 1),
+            **summary(len(p.ids), p.skipped, rows, loop, stamp, engine_s, figures["generate_s"], settings),
             **segments.summary(held, iteration, figures),
-            **({} if episodes is None else episodes.summary(held)),
+            **(replay if rows.environment else {}),  # what carrying an environment costs
             "segment_tokens": r.segment_tokens,
-            **stamp,
-            "engine_s": engine_s,
-            "generate_s": figures["generate_s"],
-            "sampler": settings,
         }
 
     def sample_part(writer, shard_k: int, env) -> dict:
-        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, None if env is None else env[1])
+        p = checked_prompts(snap, iteration_prompts(cfg, iteration), cfg, env.tools)
         chunks = -(-len(p.ids) // r.chunk_prompts)
         if r.shards > chunks:  # fewer prompts than asked for were left (skipped ones)
             raise StageError(
@@ -128,22 +118,18 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         engine_s = time.perf_counter() - t0
         spec = sampling_spec(r, iteration_seed(cfg.seed, iteration, Salt.SAMPLING))
         seed = iteration_seed(cfg.seed, iteration, Salt.ENVIRONMENT)
-        tally = Tally(episodes=None if env is None else Episodes(storage, writer, gen, p, env[0], cfg, seed))
+        loop, generate_s = episode_loop(gen, p, env, cfg, stamp), 0.0
         report = Progress(f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""), len(part), "prompts")
-        with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out, tally.tables():
+        with Rows(storage, writer, env) as rows:
             for start in range(part.start, part.stop, r.chunk_prompts):
                 chunk, at = slice(start, start + r.chunk_prompts), start - part.start
-                tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp, lambda k, at=at: report.part(at + k))
+                t0 = time.perf_counter()
+                done = lambda k, at=at: report.part(at + k)  # noqa: E731
+                groups = loop.run(episode_starts(p, chunk, cfg, iteration), spec, seed, done)
+                generate_s += time.perf_counter() - t0
+                rows.write(run_id, iteration, groups, p, stamp)
                 report(min(start + r.chunk_prompts, part.stop) - part.start)
-        return {
-            "prompts": len(part),
-            "skipped_prompts": p.skipped,
-            **tally.rows(out.num_rows),
-            **stamp,
-            "engine_s": engine_s,
-            "generate_s": tally.generate_s,
-            "sampler": settings,
-        }
+        return summary(len(part), p.skipped, rows, loop, stamp, engine_s, generate_s, settings)
 
     with current(sampler_device(r)):  # this thread's CUDA device the sampler's (a learner may hold another)
         return run_sharded(
@@ -183,6 +169,21 @@ def checked_prompts(snap: Committed, examples: list, cfg: RunConfig, tools: list
             f"nothing sampled. Rerun the learn that made it with a lower learn.lr"
         )
     return p
+
+
+def summary(prompts: int, skipped: int, rows: Rows, loop: Loop, stamp: dict, engine_s: float, generate_s: float,
+            sampler: dict) -> dict:  # fmt: skip
+    """The rollouts summary: the prompts sampled and skipped, what the rows written by `loop` count (Rows), the
+    policy that sampled them, the seconds the engine took to start and the sampling took, the sampler's settings."""
+    return {
+        "prompts": prompts,
+        "skipped_prompts": skipped,
+        **rows.summary(loop),
+        **stamp,
+        "engine_s": engine_s,
+        "generate_s": generate_s,
+        "sampler": sampler,
+    }
 
 
 def merged_summary(parts: list[dict]) -> dict:
@@ -238,29 +239,33 @@ def sample_rounds(
     """
     r, n = cfg.rollout, cfg.rollout.prompts_per_iteration
     snap, start = inputs["snapshot"], draw_start(cfg, iteration, inputs)
-    stamp, tally = policy_stamp(storage, snap), Tally()
+    stamp = policy_stamp(storage, snap)
     key = scorer_key(cfg, reward_files.holder_of(inputs))
-    gen = settings = None
+    loop = settings = None
     rounds = signal = kept = skipped = 0
-    engine_s = score_s = 0.0
+    engine_s = score_s = generate_s = 0.0
     with (
         WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool,  # forked before the sampler starts
-        ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out,
+        Rows(storage, writer, Environments()) as rows,  # single-turn (config.validate_dynamic_sampling)
         ParquetWriter(storage.fs, writer.path(table_file("draws")), "draws") as draws,
     ):
         while rounds < r.max_sampling_rounds and (rounds == 0 or signal < r.min_signal_groups):
             p = checked_prompts(snap, round_prompts(cfg, iteration, rounds, start), cfg)
             p = dataclasses.replace(p, index=[rounds * n + i for i in p.index])  # prompt_id: place in the draw order
-            if gen is None:
+            if loop is None:
                 t0 = time.perf_counter()
                 gen, settings = sampler(p, cfg)
                 engine_s = time.perf_counter() - t0
+                loop = episode_loop(gen, p, Environments(), cfg, stamp)
             spec = sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
             report = Progress(f"rollouts {iteration} round {rounds}", len(p.ids), "prompts")
             for at in range(0, len(p.ids), r.chunk_prompts):
                 chunk = slice(at, at + r.chunk_prompts)
                 part = lambda k, at=at: report.part(at + k)  # noqa: E731
-                columns, groups = tally.sample(gen, p, chunk, spec, out, run_id, iteration, stamp, part)
+                t0 = time.perf_counter()
+                groups = loop.run(episode_starts(p, chunk, cfg, iteration), spec, 0, part)
+                generate_s += time.perf_counter() - t0
+                columns = rows.write(run_id, iteration, groups, p, stamp)
                 t0 = time.perf_counter()
                 has = group_signal(cfg, pool, key, columns, [len(g) for g in groups])
                 score_s += time.perf_counter() - t0
@@ -275,13 +280,7 @@ def sample_rounds(
             if signal == 0 and (flat := flat_epoch(cfg, iteration, rounds)):
                 raise StageError(flat)
     return {
-        "prompts": kept,
-        "skipped_prompts": skipped,
-        **tally.rows(out.num_rows),
-        **stamp,
-        "engine_s": engine_s,
-        "generate_s": tally.generate_s,
-        "sampler": settings,
+        **summary(kept, skipped, rows, stamp, engine_s, generate_s, settings),
         "rounds": rounds,
         "prompts_drawn": rounds * n,
         "signal_groups": signal,

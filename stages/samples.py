@@ -1,65 +1,35 @@
-"""What a rollouts stage does with each chunk of its prompts: samples it, single-turn (the sampler's G samples of each
-prompt) or as episodes (rollout.tools, rollout.environment: the episode loop of grpo/episodes over the stage's sampler
-and environment workers), and writes its rows: the rollouts table's, a row per sample; with episodes also the turns
-table's (a row per sampled assistant turn) and the episodes table's (how each ended, its conversation, its
-environment's final state), in the rollouts' attempt. Each chunk is one row group of each table.
+"""What a rollouts stage does with its episodes (grpo/episodes; a single-turn response is an episode without an
+environment): the loop over its sampler and environments, and the rows they become: the rollouts table's (a row per
+episode) and, with an environment, the turns table's (a row per sampled assistant turn) and the episodes table's (how
+each ended, its conversation, its environment's final state), in the rollouts' attempt; and what those rows counted,
+for the stage's summary.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import time
+from dataclasses import dataclass
 
-from grpo import data
 from grpo.config import RolloutConfig, RunConfig
-from grpo.episodes.environment import FinalState
 from grpo.episodes.loop import Limits, Loop
 from grpo.episodes.records import Episode, episode_columns, turn_columns
-from grpo.episodes.workers import Workers
 from grpo.record.commit import StageWriter
 from grpo.record.storage import Storage
-from grpo.sampling.base import Generator, Sample, SamplingSpec, decode_responses
+from grpo.sampling.base import Generator, SamplingSpec, decode_responses
+from grpo.tasks.base import episode_arguments
 from schemas import ParquetWriter, table_file
-from stages.prompts import Prompts, episode_starts
+from stages.prompts import Environments, Prompts, episode_starts
 
 
-def chunk_columns(
-    run_id: str, iteration: int, p: Prompts, chunk: slice, groups: list[list[Sample | Episode]], stamp: dict
-) -> dict[str, list]:
-    """The rollouts table's columns for one chunk: a row per sample (an episode: with its own prompt, rendered with
-    what its environment's reset added, and its loss mask), each prompt's group together."""
-    samples = [s for group in groups for s in group]
-    n, episodes = len(samples), p.tools is not None
-
-    def per_sample(values) -> list:  # one value per prompt -> one per sample
-        return [v for v, group in zip(values, groups) for _ in group]
-
-    return {
-        "run_id": [run_id] * n,
-        "iteration": [iteration] * n,
-        "prompt_id": per_sample(p.index[chunk]),
-        "sample_index": [j for group in groups for j in range(len(group))],
-        "prompt": [s.prompt_text for s in samples] if episodes else per_sample(p.texts[chunk]),
-        "prompt_ids": [s.prompt_ids for s in samples] if episodes else per_sample(p.ids[chunk]),
-        "response_ids": [s.response_ids for s in samples],
-        "response": decode_responses(p.tokenizer, [s.response_ids for s in samples], p.eos_ids),
-        "sampler_logprobs": [s.logprobs for s in samples],
-        "loss_mask": [s.loss_mask if episodes else [1] * len(s.response_ids) for s in samples],
-        "token_versions": [None] * n,  # every token by the row's policy_version
-        "finish_reason": [s.finish_reason for s in samples],
-        "ground_truth": per_sample([e.ground_truth for e in p.examples[chunk]]),
-        "row": per_sample([data.row_json(e) for e in p.examples[chunk]]),
-    } | {k: [v] * n for k, v in stamp.items()}
-
-
-def episode_loop(gen: Generator, p: Prompts, workers: Workers, cfg: RunConfig) -> Loop:
-    """The episode loop of a stage (grpo/episodes) over its sampler and workers, bounded by the rollout settings; the
-    sampler's prefix cache emptied, so what it reuses depends on the stage's own requests (a resumed stage commits the
-    same bytes)."""
-    r = cfg.rollout
-    gen.reset_prefix_cache()
-    return Loop(gen, p.tokenizer, p.eos_ids, workers, Limits(r.max_turns, r.max_tokens, p.context, r.tool_timeout_s))
+def episode_loop(gen: Generator, p: Prompts, env: Environments, cfg: RunConfig, stamp: dict | None = None) -> Loop:
+    """The episode loop of a stage (grpo/episodes) over its sampler and environments (none: single-turn), bounded by
+    the rollout settings, stamping each token with the policy of `stamp` (stages.rollouts.policy_stamp). With an
+    environment the sampler's prefix cache is emptied first, so what a turn reuses depends on the stage's own requests
+    (a resumed stage commits the same bytes)."""
+    r, policy = cfg.rollout, (-1, "") if stamp is None else (stamp["policy_version"], stamp["policy_hash"])
+    if env.workers is not None:
+        gen.reset_prefix_cache()
+    limits = Limits(r.max_turns, r.max_tokens, p.context, r.tool_timeout_s)
+    return Loop(gen, p.tokenizer, p.eos_ids, env.workers, limits, policy)
 
 
 def sampling_spec(r: RolloutConfig, seed: int) -> SamplingSpec:
@@ -69,125 +39,141 @@ def sampling_spec(r: RolloutConfig, seed: int) -> SamplingSpec:
     )
 
 
-@dataclasses.dataclass
-class Tally:
-    """What a rollouts stage has sampled and written so far: response tokens, stopped samples, seconds in the
-    sampler's generate calls (an episode's environment's included); with episodes, their loop and tables."""
+def sample_all(gen: Generator, p: Prompts, spec: SamplingSpec, env: Environments, cfg: RunConfig, seed: int,
+               progress=None) -> list[list[Episode]]:  # fmt: skip
+    """Every prompt of `p` sampled at once, spec.n episodes of each, grouped by prompt (the held-out eval's; `seed`
+    its environments')."""
+    return episode_loop(gen, p, env, cfg).run(episode_starts(p, slice(None), cfg), spec, seed, progress)
 
+
+def rollouts_columns(run_id: str, iteration: int, groups: list[list[Episode]], p: Prompts, stamp: dict | None = None):
+    """The rollouts table's columns of `groups`, each prompt's episodes together: a row per episode as the learner
+    reads it. With `stamp` every token is by the stage's policy (token_versions null); without, each token's version
+    is listed and the row's policy is the one that appended its newest token (rollout.segment_tokens)."""
+    rows = [e for group in groups for e in group]
+    n, ids = len(rows), [e.response_ids for e in rows]
+    out = {
+        "run_id": [run_id] * n,
+        "iteration": [iteration] * n,
+        "prompt_id": [e.prompt_id for e in rows],
+        "sample_index": [e.sample_index for e in rows],
+        "prompt": [e.prompt_text for e in rows],
+        "prompt_ids": [e.prompt_ids for e in rows],
+        "response_ids": ids,
+        "response": decode_responses(p.tokenizer, ids, p.eos_ids),
+        "sampler_logprobs": [e.logprobs for e in rows],
+        "loss_mask": [e.loss_mask for e in rows],
+        "finish_reason": [e.finish_reason for e in rows],
+        "ground_truth": [e.ground_truth for e in rows],
+        "row": [e.row_json for e in rows],
+    }
+    if stamp is not None:
+        return out | {"token_versions": [None] * n} | {k: [v] * n for k, v in stamp.items()}
+    return out | {
+        "token_versions": [e.versions for e in rows],
+        "policy_version": [max(e.versions, default=-1) for e in rows],
+        "policy_hash": [e.policy_hash for e in rows],
+    }
+
+
+@dataclass
+class Counts:
+    """What the rows a rollouts stage wrote count: episodes, response tokens, stopped ones; with an environment, their
+    turns, tool calls and errors, and the seconds environments took answering (timings stay out of the tables)."""
+
+    samples: int = 0
     tokens: int = 0
     stops: int = 0
-    generate_s: float = 0.0
-    episodes: Episodes | None = None
+    turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    tool_s: float = 0.0
+    slowest: float = 0.0
 
-    def sample(
-        self,
-        gen,
-        p: Prompts,
-        chunk: slice,
-        spec: SamplingSpec,
-        out: ParquetWriter,
-        run_id: str,
-        iteration: int,
-        stamp: dict,
-        progress=None,
-    ) -> tuple[dict[str, list], list[list[Sample]]]:
-        """Sample one chunk of prompts and write its rows to `out`: (its columns, its groups); `progress(k)` as
-        the chunk's first k prompts' samples end (the sampler's, which it never changes)."""
-        t0 = time.perf_counter()
-        if self.episodes is None:
-            groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk], progress)
-        else:
-            groups = self.episodes.sample(p, chunk, spec, run_id, iteration, stamp, progress)
-        self.generate_s += time.perf_counter() - t0
-        columns = chunk_columns(run_id, iteration, p, chunk, groups, stamp)
-        out.write(columns)
-        self.tokens += sum(map(len, columns["response_ids"]))
-        self.stops += columns["finish_reason"].count("stop")
-        return columns, groups
-
-    def tables(self):
-        """The episodes' tables, closed when the stage is done with them (nothing without episodes)."""
-        return contextlib.nullcontext() if self.episodes is None else contextlib.closing(self.episodes)
-
-    def rows(self, samples: int) -> dict:
-        """The summary's figures of the rows written (with episodes, theirs: Episodes.summary)."""
-        out = {"samples": samples, "response_tokens": self.tokens, "stop_fraction": self.stops / max(samples, 1)}
-        return out | (self.episodes.summary(samples) if self.episodes is not None else {})
-
-
-class Episodes:
-    """A stage's episodes (grpo/episodes): the loop over its sampler and workers, the turns and episodes tables
-    written beside the rollouts, what they counted."""
-
-    def __init__(
-        self,
-        storage: Storage,
-        writer: StageWriter,
-        gen: Generator,
-        p: Prompts,
-        workers: Workers,
-        cfg: RunConfig,
-        seed: int,
-    ):
-        """`seed`: the environments' (grpo.record.layout.Salt.ENVIRONMENT). The sampler's prefix cache starts empty,
-        so what it reuses depends on this stage's requests alone (a resumed stage commits the same bytes)."""
-        self.loop, self.cfg, self.seed = episode_loop(gen, p, workers, cfg), cfg, seed
-        self.turns = self.calls = self.errors = 0
-        self.tool_s, self.slowest = 0.0, 0.0  # seconds environments took: timings stay out of the tables' bytes
-        self.tables = {t: ParquetWriter(storage.fs, writer.path(table_file(t)), t) for t in ("turns", "episodes")}
-
-    def sample(
-        self, p: Prompts, chunk: slice, spec: SamplingSpec, run_id: str, iteration: int, stamp: dict, progress=None
-    ) -> list[list[Episode]]:
-        """The episodes of one chunk of prompts, grouped by prompt; their turns and episodes rows written."""
-        groups = self.loop.run(episode_starts(p, chunk, self.cfg), spec, self.seed, progress)
-        done = [e for group in groups for e in group]
-        turns, rows = turn_columns(done, stamp), episode_columns(done)
-        for table, columns in (("turns", turns), ("episodes", rows)):
-            n = len(columns["prompt_id"])
-            self.tables[table].write({"run_id": [run_id] * n, "iteration": [iteration] * n} | columns)
-        self.turns += sum(rows["turns"])
-        self.calls += sum(rows["tool_calls"])
-        self.errors += sum(rows["tool_errors"])
-        seconds = [t.tool_s for e in done for t in e.turns]
+    def add(self, episodes: list[Episode], answered: list[Episode] | None = None) -> None:
+        """Count the episodes written; the seconds of the turns of `answered` (those answered in this stage, by
+        default the episodes written)."""
+        self.samples += len(episodes)
+        self.tokens += sum(len(e.response_ids) for e in episodes)
+        self.stops += sum(e.finish_reason == "stop" for e in episodes)
+        self.turns += sum(len(e.turns) for e in episodes)
+        self.calls += sum(len(t.calls) for e in episodes for t in e.turns)
+        self.errors += sum(len(t.errors) for e in episodes for t in e.turns)
+        seconds = [t.tool_s for e in (episodes if answered is None else answered) for t in e.turns]
         self.tool_s, self.slowest = self.tool_s + sum(seconds), max([self.slowest] + seconds)
-        return groups
 
-    def summary(self, samples: int) -> dict:
-        """The rollouts summary's episode figures: turns per episode, tool calls and errors of the iteration, the
-        seconds environments took answering turns (in their workers, all together) and the longest answer, the
-        observations cut (rollout.max_observation_bytes, or longer than an episode's budget holds), the episodes lost
-        with a worker another's call killed and re-created on a fresh one."""
-        return {
-            "turns_per_episode": self.turns / max(samples, 1),
+    def summary(self, environment: bool, loop: Loop) -> dict:
+        """The rollouts summary's figures of them; with an environment also turns per episode, the iteration's tool
+        calls and errors, the seconds environments took (in their workers, all together) and the longest answer, the
+        observations `loop` cut (rollout.max_observation_bytes, or longer than an episode's budget holds) and the
+        episodes it lost with a worker another's call killed and re-created on a fresh one."""
+        n = max(self.samples, 1)
+        out = {"samples": self.samples, "response_tokens": self.tokens, "stop_fraction": self.stops / n}
+        if not environment:
+            return out
+        return out | {
+            "turns_per_episode": self.turns / n,
             "tool_calls": self.calls,
             "tool_errors": self.errors,
             "tool_s": self.tool_s,
             "tool_s_max": self.slowest,
-            "observations_cut": self.loop.cut,
-            "episodes_rerun": self.loop.rerun,
+            "observations_cut": loop.cut,
+            "episodes_rerun": loop.rerun,
         }
+
+
+class Rows:
+    """The tables a rollouts stage writes its episodes to, in its attempt: rollouts, and with an environment turns and
+    episodes (each write one row group of each); what they counted."""
+
+    def __init__(self, storage: Storage, writer: StageWriter, env: Environments):
+        self.environment = env.workers is not None
+        names = ("rollouts", "turns", "episodes") if self.environment else ("rollouts",)
+        self.tables = {t: ParquetWriter(storage.fs, writer.path(table_file(t)), t) for t in names}
+        self.counts = Counts()
+
+    def write(self, run_id: str, iteration: int, groups: list[list[Episode]], p: Prompts, stamp: dict) -> dict:
+        """One chunk's episodes, every token by the stage's policy (`stamp`), to each table; returns its rollouts
+        columns."""
+        columns = self.rollouts(run_id, iteration, groups, p, stamp)
+        self.episodes(run_id, iteration, [e for group in groups for e in group], stamp)
+        return columns
+
+    def rollouts(self, run_id: str, iteration: int, groups: list[list[Episode]], p: Prompts, stamp=None) -> dict:
+        """Rows of the rollouts table (rollouts_columns); returns their columns."""
+        columns = rollouts_columns(run_id, iteration, groups, p, stamp)
+        self.tables["rollouts"].write(columns)
+        return columns
+
+    def episodes(self, run_id: str, iteration: int, done: list[Episode], stamp=None, answered=None) -> None:
+        """The turns and episodes tables' rows of `done` (nothing without an environment), counted; each turn's
+        policy_version the stage's (`stamp`), or the one that sampled its last token."""
+        self.counts.add(done, answered)
+        if not self.environment:
+            return
+        turns = turn_columns(done, stamp or {"policy_version": None})
+        if stamp is None:
+            turns["policy_version"] = [e.versions[t.end - 1] if t.end else -1 for e in done for t in e.turns]
+        for table, columns in (("turns", turns), ("episodes", episode_columns(done))):
+            n = len(columns["prompt_id"])
+            self.tables[table].write({"run_id": [run_id] * n, "iteration": [iteration] * n} | columns)
+
+    def summary(self, loop: Loop) -> dict:
+        """The rollouts summary's figures of the rows written by `loop` (Counts.summary)."""
+        return self.counts.summary(self.environment, loop)
 
     def close(self) -> None:
         for table in self.tables.values():
             table.close()
 
+    def __enter__(self) -> Rows:
+        return self
 
-def sample_all(gen: Generator, p: Prompts, spec: SamplingSpec, env, cfg: RunConfig, seed: int, progress=None) -> list:
-    """Every prompt of `p` sampled at once, grouped by prompt: the sampler's spec.n samples of each, or with `env`
-    (stages.prompts.environments: episodes) spec.n episodes of each (the held-out eval's; `seed` its environments')."""
-    if env is None:
-        return gen.generate(p.ids, spec, p.budgets, progress)
-    loop = episode_loop(gen, p, env[0], cfg)
-    return loop.run(episode_starts(p, slice(None), cfg), spec, seed, progress)
+    def __exit__(self, *_) -> None:
+        self.close()
 
 
-def reward_arguments(samples: list) -> list[dict]:
-    """What reward functions get of each sample beside its dataset row: an episode's environment and messages
-    (grpo.tasks.functions.EPISODE_ARGUMENTS), nothing for a single-turn sample."""
-    return [
-        {"environment": None if s.final is None else FinalState(s.final), "messages": s.messages[s.prompt_messages :]}
-        if isinstance(s, Episode)
-        else {}
-        for s in samples
-    ]
+def reward_arguments(episodes: list[Episode]) -> list[dict]:
+    """What reward functions get of each episode beside its dataset row: its environment's final state and its
+    messages (grpo.tasks.base.episode_arguments); nothing without an environment."""
+    return [episode_arguments(e.final, e.messages[e.prompt_messages :]) if e.has_environment else {} for e in episodes]

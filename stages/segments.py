@@ -10,8 +10,22 @@ per response, and hands what has not ended, unfinished, to the next iteration's 
         in whole minibatches: the rollouts table, what rewards, advantages and learn read
     the rest, unfinished or ended with their group still waiting, to the `carried` table: the next iteration's input
     a row per response held to the `segments` table: what became of it here
-With rollout.tools or rollout.environment each response is an episode, continued turn by turn and its environment
-re-created by replay (stages/episode_segments.py).
+
+Every response is an episode (grpo/episodes), continued by the one Loop.advance; with rollout.tools or
+rollout.environment it has an environment, and the rounds go turn by turn:
+    open: the G episodes of each new prompt reset, as without segments (the stage's environment seed); the environment
+        of each episode carried in re-created by replay: reset with its seed, each answered turn asked again with its
+        seed, every answer checked against the one recorded (Loop.reopen)
+    a round: every unfinished episode goes on until it ends or has sampled B tokens in the round: a turn cut at B stays
+        open and the next round or iteration continues it from exactly its ids; a turn that ends is answered and its
+        observation appended, as without segments (appended tokens are sampled by no policy: they count to max_tokens,
+        not to B, and carry the version of the iteration that appended them)
+    close: the final state of each episode that ended here, every other environment closed (Loop.close)
+    write: the turns and episodes tables of the released episodes, as without segments (a turn's policy_version: the
+        one that sampled its last token); what is carried on keeps the rest in its `episode` (grpo.episodes.carry)
+An environment's numbers come from the seed of the stage that reset it, the episode and the turn, so a rerun, a
+resumed run and a fork commit the same bytes; an environment that answers otherwise on replay fails the stage in one
+line.
 
 How many new prompts. Every iteration starts its own prompts_per_iteration prompts (those it would start without
 segments), whatever it carries: as AReaL admits a batch of new prompts per policy version and its trainer takes a
@@ -31,118 +45,60 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from grpo.config import RunConfig
 from grpo.episodes import carry
-from grpo.episodes.records import Episode
+from grpo.episodes.loop import Loop
+from grpo.episodes.records import Episode, end_of
 from grpo.progress import Progress
-from grpo.record.layout import Salt, episode_seed, round_seed
+from grpo.record.layout import Salt, iteration_seed, round_seed
 from grpo.record.storage import Committed, Storage
-from grpo.sampling.base import Generator, SamplingSpec, decode_responses
 from schemas import ParquetWriter, read_parquet, table_file
-from stages import samples
-from stages.prompts import Prompts
+from stages.prompts import Environments, Prompts, episode_starts
+from stages.samples import Rows, sampling_spec
 
 
-@dataclass
-class Response:
-    """One response in flight, from its prompt to its end, across iterations."""
-
-    prompt_id: int
-    sample_index: int
-    started: int
-    """The iteration whose prompts its group was among."""
-    prompt: str
-    prompt_ids: list[int]
-    budget: int
-    """Its most tokens after the prompt: rollout.max_tokens, or what the model's context leaves."""
-    ground_truth: str
-    row: str
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    """The policy version that sampled each token (an episode's appended ones: the iteration's that appended them)."""
-    finish: str | None = None
-    """stop or length once ended; None while unfinished."""
-    policy_hash: str = ""
-    """Of the policy that sampled its newest token."""
-    ep: Episode | None = None
-    """An episode's turns and conversation so far (grpo/episodes: its token lists are this response's own); None: a
-    single-turn response."""
-    before: int = 0
-    """Its tokens when this iteration began."""
-
-    def extend(self, ids: list[int], logprobs: list[float], mask: list[int], version: int) -> None:
-        """Append tokens sampled (mask 1) or appended (mask 0) by the policy of `version`."""
-        self.response_ids += ids
-        self.logprobs += logprobs
-        self.loss_mask += mask
-        self.versions += [version] * len(ids)
-
-
-def carried_in(storage: Storage, previous: Committed | None) -> list[Response]:
-    """The responses the previous iteration's rollouts carried on (none in iteration 0), in prompt_id order."""
+def carried_in(storage: Storage, previous: Committed | None) -> list[Episode]:
+    """The responses the previous iteration's rollouts carried on (none in iteration 0), in prompt_id order; an
+    episode's turns and conversation from its `episode` (grpo.episodes.carry)."""
     if previous is None:
         return []
     table = read_parquet(storage.fs, previous.read_path(table_file("carried")), "carried").to_pylist()
     out = []
     for r in table:
-        ids, logprobs, mask = list(r["response_ids"]), list(r["sampler_logprobs"]), list(r["loss_mask"])
-        x = Response(
-            r["prompt_id"], r["sample_index"], r["started"], r["prompt"], list(r["prompt_ids"]), r["budget"],
-            r["ground_truth"], r["row"], ids, logprobs, mask, list(r["token_versions"]), r["finish_reason"],
-            r["policy_hash"], before=len(ids),
+        ids = list(r["response_ids"])
+        e = Episode(
+            r["prompt_id"], r["sample_index"], None, r["prompt"], list(r["prompt_ids"]), budget=r["budget"],
+            response_ids=ids, loss_mask=list(r["loss_mask"]), logprobs=list(r["sampler_logprobs"]),
+            end=None if r["finish_reason"] is None else end_of(r["finish_reason"]), ground_truth=r["ground_truth"],
+            row_json=r["row"], started=r["started"], versions=list(r["token_versions"]), policy_hash=r["policy_hash"],
+            before=len(ids),
         )  # fmt: skip
-        if r["episode"] is not None:
-            x.ep = carry.loads(r["episode"], x.prompt, x.prompt_ids, ids, mask, logprobs, x.prompt_id, x.sample_index)
-        out.append(x)
+        out.append(e if r["episode"] is None else carry.loads(r["episode"], e))
     return out
 
 
-def started_here(p: Prompts, iteration: int, n: int, g: int) -> list[Response]:
-    """G new responses of each of the iteration's prompts `p` (prompt_id iteration x n + its place, n:
-    prompts_per_iteration)."""
-    from grpo import data
-
-    return [
-        Response(iteration * n + i, j, iteration, text, list(ids), budget, e.ground_truth, data.row_json(e))
-        for i, text, ids, budget, e in zip(p.index, p.texts, p.ids, p.budgets, p.examples)
-        for j in range(g)
-    ]
-
-
-def segment_seeds(seed: int, live: list[Response]) -> list[int]:
-    """Each response's seed for a round whose seed is `seed`: a hash of it and the response alone, whatever else
-    shares the sampler call (grpo.record.layout.episode_seed: a single-turn response is an episode of one turn)."""
-    return [episode_seed(seed, x.prompt_id, x.sample_index, 0) for x in live]
-
-
-def advance(
-    gen: Generator, live: list[Response], spec: SamplingSpec, b: int, rows: int, stamp: dict, progress=None
-) -> int:
-    """Continue each response of `live` by at most `b` tokens, `rows` responses a sampler call; each from exactly its
-    prompt's ids and its ids so far, seeded by spec.seed and itself. Returns the tokens sampled."""
-    one, sampled = dataclasses.replace(spec, n=1), 0
-    for at in range(0, len(live), rows):
-        part = live[at : at + rows]
-        contexts = [x.prompt_ids + x.response_ids for x in part]
-        budgets = [min(b, x.budget - len(x.response_ids)) for x in part]
-        done = None if progress is None else (lambda k, at=at: progress(at + k))
-        out = gen.generate(contexts, one, budgets, done, seeds=segment_seeds(spec.seed, part))
-        for x, [s] in zip(part, out):
-            x.extend(list(s.response_ids), list(s.logprobs), [1] * len(s.response_ids), stamp["policy_version"])
-            x.policy_hash = stamp["policy_hash"]
-            sampled += len(s.response_ids)
-            if s.finish_reason == "stop" or len(x.response_ids) >= x.budget:
-                x.finish = s.finish_reason
-    return sampled
+def opened(loop: Loop, p: Prompts, carried: list[Episode], cfg: RunConfig, iteration: int) -> tuple[list, list, dict]:
+    """(the iteration's responses: those carried in, then G new ones of each of its prompts `p`, prompt_id
+    iteration x n + its place; those whose environments this stage holds; the replay's figures). The environments of
+    the unfinished carried ones are re-created (Loop.reopen), the new ones reset with the stage's environment seed."""
+    going = [x for x in carried if x.end is None]
+    t0 = time.perf_counter()
+    loop.reopen(going)
+    replay = {"episodes_replayed": len(going), "replay_s": time.perf_counter() - t0}
+    n, g = cfg.rollout.prompts_per_iteration, cfg.rollout.group_size
+    placed = dataclasses.replace(p, index=[iteration * n + i for i in p.index])  # their prompt_ids
+    seed = iteration_seed(cfg.seed, iteration, Salt.ENVIRONMENT)
+    new = [e for group in loop.open(episode_starts(placed, slice(None), cfg, iteration), g, seed) for e in group]
+    for e in new:
+        carry.check_row(e)  # before anything is sampled
+    return carried + new, going + new, replay
 
 
-def groups_of(responses: list[Response]) -> list[list[Response]]:
+def groups_of(responses: list[Episode]) -> list[list[Episode]]:
     """The responses by group, in prompt_id order (each group's in sample order)."""
-    by: dict[int, list[Response]] = {}
+    by: dict[int, list[Episode]] = {}
     for x in sorted(responses, key=lambda x: (x.prompt_id, x.sample_index)):
         by.setdefault(x.prompt_id, []).append(x)
     return list(by.values())
@@ -162,12 +118,12 @@ def released(complete: int, n: int, per_step: int) -> int:
 class Held:
     """What an iteration holds once sampled: the groups it releases, the responses it carries on, all of them."""
 
-    release: list[list[Response]]
-    carry: list[Response]
-    responses: list[Response]
+    release: list[list[Episode]]
+    carry: list[Episode]
+    responses: list[Episode]
 
 
-def hold(responses: list[Response], n: int, per_step: int) -> Held:
+def hold(responses: list[Episode], n: int, per_step: int) -> Held:
     """Split the iteration's responses into the groups released (the oldest complete ones: `released`) and the rest."""
     groups = groups_of(responses)
     complete = [grp for grp in groups if all(x.finish is not None for x in grp)]
@@ -176,22 +132,18 @@ def hold(responses: list[Response], n: int, per_step: int) -> Held:
     return Held(release, [x for grp in groups for x in grp if id(x) not in out], [x for grp in groups for x in grp])
 
 
-def sample_segments(gen: Generator, p: Prompts, responses: list[Response], cfg: RunConfig, iteration: int,
-                    stamp: dict, report: Progress, episodes=None) -> tuple[Held, dict]:  # fmt: skip
+def sample_segments(loop: Loop, responses: list[Episode], cfg: RunConfig, iteration: int,
+                    report: Progress) -> tuple[Held, dict]:  # fmt: skip
     """Round after round until at least a minibatch of groups is complete (or nothing is left unfinished): (what the
-    iteration holds, the summary's sampling figures). `episodes` (stages.episode_segments.Episodes): the responses
-    are episodes, advanced by it."""
+    iteration holds, the summary's sampling figures)."""
     r = cfg.rollout
     per_step, rows = cfg.learn.minibatch_size // r.group_size, r.chunk_prompts * r.group_size
     rounds = sampled = 0
     t0 = time.perf_counter()
     while True:
         live = [x for x in responses if x.finish is None]
-        spec = samples.sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
-        if episodes is None:
-            sampled += advance(gen, live, spec, r.segment_tokens, rows, stamp, report.part)
-        else:
-            sampled += episodes.advance(live, spec, r.segment_tokens, rows, stamp)
+        spec = sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
+        sampled += loop.advance(live, spec, r.segment_tokens, rows, report.part)
         rounds += 1
         held = hold(responses, r.prompts_per_iteration, per_step)
         if held.release or all(x.finish is not None for x in responses):
@@ -200,45 +152,36 @@ def sample_segments(gen: Generator, p: Prompts, responses: list[Response], cfg: 
     return held, {"rounds": rounds, "sampled_tokens": sampled, "generate_s": time.perf_counter() - t0}
 
 
-def row_groups(groups: list[list[Response]], chunk: int) -> list[list[list[Response]]]:
+def row_groups(groups: list[list[Episode]], chunk: int) -> list[list[list[Episode]]]:
     """The released groups in row groups of `chunk` groups (rollout.chunk_prompts)."""
     return [groups[i : i + chunk] for i in range(0, len(groups), chunk)] or [[]]
 
 
-ATTRIBUTE = {"sampler_logprobs": "logprobs", "token_versions": "versions", "finish_reason": "finish"}
-"""A table's column named otherwise than the Response attribute it holds."""
+ATTRIBUTE = {"prompt": "prompt_text", "sampler_logprobs": "logprobs", "token_versions": "versions",
+             "finish_reason": "finish", "row": "row_json"}  # fmt: skip
+"""A table's column named otherwise than the Episode attribute it holds."""
 
 
-def response_columns(run_id: str, iteration: int, rows: list[Response], names: tuple[str, ...]) -> dict[str, list]:
-    """Columns `names` of a table with a row per response (run_id and iteration first): each the Response attribute
+def response_columns(run_id: str, iteration: int, rows: list[Episode], names: tuple[str, ...]) -> dict[str, list]:
+    """Columns `names` of a table with a row per response (run_id and iteration first): each the Episode attribute
     of its name (ATTRIBUTE: or the one named there)."""
     n = len(rows)
     out: dict[str, list] = {"run_id": [run_id] * n, "iteration": [iteration] * n}
     return out | {name: [getattr(x, ATTRIBUTE.get(name, name)) for x in rows] for name in names}
 
 
-ROLLOUTS = ("prompt_id", "sample_index", "prompt", "prompt_ids", "response_ids", "sampler_logprobs", "loss_mask",
-            "token_versions", "finish_reason", "ground_truth", "row", "policy_hash")  # fmt: skip
-CARRIED = ROLLOUTS[:2] + ("started",) + ROLLOUTS[2:4] + ("budget",) + ROLLOUTS[4:]
+CARRIED = ("prompt_id", "sample_index", "started", "prompt", "prompt_ids", "budget", "response_ids", "sampler_logprobs",
+           "loss_mask", "token_versions", "finish_reason", "ground_truth", "row", "policy_hash")  # fmt: skip
 
 
-def rollouts_columns(run_id: str, iteration: int, groups: list[list[Response]], p: Prompts) -> dict[str, list]:
-    """The rollouts table's columns of released groups: each row as the learner reads it, its token_versions listed
-    and its policy the one that sampled its newest token."""
-    rows = [x for grp in groups for x in grp]
-    out = response_columns(run_id, iteration, rows, ROLLOUTS)
-    out["response"] = decode_responses(p.tokenizer, out["response_ids"], p.eos_ids)
-    out["policy_version"] = [max(x.versions, default=-1) for x in rows]
-    return out
-
-
-def carried_columns(run_id: str, iteration: int, rows: list[Response]) -> dict[str, list]:
-    """The carried table's columns: every response handed on, whole (an episode's turns and conversation as JSON)."""
+def carried_columns(run_id: str, iteration: int, rows: list[Episode]) -> dict[str, list]:
+    """The carried table's columns: every response handed on, whole (an episode's turns and conversation as JSON;
+    null without an environment)."""
     out = response_columns(run_id, iteration, rows, CARRIED)
-    return out | {"episode": [None if x.ep is None else carry.dumps(x.ep) for x in rows]}
+    return out | {"episode": [carry.dumps(x) if x.has_environment else None for x in rows]}
 
 
-def state(x: Response, out: set[int]) -> str:
+def state(x: Episode, out: set[int]) -> str:
     """released, carried (unfinished) or finished (ended, its group waits)."""
     return "released" if id(x) in out else "carried" if x.finish is None else "finished"
 
@@ -283,14 +226,17 @@ def summary(held: Held, iteration: int, figures: dict) -> dict:
     }
 
 
-def write(storage: Storage, writer, run_id: str, iteration: int, held: Held, p: Prompts, cfg: RunConfig,
-          version: int) -> int:  # fmt: skip
-    """Write the rollouts (released groups), carried and segments tables; returns the rollouts' rows."""
-    with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out:
+def write(storage: Storage, writer, run_id: str, iteration: int, held: Held, p: Prompts, cfg: RunConfig, version: int,
+          here: list[Episode], env: Environments) -> Rows:  # fmt: skip
+    """Write the rollouts (released groups; with an environment their turns and episodes too), carried and segments
+    tables; returns their Rows, counting the released ones (the environments' seconds: those of `here`, the episodes
+    this stage held)."""
+    with Rows(storage, writer, env) as rows:
         for groups in row_groups(held.release, cfg.rollout.chunk_prompts):
-            out.write(rollouts_columns(run_id, iteration, groups, p))
+            rows.rollouts(run_id, iteration, groups, p)
+        rows.episodes(run_id, iteration, [x for grp in held.release for x in grp], answered=here)
     with ParquetWriter(storage.fs, writer.path(table_file("carried")), "carried") as out:
         out.write(carried_columns(run_id, iteration, held.carry))
     with ParquetWriter(storage.fs, writer.path(table_file("segments")), "segments") as out:
         out.write(segment_columns(run_id, iteration, held, version))
-    return sum(map(len, held.release))
+    return rows

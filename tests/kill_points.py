@@ -101,15 +101,15 @@ def install(folder: str, points: list[str]) -> None:
 
 def _hold_mid_episodes(folder: str, point: str, k: int) -> None:
     """Hold once iteration k's episode loop has its environments' first answers (every episode half done)."""
+    import grpo.episodes.loop
     import grpo.episodes.workers
-    import stages.samples
 
     at = {"iteration": None}
-    sample, run = stages.samples.Episodes.sample, grpo.episodes.workers.Workers.run
+    sample, run = grpo.episodes.loop.Loop.run, grpo.episodes.workers.Workers.run
 
-    def sample_chunk(self, p, chunk, spec, run_id, iteration, *a, **kw):
-        at["iteration"] = iteration
-        return sample(self, p, chunk, spec, run_id, iteration, *a, **kw)
+    def sample_chunk(self, starts, *a, **kw):
+        at["iteration"] = starts[0].started if starts else None  # the iteration whose rollouts drew them
+        return sample(self, starts, *a, **kw)
 
     def run_op(self, op, items):
         out = run(self, op, items)
@@ -117,7 +117,7 @@ def _hold_mid_episodes(folder: str, point: str, k: int) -> None:
             hold(folder, point)
         return out
 
-    stages.samples.Episodes.sample, grpo.episodes.workers.Workers.run = sample_chunk, run_op
+    grpo.episodes.loop.Loop.run, grpo.episodes.workers.Workers.run = sample_chunk, run_op
 
 
 def _hold_mid_segments(folder: str, point: str, k: int) -> None:
@@ -126,16 +126,16 @@ def _hold_mid_segments(folder: str, point: str, k: int) -> None:
 
     sample = stages.segments.sample_segments
 
-    def sample_iteration(gen, p, responses, cfg, iteration, *a, **kw):
+    def sample_iteration(loop, responses, cfg, iteration, *a, **kw):
         if iteration == k:
-            generate = gen.generate
+            generate = loop.gen.generate
 
             def generate_once(*args, **kwargs):
                 out = generate(*args, **kwargs)
                 hold(folder, point)
                 return out
 
-            gen.generate = generate_once  # this generator, in this process only: it is killed here
-        return sample(gen, p, responses, cfg, iteration, *a, **kw)
+            loop.gen.generate = generate_once  # this generator, in this process only: it is killed here
+        return sample(loop, responses, cfg, iteration, *a, **kw)
 
     stages.segments.sample_segments = sample_iteration

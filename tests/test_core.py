@@ -329,7 +329,7 @@ MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 def _loss_and_grad(loss_type, old=OLD, ratios=RATIOS, adv=ADV, mask=MASK, **kw):
     """Per-token loss, metadata and d(sum of the masked loss)/d logp of one loss on the 2x3 example."""
     lp = (old + torch.log(ratios)).requires_grad_(True)
-    loss, meta = policy_gradient_loss(loss_type, lp, response_mask=mask, advantages=adv, old_logprobs=old, **kw)
+    loss, meta = policy_gradient_loss(loss_type, lp, loss_mask=mask, advantages=adv, old_logprobs=old, **kw)
     (loss * mask).sum().backward()
     return loss.detach(), meta, lp.grad
 
@@ -362,7 +362,7 @@ def test_dual_clip_bounds_negative_advantages_and_leaves_the_rest(loss_type):
 def test_dual_clip_is_refused_by_losses_without_a_clipped_objective(loss_type):
     with pytest.raises(ValueError, match="dual_clip_c"):
         policy_gradient_loss(
-            loss_type, OLD, raw_rewards=ADV, advantages=ADV, old_logprobs=OLD, response_mask=MASK, dual_clip_c=3.0
+            loss_type, OLD, raw_rewards=ADV, advantages=ADV, old_logprobs=OLD, loss_mask=MASK, dual_clip_c=3.0
         )
 
 
@@ -389,7 +389,7 @@ def test_gspo_padding_never_enters_the_sequence_ratio():
     plain, _, grad_plain = _loss_and_grad("gspo", clip_eps=0.2)
     torch.testing.assert_close(masked * MASK, plain * MASK)
     torch.testing.assert_close(grad * MASK, grad_plain * MASK)
-    with pytest.raises(ValueError, match="response_mask"):
+    with pytest.raises(ValueError, match="loss_mask"):
         policy_gradient_loss("gspo", OLD, advantages=ADV, old_logprobs=OLD)
 
 
@@ -417,7 +417,7 @@ def test_gspo_token_form_gives_the_sequence_level_gradient():
     adv = torch.randn(6, 1, generator=g)
     mask = (torch.arange(5) < torch.tensor([[5], [2], [4], [1], [3], [5]])).float()
     lp = lp0.clone().requires_grad_(True)
-    loss, meta = policy_gradient_loss("gspo", lp, response_mask=mask, advantages=adv, old_logprobs=old)
+    loss, meta = policy_gradient_loss("gspo", lp, loss_mask=mask, advantages=adv, old_logprobs=old)
     aggregate_loss(loss, mask, "seq_mean_token_mean").backward()
     lp_seq = lp0.clone().requires_grad_(True)
     s = torch.exp(((lp_seq - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True))  # (B, 1)
@@ -707,7 +707,7 @@ def _call(entry, name):
     calls = {
         "advantage": lambda: group_advantages(torch.arange(4.0), 2, name),
         "loss": lambda: policy_gradient_loss(
-            name, lp, response_mask=mask, raw_rewards=torch.ones(2, 1), advantages=torch.ones(2, 1), old_logprobs=lp
+            name, lp, loss_mask=mask, raw_rewards=torch.ones(2, 1), advantages=torch.ones(2, 1), old_logprobs=lp
         ),
         "kl": lambda: kl_penalty(lp, lp, name),
         "agg": lambda: aggregate_loss(lp, mask, name, max_tokens=4.0),
@@ -887,7 +887,7 @@ def test_no_behavior_correction_is_the_uncorrected_loss_bit_for_bit():
     for correction in ("none", None):
         logp = (old + 0.1 * torch.randn(3, 5, generator=torch.Generator().manual_seed(1))).requires_grad_(True)
         if correction is None:  # the loss as it was before any correction existed
-            pg, _ = policy_gradient_loss("grpo_clip", logp, response_mask=mask, advantages=adv, old_logprobs=old)
+            pg, _ = policy_gradient_loss("grpo_clip", logp, loss_mask=mask, advantages=adv, old_logprobs=old)
             aggregate_loss(pg, mask, "seq_mean_token_mean").backward()
         else:
             spec = LossSpec("grpo_clip", "seq_mean_token_mean", behavior_correction=correction)
@@ -916,7 +916,7 @@ def _dropped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def test_masked_tokens_count_for_nothing_the_step_is_the_one_with_them_dropped(
     loss_type, dual_clip_c, agg_mode, correction, level
 ):
-    """An episode's observation tokens (response_mask 0 inside a response) leave the loss, its gradient, the KL and
+    """An episode's observation tokens (loss_mask 0 inside a response) leave the loss, its gradient, the KL and
     every metric (clip fractions, ratio stats, behaviour weights and their KL, GSPO's sequence ratio) as if they had
     been dropped from the sequence; and whatever old, sampler and reference log-probs they hold (huge, inf, nan)
     changes nothing."""

@@ -14,7 +14,8 @@ import grpo.progress
 import grpo.tasks.functions
 import grpo.tasks.math
 import stages.shards
-from grpo.data import DatasetError, draw, load_examples, render, split
+from grpo.data import DatasetError, draw, load_examples, split
+from grpo.episodes.templates import render
 from grpo.tasks.math import math_reward
 from grpo.tiny_model import build_chat_tokenizer
 

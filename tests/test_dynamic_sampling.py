@@ -12,7 +12,7 @@ from grpo.data import draw_at
 from grpo.query import query
 from grpo.record.layout import Salt, iteration_seed, stage_dir
 from grpo.record.storage import committed_attempts, latest_committed, open_storage
-from grpo.scoring.pool import WARM_POOLS
+from grpo.runtime.pool import WARM_POOLS
 from grpo.tasks import get_task
 from schemas import read_parquet, table_file
 from stages import StageError

@@ -15,9 +15,9 @@ from grpo.episodes.environment import Reply, ToolCall
 from grpo.episodes.parsing import parse_turn
 from grpo.episodes.workers import Item, Workers, probe
 from grpo.errors import StageError
+from grpo.runtime.pool import RewardPool
 from grpo.sampling.base import SamplingSpec
 from grpo.sampling.hf import HFGenerator
-from grpo.scoring.pool import RewardPool
 from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_tokenizer, build_tiny_model
 
 ROUGH = '''
@@ -207,3 +207,48 @@ def test_the_final_state_is_stored_as_json(rough):
         turn(workers, [key], [[ToolCall("echo", {"text": "a"})]])
         [out] = workers.run("final", [Item(key, 0)])
     assert out.value == {"seen": ["a"], "row": {"prompt": "p"}} and json.dumps(out.value)
+
+
+def test_a_single_turn_response_is_an_episode_whose_loop_is_the_samplers_own_call(tmp_path):
+    """Without an environment an episode is the single-turn response single-turn rollouts committed before it was one:
+    Loop.run is the sampler's one call for the chunk (spec.n samples of each prompt, every number drawn from
+    spec.seed), Loop.advance (rollout.segment_tokens) continues each from its ids with at most `cap` tokens, seeded
+    by the response alone; each token stamped with the loop's policy, and the rows' finish reasons the sampler's."""
+    from transformers import AutoTokenizer
+
+    from grpo.episodes.loop import Limits, Loop, Start
+    from grpo.record.layout import episode_seed
+    from grpo.sampling.base import stop_token_ids
+
+    model = build_tiny_model(str(tmp_path / "m"), [str(i) for i in range(10)])
+    gen, tok = HFGenerator(model), AutoTokenizer.from_pretrained(model)
+    loop = Loop(gen, tok, stop_token_ids(tok, model), None, Limits(1, 9, 64, 1.0), policy=(4, "abc"))
+    prompts = [[2, 5, 6], [2, 7, 8, 9]]
+    starts = [Start(i, [], {}, f"p{i}", ids, 9 - i, str(i), "{}", 3) for i, ids in enumerate(prompts)]
+    spec = SamplingSpec(n=3, temperature=1.0, max_tokens=9, seed=7)
+    groups = loop.run(starts, spec, env_seed=0)
+    direct = gen.generate(prompts, spec, [9, 8])
+    assert [[(e.response_ids, e.logprobs, e.finish_reason) for e in g] for g in groups] == [
+        [(list(s.response_ids), list(s.logprobs), s.finish_reason) for s in g] for g in direct
+    ]
+    e = groups[1][2]
+    assert (e.prompt_id, e.sample_index, e.prompt_text, e.prompt_ids, e.budget, e.started) == (
+        1,
+        2,
+        "p1",
+        prompts[1],
+        8,
+        3,
+    )
+    assert e.loss_mask == [1] * len(e.response_ids) and e.versions == [4] * len(e.response_ids) and not e.turns
+    assert e.policy_hash == "abc" and not e.has_environment and e.finish is not None
+
+    fresh = [g[0] for g in loop.open(starts, 1, env_seed=0)]
+    total = loop.advance(fresh, spec, cap=2, rows=2)
+    one = dataclasses.replace(spec, n=1)
+    seeds = [episode_seed(7, i, 0, 0) for i in range(2)]
+    cut = gen.generate(prompts, one, [2, 2], seeds=seeds)
+    assert [e.response_ids for e in fresh] == [list(s.response_ids) for [s] in cut]
+    assert total == sum(len(e.response_ids) for e in fresh)
+    for e, [s] in zip(fresh, cut):  # cut by the cap: still going unless it stopped
+        assert e.finish == ("stop" if s.finish_reason == "stop" else None) and e.open is None

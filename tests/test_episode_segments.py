@@ -278,7 +278,7 @@ def test_a_row_json_cannot_hold_as_it_is_is_refused_in_one_line_before_it_is_car
     from grpo.episodes.records import Episode
 
     plain = Episode(3, 0, (), row={"question": "2 x 3?", "answer": "6", "tags": ["x"], "n": 2})
-    assert carry.loads(carry.dumps(plain), "", [], [], [], [], 3, 0).row == plain.row
+    assert carry.loads(carry.dumps(plain), Episode(3, 0, None)).row == plain.row
     dated = Episode(3, 0, (), row={"question": "2 x 3?", "asked": datetime.date(2026, 12, 6)})
     with pytest.raises(StageError, match=r"prompt_id 3 has columns JSON does not hold as they are \(asked\)") as e:
         carry.dumps(dated)

@@ -21,8 +21,8 @@ from tool_world import config, world
 from transformers import AutoTokenizer
 
 from flows.cli import main
-from grpo import data
 from grpo.config import load_config
+from grpo.episodes import templates
 from grpo.episodes.chat import observation_tokens, prompt_tokens, with_reset
 from grpo.errors import StageError
 from grpo.query import query
@@ -105,7 +105,7 @@ def check_token_in_token_out(
         ids, mask, logps = list(row.response_ids), list(row.loss_mask), list(row.sampler_logprobs)
         assert len(ids) == len(mask) == len(logps) <= 120 and set(mask) <= {0, 1}
         asked = re.search(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", row.prompt, re.S).group(1)
-        question = data.chat_messages(asked.removesuffix(reset), None)
+        question = templates.chat_messages(asked.removesuffix(reset), None)
         messages = with_reset(question, [{"role": "user", "content": reset}] if reset else [])
         assert (row.prompt, list(row.prompt_ids)) == prompt_tokens(tok, messages, tools)
         ep, mine = episodes.loc[(row.prompt_id, row.sample_index)], turns.get_group((row.prompt_id, row.sample_index))

@@ -23,8 +23,8 @@ from test_trust_inputs import arithmetic, config, write_jsonl
 import stages.init
 import stages.rewards
 from flows.cli import main
-from grpo import data
 from grpo.config import ConfigError, load_config
+from grpo.record import pins
 from grpo.record.layout import run_dir, shard_stage, stage_dir
 from grpo.record.lineage import next_iteration
 from grpo.record.storage import committed_attempts, latest_committed, list_attempts, open_storage, read_collected
@@ -150,7 +150,7 @@ def test_a_same_size_edit_of_a_dataset_on_a_web_server_without_etag_is_refused(s
     folder, url = served
     path = folder / "arith.jsonl"
     write_jsonl(path, arithmetic(24))
-    assert data.fingerprint(f"{url}/arith.jsonl") == data.fingerprint(str(path))  # its bytes' sha256, as a file's
+    assert pins.fingerprint(f"{url}/arith.jsonl") == pins.fingerprint(str(path))  # its bytes' sha256, as a file's
     base = init_run(storage, "r", config(f"task.dataset={url}/arith.jsonl"))
     assert base.manifest.summary["datasets"]["task.dataset"]["fingerprint"].startswith("sha256:")
     stage_function("snapshot")(storage, "r", 0)
@@ -169,9 +169,9 @@ def test_a_run_pinned_by_size_alone_before_bytes_were_hashed_goes_on_while_the_s
     base = init_run(storage, "old", config(f"task.dataset={uri}"))
     manifest = f"{base.attempt_dir}/_manifest.json"  # as grpo recorded an untagged URL before: its size alone
     raw = json.loads(storage.read_bytes(manifest))
-    raw["summary"]["datasets"]["task.dataset"]["fingerprint"] = data._size_only(uri)
+    raw["summary"]["datasets"]["task.dataset"]["fingerprint"] = pins._size_only(uri)
     storage.write_bytes_atomic(manifest, json.dumps(raw).encode())
-    data.pin(None)
+    pins.pin(None)
     with caplog.at_level(logging.WARNING, logger="grpo.data"):
         check_datasets(storage, "old")  # not "changed since grpo init": restoring could not help it
     assert "was pinned by its size alone when the run was made" in caplog.text
@@ -229,12 +229,12 @@ def test_a_server_s_content_digest_checks_the_dataset_without_downloading_it(sto
     try:
         base = init_run(storage, "r", config(f"task.dataset={server.url}/arith.jsonl"))
         facts = base.manifest.summary["datasets"]["task.dataset"]
-        assert facts["fingerprint"] == data.fingerprint(str(folder / "arith.jsonl"))  # the bytes, as a file's
+        assert facts["fingerprint"] == pins.fingerprint(str(folder / "arith.jsonl"))  # the bytes, as a file's
         assert facts["validator"].endswith(hashlib.md5((folder / "arith.jsonl").read_bytes()).hexdigest())
-        real = data._content_digest
-        monkeypatch.setattr(data, "_content_digest", None)  # read, it would fail
+        real = pins._content_digest
+        monkeypatch.setattr(pins, "_content_digest", None)  # read, it would fail
         check_datasets(storage, "r")
-        monkeypatch.setattr(data, "_content_digest", real)
+        monkeypatch.setattr(pins, "_content_digest", real)
         same_size_edit(folder / "arith.jsonl")
         with pytest.raises(StageError, match="changed since grpo init"):
             check_datasets(storage, "r")

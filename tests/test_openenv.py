@@ -95,7 +95,7 @@ def test_a_carried_episode_is_re_created_by_replay_in_another_worker(walk):
     """rollout.segment_tokens: the next iteration's stage re-creates a carried episode's server session in a fresh
     worker by reset with its seed and its answered turns again: the session answers as it did (position 1, not 0)."""
     from grpo.episodes.workers import Item, Workers
-    from grpo.scoring.pool import RewardPool
+    from grpo.runtime.pool import RewardPool
 
     source = Source(kind="openenv", environment=walk.url, timeout_s=30.0)
     row, turns = {"goal": 3}, [("", [ToolCall("step", {"steps": 2})], 1), ("", [ToolCall("step", {"steps": "x"})], 2)]

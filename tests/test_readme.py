@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo import data
 from grpo.config import load_config
+from grpo.episodes import templates
 from grpo.tiny_model import build_chat_model
 from tests.doc_pages import DOCS
 
@@ -153,7 +153,7 @@ def test_my_yaml_renders_chat_prompts(tmp_path):
     cfg = load_config(settings)
     from transformers import AutoTokenizer
 
-    text, templated = data.render(
+    text, templated = templates.render(
         AutoTokenizer.from_pretrained(model), "What is 2 + 3?", cfg.task.prompt_format, cfg.task.system_prompt
     )
     assert templated and text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n"), text

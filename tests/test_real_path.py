@@ -142,13 +142,13 @@ def test_chat_model_gsm8k_two_iterations_hf(world, storage):
 def test_over_long_prompts_are_skipped_and_counted(world, storage):
     from transformers import AutoTokenizer
 
-    from grpo import data
+    from grpo.episodes import templates
 
     cfg = load_config(None, chat_config(world, "rollout.prompts_per_iteration=28"))  # most of an epoch
     init_run(storage, "long", cfg)
     tok = AutoTokenizer.from_pretrained(world / "model")
     drawn = iteration_prompts(cfg, 0)
-    lengths = [len(ids) for ids in data.tokenize_prompts(tok, drawn, "chat", cfg.task.system_prompt)[1]]
+    lengths = [len(ids) for ids in templates.tokenize_prompts(tok, drawn, "chat", cfg.task.system_prompt)[1]]
     assert max(lengths) > 60 >= min(lengths)
     from stages import stage_function
 

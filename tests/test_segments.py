@@ -13,6 +13,7 @@ from test_learn import F32, TINY
 
 from flows.cli import main
 from grpo.config import ConfigError, load_config
+from grpo.episodes.records import Episode, end_of
 from grpo.query import query
 from grpo.record.identity import section
 from grpo.record.layout import STAGES, stage_dir
@@ -192,8 +193,9 @@ def test_the_oldest_complete_groups_are_released_in_whole_minibatches_and_the_re
     takes 1, 2, 4, 5; group 6 (complete), 0 and 3 (a response unfinished) are carried whole, finished ones included;
     with only 3 complete, one minibatch of 2."""
 
-    def response(pid: int, j: int, finish: str | None) -> segments.Response:
-        return segments.Response(pid, j, pid // 4, "p", [1], 8, "", "{}", [5], [0.0], [1], [0], finish)
+    def response(pid: int, j: int, finish: str | None) -> Episode:
+        end = None if finish is None else end_of(finish)
+        return Episode(pid, j, None, "p", [1], budget=8, response_ids=[5], logprobs=[0.0], loss_mask=[1], end=end)
 
     unfinished = {(0, 1), (3, 0)}
     rs = [response(p, j, None if (p, j) in unfinished else "stop") for p in (6, 5, 4, 3, 2, 1, 0) for j in (1, 0)]

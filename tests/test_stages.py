@@ -224,11 +224,11 @@ def test_overlong_shaping_is_a_reward_component_a_query_shows(storage):
 def test_rewards_doctests():
     import doctest
 
-    import grpo.scoring.pool
+    import grpo.runtime.pool
     import grpo.scoring.score
     import grpo.scoring.shaping
 
-    results = [doctest.testmod(m) for m in (grpo.scoring.pool, grpo.scoring.score, grpo.scoring.shaping)]
+    results = [doctest.testmod(m) for m in (grpo.runtime.pool, grpo.scoring.score, grpo.scoring.shaping)]
     assert sum(r.attempted for r in results) >= 3 and not any(r.failed for r in results)
 
 
@@ -262,7 +262,7 @@ def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_
     import pyarrow as pa
 
     from grpo.config import RewardConfig
-    from grpo.scoring.pool import _fork_pool
+    from grpo.runtime.pool import _fork_pool
     from grpo.scoring.score import batch_items, score_batch, scorer_key
     from grpo.tasks import get_task, sort
 
@@ -305,7 +305,7 @@ def test_score_batch_keeps_sample_order_across_jobs_and_times_out_one_sample_at_
 def test_reward_pool_is_kept_only_while_warm_and_never_after_a_failure():
     import os
 
-    from grpo.scoring.pool import _WarmPools
+    from grpo.runtime.pool import _WarmPools
 
     pools = _WarmPools()
     pids = []
@@ -334,7 +334,7 @@ def test_a_pool_failed_as_it_starts_is_terminated_despite_the_parents_sigterm_ha
     import signal
     import threading
 
-    from grpo.scoring.pool import _WarmPools
+    from grpo.runtime.pool import _WarmPools
 
     pools, done = _WarmPools(), threading.Event()
 

@@ -20,7 +20,7 @@ from grpo.episodes.environment import EnvironmentFailure, ToolCall
 from grpo.episodes.loop import Limits, Loop, Start
 from grpo.episodes.records import Turn
 from grpo.episodes.workers import Item, Workers, check
-from grpo.scoring.pool import RewardPool
+from grpo.runtime.pool import RewardPool
 from grpo.tiny_model import TOOLS_CHAT_TEMPLATE, build_chat_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ from grpo.episodes.adapters import Source
 from grpo.episodes.environment import ToolCall
 from grpo.episodes.environment import EnvironmentFailure
 from grpo.episodes.workers import Item, Workers, check
-from grpo.scoring.pool import RewardPool
+from grpo.runtime.pool import RewardPool
 
 path = sys.argv[1]
 names = ("peek", "blocks", "fail", "cut")

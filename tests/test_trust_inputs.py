@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from flows.cli import main
 from grpo import data
 from grpo.config import ConfigError, load_config
+from grpo.record import pins
 from grpo.record.checkpoint import checkpoint_problem, safetensors_shapes
 from grpo.record.layout import run_json
 from grpo.record.storage import open_storage
@@ -66,7 +67,7 @@ def test_rows_appended_after_init_are_refused_by_the_next_stage_and_by_status(st
     cfg = config(f"task.dataset={path}", "eval.split_fraction=0.25")
     base = init_run(storage, "r", cfg)
     pinned = base.manifest.summary["datasets"]["task.dataset"]
-    assert pinned["uri"] == path and pinned["fingerprint"] == data.fingerprint(path) and pinned["rows"] == 24
+    assert pinned["uri"] == path and pinned["fingerprint"] == pins.fingerprint(path) and pinned["rows"] == 24
     held = [e.prompt for e in eval_prompts(cfg)]
     stage_function("snapshot")(storage, "r", 0)
     with open(path, "a") as f:  # 20 more rows: the held-out split and the eval prompts would move
@@ -89,7 +90,7 @@ def test_a_fresh_process_refuses_a_changed_dataset_too(storage, tmp_path):
     init_run(storage, "r", config(f"task.dataset={path}"))
     stage_function("snapshot")(storage, "r", 0)
     write_jsonl(tmp_path / "arith.jsonl", arithmetic(44))
-    data.pin(None)  # what a new process (grpo stage, a Prefect worker) starts with
+    pins.pin(None)  # what a new process (grpo stage, a Prefect worker) starts with
     with pytest.raises(StageError, match="changed since grpo init"):
         stage_function("rollouts")(storage, "r", 0)
 
@@ -115,33 +116,33 @@ def test_a_save_to_disk_folder_is_fingerprinted_by_its_files_and_a_file_is_hashe
 
     folder = str(tmp_path / "ds")
     datasets.Dataset.from_pandas(pd.DataFrame(arithmetic(8))).save_to_disk(folder)
-    before = data.fingerprint(folder)
+    before = pins.fingerprint(folder)
     datasets.Dataset.from_pandas(pd.DataFrame(arithmetic(9))).save_to_disk(str(tmp_path / "ds2"))
-    assert before.startswith("sha256:") and data.fingerprint(str(tmp_path / "ds2")) != before
+    assert before.startswith("sha256:") and pins.fingerprint(str(tmp_path / "ds2")) != before
     path = write_jsonl(tmp_path / "a.jsonl", arithmetic(8))
     time.sleep(0.05)  # past the hash cache's racy window
     hashed = []
-    real = data.file_digest.__globals__["sha256_file"]
-    monkeypatch.setitem(data.file_digest.__globals__, "sha256_file", lambda fs, p: hashed.append(p) or real(fs, p))
-    data.pin({"task.dataset": {"uri": path, "fingerprint": data.pinned_version(path)}})
+    real = pins.file_digest.__globals__["sha256_file"]
+    monkeypatch.setitem(pins.file_digest.__globals__, "sha256_file", lambda fs, p: hashed.append(p) or real(fs, p))
+    pins.pin({"task.dataset": {"uri": path, "fingerprint": pins.pinned_version(path)}})
     for _ in range(3):  # a warm run checks the pin in every stage: a stat each, one hash in all
-        data.pinned_version(path)
+        pins.pinned_version(path)
     assert hashed == [path]
-    data.pin(None)
+    pins.pin(None)
 
 
 @pytest.mark.s3
 def test_an_object_is_fingerprinted_by_its_etag(s3_env, s3_prefix, tmp_path):
     url = f"{s3_prefix}/arith.jsonl"
-    fs, key = data.url_to_fs(url)
+    fs, key = pins.url_to_fs(url)
     fs.put_file(write_jsonl(tmp_path / "a.jsonl", arithmetic(8)), key)
-    pinned = data.fingerprint(url)
-    assert pinned.startswith("etag:") and data.fingerprint(url) == pinned
-    data.pin({"eval.dataset": {"uri": url, "fingerprint": pinned}})
+    pinned = pins.fingerprint(url)
+    assert pinned.startswith("etag:") and pins.fingerprint(url) == pinned
+    pins.pin({"eval.dataset": {"uri": url, "fingerprint": pinned}})
     fs.put_file(write_jsonl(tmp_path / "b.jsonl", arithmetic(9)), key)
-    with pytest.raises(data.DatasetChangedError, match=r"^eval\.dataset s3://.*changed since grpo init"):
-        data.pinned_version(url)
-    data.pin(None)
+    with pytest.raises(pins.DatasetChangedError, match=r"^eval\.dataset s3://.*changed since grpo init"):
+        pins.pinned_version(url)
+    pins.pin(None)
 
 
 # 2. rows without a prompt or a ground truth

@@ -20,7 +20,7 @@ from grpo.errors import LayoutError, StageError
 from grpo.record.commit import StageWriter
 from grpo.record.layout import run_dir, stage_dir
 from grpo.record.storage import committed_attempts, latest_committed, open_storage
-from grpo.scoring.pool import RewardPool
+from grpo.runtime.pool import RewardPool
 from grpo.scoring.score import allowed_errors, score_batch
 from grpo.tasks import functions
 from stages import stage_function
@@ -437,7 +437,7 @@ def test_a_worker_holds_no_credential_in_its_environment_block(tmp_path):
     script = tmp_path / "look.py"
     script.write_text(
         "import os\n"
-        "from grpo.scoring.pool import RewardPool\n"
+        "from grpo.runtime.pool import RewardPool\n"
         "def look():\n"
         "    block = open('/proc/self/environ', 'rb').read()\n"
         f"    return os.environ.get('AWS_SECRET_ACCESS_KEY'), {SECRET!r}.encode() in block, b'PATH=' in block\n"

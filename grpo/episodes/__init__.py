@@ -1,4 +1,5 @@
-"""The episode engine: multi-turn rollouts where the policy calls tools or acts in an environment.
+"""The episode engine: multi-turn rollouts where the policy calls tools or acts in an environment; every response in
+flight is an episode (a single-turn response: one without an environment, whose loop is the sampler's one call).
 
 One component a file, read in this order:
   environment.py      the one interface the loop knows (an environment adapter: tools, reset, respond, final,
@@ -11,11 +12,13 @@ One component a file, read in this order:
   openenv.py          adapter: a gym-style reset/step server through OpenEnv's client
   parsing.py          tool calls parsed from an assistant turn (the tokenizer's response template, or Qwen's
                       `<tool_call>{json}</tool_call>`)
+  templates.py        a prompt as the model sees it: the chat template's text (with the tools), or text as it is;
+                      tokenized for the sampler (every rollout's and eval's prompt, an episode's or not)
   chat.py             the chat template's tokens: a prompt with its tools, an observation's ids rendered as a delta
   workers.py          where adapters live: one per episode in a worker process (time limits, memory cap,
                       no credentials, processes reaped), deaths named
-  records.py          what an episode leaves: its tokens, loss mask and log-probs, its turns, its end; the rows
-                      of the rollouts, turns and episodes tables
+  records.py          what an episode leaves: its tokens, loss mask, log-probs and versions, its turns, its end;
+                      the rows of the rollouts, turns and episodes tables
   loop.py             the episode loop: a turn sampled for every live episode at once, answered, appended, until
                       each ends (or, with rollout.segment_tokens, has sampled B tokens); token in, token out, the
                       loss mask and the turns; a carried episode's environment re-created by replay

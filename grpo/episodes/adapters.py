@@ -7,6 +7,8 @@ A run has episodes when its config names where their environment comes from:
                        kind `environment` (trl_environment.py); rollout.tools then adds standalone tools beside
                        its methods, as TRL's `tools=` does beside `environment_factory`; or an OpenEnv server's
                        URL (`http://host:port`): kind `openenv` (openenv.py)
+Which kind a config names is decided once, by grpo.variants.environment_kind (RolloutConfig.environment_kind): the
+config's check and `source` here both ask it.
 Neither: single-turn rollouts, as before episodes existed.
 
 A kind's module has `build(source: Source) -> Callable[[], Environment]`: the factory a worker process calls once
@@ -30,7 +32,9 @@ KINDS = {
     "environment": "grpo.episodes.trl_environment",
     "openenv": "grpo.episodes.openenv",
 }
-"""Adapter kind -> the module whose `build(source)` makes its factory."""
+"""Adapter kind (what the config names, decided by grpo.variants.environment_kind) -> the module whose `build(source)`
+makes its factory. A new kind is a module and a row here (and, for a server named by its URL, a row of
+grpo.variants.SERVERS)."""
 
 PRELOADS = {
     "tools": ("grpo.episodes.tools", "transformers.utils.chat_template_utils"),
@@ -83,24 +87,10 @@ def preload(kind: str | None) -> None:
             pass
 
 
-def kind_of(rollout) -> str | None:
-    """The adapter kind a rollout config names (grpo.config.RolloutConfig); None: single-turn rollouts.
-
-    >>> from grpo.config import RolloutConfig
-    >>> kind_of(RolloutConfig()), kind_of(RolloutConfig(tools=["m:f"])), kind_of(RolloutConfig(environment="m:C"))
-    (None, 'tools', 'environment')
-    >>> kind_of(RolloutConfig(environment="http://127.0.0.1:8000"))
-    'openenv'
-    """
-    if rollout.environment:
-        return "openenv" if "://" in rollout.environment else "environment"
-    return "tools" if rollout.tools else None
-
-
 def source(rollout, files: dict[str, str]) -> Source | None:
     """The Source of a rollout config (None: single-turn); `files` maps each file spec to its committed copy's
     local path (stages.prompts.environment_source finds them in the base commit)."""
-    kind = kind_of(rollout)
+    kind = rollout.environment_kind()
     if kind is None:
         return None
     return Source(

@@ -49,12 +49,12 @@ def dumps(e: Episode) -> str:
     return json.dumps({**{k: getattr(e, k) for k in KEPT}, "turns": turns}, sort_keys=True, default=str)
 
 
-def loads(text: str, prompt: str, prompt_ids: list[int], response_ids: list[int], loss_mask: list[int],
-          logprobs: list[float], prompt_id: int, sample_index: int) -> Episode:  # fmt: skip
-    """The episode a carried row holds: its token lists are the row's own (what the loop appends to them, the row
-    has)."""
+def loads(text: str, e: Episode) -> Episode:
+    """The episode a carried row holds: `e`, made from the row's columns (its prompt and token lists), given the
+    rest from the row's `episode`; its worker key () until its environment is re-created (Loop.reopen)."""
     state = json.loads(text)
-    turns = [Turn(**{**t, "calls": [ToolCall(**c) for c in t["calls"]]}) for t in state.pop("turns")]
-    e = Episode(prompt_id, sample_index, (), prompt_text=prompt, prompt_ids=prompt_ids, turns=turns, **state)
-    e.response_ids, e.loss_mask, e.logprobs = response_ids, loss_mask, logprobs
+    e.turns = [Turn(**{**t, "calls": [ToolCall(**c) for c in t["calls"]]}) for t in state.pop("turns")]
+    e.key = ()
+    for k in KEPT:
+        setattr(e, k, state[k])
     return e

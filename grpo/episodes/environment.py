@@ -106,35 +106,3 @@ class Environment(Protocol):
 
 class EnvironmentFailure(StageError):
     """An environment that is broken, not an episode that went wrong: the rollouts stage fails in one line."""
-
-
-class FinalState:
-    """An episode's environment as a reward function sees it (its `environment` argument): the final state `final()`
-    stored, its keys as attributes (`environment.solved`) and items (`environment["solved"]`); a TRL class's
-    `get_reward()` answers what it returned when the episode ended.
-
-    >>> env = FinalState({"solved": True, "get_reward": 1.0})
-    >>> env.solved, env["solved"], env.get_reward()
-    (True, True, 1.0)
-    """
-
-    def __init__(self, state: dict):
-        self.__dict__["_state"] = dict(state)
-
-    def __getattr__(self, name: str):
-        state = self.__dict__["_state"]
-        if name == "get_reward" and "get_reward" in state:
-            return lambda: state["get_reward"]
-        try:
-            return state[name]
-        except KeyError:
-            raise AttributeError(f"the environment's final state has no {name!r} (it holds {sorted(state)})") from None
-
-    def __getitem__(self, name: str):
-        return self.__dict__["_state"][name]
-
-    def __repr__(self) -> str:
-        return f"FinalState({self.__dict__['_state']!r})"
-
-    def __reduce__(self):
-        return FinalState, (self.__dict__["_state"],)

@@ -17,23 +17,28 @@ numbers come from (the stage's seed, the prompt, the sample, the turn), each env
 the episode and the turn, whatever else shares a sampler call or a worker; so a rerun or a resumed run commits the same
 bytes (given the same sampler numerics, as single-turn rollouts).
 
-Partial rollouts (rollout.segment_tokens B: stages/episode_segments.py) run the loop's parts apart: `open` resets new
+Without an environment (single-turn rollouts: no workers) an episode is one sampled run of tokens: `run` is the
+sampler's one call for a chunk's prompts (spec.n samples of each, drawn from spec.seed as single-turn rollouts always
+were), and `advance` continues each response from exactly its ids, seeded by the response alone; nothing is reset,
+answered or replayed.
+
+Partial rollouts (rollout.segment_tokens B: stages/segments.py) run the loop's parts apart: `open` resets new
 episodes, `reopen` re-creates the environments of episodes an earlier stage carried (replay: reset with its seed, each
 answered turn asked again with its seed, every answer checked against the one recorded), `advance` goes on with each
-until it ends or has sampled B tokens (a turn cut there stays open, its ids continued by the next call), `finish`
-takes each ended one's final state.
+until it ends or has sampled B tokens (a turn cut there stays open, its ids continued by the next call), `close`
+takes each ended one's final state and closes every other environment.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from grpo.episodes.chat import observation_tokens, prompt_tokens, with_reset
 from grpo.episodes.environment import EnvironmentFailure
 from grpo.episodes.parsing import parse_turn
-from grpo.episodes.records import Episode, Turn
+from grpo.episodes.records import Episode, Turn, end_of
 from grpo.episodes.workers import Item, Outcome, Workers
 from grpo.record.layout import episode_seed
 from grpo.sampling.base import Generator, SamplingSpec
@@ -41,11 +46,19 @@ from grpo.sampling.base import Generator, SamplingSpec
 
 @dataclass(frozen=True)
 class Start:
-    """Where the G episodes of one prompt start: its id, chat messages and dataset row (what reset gets)."""
+    """Where the G episodes of one prompt start: its id, chat messages and dataset row (what reset gets); the prompt
+    as rendered without an environment (text, ids and token budget: with one, reset's answer is rendered in), the
+    answer and other columns its rows record, and the iteration it was drawn in."""
 
     prompt_id: int
     messages: list[dict]
     row: dict
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    budget: int = 0
+    ground_truth: str = ""
+    row_json: str = "{}"
+    started: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,13 +73,16 @@ class Limits:
 
 
 class Loop:
-    """One stage's episodes: the sampler, the tokenizer and its end-of-turn ids, the workers, the tools, the limits."""
+    """One stage's episodes: the sampler, the tokenizer and its end-of-turn ids, the workers (None: no environment,
+    single-turn), the tools, the limits, and the policy (version, content hash) every appended token is stamped with."""
 
-    def __init__(self, gen: Generator, tokenizer, eos_ids: tuple[int, ...], workers: Workers, limits: Limits):
+    def __init__(self, gen: Generator, tokenizer, eos_ids: tuple[int, ...], workers: Workers | None, limits: Limits,
+                 policy: tuple[int, str] = (-1, "")):  # fmt: skip
         self.gen, self.tokenizer, self.eos_ids, self.workers, self.limits = gen, tokenizer, eos_ids, workers, limits
+        self.policy = policy
         self.turn_ends = [tokenizer.decode([i], skip_special_tokens=False) for i in eos_ids]
         self.parse_prefix = getattr(tokenizer, "response_template", None) is not None
-        self.name = workers.source.environment or ", ".join(workers.source.tools)
+        self.name = "" if workers is None else workers.source.environment or ", ".join(workers.source.tools)
         self.tools: list[dict] = []  # the tools' schemas, once episodes are open
         # a token's text is at most this many bytes (the vocabulary's longest entry): an observation longer than the
         # budget's tokens times it cannot fit, and is never rendered or tokenized (an unknown-word token aside)
@@ -81,6 +97,12 @@ class Loop:
         environments; progress(k): the first k starts' episodes have all ended (in no particular order: a count)."""
         groups = self.open(starts, spec.n, env_seed)
         episodes = [e for group in groups for e in group]
+        if self.workers is None:  # one sampler call: spec.n samples of each prompt
+            out = self.gen.generate([s.ids for s in starts], spec, [s.budget for s in starts], progress)
+            for e, s in zip(episodes, [s for samples in out for s in samples], strict=True):
+                e.append(list(s.response_ids), True, list(s.logprobs), self.policy)
+                e.end = end_of(s.finish_reason)
+            return groups
         one = dataclasses.replace(spec, n=1)
         live = list(episodes)
         while live:
@@ -93,25 +115,40 @@ class Loop:
 
     def open(self, starts: list[Start], g: int, env_seed: int) -> list[list[Episode]]:
         """g new episodes of each start, reset (their environments seeded by env_seed), grouped by start."""
-        keys = iter(self.workers.keys(len(starts) * g))
-        episodes = [Episode(s.prompt_id, j, next(keys), env_seed=env_seed) for s in starts for j in range(g)]
-        self.tools = self._reset(starts, episodes, g, env_seed)
+        keys = iter(self.workers.keys(len(starts) * g)) if self.workers is not None else iter([None] * len(starts) * g)
+        episodes = [
+            Episode(s.prompt_id, j, next(keys), s.text, s.ids, budget=s.budget, env_seed=env_seed,
+                    ground_truth=s.ground_truth, row_json=s.row_json, started=s.started)
+            for s in starts for j in range(g)
+        ]  # fmt: skip
+        if self.workers is not None:
+            self.tools = self._reset(starts, episodes, g, env_seed)
         return [episodes[i * g : (i + 1) * g] for i in range(len(starts))]
 
-    def advance(self, live: list[Episode], spec: SamplingSpec, cap: int) -> int:
+    def advance(self, live: list[Episode], spec: SamplingSpec, cap: int, rows: int, progress=None) -> int:
         """Go on with each episode of `live` until it ends or has sampled `cap` tokens in this call (rollout.
         segment_tokens: a turn cut there stays open, to be continued from its ids; one that ends on the cap is
-        answered); returns the tokens sampled."""
+        answered), `rows` episodes at a time (a sampler call each turn); returns the tokens sampled. progress(k) as
+        the first k episodes' first sampler calls end."""
         one, before = dataclasses.replace(spec, n=1), {id(e): len(e.response_ids) for e in live}
 
         def sampled(e: Episode) -> int:
             return sum(e.loss_mask[before[id(e)] :])
 
-        going = [e for e in live if e.end is None]
-        while going:
-            ended = self._sample(going, one, [cap - sampled(e) for e in going])
-            going = [e for e in self._answer(ended) if sampled(e) < cap]
+        for at in range(0, len(live), rows):
+            going = [e for e in live[at : at + rows] if e.end is None]
+            done = None if progress is None else (lambda k, at=at: progress(at + k))
+            while going:
+                ended = self._sample(going, one, [cap - sampled(e) for e in going], done)
+                going, done = [e for e in self._answer(ended) if sampled(e) < cap], None
         return sum(map(sampled, live))
+
+    def close(self, episodes: list[Episode]) -> None:
+        """The final state of each episode of `episodes` that ended (its environment then closes); every other's
+        environment closed as it is (a carried episode's is re-created by the next stage: reopen)."""
+        if self.workers is not None:
+            self.finish([e for e in episodes if e.end is not None])
+            self.workers.run("close", [Item(e.key, 0) for e in episodes if e.end is None])
 
     def reopen(self, episodes: list[Episode], pending: bool = False) -> None:
         """Re-create the environments of episodes carried from an earlier stage (rollout.segment_tokens): each reset
@@ -119,6 +156,8 @@ class Loop:
         last, which awaits its answer). An answer other than
         the one recorded fails the stage in one line: that environment does not answer alike given its seeds (it
         has effects outside it, or draws from a generator it does not seed), so it cannot go on in another process."""
+        if self.workers is None:
+            return
         for e, key in zip(episodes, self.workers.keys(len(episodes))):
             e.key = key
         outcomes = self.workers.run("replay", [self._replay_item(e, len(e.turns) - pending) for e in episodes])
@@ -144,7 +183,10 @@ class Loop:
         return Item(e.key, seed, (e.row, seed, turns), limit)
 
     def _answer(self, ended: list[Episode]) -> list[Episode]:
-        """The environments' answers to the turns that ended; the episodes that go on."""
+        """The environments' answers to the turns that ended; the episodes that go on (none without an environment:
+        its one turn was its response)."""
+        if self.workers is None:
+            return []
         outcomes = self.workers.run("respond", [self._respond_item(e) for e in ended])
         again = [i for i, o in enumerate(outcomes) if o.bystander]
         if again:  # lost with a worker another episode's call killed: re-created on a fresh worker, asked again
@@ -188,20 +230,26 @@ class Loop:
                 e.budget, e.row, e.added = budget, s.row, group[0]
         return tools
 
-    def _sample(self, live: list[Episode], spec: SamplingSpec, caps: list[int] | None = None) -> list[Episode]:
+    def _sample(
+        self, live: list[Episode], spec: SamplingSpec, caps: list[int] | None = None, progress=None
+    ) -> list[Episode]:
         """One turn of every live episode, appended with mask 1 and parsed; with `caps`, at most caps[i] tokens of it
-        (a turn cut there stays open: its next call continues it). Returns the episodes whose turn ended."""
+        (a turn cut there stays open: its next call continues it). Returns the episodes whose turn ended (without an
+        environment: none, each that ended has ended as an episode)."""
         contexts = [e.prompt_ids + e.response_ids for e in live]
         room = [e.budget - len(e.response_ids) for e in live]
         budgets = room if caps is None else [min(c, r) for c, r in zip(caps, room)]
         seeds = [episode_seed(spec.seed, e.prompt_id, e.sample_index, len(e.turns)) for e in live]
-        samples = self.gen.generate(contexts, spec, budgets, seeds=seeds)
+        samples = self.gen.generate(contexts, spec, budgets, progress, seeds=seeds)
         ended = []
         for e, left, [s] in zip(live, room, samples):
             start = len(e.response_ids) if e.open is None else e.open
-            e.append(list(s.response_ids), True, list(s.logprobs))
+            e.append(list(s.response_ids), True, list(s.logprobs), self.policy)
             if caps is not None and s.finish_reason == "length" and len(s.response_ids) < left:
-                e.open = start  # cut by the cap, not the budget
+                e.open = start if e.has_environment else None  # cut by the cap, not the budget
+                continue
+            if not e.has_environment:
+                e.end = end_of(s.finish_reason)
                 continue
             e.open, sampled = None, e.response_ids[start:]
             ids = sampled[:-1] if sampled and sampled[-1] in self.eos_ids else sampled
@@ -250,7 +298,7 @@ class Loop:
             if len(e.response_ids) + len(ids) >= e.budget:  # no room left for the observation and a token after it
                 e.end = "budget"
             else:
-                e.append(ids, False)
+                e.append(ids, False, None, self.policy)
                 e.messages += reply.messages
                 t.appended = len(ids)
         self.cut += bool(reply.cut) or over

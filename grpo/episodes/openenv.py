@@ -31,15 +31,6 @@ STEP = "step"  # the tool's name when the action is not one string
 _MODEL_ERRORS = ("VALIDATION_ERROR", "EXECUTION_ERROR", "INVALID_JSON")  # the server answered: the action was wrong
 
 
-def is_url(spec: str | None) -> bool:
-    """Whether rollout.environment names a server (kind openenv) rather than a class.
-
-    >>> is_url("http://127.0.0.1:8000"), is_url("wss://env.example/x"), is_url("envs/game.py:Game"), is_url(None)
-    (True, True, False, False)
-    """
-    return bool(spec) and spec.split("://", 1)[0] in ("http", "https", "ws", "wss")
-
-
 def text_field(action_schema: dict) -> str | None:
     """The action's one string field, when it has only that one (besides OpenEnv's `metadata`); else None.
 

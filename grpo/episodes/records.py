@@ -1,6 +1,10 @@
-"""What an episode leaves: its tokens with their loss mask and sampler log-probs, its turns, its end and final state,
-and the columns of the three tables they go to (schemas/tables.py): a rollouts row per episode, a turns row per
-assistant turn, an episodes row per episode.
+"""What an episode leaves: its tokens with their loss mask, sampler log-probs and policy versions, its turns, its end
+and final state, and the columns of the three tables they go to (schemas/tables.py): a rollouts row per episode, a
+turns row per assistant turn, an episodes row per episode.
+
+Every response in flight is an Episode: a single-turn response is an episode without an environment (no worker key,
+no turns: one sampled run of tokens, ended by a stop or its budget), so the stages carry one type from the sampler's
+output to the rows, across iterations too (rollout.segment_tokens).
 
 The rollouts row is the learner's: `response_ids` is every token after the prompt in the order it was appended
 (sampled turns and the observations between them), `loss_mask` 1 on the sampled tokens and 0 on the appended ones,
@@ -43,14 +47,24 @@ class Turn:
     errors: list[str] = field(default_factory=list)
 
 
+def end_of(finish: str) -> str:
+    """How a response without an environment ended, from the sampler's finish reason (Episode.finish_reason's
+    inverse): its token budget (length) or a stop.
+
+    >>> end_of("length"), end_of("stop")
+    ('budget', 'done')
+    """
+    return "budget" if finish == "length" else "done"
+
+
 @dataclass
 class Episode:
-    """One episode: a sample of a group, from its prompt to its end."""
+    """One episode: a sample of a group, from its prompt to its end (across iterations, with rollout.segment_tokens)."""
 
     prompt_id: int
     sample_index: int
-    key: tuple
-    """Its place in the workers (grpo.episodes.workers)."""
+    key: tuple | None
+    """Its place in the workers (grpo.episodes.workers); None: an episode without an environment (single-turn)."""
     prompt_text: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
@@ -73,17 +87,41 @@ class Episode:
     """What its reset added to the prompt."""
     open: int | None = None
     """Where the turn it is in the middle of starts (rollout.segment_tokens cut it); None: between turns."""
+    ground_truth: str = ""
+    row_json: str = "{}"
+    """The dataset row's other columns, as the rollouts table stores them (grpo.data.row_json)."""
+    started: int = 0
+    """The iteration whose prompts its group was among."""
+    versions: list[int] = field(default_factory=list)
+    """The policy version of each token: the one that sampled it (an appended one: the one whose stage appended it)."""
+    policy_hash: str = ""
+    """Of the policy that appended its newest token."""
+    before: int = 0
+    """Its tokens when this stage began (a carried episode's: those of earlier iterations)."""
 
-    def append(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
-        """Append tokens: sampled (mask 1, their sampler log-probs) or observed (mask 0, log-prob 0.0)."""
+    def append(self, ids: list[int], sampled: bool, logprobs: list[float] | None, policy: tuple[int, str]) -> None:
+        """Append tokens: sampled (mask 1, their sampler log-probs) or observed (mask 0, log-prob 0.0), each stamped
+        with `policy` (version, content hash): the policy of the stage appending them."""
         self.response_ids += ids
         self.loss_mask += [int(sampled)] * len(ids)
         self.logprobs += logprobs if sampled else [0.0] * len(ids)
+        self.versions += [policy[0]] * len(ids)
+        self.policy_hash = policy[1] if ids else self.policy_hash
+
+    @property
+    def has_environment(self) -> bool:
+        """False: a single-turn response (no worker, no turns, nothing carried beside its tokens)."""
+        return self.key is not None
 
     @property
     def finish_reason(self) -> str:
         """The rollouts table's: length when the token budget ended it, else stop."""
         return "length" if self.end == "budget" else "stop"
+
+    @property
+    def finish(self) -> str | None:
+        """finish_reason once it has ended; None while it goes on."""
+        return None if self.end is None else self.finish_reason
 
 
 def turn_columns(episodes: list[Episode], stamp: dict) -> dict[str, list]:

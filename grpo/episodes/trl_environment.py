@@ -10,7 +10,7 @@ episode. What differs, and why: TRL hands reward functions the live instances (`
 stage runs after the episodes, in other processes, maybe on another day (`grpo rescore`), so the episode's final state
 is stored instead (`final`: the instance's public attributes that JSON can hold, and get_reward's value), and a reward
 function that takes an `environment` argument gets it as an object with those attributes and that get_reward()
-(grpo.episodes.environment.FinalState).
+(grpo.tasks.base.FinalState).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class TRLEnvironment:
 
     def final(self) -> dict:
         """The instance's public attributes that JSON can hold, and `get_reward`: what get_reward() returned, where
-        the class has one (reward functions see them as grpo.episodes.environment.FinalState)."""
+        the class has one (reward functions see them as grpo.tasks.base.FinalState)."""
         out = {name: value for name, value in vars(self.env).items() if name[0] != "_" and _jsonable(value)}
         if callable(getattr(self.env, "get_reward", None)):
             out["get_reward"] = float(_run(self.env.get_reward))

@@ -1,6 +1,6 @@
 """Where environment adapters live: each episode's in one worker process, from its reset to its final state.
 
-The workers are the reward workers' kind (grpo/scoring/pool.py): forked from the stage's process before the sampler
+The workers are the reward workers' kind (grpo/runtime/pool.py): forked from the stage's process before the sampler
 starts, without its credentials but those rollout.tool_pass_env names, each its own process group whose leftover
 processes are killed (here when the worker holds no open episode any more, since an environment may keep a process
 for its episode), under rollout.tool_max_memory_mb. Episode i of a reset lives in worker i mod rollout.tool_workers.
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from grpo.episodes.adapters import Source, factory
 from grpo.episodes.calls import valid, valid_text
 from grpo.episodes.environment import Environment, Reply
+from grpo.runtime import secrets
+from grpo.runtime.pool import IDLE, LOADING, RewardPool, keep_children, progress_record
 from grpo.runtime.procs import cap_memory
-from grpo.scoring import secrets
-from grpo.scoring.pool import IDLE, LOADING, RewardPool, keep_children, progress_record
 
 GRACE_S = 2.0  # how long past its time limit an item may run before the parent kills its worker
 

@@ -6,6 +6,7 @@ One component a file, read in this order (each imports only those above it):
   io.py          the counted filesystem every storage access goes through; many files up or down at once
   identity.py    what a stage's identity covers, each config field decided once
   storage.py     the facade over fsspec, a stage's attempts, their manifests, verifying what is read
+  pins.py        the datasets a run is pinned to: each one's fingerprint at grpo init, checked on every read
   layout.py      where a run lives in storage, the order of its stages, the seeds they draw from
   liveness.py    heartbeats: whether an attempt's writer is alive (gc, placement, the state commit ask here)
   commit.py      StageWriter: a new attempt, its files, the manifest written last

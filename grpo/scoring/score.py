@@ -17,10 +17,11 @@ from grpo.config import RewardConfig, RunConfig
 from grpo.errors import StageError
 from grpo.record.checkpoint import local_checkpoint
 from grpo.record.storage import Committed
+from grpo.runtime.pool import IDLE, LOADING, RewardPool, progress_record, tell
 from grpo.runtime.procs import cap_memory
-from grpo.scoring.pool import IDLE, LOADING, RewardPool, progress_record, tell
 from grpo.scoring.shaping import overlong, truncated
 from grpo.tasks import functions
+from grpo.tasks.base import episode_arguments
 
 log = logging.getLogger("grpo.scoring")
 
@@ -118,8 +119,8 @@ def _score_chunk(key: tuple, timeout_s: float, max_memory_mb: int | None, items:
 
 def batch_items(batch, episodes: dict | None = None) -> list[tuple[str, str, str, dict]]:
     """(response, ground_truth, prompt, row) of each sample of a rollouts record batch; with `episodes` (the
-    episodes table's rows by (prompt_id, sample_index): episode_arguments) each row also holds its episode's
-    environment and messages (functions.EPISODE_ARGUMENTS)."""
+    episodes table's rows by (prompt_id, sample_index): arguments_by_episode) each row also holds its episode's
+    environment and messages (grpo.tasks.base.EPISODE_ARGUMENTS)."""
     rows = [json.loads(r) for r in batch.column("row").to_pylist()]
     if episodes is not None:
         keys = zip(batch.column("prompt_id").to_pylist(), batch.column("sample_index").to_pylist())
@@ -134,15 +135,13 @@ def batch_items(batch, episodes: dict | None = None) -> list[tuple[str, str, str
     )
 
 
-def episode_arguments(table) -> dict[tuple[int, int], dict]:
+def arguments_by_episode(table) -> dict[tuple[int, int], dict]:
     """{(prompt_id, sample_index): {"environment": its final state (FinalState, or None), "messages": its
     conversation}} of an episodes table (schemas.tables.EPISODES): what reward functions are given of each episode,
     stored when it was sampled (`grpo rescore` runs no environment again)."""
-    from grpo.episodes.environment import FinalState
-
     cols = {k: table.column(k).to_pylist() for k in ("prompt_id", "sample_index", "environment", "messages")}
     return {
-        (p, s): {"environment": None if env is None else FinalState(json.loads(env)), "messages": json.loads(m)}
+        (p, s): episode_arguments(None if env is None else json.loads(env), json.loads(m))
         for p, s, env, m in zip(*cols.values())
     }
 

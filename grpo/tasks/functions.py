@@ -3,7 +3,7 @@
 A reward function is a plain function `(response, ground_truth, prompt, **row)` returning a
 float, or a dict of named components with `total`; `row` holds the dataset's other columns
 (a function gets those it names, or all of them with `**row`), and in a run of episodes
-`environment` and `messages` (EPISODE_ARGUMENTS). It is named as
+`environment` and `messages` (grpo.tasks.base.EPISODE_ARGUMENTS). It is named as
 `path/to/file.py:function` (the file is copied into the run at `grpo init`, so every stage,
 worker and machine scores with the same code), `package.module:function` (imported by name), or a callable
 handed to `grpo.train` (cloudpickled, named `pickled/<name>-<sha256>.pkl:<name>`, its bytes copied into the run
@@ -234,12 +234,6 @@ def _checked(spec: str, fn, target: str, name: str) -> Callable:
             "(response, ground_truth, prompt, **row)"
         ) from e
     return fn
-
-
-EPISODE_ARGUMENTS = ("environment", "messages")
-"""What a reward function of an episode run may take beside the dataset's columns: the episode's environment as it
-ended (grpo.episodes.environment.FinalState; None when it stored nothing) and its conversation after the prompt
-(chat messages: each assistant turn, each tool or observation message appended)."""
 
 
 def columns_needed(spec: str) -> list[str] | str:

@@ -4,7 +4,7 @@ names it, kills a sample past its alarm and replaces only that worker; what work
 worker. Each worker is its own process group and (Linux) a subreaper: what a job starts and leaves running is
 killed as the job ends and counted (`left_running`), as is what a killed worker's job started. Workers start
 without the stage's credentials, whose values are redacted from what they send back and
-print (grpo/scoring/secrets.py). `WARM_POOLS` keeps pools between a warm run's stages. What a job does:
+print (grpo/runtime/secrets.py). `WARM_POOLS` keeps pools between a warm run's stages. What a job does:
 grpo/scoring/score.py.
 """
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any, Sequence
 
+from grpo.runtime import secrets
 from grpo.runtime.procs import become_subreaper, ends_with, kill_descendants, mapped_at_start
-from grpo.scoring import secrets
 
 log = logging.getLogger("grpo.scoring")
 
@@ -61,7 +61,7 @@ def _worker_main(conn, progress, out: int, pass_env: tuple[str, ...], parent: in
     """A worker: runs the (fn, args) jobs `conn` brings, answers ("done", result) or ("failed", error
     line); meanwhile a job may tell the parent of samples that erred (`_tell`).
 
-    It starts without the stage's credentials (grpo/scoring/secrets.py; `pass_env` names those it keeps), and ends
+    It starts without the stage's credentials (grpo/runtime/secrets.py; `pass_env` names those it keeps), and ends
     once `parent`, the process that forked it, is gone.
     Its stdout and stderr go to the file `out`, which the parent reads and empties after each job. It
     closes the parent's ends of the other workers' pipes, so that when the parent dies every worker
