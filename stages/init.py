@@ -326,12 +326,6 @@ def check_lora_targets(cfg: RunConfig, model_dir: str) -> None:
         raise ConfigError(f"learn.lora.target_modules: {problem}; list those that should get adapters")
 
 
-def check_sampler(cfg: RunConfig, model_dir: str) -> None:
-    """rollout.backend=vllm needs vLLM to build the model's architecture here (grpo.sampling.engines)."""
-    if cfg.rollout.backend == "vllm" and (problem := vllm_model_problem(model_dir)):
-        raise ConfigError(f"rollout.backend=vllm: {problem}; set rollout.backend=hf (or auto)")
-
-
 def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
     """(local folder of the checked base model, where it came from), inside `tmp`."""
     folder = f"{tmp}/model"
@@ -348,7 +342,8 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
         raise ConfigError(f"model.base_model {source}: {problem}")
     check_inputs(cfg, folder)
     check_lora_targets(cfg, folder)
-    check_sampler(cfg, folder)
+    if cfg.rollout.backend == "vllm" and (problem := vllm_model_problem(folder)):  # its architecture, on this machine
+        raise ConfigError(f"rollout.backend=vllm: {problem}; set rollout.backend=hf (or auto)")
     log.info("%s", learner_path_line(folder, cfg.learn.padding_free, cfg.learn.gradient_checkpointing))
     bad = non_finite_weights(folder)
     if bad:

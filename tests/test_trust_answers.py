@@ -251,7 +251,7 @@ def test_a_40_mb_answer_leaves_the_stage_s_memory_flat_and_is_never_tokenized_pa
             """An episode whose first turn (its sampled ids given here: the test forces the call) asks flood(n)."""
             [[e]] = loop.open([Start(0, question, {"prompt": "What is 2 * 3 ?"})], 1, 0)
             ids = tokenizer.encode("<tool_call>\n{}\n</tool_call><|im_end|>")
-            e.append(ids, True, [0.0] * len(ids))
+            e.append(ids, True, [0.0] * len(ids), loop.policy)
             e.messages.append({"role": "assistant", "content": ""})
             e.turns.append(Turn(0, len(ids), "", "stop", [ToolCall("flood", {"n": n})]))
             return e
@@ -367,7 +367,7 @@ def test_an_episode_lost_with_a_worker_another_s_call_killed_is_re_created_and_g
     def asks(e, call: ToolCall) -> None:
         """The episode's next turn (its sampled ids given here: the test forces the call) asks `call`."""
         start = len(e.response_ids)
-        e.append(ids, True, [0.0] * len(ids))
+        e.append(ids, True, [0.0] * len(ids), (-1, ""))  # the policy: none here
         e.messages.append({"role": "assistant", "content": ""})
         e.turns.append(Turn(start, len(e.response_ids), "", "stop", [call]))
 
