@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from grpo.config import ConfigError, RunConfig, load_config, load_config_file
+from grpo.config import ConfigError, RunConfig, load_config, read_config_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ def run_config(storage, model, dataset, reward_funcs, config, eval_dataset) -> R
     from grpo.tasks import functions
 
     if isinstance(config, (str, os.PathLike)):
-        raw = load_config_file(str(config)).to_dict()
+        raw = nested(read_config_file(str(config)))  # as written: what it leaves unset may follow `model`
     elif config is None or isinstance(config, dict):
         raw = nested(config or {})
     else:
