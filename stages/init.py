@@ -44,7 +44,7 @@ from grpo.record.identity import CHANGED_DEFAULTS, EVAL_READING, LEARN_PLACEMENT
 from grpo.record.layout import run_dir, run_json
 from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage
-from grpo.tasks import functions, generates, get_task
+from grpo.tasks import functions, generates, get_task, trl_rewards
 from stages.common import (
     StageError,
     dataset_examples,
@@ -158,7 +158,8 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
     check_episodes(cfg, tokenizer)
     columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
     for spec, needed in reward_columns(cfg).items():
-        missing = set(needed) - columns
+        trl_rewards.check_environments(spec, needed, adapters.kind_of(cfg.rollout))  # TRL's, with one to give
+        missing = set(needed) - columns - {"environments"}
         if adapters.kind_of(cfg.rollout) is not None:  # an episode's environment and conversation
             missing -= set(functions.EPISODE_ARGUMENTS)
         if missing:

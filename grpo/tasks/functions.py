@@ -7,9 +7,10 @@ float, or a dict of named components with `total`; `row` holds the dataset's oth
 `path/to/file.py:function` (the file is copied into the run at `grpo init`, so every stage,
 worker and machine scores with the same code), `package.module:function` (imported by name), or a callable
 handed to `grpo.train` (cloudpickled, named `pickled/<name>-<sha256>.pkl:<name>`, its bytes copied into the run
-as a file's are). A function in TRL's shape, `(completions, **kwargs) -> list[float]` (a parameter named
-`completions`), is called one sample at a time with lists of one: `prompts`, `completions`, `ground_truth` and
-each dataset column.
+as a file's are). A function in TRL's shape, `(completions, **kwargs) -> list[float]` (a parameter of TRL_ARGUMENTS:
+`completions`, `environments`, ...), is called one sample at a time with lists of one: `prompts`, `completions`,
+`ground_truth` and each dataset column, and in a run of episodes `completions` as message lists and `environments`
+(grpo/tasks/trl_rewards.py).
 
 With several functions, a sample's reward is the weighted sum of their totals; each one's
 total is stored under its name and its other components as `name/component`.
@@ -114,26 +115,6 @@ def pickled_bytes(spec: str) -> bytes:
     return _PICKLES[spec]
 
 
-def per_sample(fn: Callable) -> Callable:
-    """A reward function in TRL's shape, `(completions, **kwargs) -> list`, as one of (response, ground_truth,
-    prompt, **row): called with lists of one sample.
-
-    >>> f = per_sample(lambda completions, ground_truth, **_: [float(completions == ground_truth)])
-    >>> f("3 4", "3 4", "sort: 4 3"), f("4 3", "3 4", "sort: 4 3", level=2)
-    (1.0, 0.0)
-    """
-
-    @functools.wraps(fn)
-    def reward(response, ground_truth, prompt, **row):
-        got = fn(
-            prompts=[prompt], completions=[response], ground_truth=[ground_truth], **{k: [v] for k, v in row.items()}
-        )
-        return got[0] if isinstance(got, (list, tuple)) and len(got) == 1 else got
-
-    del reward.__wrapped__  # its signature is the per-sample one
-    return reward
-
-
 def split_spec(spec: str, setting: str = "reward.functions") -> tuple[str, str]:
     """`target:function` -> (target, function); a spec without both fails naming it."""
     target, _, name = spec.rpartition(":")
@@ -211,7 +192,9 @@ def _checked(spec: str, fn, target: str, name: str) -> Callable:
     """`fn`, in TRL's shape made per sample, checked to take (response, ground_truth, prompt)."""
     if not callable(fn):
         raise RewardFunctionError(f"reward.functions: {spec!r}: {target} has no function {name!r}")
-    if "completions" in inspect.signature(fn).parameters:
+    from grpo.tasks.trl_rewards import per_sample, trl_shaped
+
+    if trl_shaped(fn):
         fn = per_sample(fn)
     try:
         sig = inspect.signature(fn)
@@ -244,7 +227,10 @@ def columns_needed(spec: str) -> list[str] | str:
 
 
 def required_columns(fn: Callable) -> set[str]:
-    """Dataset columns `fn` needs: its parameters after the first three that have no default."""
+    """Dataset columns `fn` needs: its parameters after the first three that have no default (a function in TRL's
+    shape: those TRL does not give, and `environments`, which an episode's environment gives)."""
+    if hasattr(fn, "trl_needs"):
+        return set(fn.trl_needs)
     params = list(inspect.signature(fn).parameters.values())[3:]
     return {p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
