@@ -29,7 +29,7 @@ from pathlib import Path
 
 from grpo import data
 from grpo.config import ConfigError, RunConfig, load_config_file
-from grpo.episodes import adapters
+from grpo.episodes import adapters, openenv
 from grpo.errors import one_line
 from grpo.record.checkpoint import (
     ModelNotFoundError,
@@ -206,6 +206,7 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
             pool.log_printed()
     if isinstance(schemas, str):
         raise ConfigError(schemas)
+    openenv.check_sessions(cfg)  # an OpenEnv server holds as many sessions as the run opens at once
     try:
         data.apply_template(tokenizer, [{"role": "user", "content": "x"}], schemas, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)
