@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import re
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -874,14 +875,14 @@ def _coerce(cls, name: str, value: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         if item is str and not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+            raise ConfigError(f"{where}: expected a list of strings, got {', '.join(map(code_hint, value))}")
         if item is float:
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
                 raise ConfigError(f"{where}: expected a list of numbers, got {value!r}")
             return [float(v) for v in value]
         return value
     if hint is str and not isinstance(value, str):
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        raise ConfigError(f"{where}: expected a string, got {code_hint(value)}")
     if getattr(hint, "__origin__", None) is Literal:
         if value is False and "no" in get_args(hint):  # YAML 1.1 reads a bare `no` (also `off`) as false
             value = "no"
@@ -912,6 +913,26 @@ def _coerce(cls, name: str, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected two numbers, e.g. [0.9, 0.99], got {value!r}")
         return tuple(float(v) for v in value)
     return value
+
+
+def code_hint(value: Any) -> str:
+    """A value as a string setting's error shows it: a function or class with the string that names it.
+
+    >>> code_hint(3), code_hint(json.dumps)
+    ('3', "the function dumps; write it as 'path/to/file.py:dumps' or 'package.module:dumps' ('json:dumps' here), \
+or pass it to grpo.train (tools=, environment_factory=, reward_funcs=)")
+    """
+    if not callable(value) or not hasattr(value, "__qualname__"):
+        return repr(value)
+    kind, name = "class" if isinstance(value, type) else "function", value.__qualname__
+    path = getattr(sys.modules.get(value.__module__), "__file__", None) or ""
+    installed = path.startswith((sys.prefix, sys.base_prefix)) or "site-packages" in path
+    where = path if path.endswith(".py") and not installed else value.__module__  # a file of yours, or a module
+    here = f" ('{where}:{name}' here)" if value.__module__ not in (None, "__main__") else ""
+    return (
+        f"the {kind} {name}; write it as 'path/to/file.py:{name}' or 'package.module:{name}'{here}, or pass it to "
+        "grpo.train (tools=, environment_factory=, reward_funcs=)"
+    )
 
 
 def optional_dataclass(hint):

@@ -83,7 +83,7 @@ def pickle_callable(fn: Callable, index: int) -> str:
     import cloudpickle
 
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    by_value = module is not None and module.__name__ != "__main__" and _own_code(module)
+    by_value = module is not None and module.__name__ != "__main__" and own_code(module)
     if by_value:
         cloudpickle.register_pickle_by_value(module)
     try:
@@ -98,10 +98,12 @@ def pickle_callable(fn: Callable, index: int) -> str:
     return spec
 
 
-def _own_code(module) -> bool:
-    """A module of the user's own: neither installed (site-packages) nor grpo-flow's, nor built in."""
+def own_code(module) -> bool:
+    """A module of the user's own: neither installed (site-packages, the standard library) nor grpo-flow's, nor built
+    in."""
     path = getattr(module, "__file__", None) or ""
     installed = any(part in ("site-packages", "dist-packages") for part in path.split(os.sep))
+    installed |= path.startswith(os.path.join(sys.base_prefix, "lib"))  # the standard library
     return bool(path) and not installed and module.__name__.split(".")[0] not in ("grpo", "stages", "flows")
 
 
