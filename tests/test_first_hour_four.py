@@ -1,7 +1,12 @@
 """The first hour, round four (issue 54): defaults that fit the user's model, and a stale chain never offered as
 the newest policy."""
 
+import os
 import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 from test_stages import TINY, make_run
@@ -104,3 +109,45 @@ def test_a_stale_first_learn_leaves_no_policy_to_offer(storage, capsys):
     rc, _, err = cli(storage, capsys, "export", "--run", "r")
     assert rc != 0 and "iteration 0, is stale" in err and "newest current" not in err, err
     assert len(committed_attempts(storage, stage_dir(storage, "r", 0, "learn"))) == 1
+
+
+# ---------------------------------------------------------------- 6. the README matches what runs; quiet by default
+
+
+def test_the_readme_names_the_turns_tables_columns_as_they_are():
+    from schemas.tables import TURNS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    said = re.search(r"the `turns` table one row per assistant turn, [^(]*\(([^)]*)\)", readme, re.S)
+    assert said, "README's What is stored lost its turns table"
+    named = re.findall(r"`(\w+)`", said.group(1))
+    assert named == [n for n in TURNS.names if n != "run_id"], named
+
+
+@pytest.mark.parametrize("correction, shown", [("none", False), ("tis", True)])
+def test_report_md_shows_behaviour_columns_only_with_a_correction(storage, correction, shown):
+    from grpo.report import write_report
+
+    make_run(storage, "r", extra=[f"learn.behavior_correction={correction}"])
+    for _ in run_warm(storage, "r", 0, 1):
+        pass
+    write_report(storage, "r")
+    md = storage.read_bytes(storage.path("runs", "r", "report.md")).decode()
+    header = next(line for line in md.splitlines() if line.startswith("| iteration"))
+    assert ("behavior_weight_mean" in header) == shown and ("sampler_kl" in header) == shown, header
+    assert "reward_mean" in header
+
+
+def test_the_python_api_prints_no_loading_bars_after_datasets_was_imported(tmp_path):
+    """A user's script imports datasets (and so huggingface_hub) before grpo: train's lines, no tqdm bars."""
+    script = textwrap.dedent(f"""
+        import datasets, yaml
+        from grpo import train
+        train(config={{k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in {TINY!r})}}, iterations=1,
+              storage={(tmp_path / "store").as_uri()!r})
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}  # as a user's shell has it
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "it/s]" not in done.stderr and "Loading weights" not in done.stderr, done.stderr[-2000:]
+    assert re.search(r"^\s+0\s+\d", done.stdout, re.M), done.stdout  # iteration 0's line
