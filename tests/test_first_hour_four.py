@@ -151,3 +151,24 @@ def test_the_python_api_prints_no_loading_bars_after_datasets_was_imported(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert "it/s]" not in done.stderr and "Loading weights" not in done.stderr, done.stderr[-2000:]
     assert re.search(r"^\s+0\s+\d", done.stdout, re.M), done.stdout  # iteration 0's line
+
+
+def test_setup_says_each_step_before_it_and_leaves_pip_its_progress(tmp_path):
+    """setup.sh in a copy of the repo whose .venv python records what it is asked (pip never runs: no network):
+    a line per step before its command, and pip asked without -q, so its own download progress shows."""
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "setup.sh").write_bytes((root / "setup.sh").read_bytes())
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "python $*"\n')
+    python.chmod(0o755)
+    done = subprocess.run(["bash", str(tmp_path / "setup.sh")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    steps = [i for i, line in enumerate(lines) if line.startswith("setup [")]
+    assert len(steps) == 5 and steps[0] == 0, lines
+    installs = [i for i, line in enumerate(lines) if line.startswith("python -m pip") and " install " in line]
+    assert len(installs) == 3 and all(" -q" not in lines[i] for i in installs), lines
+    assert all(any(s < i for s in steps) for i in installs), lines  # each install said before it runs
+    assert [lines[s + 1].split(" install ")[1] for s in steps[1:3]] == ["torch==2.13.0", "-e .[cpu,dev]"], lines
+    assert lines[-1].startswith("setup done in"), lines
