@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from flows.commands.card import model_card
+from flows.commands.hub import hub_repo, push_folder
 from grpo.record.checkpoint import WEIGHT_SUFFIXES, checkpoint_dtype, policy_folders
 from grpo.record.counts import is_local
 from grpo.record.layout import export_dir, stage_dir
@@ -26,6 +27,7 @@ def cmd_export(args, storage):
     cfg = load_run(storage, args.run)
     if args.dir is not None and args.out is not None:
         raise StageError("export: name the folder to write once: `grpo export --run R DIR` or `--out DIR`")
+    pushed = hub_repo(args.push_to_hub) if args.push_to_hub else None  # (OWNER/NAME, token), or one line now
     which = ""
     k = newest_policy_to_export(storage, args.run) if args.iteration is None and not args.best else args.iteration
     if args.best:
@@ -62,14 +64,20 @@ def cmd_export(args, storage):
             export_policy(policy, base, out)
     except FileExistsError as e:
         if args.dir is None and args.out is None and _exported_from(fs, root) == source:
-            print(f"{what}: exported already, {shown_path(out)}")
-            return
-        raise StageError(str(e)) from e
+            if pushed is None:
+                print(f"{what}: exported already, {shown_path(out)}")
+                return  # pushed: its card is written again below, naming the hub's repository
+        else:
+            raise StageError(str(e)) from e
     evaluated = None if k < 0 else eval_summary(storage, args.run, k)
-    card = model_card(cfg, args.run, None if k < 0 else k, policy.uri, evaluated, args.adapter, shown_path(out))
+    loads = pushed[0] if pushed else shown_path(out)  # what the card's from_pretrained names
+    card = model_card(cfg, args.run, None if k < 0 else k, policy.uri, evaluated, args.adapter, loads)
     fs.pipe_file(f"{root}/README.md", card.encode())  # the model card
     fs.pipe_file(f"{root}/{EXPORT_SOURCE}", json.dumps(source, indent=1).encode())  # last: the export is whole
     print(f"{what}: {shown_path(out)}")
+    if pushed:
+        url = push_folder(out, *pushed, private=args.private, message=f"grpo-flow: {what}")
+        print(f"{what}: pushed to {pushed[0]} ({url})")
 
 
 def newest_policy_to_export(storage, run_id: str) -> int:
