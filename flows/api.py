@@ -62,6 +62,7 @@ def train(
     train_dataset: Any = None,
     tools: list[Callable | str] | tuple = (),
     environment_factory: type | str | None = None,
+    rollout_func: Callable | str | None = None,
 ) -> Trained:
     """Make run `run` (or check an existing one has this config) and train `iterations` more iterations of it.
 
@@ -75,6 +76,8 @@ def train(
     target: stop once the held-out exact match reaches it. storage: $GRPO_STORAGE or ./storage by default.
     train_dataset: TRL's name for `dataset`. tools, environment_factory: as TRL's GRPOTrainer takes them (functions;
     the environment class itself), recorded by reference (code_spec): rollout.tools, rollout.environment.
+    rollout_func: TRL's, `fn(prompts, sampler) -> {prompt_ids, completion_ids, logprobs[, env_mask]}`, recorded the
+    same way: rollout.rollout_func.
     """
     from flows.commands.runs import train as train_iterations
     from grpo.record.layout import run_dir
@@ -93,6 +96,8 @@ def train(
     agents = {"tools": [code_spec(t, "tools") for t in tools]} if tools else {}
     if environment_factory is not None:
         agents["environment"] = code_spec(environment_factory, "environment_factory")
+    if rollout_func is not None:
+        agents["rollout_func"] = code_spec(rollout_func, "rollout_func")
     data = train_dataset if dataset is None else dataset
     cfg = run_config(where, model, data, reward_funcs, config, eval_dataset, agents)
     init_run(where, run, cfg)

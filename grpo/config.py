@@ -264,6 +264,15 @@ class RolloutConfig:
     sampled tokens, a turn cut at B is continued from its ids, and the next iteration re-creates its environment by
     replaying its answered turns (stages/episode_segments.py). None: off, every response sampled to its end in its
     iteration."""
+    rollout_func: str | None = None
+    """TRL's rollout_func: your own function (`path/to/file.py:function` or `package.module:function`) that makes
+    each chunk's samples, `fn(prompts, sampler) -> dict`: `prompts` the chunk's rendered prompts, `sampler` the
+    stage's (`sampler.generate(prompt_ids)`, `.num_generations`, `.processing_class`, `.max_completion_length`;
+    grpo/sampling/rollout_func.py); it returns TRL's keys `prompt_ids`, `completion_ids`, `logprobs` (the sampler's,
+    one a completion token), `num_generations` completions per prompt in prompt order, and optionally `env_mask`
+    (1: a token the loss counts, 0: one it skips, as an environment's). Checked in one line naming the function.
+    The rollouts stage's only: eval samples with the sampler. Single-turn only (not with tools, an environment or
+    segment_tokens). None: the sampler samples each chunk."""
 
     def check(self) -> None:
         for name in ("prompts_per_iteration", "group_size", "max_tokens", "chunk_prompts", "shards"):
@@ -291,6 +300,28 @@ class RolloutConfig:
         self.vllm.check()
         self.check_episodes()
         self.check_segments()
+        self.check_rollout_func()
+
+    def check_rollout_func(self) -> None:
+        """rollout_func: of the form reward.functions take, and single-turn."""
+        if self.rollout_func is None:
+            return
+        target, _, name = self.rollout_func.rpartition(":")
+        if not target or not name.isidentifier():
+            raise ConfigError(
+                f"rollout.rollout_func: {self.rollout_func!r} is not of the form path/to/file.py:function or "
+                "package.module:function"
+            )
+        for setting, on in (
+            ("tools", self.tools),
+            ("environment", self.environment),
+            ("segment_tokens", self.segment_tokens),
+        ):
+            if on:
+                raise ConfigError(
+                    f"rollout.rollout_func with rollout.{setting}: a rollout function makes single-turn samples "
+                    "whole; unset one of them"
+                )
 
     def check_segments(self) -> None:
         """segment_tokens: >= 1, and none of what samples otherwise (rounds of new prompts, shards, stop strings)."""

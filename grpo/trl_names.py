@@ -61,6 +61,7 @@ GRPO_TRAINER: dict[str, tuple[str, str]] = {
         "rollout.environment",
         "`file.py:Class`, or an OpenEnv URL; train(environment_factory=Cls)",
     ),
+    "rollout_func": ("rollout.rollout_func", "`file.py:function`, fn(prompts, sampler); train(rollout_func=fn)"),
 }
 """TRL GRPOTrainer argument -> (the setting here; how it maps): the agent's, and where data and rewards go."""
 

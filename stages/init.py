@@ -56,6 +56,7 @@ from stages.common import (
     run_datasets,
     run_stage,
 )
+from stages.prompts import ROLLOUT_FUNC_PREFIX, loaded_rollout_func
 
 
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
@@ -156,6 +157,7 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
         except data.DatasetError as e:
             raise ConfigError(f"task.prompt_format={cfg.task.prompt_format}: {e}") from e
     check_episodes(cfg, tokenizer)
+    loaded_rollout_func(cfg.rollout.rollout_func)  # imports, and is a function: one line now, not at rollouts
     columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
     for spec, needed in reward_columns(cfg).items():
         trl_rewards.check_environments(spec, needed, adapters.kind_of(cfg.rollout))  # TRL's, with one to give
@@ -170,13 +172,13 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
 
 
 def code_files(cfg: RunConfig) -> list[tuple[list[str], str]]:
-    """(specs, the prefix their files' copies go under in the base commit) of each setting that names code: the
-    reward functions, then rollout.environment and rollout.tools (grpo.episodes.adapters.PREFIXES)."""
+    """(specs, the prefix their copies go under in the base commit) of reward.functions and rollout's code settings."""
     r = cfg.rollout
     return [
         (list(cfg.reward.functions), functions.REWARD_PREFIX),
         ([r.environment] if r.environment else [], adapters.PREFIXES["environment"]),
         (list(r.tools), adapters.PREFIXES["tools"]),
+        ([r.rollout_func] if r.rollout_func else [], ROLLOUT_FUNC_PREFIX),
     ]
 
 
@@ -356,9 +358,7 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
 def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False) -> Committed:
     """Check the run's inputs, write run.json and commit the base model under `runs/<run_id>/base`."""
     exists = storage.exists(run_json(storage, run_id))
-    if (
-        exists and fork_of(storage, run_id) is not None
-    ):  # a fork's base is its parent's, by reference (grpo.record.fork)
+    if exists and fork_of(storage, run_id) is not None:  # a fork's base is its parent's (grpo.record.fork)
         write_run_json(storage, run_id, cfg)  # only checks the config, or takes a change of tracking, retention, ...
         return committed_input(storage, run_id, None, "base")
     with tempfile.TemporaryDirectory() as tmp:
@@ -392,7 +392,7 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
         stage_cfg = {"model": section(cfg, "model"), "task": section(cfg, "task"), "seed": cfg.seed}
         if cfg.reward.functions:
             stage_cfg["reward_functions"] = cfg.reward.functions
-        if adapters.names_files(cfg.rollout):  # runs without them keep their base's identity
+        if adapters.names_files(cfg.rollout) or cfg.rollout.rollout_func:  # runs without them keep their identity
             stage_cfg["episode_files"] = [s for specs, _ in code_files(cfg)[1:] for s in specs]
         base = run_stage(storage, run_id, None, "base", config=stage_cfg, inputs={}, body=body, force=force)
     data.pin(base.manifest.summary.get("datasets"))  # what the base recorded: the later stages of this process

@@ -28,6 +28,7 @@ from grpo.record.lineage import check_chain, check_policy, committed_input, froz
 from grpo.record.storage import Committed, Storage
 from grpo.scoring.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
+from grpo.tasks import functions
 from schemas import ParquetWriter, table_file
 from stages import episode_segments, rewards, segments
 from stages.common import StageError, load_run, measured
@@ -38,6 +39,7 @@ from stages.prompts import (
     held_out_config,
     iteration_prompts,
     policy_and_prompts,
+    rollout_function,
     round_prompts,
     sampler,
 )
@@ -65,7 +67,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
     inputs = {"snapshot": snap}
     if cfg.rollout.min_signal_groups is not None:
         inputs.update(dynamic_inputs(storage, cfg, run_id, iteration))
-    if adapters.names_files(cfg.rollout):  # the copies of the files rollout.tools and rollout.environment name
+    if adapters.names_files(cfg.rollout) or functions.is_file_spec(cfg.rollout.rollout_func or ""):  # their copies
         inputs["base"] = committed_input(storage, run_id, None, "base")
     if cfg.rollout.segment_tokens is not None and iteration > 0:  # the responses iteration k - 1 carried on
         inputs["carried"] = committed_input(storage, run_id, iteration - 1, "rollouts")
@@ -129,6 +131,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         spec = sampling_spec(r, iteration_seed(cfg.seed, iteration, Salt.SAMPLING))
         seed = iteration_seed(cfg.seed, iteration, Salt.ENVIRONMENT)
         tally = Tally(episodes=None if env is None else Episodes(storage, writer, gen, p, env[0], cfg, seed))
+        tally.rollout = rollout_function(cfg, inputs.get("base"), p)
         report = Progress(f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""), len(part), "prompts")
         with ParquetWriter(storage.fs, writer.path(table_file("rollouts")), "rollouts") as out, tally.tables():
             for start in range(part.start, part.stop, r.chunk_prompts):
@@ -255,6 +258,7 @@ def sample_rounds(
                 gen, settings = sampler(p, cfg)
                 engine_s = time.perf_counter() - t0
             spec = sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
+            tally.rollout = rollout_function(cfg, inputs.get("base"), p)
             report = Progress(f"rollouts {iteration} round {rounds}", len(p.ids), "prompts")
             for at in range(0, len(p.ids), r.chunk_prompts):
                 chunk = slice(at, at + r.chunk_prompts)

@@ -20,6 +20,7 @@ from grpo.episodes.workers import Workers
 from grpo.record.commit import StageWriter
 from grpo.record.storage import Storage
 from grpo.sampling.base import Generator, Sample, SamplingSpec, decode_responses
+from grpo.sampling.rollout_func import RolloutFunction, RolloutSample
 from schemas import ParquetWriter, table_file
 from stages.prompts import Prompts, episode_starts
 
@@ -31,6 +32,7 @@ def chunk_columns(
     what its environment's reset added, and its loss mask), each prompt's group together."""
     samples = [s for group in groups for s in group]
     n, episodes = len(samples), p.tools is not None
+    own = episodes or any(isinstance(s, RolloutSample) for s in samples)  # each sample its prompt ids and mask
 
     def per_sample(values) -> list:  # one value per prompt -> one per sample
         return [v for v, group in zip(values, groups) for _ in group]
@@ -41,11 +43,11 @@ def chunk_columns(
         "prompt_id": per_sample(p.index[chunk]),
         "sample_index": [j for group in groups for j in range(len(group))],
         "prompt": [s.prompt_text for s in samples] if episodes else per_sample(p.texts[chunk]),
-        "prompt_ids": [s.prompt_ids for s in samples] if episodes else per_sample(p.ids[chunk]),
+        "prompt_ids": [s.prompt_ids for s in samples] if own else per_sample(p.ids[chunk]),
         "response_ids": [s.response_ids for s in samples],
         "response": decode_responses(p.tokenizer, [s.response_ids for s in samples], p.eos_ids),
         "sampler_logprobs": [s.logprobs for s in samples],
-        "loss_mask": [s.loss_mask if episodes else [1] * len(s.response_ids) for s in samples],
+        "loss_mask": [s.loss_mask if own else [1] * len(s.response_ids) for s in samples],
         "token_versions": [None] * n,  # every token by the row's policy_version
         "finish_reason": [s.finish_reason for s in samples],
         "ground_truth": per_sample([e.ground_truth for e in p.examples[chunk]]),
@@ -72,12 +74,14 @@ def sampling_spec(r: RolloutConfig, seed: int) -> SamplingSpec:
 @dataclasses.dataclass
 class Tally:
     """What a rollouts stage has sampled and written so far: response tokens, stopped samples, seconds in the
-    sampler's generate calls (an episode's environment's included); with episodes, their loop and tables."""
+    sampler's generate calls (an episode's environment's included); with episodes, their loop and tables; with
+    rollout.rollout_func, the function that makes each chunk's samples."""
 
     tokens: int = 0
     stops: int = 0
     generate_s: float = 0.0
     episodes: Episodes | None = None
+    rollout: RolloutFunction | None = None
 
     def sample(
         self,
@@ -94,10 +98,12 @@ class Tally:
         """Sample one chunk of prompts and write its rows to `out`: (its columns, its groups); `progress(k)` as
         the chunk's first k prompts' samples end (the sampler's, which it never changes)."""
         t0 = time.perf_counter()
-        if self.episodes is None:
-            groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk], progress)
-        else:
+        if self.episodes is not None:
             groups = self.episodes.sample(p, chunk, spec, run_id, iteration, stamp, progress)
+        elif self.rollout is not None:
+            groups = self.rollout(gen, p.tokenizer, p.texts[chunk], spec, p.context)
+        else:
+            groups = gen.generate(p.ids[chunk], spec, p.budgets[chunk], progress)
         self.generate_s += time.perf_counter() - t0
         columns = chunk_columns(run_id, iteration, p, chunk, groups, stamp)
         out.write(columns)
