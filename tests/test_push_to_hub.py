@@ -137,9 +137,11 @@ def test_export_pushes_the_folder_and_its_card_to_the_hub(trained, hub, tmp_path
     assert "pushed to tester/grpo-tiny" in done.stdout, done.stdout
 
 
-def test_pushing_an_export_made_before_uploads_it_with_a_card_for_the_hub(trained, hub, tmp_path):
+def test_pushing_an_export_made_before_with_the_stored_login_uploads_it_with_a_card_for_the_hub(trained, hub, tmp_path):
     assert grpo(trained, hub, tmp_path, "export", "--run", "r").returncode == 0  # the default folder
-    done = grpo(trained, hub, tmp_path, "export", "--run", "r", "--push-to-hub", "team/model", "--private")
+    (tmp_path / "hf_home").mkdir()
+    (tmp_path / "hf_home" / "token").write_text(TOKEN)  # where `hf auth login` stores it: no HF_TOKEN this time
+    done = grpo(trained, hub, tmp_path, "export", "--run", "r", "--push-to-hub", "team/model", "--private", token=None)
     assert done.returncode == 0, done.stderr[-3000:]
     repo = hub["repos"]["team/model"]
     assert repo["visibility"] == "private" and 'from_pretrained("team/model")' in repo["files"]["README.md"].decode()
