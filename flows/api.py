@@ -7,6 +7,7 @@
 
     train(model="Qwen/Qwen2.5-0.5B-Instruct", dataset=ds, reward_funcs=[exact], config="my.yaml", run="r1",
           iterations=20)
+    train(model=..., train_dataset=ds, tools=[multiply], environment_factory=Calculator, reward_funcs=[...])  # agents
 
 It makes the run `grpo init` makes and trains it as `grpo run` does (the same functions: stages.init.init_run,
 then flows.commands.runs.train over stages.iteration.run_warm), so every command works on it afterwards: `grpo
@@ -14,7 +15,8 @@ status --run r1`, `grpo run --run r1 --iterations 10` (the reward callables come
 `grpo export`. A reward callable is cloudpickled (a lambda, or a function of a script or of your own module, by
 value), named in reward.functions by its name and the sha256 of its bytes, and copied into the run at init: the
 reward workers unpickle that copy. A dataset object is written once into storage as Parquet, named by the hash of
-its bytes (`datasets/<sha256>.parquet`), and pinned by the run as a file path is.
+its bytes (`datasets/<sha256>.parquet`), and pinned by the run as a file path is. Tools and an environment class are
+named by reference (code_spec): a file of yours is copied into the run, an installed module imported by name.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from grpo.config import ConfigError, RunConfig, load_config, load_config_file
+from grpo.config import ConfigError, RunConfig, load_config, read_config_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,10 @@ def train(
     target: float | None = None,
     eval_dataset: Any = None,
     storage: str | None = None,
+    train_dataset: Any = None,
+    tools: list[Callable | str] | tuple = (),
+    environment_factory: type | str | None = None,
+    rollout_func: Callable | str | None = None,
 ) -> Trained:
     """Make run `run` (or check an existing one has this config) and train `iterations` more iterations of it.
 
@@ -68,6 +74,10 @@ def train(
     config: a dict of sections ({"learn": {"lr": 1e-3}}, or dotted keys {"learn.lr": 1e-3}) or a YAML file; a TRL
     GRPOConfig name is refused naming its setting here (docs/coming-from-trl.md).
     target: stop once the held-out exact match reaches it. storage: $GRPO_STORAGE or ./storage by default.
+    train_dataset: TRL's name for `dataset`. tools, environment_factory: as TRL's GRPOTrainer takes them (functions;
+    the environment class itself), recorded by reference (code_spec): rollout.tools, rollout.environment.
+    rollout_func: TRL's, `fn(prompts, sampler) -> {prompt_ids, completion_ids, logprobs[, env_mask]}`, recorded the
+    same way: rollout.rollout_func.
     """
     from flows.commands.runs import train as train_iterations
     from grpo.record.layout import run_dir
@@ -81,7 +91,15 @@ def train(
     quiet_libraries()
     threads.apply_threads()
     where = open_storage(storage)
-    cfg = run_config(where, model, dataset, reward_funcs, config, eval_dataset)
+    if dataset is not None and train_dataset is not None:
+        raise ConfigError("train_dataset is TRL's name for dataset: pass one of them")
+    agents = {"tools": [code_spec(t, "tools") for t in tools]} if tools else {}
+    if environment_factory is not None:
+        agents["environment"] = code_spec(environment_factory, "environment_factory")
+    if rollout_func is not None:
+        agents["rollout_func"] = code_spec(rollout_func, "rollout_func")
+    data = train_dataset if dataset is None else dataset
+    cfg = run_config(where, model, data, reward_funcs, config, eval_dataset, agents)
     init_run(where, run, cfg)
     start = next_iteration(where, run)
     if problem := resume_problem(where, run, start):
@@ -90,17 +108,19 @@ def train(
     return trained(where, run, reached, run_dir(where, run))
 
 
-def run_config(storage, model, dataset, reward_funcs, config, eval_dataset) -> RunConfig:
-    """The run's config: `config` (a dict or a YAML file) with the arguments' settings over it."""
+def run_config(storage, model, dataset, reward_funcs, config, eval_dataset, rollout: dict | None = None) -> RunConfig:
+    """The run's config: `config` (a dict or a YAML file) with the arguments' settings over it (`rollout`: the
+    tools' and environment's specs)."""
     from grpo.tasks import functions
 
     if isinstance(config, (str, os.PathLike)):
-        raw = load_config_file(str(config)).to_dict()
+        raw = nested(read_config_file(str(config)))  # as written: what it leaves unset may follow `model`
     elif config is None or isinstance(config, dict):
         raw = nested(config or {})
     else:
         raise ConfigError(f"config: a dict of sections or a YAML file's path, got {type(config).__name__}")
-    sections = {s: dict(raw.get(s) or {}) for s in ("model", "task", "eval", "reward")}
+    sections = {s: dict(raw.get(s) or {}) for s in ("model", "task", "eval", "reward", "rollout")}
+    sections["rollout"].update(rollout or {})
     if model is not None:
         sections["model"]["base_model"] = str(model)
     if dataset is not None:
@@ -111,6 +131,27 @@ def run_config(storage, model, dataset, reward_funcs, config, eval_dataset) -> R
         specs = [f if isinstance(f, str) else functions.pickle_callable(f, i) for i, f in enumerate(reward_funcs)]
         sections["reward"]["functions"] = specs
     return load_config({**raw, **{s: v for s, v in sections.items() if v}})
+
+
+def code_spec(obj: Callable | str, what: str) -> str:
+    """How a setting names a function or class handed to `train`, so every process of the run (workers, a resumed or
+    forked run, `grpo rescore`) loads it: `path/to/file.py:name` for one in a file of your own (copied into the run at
+    init, as a file a config names), `package.module:name` for an installed module's; a string as it is."""
+    import sys
+
+    from grpo.tasks.functions import own_code
+
+    if isinstance(obj, str):
+        return obj
+    name, module = getattr(obj, "__qualname__", ""), sys.modules.get(getattr(obj, "__module__", None) or "")
+    if not callable(obj) or not name.isidentifier():
+        raise ConfigError(f"{what}: {obj!r} is not a module-level function or class; pass that (TRL: the class itself)")
+    if module is None or module.__name__ == "__main__" or not getattr(module, "__file__", None):
+        raise ConfigError(
+            f"{what}: {name} is defined in the script or notebook being run (__main__), which other processes cannot "
+            f"import; move it into a file of its own (say my_{what}.py) and `from my_{what} import {name}`"
+        )
+    return f"{module.__file__}:{name}" if own_code(module) else f"{module.__name__}:{name}"
 
 
 def nested(config: dict) -> dict:

@@ -14,6 +14,7 @@ grpo timeline --run demo                     # each iteration's stages against t
 grpo export --run demo                       # the newest policy as an HF folder under the run (LoRA merged)
 grpo export --run demo --best ./demo-best    # the best by eval.metric, into a folder named (or --iteration k)
 grpo export --run lora --adapter             # a LoRA run's adapter, unmerged (every export has a model card)
+grpo export --run demo --push-to-hub me/demo-grpo   # and upload it to the Hugging Face Hub (HF_TOKEN)
 grpo k8s render [--stage learn]              # each stage's Kubernetes Job from deploy/kubernetes, as YAML
 grpo fork --from demo --at 3 --run demo-gspo --set learn.loss_type=gspo   # iterations 0-2 by reference
 grpo rescore --run demo --iterations 0:4 --set reward.truncated_reward=-1  # rewards again, no sampling
@@ -199,6 +200,13 @@ def parser() -> argparse.ArgumentParser:
         help="a LoRA run: the peft adapter alone, unmerged (adapter_config.json, adapter_model.safetensors, the "
         "tokenizer), for PeftModel.from_pretrained over the base; default folder exports/iter-000k-adapter",
     )
+    sp.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        help="then upload the folder, model card included, to this Hugging Face Hub model repository (OWNER/NAME, or "
+        "NAME under the token's owner; created if missing): the token from HF_TOKEN or `hf auth login`",
+    )
+    sp.add_argument("--private", action="store_true", help="with --push-to-hub: a repository created is private")
     sp.set_defaults(fn="export:cmd_export")
     sp = sub.add_parser("report", help="plot a run's progress: report.png and report.md in its folder")
     sp.add_argument("--run", required=True)

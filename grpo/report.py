@@ -335,15 +335,17 @@ def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) 
     rdir = run_dir(storage, run_id)
     png, md = f"{rdir}/report.png", f"{rdir}/report.md"
     best = best_iteration(storage, run_id, [r["iteration"] for r in rows])
+    behavior = behavior_drawn(storage, run_id)
     storage.write_bytes_atomic(  # replaced whole: a reader or a crash never sees half a file
         png,
         figure_png(
             rows,
             f"run {run_id}: iterations {rows[0]['iteration']}..{rows[-1]['iteration']}",
             best=best,
-            behavior=behavior_drawn(storage, run_id),
+            behavior=behavior,
         ),
     )
+    hidden = set() if behavior else set(dict(PLOTS)[BEHAVIOR])  # weights at 1 say nothing: as the figure
     fork = fork_of(storage, run_id)
     lineage = (
         f"A fork of run {fork['parent']} at iteration {fork['at']}: iterations before {fork['at']} are "
@@ -351,7 +353,8 @@ def write_report(storage: Storage, run_id: str, rows: list[dict] | None = None) 
         if fork
         else ""
     )
-    text = f"# Run {run_id}\n\n{lineage}{headline(rows, best)}\n\n![progress](report.png)\n\n{markdown_table(rows)}\n"
+    shown = [{k: v for k, v in r.items() if k not in hidden} for r in rows]
+    text = f"# Run {run_id}\n\n{lineage}{headline(rows, best)}\n\n![progress](report.png)\n\n{markdown_table(shown)}\n"
     if (moved := io_png(storage, run_id)) is not None:  # bytes per stage per iteration, from the manifests
         storage.write_bytes_atomic(f"{rdir}/io.png", moved)
         text += "\n![bytes through storage per stage](io.png)\n"

@@ -46,8 +46,27 @@ GRPO_CONFIG: dict[str, tuple[str, str]] = {
     "max_steps": ("", "iterations: `grpo run --iterations N`, train(iterations=N)"),
     "num_train_epochs": ("", "iterations: `grpo run --iterations N`, train(iterations=N)"),
     "output_dir": ("", "storage (`--storage`, $GRPO_STORAGE) and the run id; `grpo export` writes the model"),
+    "max_tool_calling_iterations": (
+        "rollout.max_turns",
+        "assistant turns, the answer's included: N tool turns = N + 1",
+    ),
 }
 """TRL GRPOConfig field -> (the setting here, "" where it is no setting; how it maps)."""
+
+GRPO_TRAINER: dict[str, tuple[str, str]] = {
+    "train_dataset": ("task.dataset", "train(train_dataset=...): a datasets.Dataset, a DataFrame or a path"),
+    "reward_funcs": ("reward.functions", "TRL's signatures, environments included; train(reward_funcs=[...])"),
+    "tools": ("rollout.tools", "`file.py:function` or `package.module:function`; train(tools=[fn])"),
+    "environment_factory": (
+        "rollout.environment",
+        "`file.py:Class`, or an OpenEnv URL; train(environment_factory=Cls)",
+    ),
+    "rollout_func": ("rollout.rollout_func", "`file.py:function`, fn(prompts, sampler); train(rollout_func=fn)"),
+}
+"""TRL GRPOTrainer argument -> (the setting here; how it maps): the agent's, and where data and rewards go."""
+
+NAMES = GRPO_CONFIG | GRPO_TRAINER
+"""Every TRL name README's "Coming from TRL" table maps."""
 
 
 def hint(name: str) -> str:
@@ -56,8 +75,8 @@ def hint(name: str) -> str:
     >>> hint("num_generations")
     "TRL's num_generations is rollout.group_size here (samples per prompt, G)"
     """
-    if name not in GRPO_CONFIG:
+    if name not in NAMES:
         return ""
-    setting, how = GRPO_CONFIG[name]
+    setting, how = NAMES[name]
     what = setting or how
     return f"TRL's {name} is {what} here" + (f" ({how})" if setting and how else "")

@@ -1,11 +1,9 @@
 """Create a run: check its inputs, write its resolved config, commit the base model it starts from.
 
-The base model is the policy of iteration 0 and the frozen reference for the KL
-penalty. With no `model.base_model` the tiny model for the task is built from a
-config; otherwise the checkpoint (a local folder, an fsspec URL or a hub id) is
-copied in once, so every later stage references immutable, hashed files. Reward
-files named in `reward.functions` are copied beside it (`reward/`), and so are the files
-rollout.tools and rollout.environment name (`tools/`, `environment/`).
+The base model is the policy of iteration 0 and the frozen reference for the KL penalty. With no `model.base_model`
+the tiny model for the task is built from a config; otherwise the checkpoint (a local folder, an fsspec URL or a hub
+id) is copied in once, so every later stage references immutable, hashed files. Reward files named in
+`reward.functions` are copied beside it (`reward/`), and so are the files of rollout's code settings (code_files).
 
 Everything a later stage needs is checked before run.json is written: the model's weights fit its config.json and its
 tokenizer loads, the chat template exists where the prompt format needs one, the datasets have their columns and every
@@ -28,7 +26,7 @@ from pathlib import Path
 
 from grpo import data
 from grpo.config import ConfigError, RunConfig, load_config_file
-from grpo.episodes import adapters, chat, parsing, templates
+from grpo.episodes import adapters, chat, openenv, parsing, templates
 from grpo.errors import one_line
 from grpo.learner.paths import learner_path_line
 from grpo.record import pins
@@ -47,7 +45,7 @@ from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage
 from grpo.record.weights import lora_target_problem
 from grpo.sampling.engines import vllm_model_problem
-from grpo.tasks import functions, generates, get_task
+from grpo.tasks import functions, generates, get_task, trl_rewards
 from grpo.tasks.base import EPISODE_ARGUMENTS
 from stages.common import (
     StageError,
@@ -60,6 +58,7 @@ from stages.common import (
     run_datasets,
     run_stage,
 )
+from stages.prompts import ROLLOUT_FUNC_PREFIX, loaded_rollout_func
 
 
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
@@ -161,10 +160,13 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
         except data.DatasetError as e:
             raise ConfigError(f"task.prompt_format={cfg.task.prompt_format}: {e}") from e
     check_episodes(cfg, tokenizer)
+    loaded_rollout_func(cfg.rollout.rollout_func)  # imports, and is a function: one line now, not at rollouts
     columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
+    kind = cfg.rollout.environment_kind()
     for spec, needed in reward_columns(cfg).items():
-        missing = set(needed) - columns
-        if cfg.rollout.environment_kind() is not None:  # an episode's environment and conversation
+        trl_rewards.check_environments(spec, needed, kind)  # TRL's `environments`, with an environment to give
+        missing = set(needed) - columns - {"environments"}
+        if kind is not None:  # an episode's environment and conversation
             missing -= set(EPISODE_ARGUMENTS)
         if missing:
             raise ConfigError(
@@ -174,21 +176,20 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
 
 
 def code_files(cfg: RunConfig) -> list[tuple[list[str], str]]:
-    """(specs, the prefix their files' copies go under in the base commit) of each setting that names code: the
-    reward functions, then rollout.environment and rollout.tools (grpo.episodes.adapters.PREFIXES)."""
+    """(specs, the prefix their copies go under in the base commit) of reward.functions and rollout's code settings."""
     r = cfg.rollout
     return [
         (list(cfg.reward.functions), functions.REWARD_PREFIX),
         ([r.environment] if r.environment else [], adapters.PREFIXES["environment"]),
         (list(r.tools), adapters.PREFIXES["tools"]),
+        ([r.rollout_func] if r.rollout_func else [], ROLLOUT_FUNC_PREFIX),
     ]
 
 
 def check_episodes(cfg: RunConfig, tokenizer) -> None:
     """rollout.tools and rollout.environment: the code imports and its tools have schemas (its adapter builds in a tool
-    worker, as the rollouts stage builds it, within rollout.tool_timeout_s: without credentials but tool_pass_env's, so
-    its module-level code never runs in this process; a typo, an exit, a crash or a hang is one line), and the model's
-    chat template renders tools and continues a conversation."""
+    worker as the rollouts stage builds it, within rollout.tool_timeout_s, without credentials but tool_pass_env's: a
+    typo, an exit, a crash or a hang is one line), and the model's chat template renders tools and conversations."""
     from grpo.episodes.workers import GRACE_S, check
     from grpo.runtime.pool import RewardPool
 
@@ -212,6 +213,7 @@ def check_episodes(cfg: RunConfig, tokenizer) -> None:
             pool.log_printed()
     if isinstance(schemas, str):
         raise ConfigError(schemas)
+    openenv.check_sessions(cfg)  # an OpenEnv server holds as many sessions as the run opens at once
     try:
         templates.apply_template(tokenizer, [{"role": "user", "content": "x"}], schemas, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 (jinja errors of the model's template)
@@ -355,9 +357,7 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
 def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False) -> Committed:
     """Check the run's inputs, write run.json and commit the base model under `runs/<run_id>/base`."""
     exists = storage.exists(run_json(storage, run_id))
-    if (
-        exists and fork_of(storage, run_id) is not None
-    ):  # a fork's base is its parent's, by reference (grpo.record.fork)
+    if exists and fork_of(storage, run_id) is not None:  # a fork's base is its parent's (grpo.record.fork)
         write_run_json(storage, run_id, cfg)  # only checks the config, or takes a change of tracking, retention, ...
         return committed_input(storage, run_id, None, "base")
     with tempfile.TemporaryDirectory() as tmp:
@@ -391,7 +391,7 @@ def init_run(storage: Storage, run_id: str, cfg: RunConfig, force: bool = False)
         stage_cfg = {"model": section(cfg, "model"), "task": section(cfg, "task"), "seed": cfg.seed}
         if cfg.reward.functions:
             stage_cfg["reward_functions"] = cfg.reward.functions
-        if adapters.names_files(cfg.rollout):  # runs without them keep their base's identity
+        if adapters.names_files(cfg.rollout) or cfg.rollout.rollout_func:  # runs without them keep their identity
             stage_cfg["episode_files"] = [s for specs, _ in code_files(cfg)[1:] for s in specs]
         base = run_stage(storage, run_id, None, "base", config=stage_cfg, inputs={}, body=body, force=force)
     pins.pin(base.manifest.summary.get("datasets"))  # what the base recorded: the later stages of this process

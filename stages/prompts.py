@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tokenizers import models as tokenizer_models
 
 from grpo import data
-from grpo.config import RunConfig
+from grpo.config import ConfigError, RunConfig
 from grpo.devices import sampler_device
 from grpo.episodes import adapters, templates
 from grpo.episodes.chat import with_thinking
@@ -29,6 +29,8 @@ from grpo.record.storage import Committed
 from grpo.runtime.pool import WARM_POOLS
 from grpo.sampling.base import Generator, stop_token_ids
 from grpo.sampling.engines import choose_backend, engine_settings, get_generator
+from grpo.sampling.rollout_func import PREFIX as ROLLOUT_FUNC_PREFIX
+from grpo.sampling.rollout_func import RolloutFunction
 from grpo.tasks import Example, functions, get_task
 from stages.common import StageError
 
@@ -193,6 +195,29 @@ class Environments:
 
     workers: Workers | None = None
     tools: list[dict] | None = None
+
+
+def rollout_function(cfg: RunConfig, base: Committed | None, p: Prompts) -> RolloutFunction | None:
+    """rollout.rollout_func as the stage calls it (its file read from the copy in the base commit); None: unset."""
+    spec = cfg.rollout.rollout_func
+    if spec is None:
+        return None
+    file = None
+    if functions.is_file_spec(spec):
+        folder = local_checkpoint(base, prefix=ROLLOUT_FUNC_PREFIX)
+        file = f"{folder}/{functions.committed_name(0, spec, ROLLOUT_FUNC_PREFIX)[len(ROLLOUT_FUNC_PREFIX) :]}"
+    return RolloutFunction(loaded_rollout_func(spec, file), spec, len(p.tokenizer), p.eos_ids)
+
+
+def loaded_rollout_func(spec: str | None, file: str | None = None):
+    """The function rollout.rollout_func names (None: unset; `file`: its committed copy); one line where it does not
+    import or is not there."""
+    if spec is None:
+        return None
+    try:
+        return functions.load_object(spec, file, setting="rollout.rollout_func")
+    except functions.UserCodeError as e:
+        raise ConfigError(str(e)) from e
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from grpo.record.lineage import check_chain, check_policy, committed_input, froz
 from grpo.record.storage import Committed, Storage
 from grpo.runtime.pool import WARM_POOLS
 from grpo.scoring.score import scorer_key
+from grpo.tasks import functions
 from schemas import ParquetWriter, table_file
 from stages import rewards, segments
 from stages.common import StageError, load_run, measured
@@ -42,10 +43,11 @@ from stages.prompts import (
     held_out_config,
     iteration_prompts,
     policy_and_prompts,
+    rollout_function,
     round_prompts,
     sampler,
 )
-from stages.samples import Rows, episode_loop, sampling_spec
+from stages.samples import Rows, episode_loop, sample_chunk, sampling_spec
 from stages.shards import ranges, run_sharded
 
 
@@ -69,7 +71,7 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
     inputs = {"snapshot": snap}
     if cfg.rollout.min_signal_groups is not None:
         inputs.update(dynamic_inputs(storage, cfg, run_id, iteration))
-    if adapters.names_files(cfg.rollout):  # the copies of the files rollout.tools and rollout.environment name
+    if adapters.names_files(cfg.rollout) or functions.is_file_spec(cfg.rollout.rollout_func or ""):  # their copies
         inputs["base"] = committed_input(storage, run_id, None, "base")
     if cfg.rollout.segment_tokens is not None and iteration > 0:  # the responses iteration k - 1 carried on
         inputs["carried"] = committed_input(storage, run_id, iteration - 1, "rollouts")
@@ -119,13 +121,14 @@ def rollouts(storage: Storage, run_id: str, iteration: int, force: bool = False,
         spec = sampling_spec(r, iteration_seed(cfg.seed, iteration, Salt.SAMPLING))
         seed = iteration_seed(cfg.seed, iteration, Salt.ENVIRONMENT)
         loop, generate_s = episode_loop(gen, p, env, cfg, stamp), 0.0
+        fn = rollout_function(cfg, inputs.get("base"), p)  # rollout.rollout_func: TRL's, in place of the sampler call
         report = Progress(f"rollouts {iteration}" + (f" shard {shard_k}" if r.shards > 1 else ""), len(part), "prompts")
         with Rows(storage, writer, env) as rows:
             for start in range(part.start, part.stop, r.chunk_prompts):
                 chunk, at = slice(start, start + r.chunk_prompts), start - part.start
                 t0 = time.perf_counter()
                 done = lambda k, at=at: report.part(at + k)  # noqa: E731
-                groups = loop.run(episode_starts(p, chunk, cfg, iteration), spec, seed, done)
+                groups = sample_chunk(loop, fn, episode_starts(p, chunk, cfg, iteration), spec, seed, p, done)
                 generate_s += time.perf_counter() - t0
                 rows.write(run_id, iteration, groups, p, stamp)
                 report(min(start + r.chunk_prompts, part.stop) - part.start)
@@ -258,12 +261,13 @@ def sample_rounds(
                 engine_s = time.perf_counter() - t0
                 loop = episode_loop(gen, p, Environments(), cfg, stamp)
             spec = sampling_spec(r, round_seed(cfg.seed, iteration, rounds, Salt.SAMPLING))
+            fn = rollout_function(cfg, inputs.get("base"), p)
             report = Progress(f"rollouts {iteration} round {rounds}", len(p.ids), "prompts")
             for at in range(0, len(p.ids), r.chunk_prompts):
                 chunk = slice(at, at + r.chunk_prompts)
                 part = lambda k, at=at: report.part(at + k)  # noqa: E731
                 t0 = time.perf_counter()
-                groups = loop.run(episode_starts(p, chunk, cfg, iteration), spec, 0, part)
+                groups = sample_chunk(loop, fn, episode_starts(p, chunk, cfg, iteration), spec, 0, p, part)
                 generate_s += time.perf_counter() - t0
                 columns = rows.write(run_id, iteration, groups, p, stamp)
                 t0 = time.perf_counter()

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpo.config import RolloutConfig, RunConfig
-from grpo.episodes.loop import Limits, Loop
-from grpo.episodes.records import Episode, episode_columns, turn_columns
+from grpo.episodes.loop import Limits, Loop, Start
+from grpo.episodes.records import Episode, end_of, episode_columns, turn_columns
 from grpo.record.commit import StageWriter
 from grpo.record.storage import Storage
 from grpo.sampling.base import Generator, SamplingSpec, decode_responses
+from grpo.sampling.rollout_func import RolloutFunction
 from grpo.tasks.base import episode_arguments
 from schemas import ParquetWriter, table_file
 from stages.prompts import Environments, Prompts, episode_starts
@@ -44,6 +45,24 @@ def sample_all(gen: Generator, p: Prompts, spec: SamplingSpec, env: Environments
     """Every prompt of `p` sampled at once, spec.n episodes of each, grouped by prompt (the held-out eval's; `seed`
     its environments')."""
     return episode_loop(gen, p, env, cfg).run(episode_starts(p, slice(None), cfg), spec, seed, progress)
+
+
+def sample_chunk(loop: Loop, fn: RolloutFunction | None, starts: list[Start], spec: SamplingSpec, seed: int,
+                 p: Prompts, progress=None) -> list[list[Episode]]:  # fmt: skip
+    """The spec.n episodes of each start, grouped: the loop's (`seed`: its environments'), or, with rollout.rollout_func
+    (`fn`: TRL's rollout_func, single-turn alone), the function's in place of the loop's one sampler call, each episode
+    as it made it (its own prompt ids, loss mask and log-probs) and stamped with the loop's policy."""
+    if fn is None:
+        return loop.run(starts, spec, seed, progress)
+    groups = loop.open(starts, spec.n, seed)
+    made = fn(loop.gen, p.tokenizer, [s.text for s in starts], spec, p.context)
+    for e, s in zip([e for group in groups for e in group], [s for group in made for s in group], strict=True):
+        e.prompt_ids, e.response_ids, e.loss_mask = list(s.prompt_ids), list(s.response_ids), list(s.loss_mask)
+        e.logprobs, e.versions = list(s.logprobs), [loop.policy[0]] * len(s.response_ids)
+        e.policy_hash, e.end = loop.policy[1], end_of(s.finish_reason)
+    if progress is not None:
+        progress(len(starts))
+    return groups
 
 
 def rollouts_columns(run_id: str, iteration: int, groups: list[list[Episode]], p: Prompts, stamp: dict | None = None):

@@ -4,6 +4,7 @@ dataset object is stored once by its hash; TRL's GRPOConfig names are refused na
 "Coming from TRL" table is grpo/trl_names.py's."""
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -21,7 +22,7 @@ from grpo.query import query
 from grpo.record.layout import run_json, stage_dir
 from grpo.record.storage import latest_committed, open_storage
 from grpo.tasks import functions, get_task
-from grpo.trl_names import GRPO_CONFIG
+from grpo.trl_names import GRPO_CONFIG, GRPO_TRAINER, NAMES
 from tests.doc_pages import page
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ def test_trl_names_are_refused_naming_their_settings_and_readme_has_the_table(tm
     assert list(tmp_path.iterdir()) == []  # nothing written
     section = page("coming-from-trl.md").split("\n## ", 1)[0]
     table = {m[0]: m[1] for m in re.findall(r"^\| `(\w+)` \| (?:`([\w.]+)`)? *\|", section, re.M)}
-    assert table == {name: setting for name, (setting, _) in GRPO_CONFIG.items()}
+    assert table == {name: setting for name, (setting, _) in NAMES.items()}
 
 
 def test_every_trl_name_is_a_grpo_config_field_and_every_setting_exists():
@@ -119,5 +120,7 @@ def test_every_trl_name_is_a_grpo_config_field_and_every_setting_exists():
 
     fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     assert set(GRPO_CONFIG) <= fields, set(GRPO_CONFIG) - fields
+    arguments = set(inspect.signature(trl.GRPOTrainer).parameters)
+    assert set(GRPO_TRAINER) <= arguments, set(GRPO_TRAINER) - arguments
     settings = set(_settings())
-    assert {s for s, _ in GRPO_CONFIG.values() if s} <= settings
+    assert {s for s, _ in NAMES.values() if s} <= settings

@@ -77,12 +77,13 @@ def test_a_run_left_stale_past_a_collected_learn_says_how_its_policy_goes_on(sto
     rc, _, err = cli(storage, capsys, "run", "--run", "r")
     assert rc == 2 and err.count("\n") == 1, err
     assert "iteration 1 is stale and rerunning its learn needs iteration 0's" in err and "nothing run" in err
-    assert "`grpo export --run r --out DIR`" in err and "`grpo init --run NEW --set model.base_model=DIR`" in err
+    assert "`grpo export --run r --iteration 1 --out DIR`" in err, err  # asked by number: stale learn 1's policy
+    assert "`grpo init --run NEW --set model.base_model=DIR`" in err
     assert not list_attempts(storage, stage_dir(storage, "r", 1, "advantages"))[1:]  # nothing rerun
     rc, _, err = cli(storage, capsys, "stage", "snapshot", "--run", "r", "--iteration", "2")  # reads stale learn 1
     assert rc == 2 and "rebuild the chain with `grpo run --run r --start 1`" in err, err  # which then says the above
     policy = tmp_path / "policy"  # the commands it named work
-    assert cli(storage, capsys, "export", "--run", "r", "--out", str(policy))[0] == 0
+    assert cli(storage, capsys, "export", "--run", "r", "--iteration", "1", "--out", str(policy))[0] == 0
     assert cli(storage, capsys, "init", "--run", "new", "--set", f"model.base_model={policy}")[0] == 0
 
 

@@ -42,6 +42,7 @@ ELSEWHERE = {
     "missing: test_placement_check.py",
     r"grpo fork|grpo rescore|grpo delete|--compare": "forks and rescoring on a 5-iteration run: test_fork.py",
     r"k8s render": "the Kubernetes jobs rendered offline: test_kubernetes.py",
+    r"--push-to-hub": "an upload to the Hugging Face Hub: test_push_to_hub.py, against a local stand-in for the hub",
     r"--run (tools|calc|guess)\b|uvicorn openenv_envs|pip install -e '\.\[agents\]'": "Tools and environments: "
     "test_readme_tools.py walks them on a tiny tool-calling model (the install: setup.sh's dev extra holds agents')",
 }
@@ -82,6 +83,8 @@ def commands(text: str = DOCS) -> list[str]:
 def recipe(command: str) -> str | None:
     """The walked recipe (run id) a command belongs to, if any."""
     if re.match(r"(vllm serve|\S*tensorboard --logdir|\S*mlflow ui)\b", command):  # servers: ELSEWHERE
+        return None
+    if "--push-to-hub" in command:  # the network: ELSEWHERE, against a local hub
         return None
     found = re.search(r"--run (\w+)|'(\w+)-policy'|storage/runs/(\w+)/", command)
     run = found and (found.group(1) or found.group(2) or found.group(3))

@@ -10,21 +10,15 @@ import tempfile
 from pathlib import Path
 
 from flows.commands.card import model_card
+from flows.commands.hub import hub_repo, push_folder
 from grpo.record.checkpoint import WEIGHT_SUFFIXES, checkpoint_dtype, policy_folders, tokenizer_and_config
 from grpo.record.counts import is_local
 from grpo.record.layout import export_dir, stage_dir
+from grpo.record.lineage import newest_current_learn, newest_learn
 from grpo.record.storage import Committed, Storage, committed_attempts, url_to_fs
 from grpo.record.weights import load_model, model_class
 from grpo.report import best_iteration
 from stages import StageError
-
-
-def newest_learn(storage, run_id: str) -> int:
-    """The last iteration of the unbroken chain of committed learns from 0 (-1: none yet)."""
-    k = -1
-    while committed_attempts(storage, stage_dir(storage, run_id, k + 1, "learn")):
-        k += 1
-    return k
 
 
 def cmd_export(args, storage):
@@ -34,8 +28,9 @@ def cmd_export(args, storage):
     cfg = load_run(storage, args.run)
     if args.dir is not None and args.out is not None:
         raise StageError("export: name the folder to write once: `grpo export --run R DIR` or `--out DIR`")
+    pushed = hub_repo(args.push_to_hub) if args.push_to_hub else None  # (OWNER/NAME, token), or one line now
     which = ""
-    k = newest_learn(storage, args.run) if args.iteration is None else args.iteration
+    k = newest_policy_to_export(storage, args.run) if args.iteration is None and not args.best else args.iteration
     if args.best:
         best = best_iteration(storage, args.run)
         if best is None:
@@ -46,6 +41,12 @@ def cmd_export(args, storage):
                 "export --latest or --iteration K"
             )
         k, which = best.iteration, f" (the best: {best.metric} {best.value:.4g})"
+        if (stale := newest_current_learn(storage, args.run)[1]) is not None and k >= stale:
+            raise StageError(
+                f"export --best: run {args.run}'s best, iteration {k}, is stale (learn {stale} was made from inputs a "
+                f"newer attempt replaced); rebuild with `grpo run --run {args.run} --start {stale}`, or export it as "
+                f"it is with `--iteration {k}`"
+            )
     if args.adapter and (cfg.learn.lora is None or k < 0):
         why = "its learner trains whole weights (learn.lora is null)" if cfg.learn.lora is None else "no learn yet"
         raise StageError(f"--adapter: run {args.run} has no LoRA adapter to export: {why}; export without --adapter")
@@ -64,15 +65,37 @@ def cmd_export(args, storage):
             export_policy(policy, base, out)
     except FileExistsError as e:
         if args.dir is None and args.out is None and _exported_from(fs, root) == source:
-            print(f"{what}: exported already, {shown_path(out)}")
-            return
-        raise StageError(str(e)) from e
+            if pushed is None:
+                print(f"{what}: exported already, {shown_path(out)}")
+                return  # pushed: its card is written again below, naming the hub's repository
+        else:
+            raise StageError(str(e)) from e
     evaluated = None if k < 0 else eval_summary(storage, args.run, k)
     auto = model_class(tokenizer_and_config(base)[1]).__name__  # the class that loads it whole (a vision tower too)
-    card = model_card(cfg, args.run, None if k < 0 else k, policy.uri, evaluated, args.adapter, shown_path(out), auto)
+    loads = pushed[0] if pushed else shown_path(out)  # what the card's from_pretrained names
+    card = model_card(cfg, args.run, None if k < 0 else k, policy.uri, evaluated, args.adapter, loads, auto)
     fs.pipe_file(f"{root}/README.md", card.encode())  # the model card
     fs.pipe_file(f"{root}/{EXPORT_SOURCE}", json.dumps(source, indent=1).encode())  # last: the export is whole
     print(f"{what}: {shown_path(out)}")
+    if pushed:
+        url = push_folder(out, *pushed, private=args.private, message=f"grpo-flow: {what}")
+        print(f"{what}: pushed to {pushed[0]} ({url})")
+
+
+def newest_policy_to_export(storage, run_id: str) -> int:
+    """The iteration `grpo export` exports unasked: the newest committed learn; one line refusing a stale one
+    (made from inputs a newer attempt replaced), naming the command that rebuilds it and the --iteration that
+    exports it as it is."""
+    current, stale = newest_current_learn(storage, run_id)
+    if stale is None:
+        return current
+    newest = newest_learn(storage, run_id)
+    older = f", or `--iteration {current}`, the newest current one" if current >= 0 else ""
+    raise StageError(
+        f"export: run {run_id}'s newest policy, iteration {newest}, is stale (learn {stale} was made from inputs a "
+        f"newer attempt replaced); rebuild it with `grpo run --run {run_id} --start {stale}`, or export it as it is "
+        f"with `--iteration {newest}`{older}"
+    )
 
 
 def eval_summary(storage, run_id: str, k: int) -> dict | None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from flows.commands.export import default_export, newest_learn, shown_path
+from flows.commands.export import default_export, shown_path
 from grpo.record.layout import run_dir, stage_dir
+from grpo.record.lineage import newest_current_learn
 from grpo.record.storage import committed_attempts
 
 
@@ -33,13 +34,23 @@ def next_steps(storage, run_id: str, storage_arg: str | None) -> str:
 
 
 def newest_policy(storage, run_id: str, storage_arg: str | None) -> str:
-    """Where the newest committed policy is and the command that exports it ('' before the first learn)."""
-    k = newest_learn(storage, run_id)
+    """Where the newest current policy is and the command that exports it ('' before the first learn); a stale chain
+    (a stage rerun under it) is named as such with the command that rebuilds it, never offered as the newest."""
+    k, stale = newest_current_learn(storage, run_id)
+    grpo = grpo_command(storage_arg)
+    rebuild = (
+        f"stale: learn {stale} and what follows it were made from inputs a newer attempt replaced; rebuild them with "
+        f"`{grpo} run --run {run_id} --start {stale}`"
+        if stale is not None
+        else ""
+    )
     if k < 0:
-        return ""
+        return rebuild
     attempt = committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))[-1]
     into = shown_path(default_export(storage, run_id, k))
-    return (
-        f"newest policy: iteration {k}, {storage.uri(attempt)}\n"
-        f"export it: {grpo_command(storage_arg)} export --run {run_id}   # into {into}"
-    )
+    asked = "" if stale is None else f" --iteration {k}"
+    lines = [
+        f"newest {'current ' if stale is not None else ''}policy: iteration {k}, {storage.uri(attempt)}",
+        f"export it: {grpo} export --run {run_id}{asked}   # into {into}",
+    ]
+    return "\n".join(lines + ([rebuild] if rebuild else []))

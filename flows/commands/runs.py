@@ -6,7 +6,7 @@ import datetime as dt
 import time
 
 from flows.commands.hints import newest_policy, next_steps
-from grpo.config import load_config_file
+from grpo.config import deciding_settings, load_config_file
 from grpo.record.layout import SHARDED
 from grpo.record.lineage import next_iteration, resume_problem
 from stages import StageError, stage_function
@@ -18,7 +18,7 @@ def cmd_init(args, storage):
 
     cfg = run_config(storage, args.run, args.config, args.set)
     init_run(storage, args.run, cfg)
-    print(f"run {args.run}: {storage.uri(storage.path('runs', args.run))}")
+    print(f"run {args.run}: {storage.uri(storage.path('runs', args.run))}\nsettings: {deciding_settings(cfg)}")
 
 
 def cmd_stage(args, storage):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from grpo.config import ConfigError
 from grpo.episodes.adapters import Source
 from grpo.episodes.environment import EnvironmentFailure, Reply, ToolCall
 
@@ -139,14 +140,17 @@ class OpenEnvEpisode:
         except RuntimeError as e:  # the server answered with an error (EnvClient._send_and_receive)
             if any(f"(code: {code})" in str(e) for code in _MODEL_ERRORS):
                 return str(e)
-            raise EnvironmentFailure(f"OpenEnv server {self.url}: {method} failed: {e}") from None
+            raise EnvironmentFailure(
+                at_capacity(self.url, method) or f"OpenEnv server {self.url}: {method} failed: {e}"
+            )
         except Exception as e:  # noqa: BLE001 (connection refused or lost, timeouts: the server is gone)
             why = str(e) or (  # a timeout says nothing of itself
                 f"no answer within {self.timeout_s:g}s (rollout.tool_timeout_s)"
                 if isinstance(e, TimeoutError)
                 else "no message"
             )
-            raise EnvironmentFailure(f"OpenEnv server {self.url}: {method}: {type(e).__name__}: {why}") from None
+            said = f"OpenEnv server {self.url}: {method}: {type(e).__name__}: {why}"
+            raise EnvironmentFailure(at_capacity(self.url, method) or said) from None
 
 
 def action_schema(url: str) -> dict:
@@ -183,3 +187,76 @@ def build(source: Source) -> Callable[[], OpenEnvEpisode]:
     field = text_field(schema)
     schemas = [] if field else [step_tool(schema)]
     return lambda: OpenEnvEpisode(source.environment, field, schemas, source.timeout_s)
+
+
+SESSIONS = (("rollout", "chunk_prompts", "group_size"), ("eval", "n_prompts", "samples_per_prompt"))
+"""Where a run opens OpenEnv sessions at once, one an episode: a chunk of the rollouts' prompts, each with its group,
+and the held-out eval's prompts (stages/samples.py), (section, the prompts setting, the episodes-a-prompt setting)."""
+
+
+def session_limit(url: str, need: int, timeout_s: float = 30.0) -> int | None:
+    """The most sessions the OpenEnv server at `url` holds at once, learned by opening sessions as OpenEnv's client
+    does (a WebSocket to /ws each) until it refuses one at capacity (its CAPACITY_REACHED error names max_sessions)
+    or `need` are open; None: it held `need`. OpenEnv's /metadata does not say; the sessions are closed after."""
+    from openenv.core.utils import convert_to_ws_url
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    opened = []
+    try:
+        while len(opened) < need:
+            opened.append(connect(f"{convert_to_ws_url(url)}/ws", open_timeout=timeout_s, proxy=None))
+            try:
+                opened[-1].send(json.dumps({"type": "state"}))
+            except ConnectionClosed:
+                pass  # refused at once: its error, if it sent one, is still to read
+            try:
+                answer = json.loads(opened[-1].recv(timeout=timeout_s))
+            except ConnectionClosed:
+                return len(opened) - 1
+            data = answer.get("data") or {}
+            if answer.get("type") == "error" and data.get("code") == "CAPACITY_REACHED":
+                return int(data.get("max_sessions", len(opened) - 1))
+        return None
+    finally:
+        for ws in opened:
+            ws.close()
+
+
+def at_capacity(url: str, method: str) -> str | None:
+    """The line for a session the server refused because it holds no more (asked again: at capacity now); None
+    where it is not so (the failure was another)."""
+    try:
+        limit = session_limit(url, 1, timeout_s=5.0) if method == "reset" else None
+    except Exception:  # noqa: BLE001 (the server is gone: the caller's line says so)
+        return None
+    if limit is None:
+        return None
+    return (
+        f"OpenEnv server {url}: reset: the server is at capacity, {limit} sessions: more episodes are open at once "
+        "than it holds (rollout.chunk_prompts x rollout.group_size; eval.n_prompts x eval.samples_per_prompt); "
+        "lower those, or serve it with create_app(..., max_concurrent_envs=N)"
+    )
+
+
+def check_sessions(cfg) -> None:
+    """`grpo init` of a run on an OpenEnv server (a RunConfig): refuse, in one line naming both numbers and the two
+    settings, a config that opens more sessions at once (SESSIONS) than the server holds (session_limit)."""
+    url, opens = cfg.rollout.environment, []
+    if cfg.rollout.environment_kind() != "openenv":
+        return
+    for section, prompts, each in SESSIONS:
+        n, g = getattr(getattr(cfg, section), prompts), getattr(getattr(cfg, section), each)
+        n = min(n, cfg.rollout.prompts_per_iteration) if section == "rollout" else n  # a chunk is at most them all
+        opens.append((n * g, f"{section}.{prompts} x {section}.{each} = {n} x {g}", f"{section}.{prompts}"))
+    most = max(opens)
+    limit = session_limit(url, most[0])
+    if limit is None:
+        return
+    for need, product, lower in opens:
+        if need > limit:
+            raise ConfigError(
+                f"rollout.environment {url!r}: the OpenEnv server holds at most {limit} sessions at once and the run "
+                f"opens {need} ({product}, an episode each); lower {lower} so the product is at most {limit}, or "
+                f"serve it with create_app(..., max_concurrent_envs={need})"
+            )

@@ -59,7 +59,7 @@ ADDED_SETTINGS = {
     "rollout": (
         ("min_signal_groups", "max_sampling_rounds"), ("staleness",),
         ("tools", "environment", "max_turns", "tool_timeout_s", "tool_workers", "tool_max_memory_mb"),
-        ("segment_tokens",), ("max_observation_bytes",),
+        ("segment_tokens",), ("max_observation_bytes",), ("rollout_func",),
     ),
     "eval": (("correct",),),
 }  # fmt: skip

@@ -157,6 +157,30 @@ def next_iteration(storage: Storage, run_id: str) -> int:
     return next((k for k in range(last) if not _finished(storage, run_id, k)), last)
 
 
+def newest_learn(storage: Storage, run_id: str) -> int:
+    """The last iteration of the unbroken chain of committed learns from 0 (-1: none yet), stale or not."""
+    k = -1
+    while _committed(storage, run_id, k + 1, "learn"):
+        k += 1
+    return k
+
+
+def first_stale_learn(storage: Storage, run_id: str) -> int | None:
+    """The first iteration whose newest committed learn is stale (stale_input): its policy, and every later one made
+    from it, is not the run's current chain. None: every committed learn is current."""
+    for k in range(newest_learn(storage, run_id) + 1):
+        if stale_attempt(storage, committed_attempts(storage, stage_dir(storage, run_id, k, "learn"))[-1]):
+            return k
+    return None
+
+
+def newest_current_learn(storage: Storage, run_id: str) -> tuple[int, int | None]:
+    """(the newest iteration whose committed learn is current, -1 for none; the first stale one, None for none): the
+    policy status, hints and `grpo export` offer as the run's newest."""
+    stale = first_stale_learn(storage, run_id)
+    return (newest_learn(storage, run_id) if stale is None else stale - 1), stale
+
+
 def policy_version(iteration: int, staleness: int) -> int:
     """The policy iteration `iteration` samples with rollout.staleness S: the iteration of the learn that committed
     it, k - 1 - S, or -1 for the base while that is negative. The rollouts table's `policy_version`.
@@ -301,6 +325,7 @@ def resume_problem(storage: Storage, run_id: str, start: int) -> str | None:
         return None
     return (
         f"iteration {start} is stale and rerunning its learn needs {gone}; nothing run. This run cannot go on past "
-        f"it: export its newest policy with `grpo export --run {run_id} --out DIR` and start a new run from it with "
+        f"it: export its newest policy with `grpo export --run {run_id} --iteration {newest_learn(storage, run_id)} "
+        "--out DIR` (stale: made before the rerun) and start a new run from it with "
         "`grpo init --run NEW --set model.base_model=DIR`"
     )

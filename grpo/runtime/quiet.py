@@ -56,6 +56,10 @@ def quiet_libraries(verbose: bool = False) -> None:
     # "Loading weights" and "Writing model shards" bars per checkpoint between our lines: transformers reads this
     # as it loads (a command that never loads it does not pay its import); torchrun's workers inherit it
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules and not verbose:  # imported already (`import datasets` first): read too late
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     if "transformers" in sys.modules:
         from transformers.utils.logging import disable_progress_bar
 

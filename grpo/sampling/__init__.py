@@ -10,4 +10,5 @@ so it is comparable to the learner's old log-probs), and a finish reason.
   hf.py           transformers decoding with its KV cache
   vllm_engine.py  vLLM: weights reloaded in place, sleep / wake, LoRA adapters merged or through its kernels
   engines.py      the backend registry, the backend choice, engine settings, the engines kept warm
+  rollout_func.py TRL's rollout_func (rollout.rollout_func): a user's function makes a chunk's samples, checked
 """

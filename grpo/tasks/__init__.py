@@ -11,6 +11,7 @@ them. A task without `generate` (`math`) scores a dataset (`task.dataset`).
   math.py        math answers checked by math-verify, for datasets
   calculator.py  word problems a model answers with a calculator tool (the agents recipe; TRL's environment class)
   functions.py   the user's own reward functions (reward.functions): files and module:name, loaded and checked
+  trl_rewards.py reward functions in TRL's shape, called as TRL calls them (completions, environments)
 
     >>> task = get_task("sort", n_numbers=3)
     >>> ex = task.generate(1, seed=0)[0]

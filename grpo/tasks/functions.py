@@ -7,9 +7,10 @@ float, or a dict of named components with `total`; `row` holds the dataset's oth
 `path/to/file.py:function` (the file is copied into the run at `grpo init`, so every stage,
 worker and machine scores with the same code), `package.module:function` (imported by name), or a callable
 handed to `grpo.train` (cloudpickled, named `pickled/<name>-<sha256>.pkl:<name>`, its bytes copied into the run
-as a file's are). A function in TRL's shape, `(completions, **kwargs) -> list[float]` (a parameter named
-`completions`), is called one sample at a time with lists of one: `prompts`, `completions`, `ground_truth` and
-each dataset column.
+as a file's are). A function in TRL's shape, `(completions, **kwargs) -> list[float]` (a parameter of TRL_ARGUMENTS:
+`completions`, `environments`, ...), is called one sample at a time with lists of one: `prompts`, `completions`,
+`ground_truth` and each dataset column, and in a run of episodes `completions` as message lists and `environments`
+(grpo/tasks/trl_rewards.py).
 
 With several functions, a sample's reward is the weighted sum of their totals; each one's
 total is stored under its name and its other components as `name/component`.
@@ -82,7 +83,7 @@ def pickle_callable(fn: Callable, index: int) -> str:
     import cloudpickle
 
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    by_value = module is not None and module.__name__ != "__main__" and _own_code(module)
+    by_value = module is not None and module.__name__ != "__main__" and own_code(module)
     if by_value:
         cloudpickle.register_pickle_by_value(module)
     try:
@@ -97,10 +98,12 @@ def pickle_callable(fn: Callable, index: int) -> str:
     return spec
 
 
-def _own_code(module) -> bool:
-    """A module of the user's own: neither installed (site-packages) nor grpo-flow's, nor built in."""
+def own_code(module) -> bool:
+    """A module of the user's own: neither installed (site-packages, the standard library) nor grpo-flow's, nor built
+    in."""
     path = getattr(module, "__file__", None) or ""
     installed = any(part in ("site-packages", "dist-packages") for part in path.split(os.sep))
+    installed |= path.startswith(os.path.join(sys.base_prefix, "lib"))  # the standard library
     return bool(path) and not installed and module.__name__.split(".")[0] not in ("grpo", "stages", "flows")
 
 
@@ -112,26 +115,6 @@ def pickled_bytes(spec: str) -> bytes:
             "no copy of it yet: pass the callable to grpo.train again"
         )
     return _PICKLES[spec]
-
-
-def per_sample(fn: Callable) -> Callable:
-    """A reward function in TRL's shape, `(completions, **kwargs) -> list`, as one of (response, ground_truth,
-    prompt, **row): called with lists of one sample.
-
-    >>> f = per_sample(lambda completions, ground_truth, **_: [float(completions == ground_truth)])
-    >>> f("3 4", "3 4", "sort: 4 3"), f("4 3", "3 4", "sort: 4 3", level=2)
-    (1.0, 0.0)
-    """
-
-    @functools.wraps(fn)
-    def reward(response, ground_truth, prompt, **row):
-        got = fn(
-            prompts=[prompt], completions=[response], ground_truth=[ground_truth], **{k: [v] for k, v in row.items()}
-        )
-        return got[0] if isinstance(got, (list, tuple)) and len(got) == 1 else got
-
-    del reward.__wrapped__  # its signature is the per-sample one
-    return reward
 
 
 def split_spec(spec: str, setting: str = "reward.functions") -> tuple[str, str]:
@@ -223,7 +206,9 @@ def _checked(spec: str, fn, target: str, name: str) -> Callable:
     """`fn`, in TRL's shape made per sample, checked to take (response, ground_truth, prompt)."""
     if not callable(fn):
         raise RewardFunctionError(f"reward.functions: {spec!r}: {target} has no function {name!r}")
-    if "completions" in inspect.signature(fn).parameters:
+    from grpo.tasks.trl_rewards import per_sample, trl_shaped
+
+    if trl_shaped(fn):
         fn = per_sample(fn)
     try:
         sig = inspect.signature(fn)
@@ -250,7 +235,10 @@ def columns_needed(spec: str) -> list[str] | str:
 
 
 def required_columns(fn: Callable) -> set[str]:
-    """Dataset columns `fn` needs: its parameters after the first three that have no default."""
+    """Dataset columns `fn` needs: its parameters after the first three that have no default (a function in TRL's
+    shape: those TRL does not give, and `environments`, which an episode's environment gives)."""
+    if hasattr(fn, "trl_needs"):
+        return set(fn.trl_needs)
     params = list(inspect.signature(fn).parameters.values())[3:]
     return {p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
