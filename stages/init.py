@@ -164,7 +164,8 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
     columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
     kind = cfg.rollout.environment_kind()
     for spec, needed in reward_columns(cfg).items():
-        trl_rewards.check_environments(spec, needed, kind)  # TRL's `environments`, with an environment to give
+        if problem := trl_rewards.environments_problem(spec, needed, kind):  # TRL's `environments`, with none to give
+            raise ConfigError(problem)
         missing = set(needed) - columns - {"environments"}
         if kind is not None:  # an episode's environment and conversation
             missing -= set(EPISODE_ARGUMENTS)

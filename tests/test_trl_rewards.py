@@ -12,8 +12,8 @@ from tool_world import config, world
 
 from flows.cli import main
 from grpo.config import ConfigError, load_config
-from grpo.episodes.environment import FinalState
 from grpo.record.storage import open_storage
+from grpo.tasks.base import FinalState
 from grpo.tasks.functions import Scorer
 from stages.init import init_run
 from stages.rewards import rewards

@@ -10,8 +10,6 @@ import functools
 import inspect
 from typing import Callable
 
-from grpo.config import ConfigError
-
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "environments")
 """Parameters of TRL's reward functions that no function of the per-sample shape names: a function that takes any
 (and no `response`) is called as TRL calls it (per_sample)."""
@@ -68,13 +66,14 @@ def per_sample(fn: Callable) -> Callable:
     return reward
 
 
-def check_environments(spec: str, needed: list[str], kind: str | None) -> None:
-    """Refuse reward function `spec` (what it `needed`: required_columns) where it takes TRL's `environments` and the
-    run's episodes (adapter `kind`) have no environment to give: one line showing the wrapper that scores it there."""
+def environments_problem(spec: str, needed: list[str], kind: str | None) -> str | None:
+    """Why reward function `spec` (what it `needed`: required_columns) cannot run where it takes TRL's `environments`
+    and the run's episodes (adapter `kind`) have no environment to give: one line showing the wrapper that scores it
+    there (grpo init refuses with it); None where it can."""
     if "environments" not in needed or kind in ("environment", "openenv"):
-        return
+        return None
     name = spec.rpartition(":")[2]  # a spec init has checked
-    raise ConfigError(
+    return (
         f"reward.functions: {spec!r} takes `environments` (TRL's environment_factory rewards) and this run has no "
         "environment (rollout.environment: a class `file.py:Class` or an OpenEnv URL); set one, or score without "
         f"it through a wrapper: `def {name}_alone(completions, **kw): return {name}(completions, "
