@@ -28,7 +28,6 @@ from grpo import data
 from grpo.config import ConfigError, RunConfig, load_config_file
 from grpo.episodes import adapters, chat, openenv, parsing, templates
 from grpo.errors import one_line
-from grpo.learner.paths import learner_path_line
 from grpo.record import pins
 from grpo.record.checkpoint import (
     ModelNotFoundError,
@@ -44,7 +43,6 @@ from grpo.record.layout import run_dir, run_json
 from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage
 from grpo.record.weights import lora_target_problem
-from grpo.sampling.engines import vllm_model_problem
 from grpo.tasks import functions, generates, get_task, trl_rewards
 from grpo.tasks.base import EPISODE_ARGUMENTS
 from stages.common import (
@@ -58,18 +56,16 @@ from stages.common import (
     run_datasets,
     run_stage,
 )
-from stages.prompts import ROLLOUT_FUNC_PREFIX, loaded_rollout_func
 
 
 def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
-    """Write run.json once; a different config for an existing run is refused, except where no committed
-    result depends on it: the `tracking` and `retention` sections (what is sent where, what gc keeps) and
-    learn.num_processes (with learn.sharding=fsdp2 the optimizer state reshards to any number of
-    processes; the next learns run with the new number), where the learner's processes run
-    (grpo.record.identity.LEARN_PLACEMENT: learn.nodes, learn.processes_per_node, learn.node_timeout_s,
-    learn.state_every, learn.device), and when evals run and which figure is the best
-    (grpo.record.identity.EVAL_READING: eval.every, eval.metric; committed evals and skips stay), rollout.shards and
-    reward.shards (1 and N shards commit the same rows: tests/test_shards.py) and rollout.device (where it samples)."""
+    """Write run.json once; a different config for an existing run is refused, except where no committed result
+    depends on it: the `tracking` and `retention` sections (what is sent where, what gc keeps) and learn.num_processes
+    (with learn.sharding=fsdp2 the optimizer state reshards to any number of processes; the next learns run with the
+    new number), where the learner's processes run (grpo.record.identity.LEARN_PLACEMENT: learn.nodes,
+    learn.processes_per_node, learn.node_timeout_s, learn.state_every, learn.device), and when evals run and which
+    figure is the best (grpo.record.identity.EVAL_READING: eval.every, eval.metric; committed evals and skips stay),
+    rollout.shards and reward.shards (1 and N shards commit the same rows) and rollout.device (where it samples)."""
     path = run_json(storage, run_id)
     if storage.exists(path):
         raw = json.loads(storage.read_bytes(path))
@@ -160,6 +156,8 @@ def check_inputs(cfg: RunConfig, model_dir: str) -> None:
         except data.DatasetError as e:
             raise ConfigError(f"task.prompt_format={cfg.task.prompt_format}: {e}") from e
     check_episodes(cfg, tokenizer)
+    from stages.prompts import loaded_rollout_func  # torch: status and the commands that read a run never import it
+
     loaded_rollout_func(cfg.rollout.rollout_func)  # imports, and is a function: one line now, not at rollouts
     columns = set.intersection(*(set(e.row or {}) for e in examples)) if examples else set()
     kind = cfg.rollout.environment_kind()
@@ -183,7 +181,7 @@ def code_files(cfg: RunConfig) -> list[tuple[list[str], str]]:
         (list(cfg.reward.functions), functions.REWARD_PREFIX),
         ([r.environment] if r.environment else [], adapters.PREFIXES["environment"]),
         (list(r.tools), adapters.PREFIXES["tools"]),
-        ([r.rollout_func] if r.rollout_func else [], ROLLOUT_FUNC_PREFIX),
+        ([r.rollout_func] if r.rollout_func else [], functions.ROLLOUT_FUNC_PREFIX),
     ]
 
 
@@ -323,8 +321,7 @@ def check_held_out(datasets: dict[str, dict]) -> None:
 
 
 def check_lora_targets(cfg: RunConfig, model_dir: str) -> None:
-    """Each name of learn.lora.target_modules must match a layer of the model as peft matches them: a typo would
-    leave that layer without an adapter, or every layer (grpo.record.weights.lora_target_problem)."""
+    """Each name of learn.lora.target_modules matches a layer as peft matches them (a typo: a layer, or all, bare)."""
     if cfg.learn.lora is not None and (problem := lora_target_problem(cfg.learn.lora.target_modules, model_dir)):
         raise ConfigError(f"learn.lora.target_modules: {problem}; list those that should get adapters")
 
@@ -345,6 +342,9 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
         raise ConfigError(f"model.base_model {source}: {problem}")
     check_inputs(cfg, folder)
     check_lora_targets(cfg, folder)
+    from grpo.learner.paths import learner_path_line  # torch: not for the commands that only read a run (status)
+    from grpo.sampling.engines import vllm_model_problem
+
     if cfg.rollout.backend == "vllm" and (problem := vllm_model_problem(folder)):  # its architecture, on this machine
         raise ConfigError(f"rollout.backend=vllm: {problem}; set rollout.backend=hf (or auto)")
     log.info("%s", learner_path_line(folder, cfg.learn.padding_free, cfg.learn.gradient_checkpointing))

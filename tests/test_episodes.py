@@ -331,5 +331,5 @@ def test_init_builds_the_tools_in_a_worker_without_credentials_and_an_exit_is_on
         assert (tmp_path / "seen").read_text() == "absent"
     else:
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
-        assert "rollout.tools: does not build in a tool worker: reward worker died" in done.stderr
+        assert "rollout.tools: does not build in a tool worker: tool worker died" in done.stderr
         assert "exit code 0" in done.stderr and not (tmp_path / "store" / "runs" / "t").exists()

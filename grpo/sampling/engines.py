@@ -77,7 +77,8 @@ def vllm_model_problem(model_dir: str) -> str | None:
 
     from vllm.model_executor.models.registry import _VLLM_MODELS
 
-    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    config = Path(model_dir) / "config.json"
+    architectures = (json.loads(config.read_text()).get("architectures") or []) if config.exists() else []
     for arch in architectures:
         if arch in _VLLM_MODELS:
             module = _VLLM_MODELS[arch][0]

@@ -15,8 +15,9 @@ from typing import Callable
 
 from grpo.errors import StageError, one_line
 from grpo.sampling.base import Generator, Sample, SamplingSpec
+from grpo.tasks.functions import ROLLOUT_FUNC_PREFIX
 
-PREFIX = "rollout_func/"
+PREFIX = ROLLOUT_FUNC_PREFIX  # where the base commit keeps the function's file
 """Where a run's base commit keeps the copy of the file rollout.rollout_func names."""
 KEYS = ("prompt_ids", "completion_ids", "logprobs")
 """What a rollout function must return (TRL's names)."""

@@ -35,6 +35,7 @@ from typing import Callable
 from grpo.tasks import get_task
 
 REWARD_PREFIX = "reward/"  # where a run's base commit keeps copies of reward files
+ROLLOUT_FUNC_PREFIX = "rollout_func/"  # and of the file rollout.rollout_func names
 
 
 class UserCodeError(ValueError):
