@@ -8,9 +8,6 @@ sample (`Example.row`) to user reward functions.
 
 Training draws without replacement: a seeded permutation per epoch, the position derived
 from the iteration, so a resumed run draws exactly the prompts an uninterrupted one would.
-
-`apply_template` (the chat template's text of some messages) is here until grpo/episodes/chat.py imports it from
-grpo/episodes/templates.py.
 """
 
 from __future__ import annotations
@@ -247,13 +244,6 @@ def draw_at(n_rows: int, start: int, n: int, seed: int) -> list[int]:
             random.Random(f"{seed}:{epoch}").shuffle(perms[epoch])
         out.append(perms[epoch][i % n_rows])
     return out
-
-
-def apply_template(tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-    """The chat template's text of `messages`; `tools` rendered as apply_chat_template(tools=...) does ([] and None
-    alike: some templates, Llama's, render tool instructions for an empty list)."""
-    extra = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def row_json(example: Example) -> str:

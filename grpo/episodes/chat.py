@@ -21,7 +21,7 @@ import copy
 import re
 
 from grpo.config import ConfigError
-from grpo.data import apply_template
+from grpo.episodes.templates import apply_template
 from grpo.errors import StageError
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)

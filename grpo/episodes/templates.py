@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-from grpo.data import apply_template
 from grpo.errors import DatasetError
 from grpo.tasks import Example
 
@@ -15,6 +14,13 @@ PromptFormat = Literal["auto", "chat", "text"]
 
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def apply_template(tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    """The chat template's text of `messages`; `tools` rendered as apply_chat_template(tools=...) does ([] and None
+    alike: some templates, Llama's, render tool instructions for an empty list)."""
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def chat_messages(prompt: str | list[dict], system_prompt: str | None) -> list[dict]:
