@@ -284,7 +284,7 @@ def sample_rounds(
             if signal == 0 and (flat := flat_epoch(cfg, iteration, rounds)):
                 raise StageError(flat)
     return {
-        **summary(kept, skipped, rows, stamp, engine_s, generate_s, settings),
+        **summary(kept, skipped, rows, loop, stamp, engine_s, generate_s, settings),
         "rounds": rounds,
         "prompts_drawn": rounds * n,
         "signal_groups": signal,

@@ -12,7 +12,7 @@ import yaml
 pytest.importorskip("openenv.core", reason="openenv-core is in the agents and dev extras")
 
 from test_openenv import guess_world, run_config  # noqa: E402, F401 (a fixture)
-from test_readme import README, code_blocks, commands  # noqa: E402
+from test_readme import code_blocks, commands  # noqa: E402
 
 from grpo.config import ConfigError, load_config  # noqa: E402
 from grpo.episodes.adapters import Source, factory  # noqa: E402
@@ -20,6 +20,7 @@ from grpo.episodes.environment import EnvironmentFailure  # noqa: E402
 from grpo.episodes.openenv import check_sessions, session_limit  # noqa: E402
 from grpo.record.storage import open_storage  # noqa: E402
 from stages.init import init_run  # noqa: E402
+from tests.doc_pages import page  # noqa: E402
 from tools.openenv_server import openenv_server  # noqa: E402
 
 HOLDS = 16  # tests/openenv_envs.py: create_app(..., max_concurrent_envs=16)
@@ -51,10 +52,12 @@ def test_a_config_opening_more_sessions_than_the_server_holds_is_refused_naming_
                                       "eval.n_prompts=16"]))  # fmt: skip
 
 
-def test_the_readme_example_as_written_fits_its_server(guess):
-    """my.yaml and the guess init line's settings, none of the tests' sizes: what `grpo init` checks passes."""
-    section = README.split("## Tools and environments\n", 1)[1].split("\n## ", 1)[0]
-    my = yaml.safe_load(next(body for lang, body in code_blocks(README) if lang == "yaml" and "Instruct" in body))
+def test_the_docs_example_as_written_fits_its_server(guess):
+    """my.yaml (docs/own-model.md) and the guess init line's settings (docs/tools.md), none of the tests' sizes: what
+    `grpo init` checks passes."""
+    section = page("tools.md")
+    mine = code_blocks(page("own-model.md"))
+    my = yaml.safe_load(next(body for lang, body in mine if lang == "yaml" and "Instruct" in body))
     line = next(c for c in commands(section) if c.startswith(".venv/bin/grpo init --run guess"))
     settings = [s for s in shlex.split(line) if "=" in s and not s.startswith("reward.")]
     cfg = load_config(my, [s.replace("http://127.0.0.1:8000", guess.url) for s in settings])
