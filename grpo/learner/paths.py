@@ -116,15 +116,15 @@ def _fastest(kinds: set[str], attention: str | None, padding_free: bool) -> tupl
 def learner_path_line(model_dir: str, padding_free: bool, checkpointing: bool) -> str:
     """One line (`grpo init` says it): the path the learner will take on the checkpoint in model_dir and why,
     decided from its config and its modules on the meta device, no weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from grpo.record.weights import meta_model
 
     config, model = AutoConfig.from_pretrained(model_dir), None
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = meta_model(config)  # the architecture the learner loads (a multimodal one whole)
         config = model.config  # with the attention implementation transformers chose
-    except Exception:  # noqa: BLE001 (a checkpoint AutoModelForCausalLM cannot build: its config decides alone)
+    except Exception:  # noqa: BLE001 (a checkpoint transformers cannot build: its config decides alone)
         pass
     path = decide(config, model, padding_free=padding_free, checkpointing=checkpointing)
     scoring = "" if path.score == path.train else f", scoring {path.score}"
