@@ -138,32 +138,37 @@ def test_verify_rehashes_the_resume_state_and_the_command_it_names_remakes_it(tw
     assert policy[0].sha256 == policy[1].sha256
 
 
-def test_a_fork_killed_before_its_run_json_is_seen_kept_for_and_finished_or_removed(tmp_path, capsys, monkeypatch):
-    """A fork killed while it takes its parent's attempts by reference (before its run.json): the parent's gc
-    keeps what it references and says how to go on, `grpo fork` again finishes it, `grpo delete` removes one. It
-    was invisible to both: gc removed what it referenced, and delete said "no such run"."""
+def killed_after(references: int, storage, capsys, monkeypatch, *fork: str) -> None:
+    """`grpo fork` with the arguments `fork`, its process killed (a KeyboardInterrupt, as SIGINT) as it takes its
+    parent's attempts by reference, once it has taken `references` of them (before its run.json)."""
     import grpo.record.fork
 
-    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
-    storage = open_storage((tmp_path / "s").as_uri())
-    make_run(storage, "p")
-    for _ in run_warm(storage, "p", 0, 2):
-        pass
     real, made = grpo.record.fork.reference, []
 
     def killed_midway(*args):
-        if len(made) == 8:  # iteration 0 taken, 1 not yet
+        if len(made) == references:
             raise KeyboardInterrupt  # the process killed mid-fork
         made.append(real(*args))
         return made[-1]
 
     monkeypatch.setattr(grpo.record.fork, "reference", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        cli(storage, capsys, *fork)
+    monkeypatch.setattr(grpo.record.fork, "reference", real)
+
+
+def test_a_fork_killed_before_its_run_json_is_seen_kept_for_and_finished_or_removed(tmp_path, capsys, monkeypatch):
+    """A fork killed while it takes its parent's attempts by reference (before its run.json): the parent's gc
+    keeps what it references and says how to go on, `grpo fork` again finishes it, `grpo delete` removes one. It
+    was invisible to both: gc removed what it referenced, and delete said "no such run"."""
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+    storage = open_storage((tmp_path / "s").as_uri())
+    make_run(storage, "p")
+    for _ in run_warm(storage, "p", 0, 2):
+        pass
     fork = ["fork", "--from", "p", "--at", "2", "--set", "learn.lr=1e-3", "--run"]
     for run_id in ("f", "g"):
-        made.clear()
-        with pytest.raises(KeyboardInterrupt):
-            cli(storage, capsys, *fork, run_id)
-    monkeypatch.setattr(grpo.record.fork, "reference", real)
+        killed_after(8, storage, capsys, monkeypatch, *fork, run_id)  # iteration 0 taken, 1 not yet
     assert not storage.exists(f"{run_dir(storage, 'f')}/run.json") and storage.exists(run_dir(storage, "f"))
     rc, _, err = cli(storage, capsys, "stage", "eval", "--run", "p", "--iteration", "0", "--force")
     assert rc == 0, err  # p's eval 0, which f and g reference, superseded
@@ -185,26 +190,13 @@ def test_gc_with_retention_keeps_the_state_a_half_made_fork_resumes_from_and_the
     optimizer state of every learn but the newest, and took learn 0's, which the fork's first learn reads, then
     advised `grpo fork` again, which refused it ("collected"). Now gc keeps it while the fork is half made: the advised
     command finishes the fork, and it trains."""
-    import grpo.record.fork
-
     monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
     storage = open_storage((tmp_path / "s").as_uri())
     make_run(storage, "p")
     for _ in run_warm(storage, "p", 0, 2):
         pass
-    real, made = grpo.record.fork.reference, []
-
-    def killed_midway(*args):
-        if len(made) == 3:  # the base and iteration 0's first stages taken; its learn not yet
-            raise KeyboardInterrupt  # the process killed mid-fork
-        made.append(real(*args))
-        return made[-1]
-
-    monkeypatch.setattr(grpo.record.fork, "reference", killed_midway)
     fork = ["fork", "--from", "p", "--at", "1", "--set", "learn.lr=1e-3", "--run", "f"]
-    with pytest.raises(KeyboardInterrupt):
-        cli(storage, capsys, *fork)
-    monkeypatch.setattr(grpo.record.fork, "reference", real)
+    killed_after(3, storage, capsys, monkeypatch, *fork)  # the base and iteration 0's first stages taken, not its learn
     assert not storage.exists(f"{run_dir(storage, 'f')}/run.json")
     rc, out, err = cli(storage, capsys, "gc", "--run", "p", "--retention", "--delete", "--older-than-s", "0")
     assert rc == 0 and "run f: a fork of p at 1 killed while it was made: `grpo fork`" in out, out + err
