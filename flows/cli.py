@@ -35,7 +35,7 @@ import sys  # noqa: E402
 
 from grpo.errors import describe  # noqa: E402
 from grpo.progress import show_in_terminal  # noqa: E402
-from grpo.record.layout import STAGES, STATE_STAGE  # noqa: E402
+from grpo.record.layout import OPTIONAL_STAGES, STAGES, STATE_STAGE  # noqa: E402
 from grpo.runtime import threads  # noqa: E402
 from grpo.runtime.quiet import quiet_libraries  # noqa: E402
 
@@ -114,7 +114,7 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser(
         "stage", help="run one stage of one iteration (or `state`: remake a learn's resume state by replaying it)"
     )
-    sp.add_argument("name", choices=[*STAGES, STATE_STAGE])
+    sp.add_argument("name", choices=[*STAGES, *OPTIONAL_STAGES, STATE_STAGE])
     sp.add_argument("--run", required=True)
     sp.add_argument("--iteration", required=True, type=_iteration, help="an integer >= 0, or 'next'")
     sp.add_argument("--force", action="store_true", help="write a new attempt even if one is committed")

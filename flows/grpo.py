@@ -118,11 +118,14 @@ def grpo(
 
 def sample(stage: Placement) -> dict[str, str]:
     """One iteration's samples, scored and normalized: the committed URIs of snapshot (learn k-1-S's policy, the
-    base before it), rollouts, rewards and advantages."""
+    base before it), rollouts, rewards, the teacher's log-probs (only with a teacher section) and advantages."""
     policy = stage("snapshot", None)
     samples = stage("rollouts", policy)
     scores = stage("rewards", samples)
-    return {"snapshot": policy, "rollouts": samples, "rewards": scores, "advantages": stage("advantages", scores)}
+    uris = {"snapshot": policy, "rollouts": samples, "rewards": scores}
+    if stage.distills:  # on-policy distillation: the teacher scores the samples' tokens
+        uris["teacher"] = stage("teacher", samples)
+    return uris | {"advantages": stage("advantages", scores)}
 
 
 def resolve_iteration(storage: Storage, run_id: str, iteration: int | str) -> int:

@@ -17,7 +17,7 @@ from flows.tasks import TASKS, checked_uri, failure_line, ok
 from grpo import devices
 from grpo.config import ConfigError, RunConfig
 from grpo.record import dispatches
-from grpo.record.layout import STAGES, StageName, shard_stage, stage_dir
+from grpo.record.layout import OPTIONAL_STAGES, STAGES, StageName, shard_stage, stage_dir
 from grpo.record.liveness import lost_attempts
 from grpo.record.storage import Storage, latest_committed, list_attempts
 from grpo.runtime.threads import SHARED_MACHINE, apply_threads
@@ -156,7 +156,8 @@ class Placement:
     ):
         self.placement, self.storage, self.url = placement or {}, storage, storage.url
         self.run_id, self.k, self.last = run_id, iteration, last
-        self.force = {name: name == force_stage for name in STAGES}
+        self.force = {name: name == force_stage for name in (*STAGES, *OPTIONAL_STAGES)}
+        self.distills = cfg.teacher is not None  # the teacher stage runs (grpo.record.layout.stages_of)
         self.shards = {"rollouts": cfg.rollout.shards, "rewards": cfg.reward.shards}
         self.nodes = cfg.learn.nodes
         self.overlaps = overlapping(cfg, self.placement)  # iteration k+1 samples while learn k runs

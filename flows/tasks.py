@@ -100,6 +100,12 @@ def rewards(
     return run_stage("rewards", storage_url, run_id, iteration, samples, force, shard)
 
 
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient, task_run_name="teacher {iteration}")
+def teacher(storage_url: str, run_id: str, iteration: int, samples: str, force: bool = False) -> str:
+    """The teacher's log-probs of every sampled token (on-policy distillation; only with a teacher section)."""
+    return run_stage("teacher", storage_url, run_id, iteration, samples, force)
+
+
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient, task_run_name="advantages {iteration}")
 def advantages(storage_url: str, run_id: str, iteration: int, scores: str, force: bool = False) -> str:
     """Group-normalize the rewards of each prompt's G samples."""
@@ -210,6 +216,7 @@ TASKS = {
     "snapshot": snapshot,
     "rollouts": rollouts,
     "rewards": rewards,
+    "teacher": teacher,
     "advantages": advantages,
     "learn": learn,
     "eval": evaluate,

@@ -37,6 +37,7 @@ from grpo.variants import (
     KLEstimator,
     LossType,
     OldLogprobs,
+    TeacherMode,
     environment_kind,
 )
 
@@ -761,6 +762,56 @@ class LearnConfig:
             )
 
 
+@dataclass(frozen=True)
+class TeacherConfig:
+    model: str = ""
+    """The teacher: a local folder or an HF hub id of a causal LM whose tokenizer is the student's (the same
+    token->id map and special tokens; `grpo init` refuses another). It scores the committed token ids of every
+    response as they are (a prefill, never decoded again), so its log-probs are of the tokens as sampled."""
+    revision: str | None = None
+    """The hub revision (branch, tag or commit) of a hub id; None: its default branch. The teacher stage's manifest
+    pins the commit it resolved to (a folder: its files' sha256)."""
+    mode: TeacherMode = "reverse_kl"
+    """The per-token advantage: `reverse_kl` is coef * -(log p_sampler - log p_teacher) alone (on-policy distillation,
+    Tinker's and prime-rl's form); `add` adds it to GRPO's group advantage of the sample."""
+    coef: float = 1.0
+    """Weight of the reverse-KL advantage (> 0)."""
+    top_k: int | None = None
+    """Also store, per loss token, the teacher's top_k most likely ids with their log-probs and the probability
+    mass outside them (teacher.parquet's topk_* columns: what a top-k forward KL, GKD, reads); None: not stored."""
+    routes: dict = field(default_factory=dict)
+    """Several teachers: {value of the dataset column `route_column`: teacher model (folder or hub id)}; a row whose
+    value is not listed is scored by `model`. Each route's tokenizer is checked like `model`'s."""
+    route_column: str | None = None
+    """The dataset column whose value picks a row's teacher from `routes`."""
+    batch_size: int = 8
+    """Responses the teacher scores in one forward (>= 1); the log-probs do not depend on it."""
+    device: str = "auto"
+    """Where the teacher runs: auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N."""
+
+    def check(self) -> None:
+        if not self.model:
+            raise ConfigError("teacher.model: name the teacher (a folder or an HF hub id), or unset teacher")
+        if not self.coef > 0:
+            raise ConfigError(f"teacher.coef must be > 0, got {self.coef}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"teacher.top_k must be >= 1 or null (not stored), got {self.top_k}")
+        if self.batch_size < 1:
+            raise ConfigError(f"teacher.batch_size must be >= 1, got {self.batch_size}")
+        if bool(self.routes) != bool(self.route_column):
+            raise ConfigError(
+                "teacher.routes and teacher.route_column go together: name the dataset column and "
+                "{value: teacher model} for it, or neither"
+            )
+        if not all(isinstance(v, str) and v for v in self.routes.values()):
+            raise ConfigError(f"teacher.routes maps a column value to a teacher model (a string), got {self.routes}")
+        check_device(self.device, "teacher.device")
+
+    def models(self) -> list[str]:
+        """Every teacher this section names: `model`, then each route's, once each."""
+        return list(dict.fromkeys([self.model, *self.routes.values()]))
+
+
 EvalMetric = Literal["exact_match", "reward_mean", "avg_at_k", "pass_at_k"]
 
 
@@ -862,9 +913,16 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    teacher: TeacherConfig | None = None
+    """On-policy distillation (stages/teacher.py): a teacher scores each response's tokens and the advantages
+    become (or gain) the per-token reverse KL to it. None: no teacher stage; a run without one writes no `teacher`
+    key to run.json, as before the section existed."""
 
     def to_dict(self) -> dict:
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        out = json.loads(json.dumps(dataclasses.asdict(self)))
+        if out["teacher"] is None:  # unset: run.json and every hash of the config as they were
+            del out["teacher"]
+        return out
 
 
 class ConfigError(ValueError):
@@ -1146,6 +1204,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "task.prompt_format=text: episodes (rollout.tools, rollout.environment) render their prompts, tools and "
             "observations with the model's chat template; use auto or chat"
+        )
+    if cfg.teacher is not None and lc.loss_type in ("gspo", "naive"):
+        raise ConfigError(
+            f"learn.loss_type={lc.loss_type} with teacher: the teacher's advantages are per token, and {lc.loss_type} "
+            "takes one per sequence (gspo's ratio) or the raw reward (naive); use grpo_clip, cispo or "
+            "reinforce_baseline, or unset teacher"
         )
     if cfg.reward.overlong_buffer is not None and not 1 <= cfg.reward.overlong_buffer <= r.max_tokens:
         raise ConfigError(

@@ -38,6 +38,7 @@ from grpo.variants import (
     DualClipLossType,
     KLEstimator,
     LossType,
+    TeacherMode,
 )
 
 
@@ -93,6 +94,38 @@ def group_advantages(
     adv = adv_fn(r, mean, std, eps).reshape(-1)
     stats = {"mean": mean.squeeze(1), "std": std.squeeze(1), "min": r.amin(dim=1), "max": r.amax(dim=1)}
     return adv, stats
+
+
+# ---------------------------------------------------------------- distillation advantages
+# on-policy distillation (Agarwal et al. 2024; Tinker's and prime-rl's form): each sampled token's advantage is the
+# negative per-token reverse KL to the teacher, -(log p_sampler - log p_teacher), a single-sample estimate taken on the
+# student's own tokens; the policy-gradient loss then moves the student toward the teacher, token by token
+_TEACHER_MODES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "reverse_kl": lambda reverse_kl, group: reverse_kl,
+    "add": lambda reverse_kl, group: reverse_kl + group[:, None],
+}
+
+
+def teacher_advantages(
+    sampler_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    loss_mask: Tensor,
+    advantages: Tensor,
+    mode: TeacherMode,
+    coef: float,
+) -> Tensor:
+    """Per-token advantages from a teacher: coef * -(sampler_logprobs - teacher_logprobs), alone (`reverse_kl`) or
+    plus each sample's group advantage (`add`); 0 where loss_mask is 0.
+
+    sampler_logprobs, teacher_logprobs, loss_mask: (B, T); advantages: (B,) -> (B, T).
+
+    >>> teacher_advantages(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-0.5, -3.0]]), torch.tensor([[1, 0]]),
+    ...                    torch.tensor([0.25]), "add", 2.0).tolist()
+    [[1.25, 0.0]]
+    """
+    combine = _lookup(_TEACHER_MODES, mode, "teacher mode")
+    reverse_kl = -coef * (sampler_logprobs - teacher_logprobs)  # (B, T)
+    return combine(reverse_kl, advantages).masked_fill(~loss_mask.bool(), 0.0)
 
 
 # ---------------------------------------------------------------- masking
@@ -262,6 +295,9 @@ _PG_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
 }
 
 
+_PER_SEQUENCE = ("gspo",)  # losses whose advantage is one a sequence: token advantages (a teacher's) are refused
+
+
 def policy_gradient_loss(
     loss_type: LossType,
     logprobs: Tensor,
@@ -276,8 +312,8 @@ def policy_gradient_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token policy-gradient loss (to minimize).
 
-    logprobs, old_logprobs, loss_mask: (B, T); raw_rewards, advantages: (B, 1).
-    naive: -r * logp; reinforce_baseline: -A * logp;
+    logprobs, old_logprobs, loss_mask: (B, T); raw_rewards: (B, 1); advantages: (B, 1), or (B, T) one a token (a
+    teacher's reverse KL: teacher_advantages; not for gspo). naive: -r * logp; reinforce_baseline: -A * logp;
     grpo_clip: -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A),
     clip_eps_high defaulting to clip_eps;
     gspo: the same with one ratio per sequence, exp(masked mean of logp - old_logp) (needs loss_mask);
@@ -286,6 +322,8 @@ def policy_gradient_loss(
     Returns loss (B, T) and detached per-token metadata {ratio, clipped}, each (B, T).
     """
     loss_fn = _lookup(_PG_LOSSES, loss_type, "loss_type")
+    if advantages is not None and advantages.dim() == 2 and advantages.shape[1] != 1 and loss_type in _PER_SEQUENCE:
+        raise ValueError(f"loss_type {loss_type!r} takes one advantage a sequence (B, 1), got (B, T) token advantages")
     if dual_clip_c is not None and loss_type not in get_args(DualClipLossType):
         raise ValueError(f"dual_clip_c applies to loss_type {list(get_args(DualClipLossType))}, not {loss_type!r}")
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -509,7 +547,8 @@ def grpo_microbatch_step(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one microbatch under `spec`, scaled by 1/gradient_accumulation_steps, then .backward().
 
-    logprobs, loss_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards, advantages: (B, 1); loss_mask is 1
+    logprobs, loss_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards: (B, 1); advantages: (B, 1) or (B, T)
+    (token advantages: teacher_advantages); loss_mask is 1
     on the tokens the loss counts (the loss, KL, metrics and behaviour weights see only those). sampler_logprobs
     (B, T), needed by a spec.behavior_correction other than "none", which weighs each token's policy-gradient loss
     by behavior_weights(old_logprobs, sampler_logprobs, ...) (decoupled PPO: the clip is to old_logprobs = pi_prox,

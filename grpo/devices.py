@@ -79,11 +79,13 @@ def apart(cfg: RunConfig) -> bool:
 
 def check(cfg: RunConfig, stages: set[str]) -> None:
     """The devices of `stages` (those this process runs) exist here: learn.device for learn, rollout.device for
-    rollouts and eval (with backend vllm, vLLM's); a ConfigError naming the field."""
+    rollouts and eval (with backend vllm, vLLM's), teacher.device for teacher; a ConfigError naming the field."""
     if "learn" in stages and cfg.learn.num_processes == 1:
         learner_device(cfg.learn)
     if stages & {"rollouts", "eval"}:
         sampler_device(cfg.rollout, cfg.rollout.backend)
+    if "teacher" in stages and cfg.teacher is not None:
+        resolve(cfg.teacher.device, "teacher.device")
 
 
 @contextmanager

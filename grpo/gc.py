@@ -43,6 +43,7 @@ from grpo.errors import StageError
 from grpo.record.counts import is_local
 from grpo.record.fork import being_made, referenced_by
 from grpo.record.layout import (
+    OPTIONAL_STAGES,
     POLICY_PREFIXES,
     SHARD_FOLDER,
     STAGES,
@@ -133,7 +134,7 @@ def _stage_dirs(storage: Storage, run_id: str) -> list[str]:
     """The run's stage folders: base, every iteration's stages and their shards' (stages.shards)."""
     dirs = [stage_dir(storage, run_id, None, "base")]
     for k in range(_iterations(storage, run_id)):
-        dirs += [stage_dir(storage, run_id, k, s) for s in (*STAGES, STATE_STAGE)]
+        dirs += [stage_dir(storage, run_id, k, s) for s in (*STAGES, *OPTIONAL_STAGES, STATE_STAGE)]
         idir = stage_dir(storage, run_id, k, STAGES[0]).rsplit("/", 1)[0]
         names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(idir, detail=False))
         dirs += [f"{idir}/{name}" for name in names if SHARD_FOLDER.match(name)]

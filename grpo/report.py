@@ -24,7 +24,7 @@ from grpo.query import (  # noqa: F401 (Best, eval_metric: read here by callers)
 )
 from grpo.record.fork import fork_of
 from grpo.record.identity import stored_config
-from grpo.record.layout import STAGES, STATE_STAGE, run_dir, run_json, stage_dir
+from grpo.record.layout import OPTIONAL_STAGES, STAGES, STATE_STAGE, run_dir, run_json, stage_dir
 from grpo.record.storage import (
     Committed,
     NotCommittedError,
@@ -101,6 +101,8 @@ def iteration_rows(storage: Storage, run_id: str, skip: set[int] | frozenset = f
         reference = c["learn"].manifest.inputs.get("reference")
         found = _REFERENCE.search(reference.uri) if reference is not None else None
         row["reference_iteration"] = int(found.group(1)) if found else None
+        if taught := committed_attempts(storage, stage_dir(storage, run_id, k, "teacher")):  # on-policy distillation
+            row["teacher_kl"] = load_manifest(storage, taught[-1], verify=False)[0].summary.get("reverse_kl")
         rows.append(row)
     return rows
 
@@ -417,7 +419,7 @@ def stage_times(storage: Storage, run_id: str) -> list[dict]:
 
     out, sent = [], sent_times(storage, run_id)
     for k in iterations(storage, run_id):
-        for stage in (*STAGES, STATE_STAGE):
+        for stage in (*STAGES, *OPTIONAL_STAGES, STATE_STAGE):
             attempts = committed_attempts(storage, stage_dir(storage, run_id, k, stage))
             manifest = load_manifest(storage, attempts[-1], verify=False)[0] if attempts else None
             if manifest is None or manifest.origin is not None or manifest.summary.get("skipped"):
@@ -455,7 +457,7 @@ def timeline_png(rows: list[dict], title: str, dpi: int = 90) -> bytes:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    lanes = [s for s in (*STAGES, STATE_STAGE) if any(r["stage"] == s for r in rows)]
+    lanes = [s for s in (*STAGES, *OPTIONAL_STAGES, STATE_STAGE) if any(r["stage"] == s for r in rows)]
     fig, ax = plt.subplots(figsize=(12, 0.5 * len(lanes) + 1.2), constrained_layout=True)
     for r in rows:
         y = lanes.index(r["stage"])

@@ -11,6 +11,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 BehaviorCorrection = Literal["none", "tis", "mis", "icepop"]  # the weight pi_prox / pi_sampler: off, truncated, masked
 BehaviorLevel = Literal["token", "sequence", "geometric"]  # what that weight is a ratio of (grpo.core.behavior_weights)
+TeacherMode = Literal["reverse_kl", "add"]  # the teacher's token advantage alone, or added to GRPO's (grpo.core)
 OldLogprobs = Literal["auto", "recompute", "sampler"]  # where the learner takes pi_old from (grpo.learner.OLD_LOGPROBS)
 SERVERS = {"http": "openenv", "https": "openenv", "ws": "openenv", "wss": "openenv"}
 """A URL's scheme -> the kind of environment server rollout.environment names by it (grpo.episodes.adapters.KINDS: a

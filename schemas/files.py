@@ -11,14 +11,17 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
     "segments": ("rollouts", "segments.parquet"),
     "rewards": ("rewards", "rewards.parquet"),
     "advantages": ("advantages", "advantages.parquet"),
+    "teacher": ("teacher", "teacher.parquet"),
+    "token_advantages": ("advantages", "token_advantages.parquet"),
     "logprobs": ("learn", "logprobs.parquet"),
     "learn_metrics": ("learn", "metrics.parquet"),
     "eval": ("eval", "eval.parquet"),
 }
 
-OPTIONAL_TABLES = ("draws", "turns", "episodes", "carried", "segments")
+OPTIONAL_TABLES = ("draws", "turns", "episodes", "carried", "segments", "token_advantages")
 """Tables a stage commits only with a setting on (draws: rollout.min_signal_groups; turns and episodes: rollout.tools
-or rollout.environment; carried and segments: rollout.segment_tokens); `grpo query` skips an attempt without one."""
+or rollout.environment; carried and segments: rollout.segment_tokens; token_advantages: teacher); `grpo query` skips
+an attempt without one. The teacher table's stage runs only with teacher set (grpo.record.layout.OPTIONAL_STAGES)."""
 
 
 def table_file(table: str) -> str:

@@ -92,6 +92,30 @@ ADVANTAGES = pa.schema(
     ]
 )
 
+TEACHER = pa.schema(  # teacher: a row per sample, the teacher's view of its committed token ids (stages/teacher.py)
+    _SAMPLE_KEYS
+    + [
+        pa.field("teacher", pa.string(), nullable=False),  # the teacher that scored it (teacher.model or a route's)
+        # one entry per token of response_ids: the teacher's log-prob of that token after the prompt and the tokens
+        # before it (float32 forward), 0.0 where loss_mask is 0 (an episode's observation tokens: context only)
+        pa.field("teacher_logprobs", FLOAT_LISTS, nullable=False),
+        # teacher.top_k: per loss token, the teacher's k most likely ids and their log-probs, and the probability
+        # mass outside them (the tail); null: top-k not asked
+        pa.field("topk_ids", pa.list_(_IDS), nullable=True),
+        pa.field("topk_logprobs", pa.list_(FLOAT_LISTS), nullable=True),
+        pa.field("topk_tail", FLOAT_LISTS, nullable=True),
+    ]
+)
+
+TOKEN_ADVANTAGES = pa.schema(  # advantages with a teacher: a row per kept or dropped sample, one advantage a token
+    _SAMPLE_KEYS
+    + [
+        # grpo.core.teacher_advantages: coef * -(sampler - teacher log-prob), alone or plus the sample's advantage;
+        # 0 where loss_mask is 0
+        pa.field("token_advantage", FLOAT_LISTS, nullable=False),
+    ]
+)
+
 LOGPROBS = pa.schema(
     _SAMPLE_KEYS
     + [  # learner's view before any update, for audits
@@ -207,6 +231,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "segments": SEGMENTS,
     "rewards": REWARDS,
     "advantages": ADVANTAGES,
+    "teacher": TEACHER,
+    "token_advantages": TOKEN_ADVANTAGES,
     "logprobs": LOGPROBS,
     "learn_metrics": LEARN_METRICS,
     "eval": EVAL,

@@ -8,13 +8,13 @@ from __future__ import annotations
 import functools
 import importlib
 
-from grpo.record.layout import STAGES, STATE_STAGE
+from grpo.record.layout import OPTIONAL_STAGES, STAGES, STATE_STAGE
 from grpo.record.lineage import dead_end
 from stages.common import StageError
 
 # the function of each stage of grpo.record.layout.STAGES (the order lives there): module stages.<name>,
 # function <name>, except where named here
-_FUNCTIONS = {name: f"stages.{name}:{ {'eval': 'evaluate'}.get(name, name) }" for name in STAGES}
+_FUNCTIONS = {name: f"stages.{name}:{ {'eval': 'evaluate'}.get(name, name) }" for name in (*STAGES, *OPTIONAL_STAGES)}
 _FUNCTIONS[STATE_STAGE] = "stages.learn:remake_state"  # a learn's resume state, remade alone (`grpo stage state`)
 
 

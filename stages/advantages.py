@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import torch
 
 from grpo.config import RunConfig
-from grpo.core import group_advantages
+from grpo.core import group_advantages, teacher_advantages
 from grpo.record.identity import section
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage
@@ -30,7 +30,10 @@ from stages.common import StageError, load_run, measured, run_stage
 def advantages(storage: Storage, run_id: str, iteration: int, force: bool = False) -> Committed:
     cfg = load_run(storage, run_id)
     rewards_in = committed_input(storage, run_id, iteration, "rewards")
-    check_chain(storage, run_id, iteration, "advantages", {"rewards": rewards_in})
+    inputs = {"rewards": rewards_in}
+    if cfg.teacher is not None:  # on-policy distillation: the teacher's log-probs, the sampler's (stages/teacher.py)
+        inputs |= {s: committed_input(storage, run_id, iteration, s) for s in ("rollouts", "teacher")}
+    check_chain(storage, run_id, iteration, "advantages", inputs)
     group_size, acfg = cfg.rollout.group_size, cfg.advantage
     dynamic = stage_config(cfg).get("dynamic_sampling")
 
@@ -81,6 +84,8 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
             "advantages",
             {k: v if isinstance(v, list) else v.to_pylist() for k, v in cols.items()},
         )
+        if cfg.teacher is not None:
+            write_token_advantages(storage, inputs, writer.path(table_file("token_advantages")), cfg, table, adv)
         summary = {
             "samples": len(prompt_ids),
             "groups": len(counts),
@@ -113,9 +118,7 @@ def advantages(storage: Storage, run_id: str, iteration: int, force: bool = Fals
         )
 
     config = stage_config(cfg)
-    return run_stage(
-        storage, run_id, iteration, "advantages", config=config, inputs={"rewards": rewards_in}, body=body, force=force
-    )
+    return run_stage(storage, run_id, iteration, "advantages", config=config, inputs=inputs, body=body, force=force)
 
 
 def stage_config(cfg: RunConfig) -> dict:
@@ -125,7 +128,35 @@ def stage_config(cfg: RunConfig) -> dict:
     if cfg.rollout.min_signal_groups is not None:
         per_step = cfg.learn.minibatch_size // cfg.rollout.group_size
         config["dynamic_sampling"] = {"at_most": cfg.rollout.prompts_per_iteration, "multiple_of": per_step}
+    if cfg.teacher is not None:  # runs without a teacher keep their identity
+        config["teacher"] = {"mode": cfg.teacher.mode, "coef": cfg.teacher.coef}
     return config
+
+
+def write_token_advantages(storage: Storage, inputs: dict, path: str, cfg: RunConfig, table, adv) -> None:
+    """token_advantages.parquet: each sample's per-token advantage from its teacher log-probs and sampler log-probs
+    (grpo.core.teacher_advantages), rows in `table`'s order (prompt_id, sample_index), whose advantages are `adv`."""
+    keys = ["prompt_id", "sample_index"]
+    ro = read_parquet(storage.fs, inputs["rollouts"].read_path(table_file("rollouts")), "rollouts",
+                      columns=keys + ["sampler_logprobs", "loss_mask"])  # fmt: skip
+    te = read_parquet(storage.fs, inputs["teacher"].read_path(table_file("teacher")), "teacher",
+                      columns=keys + ["teacher_logprobs"])  # fmt: skip
+    at = {k: i for i, k in enumerate(zip(*(ro.column(c).to_pylist() for c in keys)))}
+    te_at = {k: i for i, k in enumerate(zip(*(te.column(c).to_pylist() for c in keys)))}
+    order = list(zip(*(table.column(c).to_pylist() for c in keys)))
+    if missing := [k for k in order if k not in at or k not in te_at]:
+        raise StageError(f"{inputs['teacher'].uri}: sample {missing[0]} has no teacher or rollouts row")
+    sampler, mask = ro.column("sampler_logprobs").to_pylist(), ro.column("loss_mask").to_pylist()
+    teacher = te.column("teacher_logprobs").to_pylist()
+    out = []
+    for k, a in zip(order, adv.tolist()):
+        s, m, t = sampler[at[k]], mask[at[k]], teacher[te_at[k]]
+        if not len(s) == len(m) == len(t):
+            raise StageError(f"{inputs['teacher'].uri}: sample {k} has {len(t)} teacher log-probs for {len(s)} tokens")
+        args = (torch.tensor([s]), torch.tensor([t]), torch.tensor([m]), torch.tensor([a]))  # (1, T) x 3, (1,)
+        out.append(teacher_advantages(*args, cfg.teacher.mode, cfg.teacher.coef)[0].tolist())
+    cols = {c: table.column(c).to_pylist() for c in ["run_id", "iteration", *keys]}
+    write_parquet(storage.fs, path, "token_advantages", {**cols, "token_advantage": out})
 
 
 def signal_groups_kept(spread, at_most: int, multiple_of: int):

@@ -43,6 +43,7 @@ from grpo.record.layout import run_dir, run_json
 from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage
 from grpo.record.weights import lora_target_problem
+from grpo.scoring.teacher import check_teachers
 from grpo.tasks import functions, generates, get_task, trl_rewards
 from grpo.tasks.base import EPISODE_ARGUMENTS
 from stages.common import (
@@ -88,7 +89,7 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
                 c["learn"].pop("num_processes")
         if old != new:
             changed = [
-                f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s] if old[s].get(k) != new[s][k]
+                f"{s}.{k}" for s in new if isinstance(old.get(s), dict) for k in new[s] if old[s].get(k) != new[s][k]
             ]
             raise StageError(
                 f"{storage.uri(path)}: run {run_id!r} exists with a different config ({', '.join(changed) or 'seed'}); "
@@ -274,8 +275,7 @@ def check_reward_workers(cfg: RunConfig) -> None:
 
 
 BYTES_PER_TOKEN = 32
-"""What a sampled token costs at least while an iteration runs: its id and log-probs in the rollouts table and the
-learner's batch (int64 ids, float32 sampler, old, reference log-probs, mask, advantage), before any activation."""
+"""A sampled token's least cost in an iteration: ids, log-probs, mask, advantage in the rollouts and learner's batch."""
 
 
 def machine_memory() -> int | None:
@@ -300,12 +300,11 @@ def check_sizes(cfg: RunConfig, memory: int | None = None) -> None:
         ("eval.n_prompts", "eval.samples_per_prompt"): e.n_prompts * e.samples_per_prompt,
     }
     for (fix, times), samples in sizes.items():
-        what = f"{fix} x {times}"
         need = samples * tokens * BYTES_PER_TOKEN
         if need > memory:
             raise ConfigError(
-                f"{what} = {samples:,} samples of up to {tokens} tokens need at least {need / 2**30:,.0f} GiB, more "
-                f"than this machine's {memory / 2**30:,.0f} GiB; lower {fix}"
+                f"{fix} x {times} = {samples:,} samples of up to {tokens} tokens need at least {need / 2**30:,.0f} "
+                f"GiB, more than this machine's {memory / 2**30:,.0f} GiB; lower {fix}"
             )
 
 
@@ -342,6 +341,7 @@ def prepare_base(cfg: RunConfig, tmp: str) -> tuple[str, str]:
         raise ConfigError(f"model.base_model {source}: {problem}")
     check_inputs(cfg, folder)
     check_lora_targets(cfg, folder)
+    check_teachers(cfg.teacher, folder)  # a teacher's token space is the student's (on-policy distillation)
     from grpo.learner.paths import learner_path_line  # torch: not for the commands that only read a run (status)
     from grpo.sampling.engines import vllm_model_problem
 

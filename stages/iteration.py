@@ -8,7 +8,7 @@ import gc
 from contextlib import contextmanager
 from typing import Iterator
 
-from grpo.record.layout import STAGES
+from grpo.record.layout import stages_of
 from grpo.record.storage import Committed, Storage
 from grpo.runtime.pool import WARM_POOLS
 from grpo.tracking import track, tracking
@@ -21,9 +21,9 @@ def run_iteration(
 ) -> dict[str, Committed]:
     """All stages of one iteration in order; committed ones with the same identity are reused. `last`: the
     iteration ends its caller's run, so its eval runs whatever eval.every says (stages.eval.due)."""
-    extra = {"eval": {"last": last}}
+    extra, names = {"eval": {"last": last}}, stages_of(load_run(storage, run_id))  # a teacher's stage where set
     return {
-        name: stage_function(name)(storage, run_id, iteration, force=force, **extra.get(name, {})) for name in STAGES
+        name: stage_function(name)(storage, run_id, iteration, force=force, **extra.get(name, {})) for name in names
     }
 
 
@@ -76,7 +76,7 @@ def run_warm(storage: Storage, run_id: str, first: int, iterations: int) -> Iter
     if iterations > 0:
         from grpo import devices  # torch: a finished run's no-op (`grpo demo` again) imports none
 
-        devices.check(cfg, set(STAGES))
+        devices.check(cfg, set(stages_of(cfg)))
     with warm_state() as warm, tracking(storage, run_id, cfg):  # the tracker run ended with the iterations
         for k in range(first, first + iterations):
             out = run_iteration(storage, run_id, k, last=k == first + iterations - 1)

@@ -83,6 +83,8 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
     response_mask = np.arange(responses.shape[1]) < lengths[:, None]
     prompt_mask = np.arange(prompts.shape[1]) >= prompts.shape[1] - prompt_len[::group_size, None]
     adv, reward = (ad.column(c).to_numpy()[kept][order] for c in ("advantage", "reward"))
+    if table_file("token_advantages") in {f.path for f in adv_in.manifest.files}:  # a teacher's: (N, T) per token
+        adv = token_advantages(storage, adv_in, ad_key, width, responses.shape[1])
     return Batch(
         prompt_ids=torch.from_numpy(prompts[::group_size].copy()),
         prompt_mask=torch.from_numpy(prompt_mask).long(),
@@ -97,6 +99,18 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
         prompt_id=pid.tolist(),
         sample_index=ro_idx[take].tolist(),
     )
+
+
+def token_advantages(storage: Storage, adv_in: Committed, keys: np.ndarray, width: int, tokens: int) -> np.ndarray:
+    """(len(keys), tokens) the per-token advantages (a teacher's: stages/teacher.py) of the samples `keys` (prompt_id *
+    width + sample_index), right-padded with 0."""
+    ta = read_parquet(storage.fs, adv_in.read_path(table_file("token_advantages")), "token_advantages")
+    ta_key = ta.column("prompt_id").to_numpy() * width + ta.column("sample_index").to_numpy()
+    rows = np.argsort(ta_key)[np.searchsorted(np.sort(ta_key), keys).clip(0, max(len(ta_key) - 1, 0))]
+    if not (ta_key[rows] == keys).all():
+        raise StageError(f"{adv_in.uri}: token_advantages.parquet lacks a kept sample")
+    out, _ = _padded(ta.column("token_advantage"), rows, 0.0, np.float32)
+    return np.pad(out, ((0, 0), (0, max(tokens - out.shape[1], 0))))[:, :tokens]
 
 
 def token_versions(ro, take: np.ndarray, lengths: np.ndarray, width: int, uri: str) -> np.ndarray:

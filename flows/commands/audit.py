@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flows.commands.hints import grpo_command, newest_policy
 from grpo.record.digests import rehashing
-from grpo.record.layout import STAGES, STATE_STAGE, run_ids, shard_dirs, stage_dir
+from grpo.record.layout import STATE_STAGE, run_ids, shard_dirs, stage_dir, stages_of
 from grpo.record.lineage import next_iteration, stale_attempt
 from grpo.record.storage import ArtifactError, Storage, committed_attempts, list_attempts, load_manifest
 from grpo.report import best_iteration
@@ -18,7 +18,7 @@ def cmd_status(args, storage):
     from grpo.record.liveness import running_attempts
     from stages.common import check_datasets
 
-    load_run(storage, args.run)
+    names = stages_of(load_run(storage, args.run))  # a teacher's stage where the run has one
     last = next_iteration(storage, args.run)
     while list_attempts(storage, stage_dir(storage, args.run, last + 1, "snapshot")):  # tried after a stale one
         last += 1
@@ -31,11 +31,11 @@ def cmd_status(args, storage):
     forks = [f"{r} (at {f['at']})" for r in run_ids(storage) if (f := fork_of(storage, r)) and f["parent"] == args.run]
     if forks:
         print(f"forked by: {', '.join(forks)}")
-    print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in STAGES))
+    print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in names))
     corrupt, shard_lines, stale_from = [], [], None
     for k in range(last + 1):
         cells, after_stale = [], stale_from is not None  # past a stale learn: made from the policy it made
-        for s in STAGES:
+        for s in names:
             cell, state = stage_cell(storage, stage_dir(storage, args.run, k, s), running, args.verify, after_stale)
             cells.append(cell)
             if state == "corrupt":

@@ -28,7 +28,7 @@ class Batch:
     loss_mask: Tensor
     sampler_logprobs: Tensor  # (N, T) the sampler's log-prob of each sampled token (0 where loss_mask is 0)
     token_versions: Tensor  # (N, T) long: the policy version that sampled each token (the rollouts' policy_version)
-    advantages: Tensor  # (N,)
+    advantages: Tensor  # (N,) one a sample, or (N, T) one a token (a teacher's: stages/teacher.py)
     rewards: Tensor  # (N,)
     group_size: int
     prompt_id: list[int]  # (N,) the keys of each sample, for the log-probs table
@@ -43,6 +43,11 @@ class Batch:
                 if torch.is_tensor(getattr(self, f.name))
             },
         )
+
+    def advantages_of(self, rows: Tensor) -> Tensor:
+        """The advantages of sample rows `rows` as the losses take them: (R, 1) one a sample, (R, T) one a token."""
+        a = self.advantages[rows]
+        return a if a.dim() == 2 else a[:, None]
 
     def rows(self, groups: Tensor) -> Tensor:
         """Sample rows of `groups`: (P',) -> (P' * G,), group by group."""

@@ -71,7 +71,7 @@ def minibatch_step(
             mask,
             gradient_accumulation_steps=accum,
             raw_rewards=batch.rewards[mb, None],
-            advantages=batch.advantages[mb, None],
+            advantages=batch.advantages_of(mb),
             old_logprobs=scores.old_logprobs[mb],
             ref_logprobs=None if ref is None else ref[mb],
             sampler_logprobs=batch.sampler_logprobs[mb],

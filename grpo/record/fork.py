@@ -31,6 +31,7 @@ from grpo.record.commit import StageWriter
 from grpo.record.counts import is_local
 from grpo.record.identity import config_hash, lineage_identity, stage_identity, stored_config
 from grpo.record.layout import (
+    OPTIONAL_STAGES,
     STAGES,
     forking_json,
     half_made_forks,
@@ -212,6 +213,11 @@ def _history(storage: Storage, parent: str, at: int) -> list[Committed]:
     current = [latest_committed(storage, stage_dir(storage, parent, None, "base"))]
     for k in range(at):
         current += [latest_committed(storage, stage_dir(storage, parent, k, s)) for s in STAGES]
+        current += [  # an optional stage (a teacher's) where the parent committed one
+            latest_committed(storage, stage_dir(storage, parent, k, s))
+            for s in OPTIONAL_STAGES
+            if committed_attempts(storage, stage_dir(storage, parent, k, s))
+        ]
     known = {c.uri: c for c in current}
     order: list[Committed] = []
     seen: set[str] = set()

@@ -45,6 +45,7 @@ IDENTITY_FIELDS = {
         "logprob_chunk", "max_logprob_gap", "lora", "sharding",
     ),
     "eval": ("n_prompts", "seed", "dataset", "split_fraction", "samples_per_prompt"),
+    "teacher": ("model", "revision", "mode", "coef", "top_k", "routes", "route_column"),
 }  # fmt: skip
 """Per section, the fields every identity reading it has covered since runs were first committed."""
 
@@ -83,6 +84,7 @@ LEFT_OUT = {
     "reward": ("shards", "pass_env"),  # and score them alike; which credentials reward code may read
     "tracking": ("backend", "uri", "project", "dir"),
     "retention": ("keep_last", "keep_every"),
+    "teacher": ("batch_size", "device"),  # how many responses a forward scores, and where: the same log-probs
 }
 """Per section, the fields no identity covers."""
 

@@ -27,6 +27,25 @@ STAGES: tuple[str, ...] = get_args(StageName)  # the order an iteration runs the
 STATE_STAGE = "state"
 """Learn k's resume state (STATE_PREFIXES), committed apart after its policy (grpo/record/resume.py): no stage of the
 iteration's order, only the next learn built from files reads it."""
+OPTIONAL_STAGES = {"teacher": "advantages"}
+"""Stages an iteration runs only when the run's config section of their name is set, {stage: the stage it runs
+before}: `teacher` (on-policy distillation, stages/teacher.py) scores the rollouts before the advantages read them.
+A run without the section runs and commits exactly STAGES."""
+
+
+def stages_of(cfg) -> tuple[str, ...]:
+    """The stages an iteration of a run with config `cfg` runs, in order: STAGES with each optional stage whose
+    section is set (OPTIONAL_STAGES).
+
+    >>> from types import SimpleNamespace as S
+    >>> stages_of(S(teacher=None)) == STAGES, stages_of(S(teacher=object()))[2:5]
+    (True, ('rewards', 'teacher', 'advantages'))
+    """
+    out: list[str] = []
+    for s in STAGES:
+        out += [o for o, before in OPTIONAL_STAGES.items() if before == s and getattr(cfg, o, None) is not None]
+        out.append(s)
+    return tuple(out)
 
 
 def run_dir(storage: Storage, run_id: str) -> str:

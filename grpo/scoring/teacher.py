@@ -1,0 +1,133 @@
+"""A teacher model for on-policy distillation: where its files are, what pins them, whether its token space is the
+student's, and its log-probs of committed token ids (a prefill: the ids as sampled, never decoded and encoded again).
+
+The teacher stage (stages/teacher.py) calls `scored_rows`; `grpo init` calls `check_teachers` before anything is
+written. transformers on any device, float32 forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo.config import ConfigError, TeacherConfig
+from grpo.errors import one_line
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """One teacher resolved on this machine: its local folder and what pins it."""
+
+    spec: str  # as the config names it (teacher.model or a route's)
+    folder: str  # a local folder transformers loads
+    revision: str  # "hub:<id>@<commit>" or "files:<sha256 of the folder's files' names and sha256s>"
+
+
+def resolve(spec: str, revision: str | None = None) -> Teacher:
+    """The teacher `spec` names: a local folder (pinned by its files' sha256), or a hub id fetched through
+    huggingface_hub at `revision` (pinned by the commit it resolved to; HF_HUB_OFFLINE=1 reads the cache only).
+    A ConfigError naming teacher.model where neither can be had."""
+    if os.path.isdir(spec):
+        if not Path(spec, "config.json").exists():
+            raise ConfigError(f"teacher.model {spec}: no config.json, not an HF checkpoint folder")
+        return Teacher(spec, spec, "files:" + folder_hash(spec))
+    from huggingface_hub import snapshot_download
+
+    from grpo.record.checkpoint import _HUB_ID, HUB_FILES
+
+    if not _HUB_ID.match(spec):
+        raise ConfigError(f"teacher.model {spec}: no such folder, and not a hub id")
+    try:
+        folder = snapshot_download(spec, revision=revision, allow_patterns=HUB_FILES)
+    except Exception as e:  # noqa: BLE001 (offline, unknown repo or revision: one line either way)
+        raise ConfigError(f"teacher.model {spec} (revision {revision}): the hub model could not be had: {one_line(e)}")
+    return Teacher(spec, folder, f"hub:{spec}@{Path(folder).name}")  # the snapshot folder is named by its commit
+
+
+def folder_hash(folder: str) -> str:
+    """sha256 over a folder's files (relative name and sha256 of each, sorted): what pins a local teacher."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from grpo.record.digests import file_digest
+
+    fs, root = LocalFileSystem(), Path(folder)
+    names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    listing = [(n, file_digest(fs, str(root / n))[1]) for n in names]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def vocabulary(tokenizer) -> str:
+    """Fingerprint of a tokenizer's token space: sha256 of its token -> id map (added tokens included) and its
+    special tokens with their ids. Two tokenizers with one fingerprint give every token the same id."""
+    special = {str(t): tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
+    key = {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(special.items())}
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()
+
+
+def vocabulary_of(folder: str) -> str:
+    """`vocabulary` of the tokenizer in `folder`."""
+    from transformers import AutoTokenizer
+
+    return vocabulary(AutoTokenizer.from_pretrained(folder))
+
+
+def check_teachers(teacher: TeacherConfig | None, student_folder: str) -> None:
+    """Refuse, in one line naming the field, a teacher that cannot be had or whose token space differs from the
+    student's in `student_folder` (grpo init, before run.json is written)."""
+    if teacher is None:
+        return
+    student = vocabulary_of(student_folder)
+    for spec in teacher.models():
+        found = resolve(spec, teacher.revision)
+        try:
+            theirs = vocabulary_of(found.folder)
+        except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a broken folder)
+            raise ConfigError(f"teacher.model {spec}: the tokenizer does not load: {one_line(e)}") from e
+        if theirs != student:
+            raise ConfigError(
+                f"teacher.model {spec}: its tokenizer's vocabulary (fingerprint {theirs[:12]}) differs from the "
+                f"student's ({student[:12]}); a teacher must share the student's token ids and special tokens"
+            )
+
+
+def load_model(folder: str, device):
+    """The teacher's causal LM from `folder` on `device`, float32, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+
+
+def scored_rows(model, prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]], top_k, device):
+    """The teacher's float32 log-prob of every response token after its prompt and the tokens before it, one forward
+    of the right-padded sequences; 0.0 where the mask is 0. With top_k also, per masked token, the k most likely
+    ids, their log-probs and the probability mass outside them (the tail). Returns a list of dicts, one a row:
+    {teacher_logprobs, topk_ids, topk_logprobs, topk_tail} (the topk ones None without top_k)."""
+    import torch
+
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    width = max(map(len, seqs))
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits  # (B, L, V)
+    out = []
+    for i, (p, r, m) in enumerate(zip(prompts, responses, masks)):
+        # position t's logits predict token t + 1: the response's tokens from the prompt's last position on
+        logp = torch.log_softmax(logits[i, len(p) - 1 : len(p) + len(r) - 1].float(), dim=-1)  # (R, V)
+        keep = torch.tensor(m, dtype=torch.bool, device=logp.device)
+        picked = logp.gather(-1, torch.tensor(r, device=logp.device)[:, None])[:, 0].masked_fill(~keep, 0.0)
+        row = {"teacher_logprobs": picked.cpu().tolist(), "topk_ids": None, "topk_logprobs": None, "topk_tail": None}
+        if top_k:
+            top = logp[keep].topk(min(top_k, logp.shape[-1]), dim=-1)
+            tail = (1.0 - top.values.exp().sum(-1)).clamp_min(0.0)
+            row.update(topk_ids=top.indices.cpu().tolist(), topk_logprobs=top.values.cpu().tolist())
+            row["topk_tail"] = tail.cpu().tolist()
+        out.append(row)
+    return out
