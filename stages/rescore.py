@@ -18,15 +18,17 @@ from grpo.record import reward_files
 from grpo.record.digests import sha256_local
 from grpo.record.fork import fork_config, fork_run
 from grpo.record.identity import config_hash
-from grpo.record.lineage import next_iteration
+from grpo.record.lineage import committed_input, next_iteration
 from grpo.record.storage import Storage
 from grpo.runtime.pool import WARM_POOLS
 from stages import advantages as advantages_stage
 from stages import rewards as rewards_stage
+from stages import teacher as teacher_stage
 from stages.common import StageError
 
-RESCORE_SETTINGS = ("reward.", "task.params", "advantage.")
-"""What a rescore may change: how samples are scored and their advantages computed."""
+RESCORE_SETTINGS = ("reward.", "task.params", "advantage.", "teacher.")
+"""What a rescore may change: how samples are scored (their reward, their teacher's log-probs: on-policy
+distillation) and their advantages computed."""
 
 
 def rescore_run_id(
@@ -59,12 +61,13 @@ def check_rescore(storage: Storage, parent: str, first: int, last: int, override
     """Refuse, in one line and before anything is written, settings a rescore cannot change, iterations the
     parent has not finished, and settings that change nothing the rewards or advantages read."""
     if not overrides:
-        raise ConfigError("--set: name the reward settings to rescore with (reward.*, task.params, advantage.*)")
+        raise ConfigError("--set: name the settings to rescore with (reward.*, task.params, advantage.*, teacher.*)")
     for item in overrides:
         key = item.split("=", 1)[0].strip()
         if not key.startswith(RESCORE_SETTINGS):
             raise ConfigError(
-                f"--set {key}: a rescore changes only how samples are scored (reward.*, task.params, advantage.*); "
+                f"--set {key}: a rescore changes only how samples are scored (reward.*, task.params, advantage.*, "
+                "teacher.*); "
                 "fork the run to change anything else (`grpo fork`)"
             )
     before, after = fork_config(storage, parent, overrides)
@@ -76,22 +79,30 @@ def check_rescore(storage: Storage, parent: str, first: int, last: int, override
             f"--iterations {first}:{last}: run {parent} has finished iterations 0..{done - 1} only "
             f"(`grpo status --run {parent}`)"
         )
-    read = (rewards_stage.stage_config, advantages_stage.stage_config)
+    if after.teacher is not None and teacher_stage.stage_config(before) != teacher_stage.stage_config(after):
+        from grpo.record.checkpoint import local_checkpoint  # the student's tokenizer: the parent's base model's
+        from grpo.scoring.teacher import check_teachers
+
+        check_teachers(after.teacher, local_checkpoint(committed_input(storage, parent, None, "base")))
+    read = (rewards_stage.stage_config, advantages_stage.stage_config, teacher_stage.stage_config)
     if all(f(before) == f(after) for f in read) and not new_files(storage, parent, overrides):
         raise ConfigError(
-            f"--set {' '.join(overrides)}: changes nothing the rewards or advantages of {parent} read "
+            f"--set {' '.join(overrides)}: changes nothing the rewards, teacher or advantages of {parent} read "
             "(a reward file named in reward.functions counts where its bytes differ from the run's copy)"
         )
 
 
 def rescore(storage: Storage, parent: str, first: int, last: int, overrides: list[str], run_id: str) -> None:
     """Fork `parent` into `run_id` at `last + 1` with `overrides`, then score iterations first..last again
-    (rewards and advantages; no rollouts are written)."""
+    (rewards, the teacher's log-probs where the fork has a teacher, and advantages; no rollouts are written)."""
     check_rescore(storage, parent, first, last, overrides)
     fork_run(storage, parent, last + 1, run_id, overrides)
+    taught = fork_config(storage, parent, overrides)[1].teacher is not None
     with WARM_POOLS.keep():  # one reward worker pool for every iteration
         for k in range(first, last + 1):
             rewards_stage.rewards(storage, run_id, k)
+            if taught:  # the committed token ids scored by the fork's teacher: a prefill, no sampling
+                teacher_stage.teacher(storage, run_id, k)
             advantages_stage.advantages(storage, run_id, k)
 
 

@@ -100,7 +100,9 @@ def teacher(storage: Storage, run_id: str, iteration: int, force: bool = False) 
 
 def stage_config(cfg: RunConfig, teachers: dict | None = None) -> dict:
     """What the stage's identity covers: the teacher section (less where and in what batches it runs) and, once
-    resolved, each teacher's pinned revision, so changed teacher files make a new attempt."""
+    resolved, each teacher's pinned revision, so changed teacher files make a new attempt ({}: no teacher)."""
+    if cfg.teacher is None:
+        return {}
     config = {"teacher": section(cfg, "teacher")}
     if teachers is not None:
         config["revisions"] = {spec: t.revision for spec, t in sorted(teachers.items())}

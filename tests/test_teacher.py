@@ -1,0 +1,197 @@
+"""On-policy distillation (the `teacher` section, stages/teacher.py): the teacher's log-probs are a plain forward of the
+committed ids, the per-token reverse-KL advantages by hand, the learner's loss with (B, T) advantages per token, an
+iteration end to end, a teacher of another tokenizer refused at init, a rescore with another teacher that samples
+nothing, staleness, and a student whose reverse KL to its teacher falls."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from grpo import core
+from grpo.config import ConfigError, load_config
+from grpo.record.layout import STAGES, run_json, stage_dir, stages_of
+from grpo.record.storage import committed_attempts, latest_committed, load_manifest, open_storage
+from grpo.tiny_model import build_for_task, build_tiny_model
+from stages.init import init_run
+from stages.iteration import run_iteration
+from stages.rescore import rescore
+
+TINY = [
+    "rollout.backend=hf",
+    "rollout.prompts_per_iteration=8",
+    "rollout.group_size=4",
+    "learn.minibatch_size=32",
+    "learn.microbatch_size=16",
+    "eval.n_prompts=8",
+    "model.hidden_size=64",
+    "model.num_heads=2",
+    "model.intermediate_size=128",
+    "reward.workers=1",
+    "learn.epochs=1",
+    "learn.lr_decay_steps=0",
+    "rollout.max_tokens=8",
+]
+SHAPE = dict(hidden_size=64, num_heads=2, intermediate_size=128)
+
+
+def teacher_folder(path, seed=7, **fields) -> str:
+    """A tiny model of the sort task's vocabulary (the student's tokenizer files), other weights than the student's."""
+    return build_for_task(str(path), "sort", seed=seed, **{**SHAPE, **fields})
+
+
+def frame(committed, name: str) -> pd.DataFrame:
+    return pd.read_parquet(committed.storage.uri(committed.path(name))).sort_values(["prompt_id", "sample_index"])
+
+
+@pytest.fixture(scope="module")
+def taught(tmp_path_factory):
+    """A run distilled from a fixed teacher (mode add, top-k stored), one iteration committed."""
+    tmp = tmp_path_factory.mktemp("teacher")
+    storage = open_storage((tmp / "store").as_uri())
+    extra = [f"teacher.model={teacher_folder(tmp / 'teacher')}", "teacher.mode=add", "teacher.coef=0.5"]
+    init_run(storage, "d", load_config(None, TINY + extra + ["teacher.top_k=3", "teacher.batch_size=3"]))
+    return storage, tmp, run_iteration(storage, "d", 0)
+
+
+def test_teacher_logprobs_are_a_plain_forward_of_the_committed_ids(taught):
+    storage, tmp, out = taught
+    assert list(out) == ["snapshot", "rollouts", "rewards", "teacher", "advantages", "learn", "eval"]
+    ro, te = frame(out["rollouts"], "rollouts.parquet"), frame(out["teacher"], "teacher.parquet")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp / "teacher"), dtype=torch.float32).eval()
+    for r, t in zip(ro.itertuples(), te.itertuples()):
+        ids = torch.tensor([list(r.prompt_ids) + list(r.response_ids)])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].double(), -1)  # one sequence, no padding
+        p = len(r.prompt_ids)
+        want = [logp[p + j - 1, tok].item() for j, tok in enumerate(r.response_ids)]
+        assert t.teacher_logprobs == pytest.approx(want, abs=1e-5)
+        assert len(t.topk_ids) == sum(r.loss_mask) and all(len(k) == 3 for k in t.topk_ids)
+        for j, (ids_k, lps_k, tail) in enumerate(zip(t.topk_ids, t.topk_logprobs, t.topk_tail)):
+            top = logp[p + j - 1].topk(3)
+            assert list(ids_k) == top.indices.tolist() and lps_k == pytest.approx(top.values.tolist(), abs=1e-5)
+            assert tail == pytest.approx(1 - top.values.exp().sum().item(), abs=1e-5)
+    summary = out["teacher"].manifest.summary
+    [(spec, pin)] = summary["teachers"].items()
+    assert spec == str(tmp / "teacher") and pin["revision"].startswith("files:") and len(pin["vocabulary"]) == 64
+    tokens = [(s - t) for r, te_ in zip(ro.itertuples(), te.itertuples())
+              for s, t in zip(r.sampler_logprobs, te_.teacher_logprobs)]  # fmt: skip
+    assert summary["reverse_kl"] == pytest.approx(sum(tokens) / len(tokens), rel=1e-4)
+
+
+def test_token_advantages_are_the_reverse_kl_plus_the_group_advantage(taught):
+    storage, _, out = taught
+    ro, te = frame(out["rollouts"], "rollouts.parquet"), frame(out["teacher"], "teacher.parquet")
+    ad, ta = frame(out["advantages"], "advantages.parquet"), frame(out["advantages"], "token_advantages.parquet")
+    for r, t, a, tok in zip(ro.itertuples(), te.itertuples(), ad.itertuples(), ta.itertuples()):
+        want = [a.advantage - 0.5 * (s - lt) for s, lt in zip(r.sampler_logprobs, t.teacher_logprobs)]
+        assert tok.token_advantage == pytest.approx(want, abs=1e-5)
+    assert out["learn"].manifest.inputs["advantages"] == out["advantages"].ref()
+
+
+def test_teacher_advantages_by_hand():
+    sampler = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -0.2, 0.0]])
+    teacher = torch.tensor([[-0.5, -3.0, -0.5], [-1.1, -0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    group = torch.tensor([1.0, -2.0])
+    alone = core.teacher_advantages(sampler, teacher, mask, group, "reverse_kl", 1.0)
+    assert alone.tolist() == [[0.5, -1.0, 0.0], [-1.0, 0.0, 0.0]]
+    added = core.teacher_advantages(sampler, teacher, mask, group, "add", 2.0)
+    assert added.tolist() == [[2.0, -1.0, 1.0], [-4.0, -2.0, 0.0]]
+    with pytest.raises(ValueError, match="unknown teacher mode 'kl'"):
+        core.teacher_advantages(sampler, teacher, mask, group, "kl", 1.0)
+
+
+def test_the_loss_with_token_advantages_is_a_loop_per_token():
+    torch.manual_seed(0)
+    logp, old = -torch.rand(3, 5) * 2, -torch.rand(3, 5) * 2
+    adv, mask = torch.randn(3, 5), (torch.rand(3, 5) > 0.2).float()
+    logp.requires_grad_(True)
+    spec = core.LossSpec(loss_type="grpo_clip", agg_mode="token_mean", clip_eps=0.2)
+    loss, _ = core.grpo_microbatch_step(spec, logp, mask, gradient_accumulation_steps=1, advantages=adv,
+                                        old_logprobs=old)  # fmt: skip
+    total, n = 0.0, 0
+    for b in range(3):
+        for t in range(5):
+            if mask[b, t]:
+                ratio = torch.exp(logp[b, t] - old[b, t]).item()
+                a = adv[b, t].item()
+                total += -min(ratio * a, min(max(ratio, 0.8), 1.2) * a)
+                n += 1
+    assert loss.item() == pytest.approx(total / n, abs=1e-6)
+    with pytest.raises(ValueError, match="gspo"):
+        core.policy_gradient_loss("gspo", logp, loss_mask=mask, advantages=adv, old_logprobs=old)
+
+
+def test_settings_that_cannot_take_token_advantages_are_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="learn.loss_type=gspo with teacher"):
+        load_config(None, ["teacher.model=t", "learn.loss_type=gspo"])
+    with pytest.raises(ConfigError, match="teacher.model: name the teacher"):
+        load_config(None, ["teacher.coef=2"])
+    with pytest.raises(ConfigError, match="teacher.routes and teacher.route_column go together"):
+        load_config(None, ["teacher.model=t", "teacher.routes={a: b}"])
+    cfg = load_config(None, [])
+    assert cfg.teacher is None and "teacher" not in cfg.to_dict() and stages_of(cfg) == STAGES
+
+
+def test_init_refuses_a_teacher_of_another_tokenizer_in_one_line(tmp_path):
+    storage = open_storage((tmp_path / "store").as_uri())
+    other = build_tiny_model(str(tmp_path / "other"), ["a", "b", "c"], **SHAPE)  # another vocabulary
+    with pytest.raises(ConfigError) as e:
+        init_run(storage, "x", load_config(None, TINY + [f"teacher.model={other}"]))
+    assert str(e.value).startswith(f"teacher.model {other}: its tokenizer's vocabulary") and "\n" not in str(e.value)
+    assert not storage.exists(run_json(storage, "x"))  # nothing written
+
+
+def test_a_rescore_with_another_teacher_samples_nothing(taught):
+    storage, tmp, _ = taught
+    other = teacher_folder(tmp / "teacher2", seed=11)
+    rescore(storage, "d", 0, 0, [f"teacher.model={other}"], "d2")
+    rollouts = [load_manifest(storage, a, verify=False)[0] for a in committed_attempts(storage, stage_dir(
+        storage, "d2", 0, "rollouts"))]  # fmt: skip
+    assert len(rollouts) == 1 and rollouts[0].origin is not None  # the parent's, by reference: nothing sampled
+    scored = latest_committed(storage, stage_dir(storage, "d2", 0, "teacher"))
+    assert scored.manifest.origin is None and list(scored.manifest.summary["teachers"]) == [other]
+    parent = latest_committed(storage, stage_dir(storage, "d", 0, "teacher"))
+    assert scored.manifest.inputs["rollouts"].manifest_sha256 != parent.manifest.inputs["rollouts"].manifest_sha256
+    same = frame(parent, "teacher.parquet").teacher_logprobs.map(list)
+    assert not (frame(scored, "teacher.parquet").teacher_logprobs.map(list) == same).all()
+    assert json.loads(storage.read_bytes(run_json(storage, "d2")))["config"]["teacher"]["model"] == other
+
+
+def sharpened(folder, cfg, scale: float) -> str:
+    """The run's own base model (the tiny model its config builds) at temperature 1 / scale: the final norm's weight
+    times `scale` multiplies every logit by it. A teacher the student can reach (by sharpening its distribution) and
+    far enough at first to show it."""
+    build_for_task(str(folder), cfg.task.name, cfg.task.params, cfg.model, cfg.seed)
+    weights = load_file(f"{folder}/model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * scale
+    save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_with_staleness_the_teacher_scores_the_tokens_as_sampled_and_distillation_lowers_the_reverse_kl(tmp_path):
+    """A student distilled (mode reverse_kl) from a fixed teacher, itself at a third of the temperature, sampling one
+    policy behind (rollout.staleness=1): each iteration's teacher stage reads the rollouts alone (no policy) and scores
+    the ids as the older policy sampled them, and the reverse KL it records falls well below where it started."""
+    storage = open_storage((tmp_path / "store").as_uri())
+    extra = ["rollout.staleness=1", "learn.lr=1e-3", "rollout.prompts_per_iteration=32", "eval.every=100"]
+    teacher = sharpened(tmp_path / "teacher", load_config(None, TINY + extra), 3.0)
+    init_run(storage, "s", load_config(None, TINY + extra + [f"teacher.model={teacher}"]))
+    kl = []
+    for k in range(6):
+        out = run_iteration(storage, "s", k, last=False)
+        assert set(out["teacher"].manifest.inputs) == {"rollouts"}
+        kl.append(out["teacher"].manifest.summary["reverse_kl"])
+    ro, te = frame(out["rollouts"], "rollouts.parquet"), frame(out["teacher"], "teacher.parquet")
+    assert set(ro.policy_version) == {3}  # iteration 5 sampled with learn 3's policy (rollout.staleness=1)
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    for r, t in list(zip(ro.itertuples(), te.itertuples()))[:4]:  # the ids as that older policy sampled them
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([list(r.prompt_ids) + list(r.response_ids)])).logits[0], -1)
+        want = [logp[len(r.prompt_ids) + j - 1, tok].item() for j, tok in enumerate(r.response_ids)]
+        assert t.teacher_logprobs == pytest.approx(want, abs=1e-5)
+    assert sum(kl[4:]) / 2 < 0.6 * sum(kl[:2]) / 2, kl  # measured: 0.48, 0.43 at first; 0.14, 0.21 after 4 updates
