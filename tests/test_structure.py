@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"schemas": 0, "grpo": 1, "stages": 2, "tools": 2, "flows": 3, "benchmarks": 4}
-STAGE_MODULES = ["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]  # stages/<name>.py: one stage each
+# stages/<name>.py: one stage each (teacher: only with a teacher section)
+STAGE_MODULES = ["snapshot", "rollouts", "rewards", "teacher", "advantages", "learn", "eval"]
 
 
 def module_name(path: Path) -> str:
