@@ -11,6 +11,7 @@ from grpo.record.commit import StageWriter
 from grpo.record.layout import stage_dir
 from grpo.record.storage import CorruptArtifactError, latest_committed, list_attempts, open_storage
 from schemas import read_parquet, write_parquet
+from schemas.files import OPTIONAL_TABLES
 from stages import STAGES, StageError, stage_function
 
 
@@ -74,6 +75,8 @@ def test_counts_match_committed_parquet(run):
         "carried": 0,
         "rewards": 1,
         "advantages": 1,
+        "teacher": 0,  # these two only with a teacher section (tests/test_teacher.py)
+        "token_advantages": 0,
         "logprobs": 1,
         "learn_metrics": 1,
         "eval": 1,
@@ -81,7 +84,7 @@ def test_counts_match_committed_parquet(run):
     con = connect(run, "q")
     for view, uris in files.items():
         expected = sum(num_rows(run, u) for u in uris)
-        assert expected > 0 or view in ("draws", "turns", "episodes", "segments", "carried")
+        assert expected > 0 or view in OPTIONAL_TABLES + ("teacher",)
         assert con.execute(f'SELECT count(*) FROM "{view}"').fetchall() == [(expected,)], view
     assert con.execute("SELECT iteration, count(*) FROM rollouts GROUP BY 1 ORDER BY 1").fetchall() == [
         (0, 64),
