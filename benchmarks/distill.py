@@ -1,0 +1,176 @@
+"""On-policy distillation (the `teacher` stage) against TRL's GKDTrainer at equal samples: a small student learns
+chat_math.py's word problems from a bigger teacher of the same tokenizer; prints the student's held-out greedy
+accuracy and its reverse KL to the teacher per iteration, then TRL's result at the same number of sampled
+completions, and both wall times.
+
+    .venv/bin/python benchmarks/distill.py [--iterations 8] [--teacher-steps 600] [--student-steps 100] [--seed 0]
+
+1. Problems, tokenizer and teacher as chat_math.py makes them: a Qwen2 model (hidden 128, 4 layers) with a BPE
+   tokenizer trained on the problems' texts, warm-started on the answer format for --teacher-steps supervised steps
+   (chat_math.warm_start; `grpo sft` is the pipeline's own warm start where it exists: --teacher-model takes a
+   folder made with it).
+2. The student: a smaller Qwen2 (hidden 64, 2 layers) with the very same tokenizer files, warm-started for only
+   --student-steps (the format, few sums). `grpo init` checks the two vocabularies agree.
+3. Ours: `teacher.mode=reverse_kl` (the per-token reverse KL as the advantage, no reward), 64 prompts x 4 samples an
+   iteration, grpo_clip, through the real stages. TRL: GKDTrainer with lmbda=1 (only the student's own samples) and
+   beta=1 (the reverse KL), batches of 32 prompts, one completion each, for as many steps as make the same number of
+   completions; same learning rate, temperature and max_new_tokens. Both students start from the same folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from chat_math import SYSTEM, accuracy, math_task, problem, solution, warm_start
+from timing import machine
+
+from grpo.config import load_config
+from grpo.record.storage import open_storage
+from grpo.runtime.quiet import quiet_libraries
+from grpo.runtime.threads import apply_threads
+from grpo.tiny_model import build_chat_model
+from stages.init import init_run
+from stages.iteration import run_warm
+from stages.prompts import held_out_split
+
+TEACHER = dict(vocab_size=600, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384)
+STUDENT = dict(vocab_size=600, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+
+
+def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, out: str) -> float:
+    """TRL's GKDTrainer on `rows` (chat messages), `steps` steps from `student`, saved to `out`: its wall seconds."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    tok = AutoTokenizer.from_pretrained(student)
+    data = Dataset.from_list([
+        {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]},
+                      {"role": "assistant", "content": solution(r)}]}
+        for r in rows
+    ])  # fmt: skip
+    config = GKDConfig(
+        output_dir=f"{out}-trainer",
+        lmbda=1.0,  # the student's own samples only, as every iteration here
+        beta=1.0,  # the reverse KL
+        temperature=1.0,
+        max_new_tokens=args.max_tokens,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=args.trl_batch,
+        max_steps=steps,
+        max_length=160,
+        logging_steps=max(steps // 8, 1),
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+    )
+    t0 = time.time()
+    trainer = GKDTrainer(
+        model=AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32),
+        teacher_model=AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32),
+        args=config,
+        train_dataset=data,
+        processing_class=tok,
+    )
+    trainer.train()
+    seconds = time.time() - t0
+    trainer.model.save_pretrained(out)
+    for name in Path(student).iterdir():  # the tokenizer and generation config beside the trained weights
+        if name.is_file() and not name.name.startswith("model") and not (Path(out) / name.name).exists():
+            shutil.copy(name, out)
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iterations", type=int, default=8)
+    p.add_argument("--problems", type=int, default=2000)
+    p.add_argument("--teacher-steps", type=int, default=600)
+    p.add_argument("--student-steps", type=int, default=100)
+    p.add_argument("--teacher-model", default=None, help="a warm-started teacher folder of this --seed's tokenizer")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--trl-batch", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", default=None)
+    args = p.parse_args()
+    quiet_libraries()
+    apply_threads()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    print(f"machine: {machine()}; {gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="grpo-distill-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    rows = list({r["question"]: r for r in (problem(rng, 9) for _ in range(args.problems))}.values())
+    pd.DataFrame(rows)[["question", "answer"]].to_parquet(work / "problems.parquet")
+    texts = [f"{SYSTEM} {r['question']} {r['answer']} {solution(r)}" for r in rows]
+    student0 = build_chat_model(str(work / "student0"), texts, max_position_embeddings=160, seed=args.seed, **STUDENT)
+    settings = [
+        "eval.split_fraction=0.2",
+        "eval.n_prompts=200",
+        "rollout.backend=hf",
+        f"rollout.prompts_per_iteration={args.prompts}",
+        f"rollout.group_size={args.group_size}",
+        f"rollout.max_tokens={args.max_tokens}",
+        f"learn.minibatch_size={args.prompts * args.group_size // 4}",
+        f"learn.microbatch_size={args.prompts * args.group_size // 4}",
+        f"learn.lr={args.lr}",
+        "learn.epochs=1",
+        "learn.lr_decay_steps=0",
+        "learn.mixed_precision=no",
+        f"eval.every={args.iterations}",  # the last iteration's only: the wall time is the training's, as TRL's
+        f"seed={args.seed}",
+    ]
+    cfg = load_config(None, [*math_task(student0, work / "problems.parquet"), *settings])
+    trained = {e.prompt for e in held_out_split(cfg)[0]}
+    train_rows = [r for r in rows if r["question"] in trained]  # warm starts and TRL see training problems only
+    t0 = time.time()
+    if args.teacher_model:
+        teacher = str(shutil.copytree(args.teacher_model, work / "teacher"))
+    else:
+        teacher = build_chat_model(str(work / "teacher"), texts, max_position_embeddings=160, seed=args.seed, **TEACHER)
+        warm_start(teacher, train_rows, args.teacher_steps, 3e-3, args.seed)
+    warm_start(student0, train_rows, args.student_steps, 3e-3, args.seed + 1)
+    print(
+        f"{len(train_rows)} training problems; teacher {accuracy(teacher, cfg):.3f} and student "
+        f"{accuracy(student0, cfg):.3f} held-out greedy accuracy after their warm starts ({time.time() - t0:.0f} s)",
+        flush=True,
+    )
+    ours = str(shutil.copytree(student0, work / "student-ours"))
+    cfg = load_config(None, [*math_task(ours, work / "problems.parquet"), *settings, f"teacher.model={teacher}"])
+    storage = open_storage(str(work / "storage"))
+    init_run(storage, "distill", cfg)
+    print(f"{'iter':>4} {'reverse KL':>10} {'accuracy':>8} {'seconds':>8}")
+    start, samples = time.time(), 0
+    for k, out in run_warm(storage, "distill", 0, args.iterations):
+        kl = out["teacher"].manifest.summary["reverse_kl"]
+        samples += out["rollouts"].manifest.summary["samples"]
+        acc = out["eval"].manifest.summary.get("exact_match")  # None: an eval eval.every skipped
+        shown = "" if acc is None else f"{acc:.3f}"
+        print(f"{k:>4} {kl:>10.4f} {shown:>8} {time.time() - start:>8.1f}", flush=True)
+    ours_s = time.time() - start
+    steps = samples // args.trl_batch
+    trl_s = trl_gkd(student0, teacher, train_rows, steps, args, str(work / "student-trl"))
+    trl_acc = accuracy(str(work / "student-trl"), cfg)
+    print(
+        f"{samples} sampled completions each: ours (teacher stage, reverse-KL advantage) accuracy {acc:.3f} in "
+        f"{ours_s:.0f} s; TRL GKDTrainer (lmbda=1, beta=1, {steps} steps of {args.trl_batch}) accuracy "
+        f"{trl_acc:.3f} in {trl_s:.0f} s; work {work}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
