@@ -52,6 +52,10 @@ def teacher(storage: Storage, run_id: str, iteration: int, force: bool = False) 
         picked = [route(cfg, row) for row in cols["row"]]
         out: list[dict | None] = [None] * table.num_rows
         device = devices.resolve(tcfg.device, "teacher.device")
+        if device.type == "cuda":  # the sampler sleeps (or closes) while the teacher has the GPU, as for learn
+            from grpo.sampling.engines import release_accelerator
+
+            release_accelerator(cfg.rollout.keep_engine)
         pins, done = {}, 0
         for spec, found in teachers.items():
             rows = [i for i, p in enumerate(picked) if p == spec]
@@ -73,7 +77,11 @@ def teacher(storage: Storage, run_id: str, iteration: int, force: bool = False) 
                     out[i] = {**s, "teacher": spec}
                 done += len(chunk)
                 progress(f"teacher {iteration}", done, table.num_rows)
-            del model
+            del model  # one teacher in memory at a time
+            if device.type == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
         rows_out = {k: cols[k] for k in ["run_id", "iteration", "prompt_id", "sample_index"]}
         for k in ["teacher", "teacher_logprobs", "topk_ids", "topk_logprobs", "topk_tail"]:
             rows_out[k] = [o[k] for o in out]

@@ -103,24 +103,31 @@ def load_model(folder: str, device):
 
 def scored_rows(model, prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]], top_k, device):
     """The teacher's float32 log-prob of every response token after its prompt and the tokens before it, one forward
-    of the right-padded sequences; 0.0 where the mask is 0. With top_k also, per masked token, the k most likely
-    ids, their log-probs and the probability mass outside them (the tail). Returns a list of dicts, one a row:
-    {teacher_logprobs, topk_ids, topk_logprobs, topk_tail} (the topk ones None without top_k)."""
+    of the left-padded sequences keeping the logits of the responses' positions only; 0.0 where the mask is 0. With
+    top_k also, per masked token, the k most likely ids, their log-probs and the probability mass outside them (the
+    tail). Returns a list of dicts, one a row: {teacher_logprobs, topk_ids, topk_logprobs, topk_tail} (the topk ones
+    None without top_k)."""
     import torch
 
     seqs = [p + r for p, r in zip(prompts, responses)]
-    width = max(map(len, seqs))
+    width, keep_last = max(map(len, seqs)), max(map(len, responses)) + 1
     ids = torch.zeros((len(seqs), width), dtype=torch.long)
     attn = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-    with torch.no_grad():
-        logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits  # (B, L, V)
+    for i, s in enumerate(seqs):  # left-padded: every response ends at the last column
+        ids[i, width - len(s) :] = torch.tensor(s)
+        attn[i, width - len(s) :] = 1
+    position_ids = (attn.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():  # (B, K, V): the last K positions only, K = the longest response + 1
+        logits = model(
+            input_ids=ids.to(device),
+            attention_mask=attn.to(device),
+            position_ids=position_ids.to(device),
+            logits_to_keep=keep_last,
+        ).logits
     out = []
-    for i, (p, r, m) in enumerate(zip(prompts, responses, masks)):
+    for i, (r, m) in enumerate(zip(responses, masks)):
         # position t's logits predict token t + 1: the response's tokens from the prompt's last position on
-        logp = torch.log_softmax(logits[i, len(p) - 1 : len(p) + len(r) - 1].float(), dim=-1)  # (R, V)
+        logp = torch.log_softmax(logits[i, keep_last - len(r) - 1 : keep_last - 1].float(), dim=-1)  # (R, V)
         keep = torch.tensor(m, dtype=torch.bool, device=logp.device)
         picked = logp.gather(-1, torch.tensor(r, device=logp.device)[:, None])[:, 0].masked_fill(~keep, 0.0)
         row = {"teacher_logprobs": picked.cpu().tolist(), "topk_ids": None, "topk_logprobs": None, "topk_tail": None}
