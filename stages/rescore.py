@@ -18,7 +18,7 @@ from grpo.record import reward_files
 from grpo.record.digests import sha256_local
 from grpo.record.fork import fork_config, fork_run
 from grpo.record.identity import config_hash
-from grpo.record.lineage import committed_input, next_iteration
+from grpo.record.lineage import next_iteration
 from grpo.record.storage import Storage
 from grpo.runtime.pool import WARM_POOLS
 from stages import advantages as advantages_stage
@@ -79,11 +79,7 @@ def check_rescore(storage: Storage, parent: str, first: int, last: int, override
             f"--iterations {first}:{last}: run {parent} has finished iterations 0..{done - 1} only "
             f"(`grpo status --run {parent}`)"
         )
-    if after.teacher is not None and teacher_stage.stage_config(before) != teacher_stage.stage_config(after):
-        from grpo.record.checkpoint import local_checkpoint  # the student's tokenizer: the parent's base model's
-        from grpo.scoring.teacher import check_teachers
-
-        check_teachers(after.teacher, local_checkpoint(committed_input(storage, parent, None, "base")))
+    teacher_stage.check_fork_teacher(storage, parent, before, after)  # another teacher: the student's tokenizer
     read = (rewards_stage.stage_config, advantages_stage.stage_config, teacher_stage.stage_config)
     if all(f(before) == f(after) for f in read) and not new_files(storage, parent, overrides):
         raise ConfigError(

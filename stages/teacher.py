@@ -117,6 +117,17 @@ def stage_config(cfg: RunConfig, teachers: dict | None = None) -> dict:
     return config
 
 
+def check_fork_teacher(storage: Storage, parent: str, before: RunConfig, after: RunConfig) -> None:
+    """A fork or rescore of `parent` that names another teacher (`after`'s): its tokenizer must be the student's, the
+    parent's base model's (grpo.scoring.teacher.check_teachers, one line naming teacher.model), before anything is
+    written."""
+    if after.teacher is None or stage_config(before) == stage_config(after):
+        return
+    from grpo.record.checkpoint import local_checkpoint
+
+    engine.check_teachers(after.teacher, local_checkpoint(committed_input(storage, parent, None, "base")))
+
+
 def route(cfg: RunConfig, row: str) -> str:
     """The teacher of a rollouts row (its `row`: the dataset's other columns, JSON): teacher.routes' model for its
     teacher.route_column value, else teacher.model.

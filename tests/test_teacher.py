@@ -149,6 +149,10 @@ def test_init_refuses_a_teacher_of_another_tokenizer_in_one_line(tmp_path):
 
 def test_a_rescore_with_another_teacher_samples_nothing(taught):
     storage, tmp, _ = taught
+    foreign = build_tiny_model(str(tmp / "foreign"), ["a", "b", "c"], **SHAPE)  # another vocabulary: refused first
+    with pytest.raises(ConfigError, match="its tokenizer's vocabulary"):
+        rescore(storage, "d", 0, 0, [f"teacher.model={foreign}"], "d3")
+    assert not storage.exists(run_json(storage, "d3"))
     other = teacher_folder(tmp / "teacher2", seed=11)
     rescore(storage, "d", 0, 0, [f"teacher.model={other}"], "d2")
     rollouts = [load_manifest(storage, a, verify=False)[0] for a in committed_attempts(storage, stage_dir(

@@ -7,8 +7,10 @@ from flows.commands.hints import grpo_command
 
 
 def cmd_fork(args, storage):
-    from grpo.record.fork import fork_run
+    from grpo.record.fork import fork_config, fork_run
+    from stages.teacher import check_fork_teacher
 
+    check_fork_teacher(storage, args.parent, *fork_config(storage, args.parent, args.set))  # another teacher's tokens
     forked = fork_run(storage, args.parent, args.at, args.run, args.set)
     print(
         f"run {args.run}: a fork of run {args.parent} at iteration {args.at}: {forked.attempts} committed attempts "
