@@ -779,6 +779,10 @@ class TeacherConfig:
     top_k: int | None = None
     """Also store, per loss token, the teacher's top_k most likely ids with their log-probs and the probability
     mass outside them (teacher.parquet's topk_* columns: what a top-k forward KL, GKD, reads); None: not stored."""
+    gkd_coef: float = 0.0
+    """Weight of GKD's top-k forward KL(teacher || student) per loss token (TRL GKDTrainer's beta=0 form over the
+    teacher's top_k tokens and the mass outside them), added to the policy-gradient loss; needs top_k and
+    learn.num_processes 1 (the learner runs a second forward for it). 0: off."""
     routes: dict = field(default_factory=dict)
     """Several teachers: {value of the dataset column `route_column`: teacher model (folder or hub id)}; a row whose
     value is not listed is scored by `model`. Each route's tokenizer is checked like `model`'s."""
@@ -794,6 +798,8 @@ class TeacherConfig:
             raise ConfigError("teacher.model: name the teacher (a folder or an HF hub id), or unset teacher")
         if not self.coef > 0:
             raise ConfigError(f"teacher.coef must be > 0, got {self.coef}")
+        if self.gkd_coef < 0 or (self.gkd_coef > 0 and self.top_k is None):
+            raise ConfigError(f"teacher.gkd_coef must be >= 0 and needs teacher.top_k set, got {self.gkd_coef}")
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"teacher.top_k must be >= 1 or null (not stored), got {self.top_k}")
         if self.batch_size < 1:
@@ -1204,6 +1210,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "task.prompt_format=text: episodes (rollout.tools, rollout.environment) render their prompts, tools and "
             "observations with the model's chat template; use auto or chat"
+        )
+    if cfg.teacher is not None and cfg.teacher.gkd_coef > 0 and lc.num_processes > 1:
+        raise ConfigError(
+            f"teacher.gkd_coef={cfg.teacher.gkd_coef} takes one learner process (its second forward is outside DDP); "
+            f"set learn.num_processes=1 or teacher.gkd_coef=0, got learn.num_processes={lc.num_processes}"
         )
     if cfg.teacher is not None and lc.loss_type in ("gspo", "naive"):
         raise ConfigError(

@@ -128,6 +128,25 @@ def teacher_advantages(
     return combine(reverse_kl, advantages).masked_fill(~loss_mask.bool(), 0.0)
 
 
+def topk_forward_kl(student_topk: Tensor, teacher_topk: Tensor, teacher_tail: Tensor, eps: float = 1e-8) -> Tensor:
+    """GKD's forward KL(teacher || student) per token over the teacher's top k tokens and the mass outside them:
+    sum_i p_T(i) (log p_T(i) - log p_S(i)) + tail_T (log tail_T - log tail_S), tail_S = 1 - sum_i p_S(i). Gradient
+    flows into the student's log-probs only.
+
+    student_topk, teacher_topk: (B, T, k) log-probs of the teacher's top k ids; teacher_tail: (B, T) -> (B, T).
+
+    >>> t, tail = torch.log(torch.tensor([[[0.5, 0.3]]])), torch.tensor([[0.2]])
+    >>> abs(topk_forward_kl(t, t, tail).item()) < 1e-6, topk_forward_kl(t - 1.0, t, tail).item() > 0
+    (True, True)
+    """
+    teacher_topk, teacher_tail = teacher_topk.detach(), teacher_tail.detach()
+    p_teacher = teacher_topk.exp()
+    head = (p_teacher * (teacher_topk - student_topk)).sum(-1)  # (B, T)
+    student_tail = (1.0 - student_topk.exp().sum(-1)).clamp_min(eps)
+    tail = torch.where(teacher_tail > 0, teacher_tail * (teacher_tail.clamp_min(eps).log() - student_tail.log()), 0.0)
+    return head + tail
+
+
 # ---------------------------------------------------------------- masking
 def linear_decay_lr(lr: float, step: int, decay_steps: int) -> float:
     """Learning rate of optimizer step `step` (0-based): lr decayed linearly to 0 over
@@ -514,6 +533,7 @@ class LossSpec:
     tis_cap: float = 2.0
     mis_bounds: tuple[float, float] = (0.0, 2.0)
     icepop_bounds: tuple[float, float] = (0.5, 5.0)
+    gkd_coef: float = 0.0  # the weight of topk_forward_kl's token mean, a term of its own (teacher.gkd_coef; 0: off)
 
     def __post_init__(self):
         _lookup(_PG_LOSSES, self.loss_type, "loss_type")

@@ -1,16 +1,14 @@
 """Stage 5: the GRPO update (grpo.learner) on an iteration's rollouts, writing the next policy checkpoint.
 
-This stage joins the rollouts with their advantages into a `Batch` of whole groups, frees the GPU of the sampler
-where they share it (vLLM sleeps, or closes: rollout.keep_engine; not where learn.device and rollout.device are
-apart: grpo/devices.py), runs the update and commits policy/ (or adapter/), the metrics of every step and the old
-(and reference) log-probs, so an audit can recompute every loss; the resume state (optimizer.pt, rng.pt,
-master.safetensors for a narrower-than-float32 base) follows in a commit of its own, off the critical path
-(grpo/record/resume.py). When the next iteration runs in the same process (flow `grpo` with `iterations` > 1) it
-takes the model, optimizer and reference from memory (`WARM`) instead, with the same result. The KL reference is
-the base model or, with learn.ref_update_every, an earlier iteration's committed snapshot (reference_source): a warm
-learner loads it when it moves, a cold one reads the same files. With rollout.staleness S >= 1 the update still
-starts from learn k - 1's policy (start_policy); the rollouts came from learn k - 1 - S's, which
-learn.behavior_correction corrects for.
+This stage joins the rollouts with their advantages into a `Batch` of whole groups, frees the GPU of the sampler where
+they share it (vLLM sleeps, or closes: rollout.keep_engine; not where learn.device and rollout.device are apart:
+grpo/devices.py), runs the update and commits policy/ (or adapter/), the metrics of every step and the old (and
+reference) log-probs, for audits; the resume state follows in a commit of its own, off the critical path
+(grpo/record/resume.py). When the next iteration runs in the same process it takes the model, optimizer and reference
+from memory (`WARM`) instead, with the same result. The KL reference is the base model or, with learn.ref_update_every,
+an earlier iteration's committed snapshot (reference_source): a warm learner loads it when it moves, a cold one reads
+the same files. With rollout.staleness S >= 1 the update still starts from learn k - 1's policy (start_policy); the
+rollouts came from learn k - 1 - S's, which learn.behavior_correction corrects for.
 
 One process runs in-process; `learn.num_processes > 1` runs the same code under torchrun (gloo on CPU, NCCL on GPUs;
 grpo/learner/launch.py), rank r taking every r-th group of each minibatch, on one machine or on learn.nodes machines
@@ -53,7 +51,7 @@ from grpo.record.lineage import check_chain, check_policy, committed_input, froz
 from grpo.record.storage import Committed, Storage
 from grpo.sampling.engines import release_accelerator
 from stages.common import StageError, load_run, measured, run_stage
-from stages.learn_data import load_batch
+from stages.learn_data import gkd_setting, load_batch
 
 log = logging.getLogger("grpo.stages")
 
@@ -73,6 +71,8 @@ def learn_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int) 
         "rollouts": committed_input(storage, run_id, iteration, "rollouts"),
         "advantages": committed_input(storage, run_id, iteration, "advantages"),
     }
+    if gkd_setting(cfg):  # GKD: the teacher's top-k per token (stages/teacher.py)
+        inputs["teacher"] = committed_input(storage, run_id, iteration, "teacher")
     if iteration > 0:
         inputs["previous"] = committed_input(storage, run_id, iteration - 1, "learn")
     if iteration > 0 and cfg.rollout.staleness and cfg.learn.lora is not None:  # start_policy: the base's weights
@@ -86,12 +86,12 @@ def stage_config(cfg: RunConfig) -> dict:
     """What the stage's identity covers: the seed and the learn section, less where its processes run
     (grpo.record.identity.LEARN_PLACEMENT: one node or several train the same update) and settings added later at
     their defaults."""
-    return {"seed": cfg.seed, "learn": section(cfg, "learn")}
+    return {"seed": cfg.seed, "learn": section(cfg, "learn")} | gkd_setting(cfg)
 
 
 def read_batch(storage: Storage, cfg: RunConfig, inputs: dict[str, Committed]) -> Batch:
     pad_id = tokenizer_and_config(inputs["snapshot"])[1].pad_token_id or 0
-    batch = load_batch(storage, inputs["rollouts"], inputs["advantages"], pad_id, cfg.rollout.group_size)
+    batch = load_batch(storage, inputs["rollouts"], inputs["advantages"], pad_id, cfg.rollout.group_size, inputs)
     if len(batch.response_ids) < cfg.learn.minibatch_size:
         raise StageError(
             f"learn: {len(batch.response_ids)} kept samples, fewer than learn.minibatch_size "

@@ -31,8 +31,11 @@ def _padded(column, rows: np.ndarray, fill, dtype, left: bool = False) -> tuple[
     return out, lengths
 
 
-def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_id: int, group_size: int) -> Batch:
-    """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups, whole."""
+def load_batch(
+    storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_id: int, group_size: int, inputs: dict = {}
+) -> Batch:
+    """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups, whole; with a `teacher` in
+    `inputs` (teacher.gkd_coef), its top-k ids, log-probs and tail per loss token too."""
     ro = read_parquet(
         storage.fs,
         rollouts_in.read_path(table_file("rollouts")),
@@ -85,7 +88,9 @@ def load_batch(storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_
     adv, reward = (ad.column(c).to_numpy()[kept][order] for c in ("advantage", "reward"))
     if table_file("token_advantages") in {f.path for f in adv_in.manifest.files}:  # a teacher's: (N, T) per token
         adv = token_advantages(storage, adv_in, ad_key, width, responses.shape[1])
+    topk = {} if "teacher" not in inputs else teacher_topk(storage, inputs["teacher"], ad_key, width, loss_mask)
     return Batch(
+        **topk,
         prompt_ids=torch.from_numpy(prompts[::group_size].copy()),
         prompt_mask=torch.from_numpy(prompt_mask).long(),
         response_ids=torch.from_numpy(responses),
@@ -111,6 +116,31 @@ def token_advantages(storage: Storage, adv_in: Committed, keys: np.ndarray, widt
         raise StageError(f"{adv_in.uri}: token_advantages.parquet lacks a kept sample")
     out, _ = _padded(ta.column("token_advantage"), rows, 0.0, np.float32)
     return np.pad(out, ((0, 0), (0, max(tokens - out.shape[1], 0))))[:, :tokens]
+
+
+def gkd_setting(cfg) -> dict:
+    """{"gkd_coef": teacher.gkd_coef} where GKD's term is on (the learn stage's identity and inputs then cover the
+    teacher), else {}: runs without it keep their identity."""
+    return {"gkd_coef": cfg.teacher.gkd_coef} if cfg.teacher is not None and cfg.teacher.gkd_coef > 0 else {}
+
+
+def teacher_topk(storage: Storage, teacher_in: Committed, keys: np.ndarray, width: int, loss_mask: np.ndarray) -> dict:
+    """Batch's topk_ids, topk_logprobs (N, T, k) and topk_tail (N, T) of the samples `keys` from teacher.parquet, each
+    loss token's at its place (0 elsewhere: no loss there)."""
+    te = read_parquet(storage.fs, teacher_in.read_path(table_file("teacher")), "teacher")
+    te_key = te.column("prompt_id").to_numpy() * width + te.column("sample_index").to_numpy()
+    at = {int(k): i for i, k in enumerate(te_key)}
+    ids, lps, tails = (te.column(c).to_pylist() for c in ("topk_ids", "topk_logprobs", "topk_tail"))
+    n, t = loss_mask.shape
+    k = len(next((x[0] for x in ids if x), [0]))
+    out_ids, out_lp, out_tail = np.zeros((n, t, k), np.int64), np.zeros((n, t, k), np.float32), np.zeros((n, t))
+    for row, key in enumerate(keys.tolist()):
+        if key not in at or ids[at[key]] is None:
+            raise StageError(f"{teacher_in.uri}: teacher.parquet has no top-k for a kept sample (teacher.top_k unset?)")
+        where = np.flatnonzero(loss_mask[row] > 0)  # the loss tokens, in order: one top-k row each
+        out_ids[row, where], out_lp[row, where], out_tail[row, where] = ids[at[key]], lps[at[key]], tails[at[key]]
+    return {"topk_ids": torch.from_numpy(out_ids), "topk_logprobs": torch.from_numpy(out_lp),
+            "topk_tail": torch.from_numpy(out_tail).float()}  # fmt: skip
 
 
 def token_versions(ro, take: np.ndarray, lengths: np.ndarray, width: int, uri: str) -> np.ndarray:

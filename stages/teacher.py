@@ -30,6 +30,7 @@ from schemas import read_parquet, table_file, write_parquet
 from stages.common import StageError, load_run, measured, run_stage
 
 log = logging.getLogger("grpo.stages")
+SCORING = ("model", "revision", "top_k", "routes", "route_column")  # the teacher settings the stage's output depends on
 COLUMNS = ["run_id", "iteration", "prompt_id", "sample_index", "prompt_ids", "response_ids", "loss_mask", "row"]
 
 
@@ -107,11 +108,12 @@ def teacher(storage: Storage, run_id: str, iteration: int, force: bool = False) 
 
 
 def stage_config(cfg: RunConfig, teachers: dict | None = None) -> dict:
-    """What the stage's identity covers: the teacher section (less where and in what batches it runs) and, once
+    """What the stage's identity covers: the teacher settings of what it scores (SCORING: not how advantages and the
+    learner use it, nor where and in what batches it runs) and, once
     resolved, each teacher's pinned revision, so changed teacher files make a new attempt ({}: no teacher)."""
     if cfg.teacher is None:
         return {}
-    config = {"teacher": section(cfg, "teacher")}
+    config = {"teacher": {k: v for k, v in section(cfg, "teacher").items() if k in SCORING}}
     if teachers is not None:
         config["revisions"] = {spec: t.revision for spec, t in sorted(teachers.items())}
     return config

@@ -3,7 +3,9 @@ committed ids, the per-token reverse-KL advantages by hand, the learner's loss w
 iteration end to end, a teacher of another tokenizer refused at init, a rescore with another teacher that samples
 nothing, staleness, and a student whose reverse KL to its teacher falls."""
 
+import contextlib
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -50,11 +52,15 @@ def frame(committed, name: str) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def taught(tmp_path_factory):
-    """A run distilled from a fixed teacher (mode add, top-k stored), one iteration committed."""
+    """A run distilled from a fixed teacher (mode add, top-k stored and trained on: GKD), one iteration committed."""
     tmp = tmp_path_factory.mktemp("teacher")
     storage = open_storage((tmp / "store").as_uri())
     extra = [f"teacher.model={teacher_folder(tmp / 'teacher')}", "teacher.mode=add", "teacher.coef=0.5"]
-    init_run(storage, "d", load_config(None, TINY + extra + ["teacher.top_k=3", "teacher.batch_size=3"]))
+    init_run(
+        storage,
+        "d",
+        load_config(None, TINY + extra + ["teacher.top_k=3", "teacher.batch_size=3", "teacher.gkd_coef=0.5"]),
+    )
     return storage, tmp, run_iteration(storage, "d", 0)
 
 
@@ -91,6 +97,21 @@ def test_token_advantages_are_the_reverse_kl_plus_the_group_advantage(taught):
         want = [a.advantage - 0.5 * (s - lt) for s, lt in zip(r.sampler_logprobs, t.teacher_logprobs)]
         assert tok.token_advantage == pytest.approx(want, abs=1e-5)
     assert out["learn"].manifest.inputs["advantages"] == out["advantages"].ref()
+    assert out["learn"].manifest.inputs["teacher"] == out["teacher"].ref()  # GKD's top-k (teacher.gkd_coef)
+    assert 0 < out["learn"].manifest.summary["gkd_kl"] < 50
+
+
+def test_gkd_top_k_forward_kl_by_hand():
+    student = torch.log(torch.tensor([[[0.4, 0.2], [0.7, 0.1]]]))  # (1, 2, 2): two tokens, top 2
+    teacher = torch.log(torch.tensor([[[0.5, 0.3], [0.6, 0.3]]]))
+    tail = torch.tensor([[0.2, 0.1]])
+    want = [
+        0.5 * math.log(0.5 / 0.4) + 0.3 * math.log(0.3 / 0.2) + 0.2 * math.log(0.2 / 0.4),
+        0.6 * math.log(0.6 / 0.7) + 0.3 * math.log(0.3 / 0.1) + 0.1 * math.log(0.1 / 0.2),
+    ]
+    assert core.topk_forward_kl(student, teacher, tail)[0].tolist() == pytest.approx(want, abs=1e-6)
+    with pytest.raises(ConfigError, match="teacher.gkd_coef must be >= 0 and needs teacher.top_k"):
+        load_config(None, ["teacher.model=t", "teacher.gkd_coef=1"])
 
 
 def test_teacher_advantages_by_hand():
@@ -225,3 +246,39 @@ def test_several_teachers_routed_by_a_dataset_column(tmp_path):
         want = [logp[len(r.prompt_ids) + j - 1, tok].item() for j, tok in enumerate(r.response_ids)]
         assert t.teacher_logprobs == pytest.approx(want, abs=1e-5)
     assert set(out.manifest.summary["teachers"]) == {first, second}
+
+
+def test_gkd_step_is_the_forward_kl_of_a_plain_forward_over_the_teachers_top_k(taught):
+    """The learner's GKD term on the committed batch (load_batch: rollouts, token advantages, the teacher's top-k) with
+    the base model as the student: the token mean of topk_forward_kl, the student's log-probs from one unpadded
+    forward a sample."""
+    from types import SimpleNamespace
+
+    from grpo.learner.loop import gkd_step
+    from grpo.record.checkpoint import local_checkpoint
+    from grpo.record.lineage import committed_input
+    from stages.learn_data import load_batch
+
+    storage, _, out = taught
+    batch = load_batch(storage, out["rollouts"], out["advantages"], 0, 4, {"teacher": out["teacher"]})
+    student = AutoModelForCausalLM.from_pretrained(
+        local_checkpoint(committed_input(storage, "d", None, "base")), dtype=torch.float32
+    )
+    groups = torch.tensor([0, 1])
+    rows = batch.rows(groups)
+    got = gkd_step(
+        SimpleNamespace(causal=student), batch, groups, batch.loss_mask[rows], 1.0, 1, contextlib.nullcontext
+    )
+    total, n = 0.0, 0
+    for r in rows.tolist():
+        prompt = batch.prompt_ids[r // 4][batch.prompt_mask[r // 4].bool()]
+        length = int(batch.response_mask[r].sum())
+        with torch.no_grad():
+            logits = student(torch.cat([prompt, batch.response_ids[r, :length]])[None]).logits[0]
+        logp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + length], -1)  # (L, V)
+        for t in range(length):
+            if batch.loss_mask[r, t]:
+                s = logp[t, batch.topk_ids[r, t]][None, None]
+                kl = core.topk_forward_kl(s, batch.topk_logprobs[r, t][None, None], batch.topk_tail[r, t][None, None])
+                total, n = total + kl.item(), n + 1
+    assert got.item() == pytest.approx(total / n, abs=1e-5)

@@ -33,6 +33,11 @@ class Batch:
     group_size: int
     prompt_id: list[int]  # (N,) the keys of each sample, for the log-probs table
     sample_index: list[int]
+    # teacher.gkd_coef: the teacher's top k ids and log-probs (N, T, k) and the mass outside them (N, T) on each loss
+    # token (stages/teacher.py); None without GKD
+    topk_ids: Tensor | None = None
+    topk_logprobs: Tensor | None = None
+    topk_tail: Tensor | None = None
 
     def to(self, device) -> Batch:
         return dataclasses.replace(

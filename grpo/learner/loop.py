@@ -80,6 +80,8 @@ def minibatch_step(
         )
         metrics["loss/total"] = loss.detach() * accum
         metrics["actor/entropy"] = core.masked_mean(entropy, mask)
+        if spec.gkd_coef > 0 and batch.topk_ids is not None:  # GKD: a second forward, its own backward
+            metrics["loss/gkd"] = gkd_step(model, batch, mb_groups, mask, spec.gkd_coef, accum, autocast)
         for k, v in metrics.items():
             v = torch.as_tensor(v).detach().double()
             reduce = _EXTREMES.get(k.rsplit("_", 1)[-1])
@@ -91,6 +93,25 @@ def minibatch_step(
 
 
 _EXTREMES = {"max": torch.maximum, "min": torch.minimum}  # metric key suffix -> how microbatches combine
+
+
+def gkd_step(model, batch: Batch, groups: Tensor, mask: Tensor, coef: float, accum: int, autocast) -> Tensor:
+    """GKD's term on the microbatch of `groups` (teacher.gkd_coef): the student's log-probs of the teacher's top-k ids
+    at every response position (one forward over prompt + response), the forward KL to the teacher there
+    (grpo.core.topk_forward_kl), its token mean over `mask` (R, T) times coef / accum, backward. Returns the mean."""
+    rows, g = batch.rows(groups), batch.group_size
+    causal = getattr(model, "module", model).causal
+    prompt, prompt_mask = batch.prompt_ids[groups].repeat_interleave(g, 0), batch.prompt_mask[groups]
+    ids = torch.cat([prompt, batch.response_ids[rows]], 1)
+    attend = torch.cat([prompt_mask.repeat_interleave(g, 0), batch.response_mask[rows].long()], 1)
+    with autocast():
+        logits = causal(input_ids=ids, attention_mask=attend, position_ids=(attend.cumsum(1) - 1).clamp_min(0)).logits
+    width = prompt.shape[1]
+    logp = torch.log_softmax(logits[:, width - 1 : width - 1 + batch.response_ids.shape[1]].float(), -1)  # (R, T, V)
+    student = logp.gather(-1, batch.topk_ids[rows])  # (R, T, k)
+    kl = core.masked_mean(core.topk_forward_kl(student, batch.topk_logprobs[rows], batch.topk_tail[rows]), mask)
+    (kl * coef / accum).backward()
+    return kl.detach()
 
 
 def split_microbatches(batch: Batch, groups: Tensor, lcfg: LearnConfig, world: int) -> list[list[Tensor]]:
@@ -202,7 +223,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     model.train()
 
     accum = max(1, lcfg.minibatch_size // world // lcfg.process_microbatch)
-    rows, step = [], 0
+    rows, step, gkd = [], 0, []
     for epoch in range(lcfg.epochs):
         if epoch:
             order = torch.randperm(n_groups, generator=learner.shuffle).to(learner.device)
@@ -249,6 +270,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
             opt.zero_grad(set_to_none=True)
             update_s += time.perf_counter() - t0
             rows.append(_metric_row(run_id, iteration, step, epoch, m, grad_norm, lr, n_tok, gap))
+            gkd += [m["loss/gkd"]] if "loss/gkd" in m else []
             step += 1
             if acc.is_main_process:
                 progress(f"learn {iteration}", step, lcfg.epochs * (n_groups // per_step), "steps")
@@ -284,6 +306,8 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
         "update_s": update_s,
         "tokens": sum(r["n_tokens"] for r in rows),
     }
+    if gkd:  # teacher.gkd_coef: the mean over the steps of GKD's top-k forward KL
+        summary["gkd_kl"] = sum(gkd) / len(gkd)
     cpu = Scores(
         scores.old_logprobs.float().cpu(), None if scores.ref_logprobs is None else scores.ref_logprobs.float().cpu()
     )

@@ -16,8 +16,8 @@ from grpo.learner.batch import Batch
 
 
 def loss_spec(cfg: RunConfig) -> core.LossSpec:
-    """The run's loss: variant names and plain floats of learn.*, and rollout.max_tokens (the response budget,
-    seq_mean_token_sum_norm's constant divisor)."""
+    """The run's loss: variant names and plain floats of learn.*, rollout.max_tokens (the response budget,
+    seq_mean_token_sum_norm's constant divisor) and teacher.gkd_coef (GKD's term)."""
     lcfg = cfg.learn
     return core.LossSpec(
         loss_type=lcfg.loss_type,
@@ -33,6 +33,7 @@ def loss_spec(cfg: RunConfig) -> core.LossSpec:
         tis_cap=lcfg.tis_cap,
         mis_bounds=lcfg.mis_bounds,
         icepop_bounds=lcfg.icepop_bounds,
+        gkd_coef=0.0 if cfg.teacher is None else cfg.teacher.gkd_coef,
     )
 
 

@@ -45,7 +45,7 @@ IDENTITY_FIELDS = {
         "logprob_chunk", "max_logprob_gap", "lora", "sharding",
     ),
     "eval": ("n_prompts", "seed", "dataset", "split_fraction", "samples_per_prompt"),
-    "teacher": ("model", "revision", "mode", "coef", "top_k", "routes", "route_column"),
+    "teacher": ("model", "revision", "mode", "coef", "top_k", "gkd_coef", "routes", "route_column"),
 }  # fmt: skip
 """Per section, the fields every identity reading it has covered since runs were first committed."""
 
