@@ -430,7 +430,8 @@ def test_each_loss_variant_trains(storage, extra):
 
 @pytest.mark.precision_pinned
 def test_the_loss_spec_carries_every_loss_setting_of_the_config():
-    """loss_spec: each LossSpec field from its learn.* setting (rollout.max_tokens for Dr.GRPO's divisor); a field
+    """loss_spec: each LossSpec field from its learn.* setting (rollout.max_tokens for Dr.GRPO's divisor,
+    teacher.gkd_coef for GKD's term); a field
     added to LossSpec and not mapped here fails."""
     settings = {
         "loss_type": "gspo", "agg_mode": "token_mean", "clip_eps": 0.1, "clip_eps_high": 0.3, "dual_clip_c": 3.0,
@@ -439,7 +440,9 @@ def test_the_loss_spec_carries_every_loss_setting_of_the_config():
     }  # fmt: skip
     overrides = [f"learn.{k}={list(v) if isinstance(v, tuple) else v}".replace(" ", "") for k, v in settings.items()]
     spec = loss_spec(load_config(None, overrides + ["rollout.max_tokens=7"]))
-    assert dataclasses.asdict(spec) == {**settings, "max_tokens": 7}
+    assert dataclasses.asdict(spec) == {**settings, "max_tokens": 7, "gkd_coef": 0.0}
+    gkd = ["teacher.model=t", "teacher.top_k=2", "teacher.gkd_coef=0.5"]  # teacher.gkd_coef: GKD's term
+    assert loss_spec(load_config(None, gkd)).gkd_coef == 0.5
 
 
 @pytest.mark.precision_pinned
