@@ -105,6 +105,8 @@ def main() -> None:
     p.add_argument("--trl-batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None)
+    p.add_argument("--set", action="append", default=[], help="settings of our run (e.g. teacher.gkd_coef=1)")
+    p.add_argument("--skip-trl", action="store_true", help="our run only (another --set against the same TRL run)")
     args = p.parse_args()
     quiet_libraries()
     apply_threads()
@@ -149,7 +151,9 @@ def main() -> None:
         flush=True,
     )
     ours = str(shutil.copytree(student0, work / "student-ours"))
-    cfg = load_config(None, [*math_task(ours, work / "problems.parquet"), *settings, f"teacher.model={teacher}"])
+    cfg = load_config(
+        None, [*math_task(ours, work / "problems.parquet"), *settings, f"teacher.model={teacher}", *args.set]
+    )
     storage = open_storage(str(work / "storage"))
     init_run(storage, "distill", cfg)
     print(f"{'iter':>4} {'reverse KL':>10} {'accuracy':>8} {'seconds':>8}")
@@ -161,6 +165,9 @@ def main() -> None:
         shown = "" if acc is None else f"{acc:.3f}"
         print(f"{k:>4} {kl:>10.4f} {shown:>8} {time.time() - start:>8.1f}", flush=True)
     ours_s = time.time() - start
+    print(f"{samples} sampled completions: ours ({' '.join(args.set) or 'reverse KL'}) {acc:.3f} in {ours_s:.0f} s")
+    if args.skip_trl:
+        return
     steps = samples // args.trl_batch
     trl_s = trl_gkd(student0, teacher, train_rows, steps, args, str(work / "student-trl"))
     trl_acc = accuracy(str(work / "student-trl"), cfg)
