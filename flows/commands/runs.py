@@ -85,6 +85,21 @@ def cmd_run(args, storage):
         print(newest)
 
 
+def cmd_sft(args, storage):
+    from stages.sft import gate_problem, sft
+
+    started = dt.datetime.now(dt.timezone.utc)
+    committed = sft(storage, args.run, force=args.force)
+    if dt.datetime.fromisoformat(committed.manifest.committed_at) < started:  # found with the same identity
+        print(f"sft: already committed ({committed.uri}): nothing to do; --force for a new attempt")
+    else:
+        print(f"sft: committed {committed.uri}\n{summary_lines(committed.manifest.summary)}")
+    from stages.common import load_run
+
+    if problem := gate_problem(load_run(storage, args.run), committed):
+        raise StageError(problem.replace("RUN", args.run))
+
+
 def cmd_demo(args, storage):
     from stages.init import init_run
 
