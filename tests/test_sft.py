@@ -160,3 +160,21 @@ def test_grpo_sft_warm_starts_iteration_0_from_a_messages_dataset(world, tmp_pat
     assert "/w/sft/attempt-" in learn.inputs["reference"].uri  # the SFT model is the KL reference (full fine-tuning)
     assert main(["--storage", storage_url, "sft", "--run", "w"]) == 0  # committed: nothing to do
     assert "already committed" in capsys.readouterr().out
+
+
+def test_the_gate_stops_grpo_in_one_line_giving_the_figure(world, tmp_path, capsys):
+    """One turn an episode (rollout.max_turns=1): no tool answer ever comes, so `tool_turns`, the component that
+    counts as correct here, is 0 for every sample: pass@2 is 0, whatever the model samples."""
+    from flows.cli import main
+
+    storage = str(tmp_path / "storage")
+    rewards = world / "rewards.py"
+    extra = ["rollout.max_tokens=30", "rollout.max_turns=1"]
+    extra += [f"reward.functions=[{rewards}:tool_turns,{rewards}:answered]"]
+    sets = [f"--set={s}" for s in tool_world.config(world, *extra, "eval.correct=tool_turns")]
+    sets += [f"--set=sft.dataset={world / 'conversations.jsonl'}", "--set=sft.steps=2", "--set=sft.gate_k=2"]
+    assert main(["--storage", storage, "init", "--run", "g", *sets, "--set=sft.gate_pass_at_k=0.5"]) == 0
+    assert main(["--storage", storage, "run", "--run", "g", "--iterations", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "held-out pass@2 0 is below sft.gate_pass_at_k=0.5; GRPO not started" in err and "iteration" not in err
+    assert not (tmp_path / "storage/runs/g/iter-0000").exists()  # nothing of GRPO ran

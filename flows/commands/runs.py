@@ -61,6 +61,10 @@ def summary_lines(summary: dict, indent: str = "  ") -> str:
 def train(storage, run_id: str, start: int, iterations: int, target: float | None = None) -> int | None:
     """Run iterations start.. warm, one line each (eval exact `-` where eval.every skipped it); stop early once
     eval's exact match reaches `target`. Returns the iteration that reached it (None: not reached, or no target)."""
+    if iterations > 0:  # the warm start the config sets (sft), made where none is committed, and its gate: first
+        from stages.sft import warm_start
+
+        warm_start(storage, run_id)
     t0 = time.perf_counter()
     print(f"{'iteration':>9}  {'reward':>6}  {'eval exact':>10}  {'elapsed s':>9}", flush=True)
     for k, out in run_warm(storage, run_id, start, iterations):
