@@ -36,7 +36,7 @@ from grpo.record.lineage import committed_input
 from grpo.record.storage import Committed, Storage, committed_attempts, latest_committed
 from schemas import read_parquet, table_file, write_parquet
 from stages.common import StageError, load_run, measured, run_stage
-from stages.sft_sources import Conversation, conversations
+from stages.sft_sources import Conversation, source
 
 STAGE = "sft"
 
@@ -59,14 +59,15 @@ def sft(storage: Storage, run_id: str, iteration: int | None = None, force: bool
     inputs = {"base": committed_input(storage, run_id, None, "base")}
     if cfg.sft.gate_pass_at_k is not None and cfg.reward.functions:  # the gate scores with the run's reward files
         inputs |= reward_files.holder_input(storage, run_id)
-    try:
-        rows, pinned, read = conversations(storage, cfg, run_id, inputs["base"])
-    except DatasetError as e:
-        raise ConfigError(str(e)) from e
+    pinned, read, load = source(storage, cfg, run_id, inputs["base"])
     inputs |= read  # a history query's committed attempts
     left: dict = {}
 
     def body(writer) -> dict:
+        try:
+            rows = load()
+        except DatasetError as e:
+            raise ConfigError(str(e)) from e
         local = is_local(storage.fs)
         out_dir = writer.attempt_dir if local else staging_folder()
         left["made"] = None if local else out_dir
@@ -93,7 +94,6 @@ def train(storage, cfg: RunConfig, run_id: str, inputs: dict, rows: list[Convers
     """Tokenize the conversations as episodes, train the run's learner on them from the base, and write into out_dir
     the policy, sft.parquet and metrics.parquet. Returns the summary."""
     from grpo.episodes.chat import with_thinking
-    from grpo.episodes.transcripts import conversation_episode
     from grpo.learner import launch
     from grpo.learner.rank import new_learner, train_and_save
     from grpo.learner.sft import WARM_START_ITERATION, conversation_batch, conversation_order, sft_run_config
@@ -106,17 +106,14 @@ def train(storage, cfg: RunConfig, run_id: str, inputs: dict, rows: list[Convers
     turn_ends = [tokenizer.decode([i], skip_special_tokens=False) for i in stop_token_ids(tokenizer, base_dir)]
     tokens, truncated = [], []
     for c in rows:
-        try:
-            e = conversation_episode(tokenizer, c.messages, c.tools, turn_ends, c.where)
-        except DatasetError as err:
-            raise StageError(str(err)) from err
-        room = s.max_tokens - len(e.prompt_ids)
+        prompt, response, mask = c.tokens or episode_tokens(tokenizer, c, turn_ends)
+        room = s.max_tokens - len(prompt)
         if room < 1:
-            raise StageError(
-                f"{c.where}: its prompt alone is {len(e.prompt_ids)} tokens, sft.max_tokens={s.max_tokens}"
-            )
-        tokens.append((e.prompt_ids, e.response_ids[:room], e.loss_mask[:room]))
-        truncated.append(len(e.response_ids) > room)
+            raise StageError(f"{c.where}: its prompt is {len(prompt)} tokens; sft.max_tokens={s.max_tokens}")
+        tokens.append((list(prompt), list(response[:room]), list(mask[:room])))
+        truncated.append(len(response) > room)
+    if not rows:
+        raise StageError(f"sft: no conversations to train on (sft.source={s.source})")
     order = conversation_order(
         len(rows), s.steps, s.epochs, s.minibatch_size, iteration_seed(cfg.seed, -1, Salt.PROMPTS)
     )
@@ -169,6 +166,17 @@ def train(storage, cfg: RunConfig, run_id: str, inputs: dict, rows: list[Convers
         **{k: summary[k] for k in keep if k in summary},
         "world_size": summary.get("world_size"),
     }
+
+
+def episode_tokens(tokenizer, c: Conversation, turn_ends: list[str]) -> tuple[list[int], list[int], list[int]]:
+    """A written conversation's ids and loss mask, as an episode's (grpo.episodes.transcripts)."""
+    from grpo.episodes.transcripts import conversation_episode
+
+    try:
+        e = conversation_episode(tokenizer, c.messages, c.tools, turn_ends, c.where)
+    except DatasetError as err:
+        raise StageError(str(err)) from err
+    return e.prompt_ids, e.response_ids, e.loss_mask
 
 
 def _disk():

@@ -137,7 +137,8 @@ def test_the_gate_lets_grpo_start_only_at_or_above_its_figure():
 def test_grpo_sft_warm_starts_iteration_0_from_a_messages_dataset(world, tmp_path, capsys):
     from flows.cli import main
     from grpo.query import query
-    from grpo.record.storage import open_storage
+    from grpo.record.layout import stage_dir
+    from grpo.record.storage import latest_committed, open_storage
     from stages.iteration import run_warm
     from stages.snapshot import snapshot
 
@@ -160,6 +161,25 @@ def test_grpo_sft_warm_starts_iteration_0_from_a_messages_dataset(world, tmp_pat
     assert "/w/sft/attempt-" in learn.inputs["reference"].uri  # the SFT model is the KL reference (full fine-tuning)
     assert main(["--storage", storage_url, "sft", "--run", "w"]) == 0  # committed: nothing to do
     assert "already committed" in capsys.readouterr().out
+    # the history source: the rows a query selects from run w's iteration 0, their ids and mask as sampled
+    picked = "SELECT iteration, prompt_id, sample_index FROM rollouts WHERE sample_index < 2"
+    history = [*sets[:-3], "--set=sft.source=history", "--set=sft.history_run=w", f"--set=sft.history_sql={picked}"]
+    assert main(["--storage", storage_url, "init", "--run", "h", *history, "--set=sft.steps=1"]) == 0
+    assert main(["--storage", storage_url, "sft", "--run", "h"]) == 0
+    sampled = query(storage, "w", "SELECT prompt_ids, response_ids, loss_mask FROM rollouts WHERE sample_index < 2 "
+                    "ORDER BY prompt_id, sample_index")  # fmt: skip
+    trained = query(storage, "h", "SELECT prompt_ids, response_ids, loss_mask FROM sft ORDER BY conversation")
+    assert [list(map(list, r)) for r in sampled.itertuples(index=False)] == [
+        list(map(list, r)) for r in trained.itertuples(index=False)
+    ]
+    made = latest_committed(storage, stage_dir(storage, "h", None, "sft")).manifest
+    assert "history-0" in made.inputs and made.config["read"]["sql"] == picked  # what it read, pinned
+    # the teacher source: the model's own episodes on the run's prompts (a teacher of the same tokenizer)
+    teacher = ["--set=sft.source=teacher", f"--set=sft.teacher={world / 'model'}", "--set=sft.prompts=2"]
+    assert main(["--storage", storage_url, "init", "--run", "t", *sets[:-3], *teacher, "--set=sft.steps=1"]) == 0
+    assert main(["--storage", storage_url, "sft", "--run", "t"]) == 0
+    rows = query(storage, "t", "SELECT source, origin, loss_mask FROM sft")
+    assert len(rows) == 2 and set(rows.source) == {"teacher"} and all(1 in m for m in rows.loss_mask)
 
 
 def test_the_gate_stops_grpo_in_one_line_giving_the_figure(world, tmp_path, capsys):
