@@ -14,7 +14,9 @@ phase (one scorer for both: chat_math.accuracy) and each side's wall time.
    reward (math-verify), no KL, 2 epochs of 64-sample minibatches, lr 3e-4 decayed linearly to 0 over the run,
    float32, transformers sampling on both sides. grpo-flow from its warm start's policy; TRL's GRPOTrainer from
    its SFTTrainer's model.
-Wall time: from the warm start's start to GRPO's last step (grpo-flow's evals in its iterations count, TRL has none).
+AdamW betas (0.9, 0.99) in both phases on both sides (the recipe's learn.betas, which `grpo sft` trains with).
+Wall time: each phase from its start to its last step (grpo-flow's warm start includes its run's identity checks, its
+GRPO the one eval the run commits at its end; TRL has none).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def trl(work: Path, model: str, cfg, train_rows: list[dict], args) -> dict:
     sft_args = SFTConfig(
         output_dir=str(work / "trl-sft"), per_device_train_batch_size=32, max_steps=args.sft_steps,
         learning_rate=args.sft_lr, lr_scheduler_type="constant", use_cpu=True, save_strategy="no", report_to="none",
-        logging_steps=max(1, args.sft_steps // 5), seed=args.seed, disable_tqdm=True, adam_beta2=0.999,
+        logging_steps=max(1, args.sft_steps // 5), seed=args.seed, disable_tqdm=True, adam_beta2=0.99,
     )  # fmt: skip
     sft = SFTTrainer(
         model=AutoModelForCausalLM.from_pretrained(model, dtype="float32"), args=sft_args, train_dataset=pairs,
