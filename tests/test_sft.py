@@ -199,6 +199,10 @@ def test_the_gate_stops_grpo_in_one_line_giving_the_figure(world, tmp_path, caps
     err = capsys.readouterr().err
     assert "held-out pass@2 0 is below sft.gate_pass_at_k=0.5; GRPO not started" in err and "iteration" not in err
     assert not (tmp_path / "storage/runs/g/iter-0000").exists()  # nothing of GRPO ran
+    from flows.tasks import warm_start  # the flow's task: the same line, its Failed state's, before iteration 0
+
+    state = warm_start.fn(storage, "g")
+    assert state.is_failed() and "held-out pass@2 0 is below sft.gate_pass_at_k=0.5" in state.message
 
 
 @pytest.mark.slow
