@@ -5,12 +5,12 @@
 
 1. Word problems (grpo/tasks/calculator.py): a one-digit number times a four-digit one, or their sum, numbers in
    words, which a model of this size cannot work out in its head; a seeded set is held out.
-2. A Qwen2 model built here (byte-level BPE, Qwen2.5's own chat template with tools), warm-started on transcripts:
-   `--tool-share` of them call `calculate` in Qwen's `<tool_call>{json}</tool_call>` format (`--op-noise` of
-   those with an operation drawn at random, not the sentence's) and say the calculator's "The answer is N."
-   again; the rest state the result straight away (which the model can only guess). By default every transcript
-   calls the tool with a random operation: the warm start calls it and picks the operation by chance, and GRPO
-   has to learn which operation each sentence asks for.
+2. A Qwen2 model built here (byte-level BPE, Qwen2.5's own chat template with tools), warm-started by `grpo sft` on
+   transcripts (a `messages` dataset, the assistant's turns trained): `--tool-share` of them call `calculate` in
+   Qwen's `<tool_call>{json}</tool_call>` format (`--op-noise` of those with an operation drawn at random, not the
+   sentence's) and say the calculator's "The answer is N." again; the rest state the result straight away (which
+   the model can only guess). By default every transcript calls the tool with a random operation: the warm start
+   calls it and picks the operation by chance, and GRPO has to learn which operation each sentence asks for.
 3. GRPO on both sides with the same model, environment class (`Calculator`, TRL's `environment_factory`
    contract, unchanged), reward (`correct_answer` + 0.5 x `correct_tool_use`), episodes per iteration,
    optimizer steps and learning rate; after every iteration the held-out problems are played greedily,
@@ -107,68 +107,61 @@ def make_world(root: Path, n: int, held: int, seed: int, vocab: int) -> tuple[st
     return model, train, test
 
 
-def transcript(tok, tools, row: dict, operation: str | None) -> tuple[list[int], list[int]]:
-    """A warm-start episode's ids and loss mask (1 on the assistant's tokens), built turn by turn as the
-    episode loop appends them: the prompt, then with an `operation` its call and the calculator's answer, and
-    "The answer is N." (the calculator's N, right or wrong; without a call the problem's, which the model can only
-    guess)."""
-    ids = tok.apply_chat_template(prompt_of(row), tools=tools, add_generation_prompt=True, return_dict=False)
-    mask, said = [0] * len(ids), f"The answer is {row['answer']}."
+def conversation(row: dict, operation: str | None) -> list[dict]:
+    """A warm-start transcript as chat messages (TRL's `messages` shape): the prompt, then with an `operation` its call
+    and the calculator's answer, and "The answer is N." (the calculator's N, right or wrong; without a call the
+    problem's, which the model can only guess)."""
+    said = f"The answer is {row['answer']}."
+    turns = prompt_of(row)
     if operation is not None:
-        turn = tok(call_text({**row, "operation": operation}) + tok.eos_token, add_special_tokens=False)["input_ids"]
         env = Calculator()
         env.reset(**row)
         said = env.calculate(operation)
-        obs = observation_ids(tok, "calculate", said)
-        ids, mask = ids + turn + obs, mask + [1] * len(turn) + [0] * len(obs)
-    last = tok(said + tok.eos_token, add_special_tokens=False)["input_ids"]
-    return ids + last, mask + [1] * len(last)
+        call = {"type": "function", "function": {"name": "calculate", "arguments": {"operation": operation}}}
+        turns += [{"role": "assistant", "content": "", "tool_calls": [call]}]
+        turns += [{"role": "tool", "name": "calculate", "content": said}]
+    return turns + [{"role": "assistant", "content": said}]
 
 
-def warm_start(
-    model_dir: str, rows: list[dict], steps: int, lr: float, tool_share: float, op_noise: float, seed: int
-) -> None:
-    """Supervised steps on transcripts, `tool_share` of them calling the calculator (`op_noise` of those with an
-    operation drawn at random, not the sentence's), loss on the assistant's tokens only; the model is saved in
-    place. The prompt's opening (system message and tools, ~85% of a transcript's tokens, the same in all) is
-    computed once a step and its keys and values shared by the batch: the same loss and gradients as whole
-    sequences, several times faster."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def transcript(tok, tools, row: dict, operation: str | None) -> tuple[list[int], list[int]]:
+    """A warm-start transcript's ids and loss mask (1 on the assistant's tokens) as `grpo sft` makes them
+    (grpo.episodes.transcripts: turn by turn, as the episode loop appends them)."""
+    from grpo.episodes.transcripts import conversation_episode
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tools, rng = tools_of(Calculator()), random.Random(seed)
-    examples = []
-    for r in rows:
-        operation = rng.choice(sorted(OPERATIONS)) if rng.random() < op_noise else r["operation"]
-        examples.append(transcript(tok, tools, r, operation if rng.random() < tool_share else None))
-    shared = examples[0][0][: len(os.path.commonprefix([ids for ids, _ in examples])) - 1]  # (P,)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 50))  # 50 steps up to lr, then lr
-    model.train()
-    for step in range(steps):
-        batch = [(ids[len(shared) :], mask[len(shared) :]) for ids, mask in rng.sample(examples, 16)]
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.full((len(batch), width), tok.pad_token_id)  # (B, T)
-        labels = torch.full((len(batch), width), -100)
-        attention = torch.zeros((len(batch), len(shared) + width), dtype=torch.long)  # (B, P + T)
-        for i, (x, m) in enumerate(batch):
-            ids[i, : len(x)] = torch.tensor(x)
-            labels[i, : len(x)] = torch.tensor([t if keep else -100 for t, keep in zip(x, m)])
-            attention[i, : len(shared) + len(x)] = 1
-        cache = model(input_ids=torch.tensor([shared]), use_cache=True).past_key_values
-        cache.batch_repeat_interleave(len(batch))
-        logits = model(input_ids=ids, attention_mask=attention, past_key_values=cache).logits  # (B, T, V)
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+    e = conversation_episode(tok, conversation(row, operation), tools, [tok.eos_token])
+    return e.prompt_ids + e.response_ids, [0] * len(e.prompt_ids) + e.loss_mask
+
+
+def warm_start(root: Path, model_dir: str, train: list[dict], test: list[dict], args) -> None:
+    """`grpo sft` on --sft-problems transcripts, `--tool-share` of them calling the calculator (`--op-noise` of those
+    with an operation drawn at random, not the sentence's), loss on the assistant's tokens only, batches of 16: a
+    scratch run of the recipe's config whose warm-started policy replaces the model in `model_dir`, which both
+    sides start from."""
+    import pandas as pd
+    from transformers.utils import get_json_schema
+
+    from grpo.config import load_config
+    from grpo.record.storage import open_storage
+    from stages.init import init_run
+    from stages.sft import sft
+
+    rng, tools = random.Random(args.seed), [get_json_schema(f) for f in tools_of(Calculator())]
+    rows = []
+    for r in train[: args.sft_problems]:
+        operation = rng.choice(sorted(OPERATIONS)) if rng.random() < args.op_noise else r["operation"]
+        rows.append(
+            {"messages": conversation(r, operation if rng.random() < args.tool_share else None), "tools": tools}
         )
-        loss.backward()
-        opt.step()
-        warmup.step()
-        opt.zero_grad()
-        if (step + 1) % 50 == 0 or step + 1 == steps:
-            print(f"warm start: step {step + 1}/{steps}, loss {loss.item():.3f}", flush=True)
-    model.save_pretrained(model_dir)
+    pd.DataFrame(rows).to_json(root / "transcripts.jsonl", orient="records", lines=True)
+    warm = [f"sft.dataset={root / 'transcripts.jsonl'}", f"sft.steps={args.sft_steps}", f"sft.lr={args.sft_lr}"]
+    warm += ["sft.minibatch_size=16", "sft.microbatch_size=16"]
+    storage = open_storage((root / "warm-start").as_uri())
+    init_run(storage, "warm-start", load_config(None, ours_config(root, model_dir, train, test, args) + warm))
+    made = sft(storage, "warm-start")
+    print(f"warm start: {args.sft_steps} steps, loss {made.manifest.summary['loss']:.3f}", flush=True)
+    for f in Path(made.attempt_dir, "policy").iterdir():  # the weights it made (the tokenizer is the model's)
+        if f.suffix in (".safetensors", ".json") and not f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, Path(model_dir, f.name))
 
 
 @torch.no_grad()
@@ -389,8 +382,7 @@ def main() -> int:
         shutil.rmtree(model_dir)
         model_dir = str(shutil.copytree(args.warm_model, model_dir))
     else:
-        rows = train[: args.sft_problems]
-        warm_start(model_dir, rows, args.sft_steps, args.sft_lr, args.tool_share, args.op_noise, args.seed)
+        warm_start(root, model_dir, train, test, args)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)

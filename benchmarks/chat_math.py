@@ -2,18 +2,19 @@
 held-out accuracy before GRPO and after each iteration.
 
     .venv/bin/python benchmarks/chat_math.py [--iterations 50] [--sft-steps 600] [--seed 0] [--set learn.lr=1e-3]
-        [--out run.csv] [--warm-model WORK/model]
-    .venv/bin/python benchmarks/chat_math.py --seed 1 --warm-model WORK/model --run-seed 11  # another RL trajectory
+        [--out run.csv] [--warm-model WORK/warm-model]
+    .venv/bin/python benchmarks/chat_math.py --seed 1 --warm-model WORK/warm-model --run-seed 11  # another trajectory
 
 1. Word problems in GSM8K's format (`question`; `answer` = worked solution ending `#### N`),
    sums and differences of numbers up to --top (9) in a few phrasings; a seeded fifth is held out
    (eval.split_fraction).
 2. A Qwen2 model (grouped-query attention) with a byte-level BPE tokenizer trained on those
-   texts and Qwen's chat template, made on the spot; then a short supervised warm start on the
-   answer format ("a + b = c. The answer is c.") over the training problems: 600 steps learn the
-   format and some of the sums. `--answer-noise 0.5` makes half the warm-start solutions state a
-   wrong final number after the right working (a model that works sums out but reports them
-   unreliably, as weak SFT models do: only the verifiable reward tells the two apart).
+   texts and Qwen's chat template, made on the spot; then a short supervised warm start (`grpo sft`, the
+   run's sft section: a `messages` dataset of the training problems, the assistant's turn trained) on the
+   answer format ("a + b = c. The answer is c."): 600 steps learn the format and some of the sums.
+   `--answer-noise 0.5` makes half the warm-start solutions state a wrong final number after the right
+   working (a model that works sums out but reports them unreliably, as weak SFT models do: only the
+   verifiable reward tells the two apart).
 3. GRPO with the `math` task (math-verify) through the real stages: prompts rendered with the
    chat template, every eos id stopping, the held-out set scored greedily each iteration. With
    `--set rollout.staleness=S` iteration k samples learn k-1-S's policy (checked on every rollout row's
@@ -53,6 +54,7 @@ from schemas import read_parquet, table_file
 from stages.init import init_run
 from stages.iteration import run_warm
 from stages.prompts import eval_prompts, held_out_split
+from stages.sft import warm_start
 
 NAMES = ["Tom", "Ana", "Lee", "Mia", "Sam", "Zoe"]
 THINGS = ["apples", "books", "coins", "cards", "shells"]
@@ -92,65 +94,22 @@ def math_task(model, problems) -> list[str]:
     ]
 
 
-def chat_pair(tok, question: str, answer: str) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids): the chat template's system and user turns, then `answer` + <|im_end|>."""
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tuple(tok(text, add_special_tokens=False)["input_ids"] for text in (prompt, answer + "<|im_end|>"))
-
-
-def token_mean(model, ids, labels, mask):
-    """The model's own loss: the mean negative log-likelihood of the tokens `labels` keeps (not -100); (B, T) each."""
-    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
-
-
-def supervised(model_dir: str, tok, steps: int, lr: float, next_batch, loss=token_mean, device: str = "cpu") -> None:
-    """`steps` AdamW steps at `lr` on the model in `model_dir`, saved back there: each on `next_batch()`'s (prompt
-    ids, response ids) pairs, right-padded, `loss(model, ids, labels, mask)` on the responses only."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    t0 = shown = time.time()
-    for step in range(steps):
-        batch = next_batch()
-        width = max(len(p) + len(a) for p, a in batch)
-        ids = torch.full((len(batch), width), tok.pad_token_id)  # (B, T)
-        labels = torch.full((len(batch), width), -100)  # (B, T): -100 but on the response
-        for i, (p, a) in enumerate(batch):
-            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
-        ids, labels = ids.to(device), labels.to(device)
-        mask = (labels != -100) | (ids != tok.pad_token_id)
-        value = loss(model, ids, labels, mask)
-        value.backward()
-        opt.step()
-        opt.zero_grad()
-        if time.time() - shown >= 20 or step + 1 == steps:  # a line every 20 s: the estimate from the pace so far
-            per_step = (time.time() - t0) / (step + 1)
-            print(
-                f"warm start: step {step + 1}/{steps}, loss {value.item():.3f}, {per_step:.2f} s a step, "
-                f"~{per_step * (steps - step - 1) / 60:.1f} min left",
-                flush=True,
-            )
-            shown = time.time()
-    model.save_pretrained(model_dir)
-
-
-def warm_start(model_dir: str, rows: list[dict], steps: int, lr: float, seed: int, noise: float = 0.0) -> None:
-    """Supervised steps on (chat prompt, formatted solution + <|im_end|>), batches of 32, loss on the response
-    only; a `noise` share of the solutions state a wrong final answer after the right working."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
+def warm_start_rows(rows: list[dict], seed: int, noise: float = 0.0) -> list[dict]:
+    """The warm start's conversations (a `messages` dataset for `grpo sft`): SYSTEM, the problem, the formatted
+    solution; a `noise` share of the solutions state a wrong final answer after the right working."""
     rng = random.Random(seed)
-    examples = []
+    out = []
     for r in rows:
         wrong = rng.choice([n for n in range(0, 19) if n != r["result"]]) if rng.random() < noise else None
-        examples.append(chat_pair(tok, r["question"], solution(r, wrong)))
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # as the learner and the sampler take the GPU
-    supervised(model_dir, tok, steps, lr, lambda: rng.sample(examples, 32), device=device)
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}]
+        out.append({"messages": messages + [{"role": "assistant", "content": solution(r, wrong)}]})
+    return out
+
+
+def warm_start_settings(dataset: Path, steps: int, lr: float) -> list[str]:
+    """The run's sft section: `grpo sft` on `dataset` (warm_start_rows), batches of 32, constant lr, before GRPO."""
+    return [f"sft.dataset={dataset}", f"sft.steps={steps}", f"sft.lr={lr}", "sft.minibatch_size=32",
+            "sft.microbatch_size=32"]  # fmt: skip
 
 
 def accuracy(model_dir: str, cfg) -> float:
@@ -211,8 +170,8 @@ def main() -> None:
     p.add_argument(
         "--warm-model",
         default=None,
-        help="the model folder (WORK/model) of an earlier run of the same --seed, --sft-* and --answer-noise: "
-        "copied instead of made and warm-started again",
+        help="the warm-started model folder (WORK/warm-model) of an earlier run of the same --seed, --sft-* and "
+        "--answer-noise: copied instead of made and warm-started again",
     )
     p.add_argument("--out", default=None, help="CSV of every iteration's line (iteration -1: before GRPO)")
     args = p.parse_args()
@@ -261,23 +220,27 @@ def main() -> None:
             "learn.mixed_precision=no",  # float32, as measured in RESULTS.md (`auto` is bf16 on a GPU)
             f"learn.lr_decay_steps={16 * args.iterations}",  # 16 AdamW steps an iteration, decayed to 0 at the end
             f"seed={args.seed if args.run_seed is None else args.run_seed}",
+            *([] if args.warm_model else warm_start_settings(work / "warm_start.jsonl", args.sft_steps, args.sft_lr)),
             *args.set,
         ],
     )
     train, _ = held_out_split(cfg)
     held = {e.ground_truth for e in eval_prompts(cfg)}
     trained = {e.prompt for e in train}  # the warm start sees training problems only
-    if not args.warm_model:
-        train_rows = [r for r in rows if r["question"] in trained]
-        warm_start(model, train_rows, args.sft_steps, args.sft_lr, args.seed, args.answer_noise)
-    before = accuracy(model, cfg)
+    storage, policy = open_storage(str(work / "storage")), model
+    if not args.warm_model:  # `grpo sft` on the training problems: the run's warm start, before iteration 0
+        train_rows = warm_start_rows([r for r in rows if r["question"] in trained], args.seed, args.answer_noise)
+        pd.DataFrame(train_rows).to_json(work / "warm_start.jsonl", orient="records", lines=True)
+    init_run(storage, "chat-math", cfg)
+    if not args.warm_model:  # its policy kept as a model folder of its own: --warm-model for another run
+        made = Path(warm_start(storage, "chat-math").attempt_dir, "policy")
+        policy = str(shutil.copytree(made, work / "warm-model", dirs_exist_ok=True))
+    before = accuracy(policy, cfg)
     print(
         f"{len(train)} training and {len(held)} held-out problems; model "
-        f"{'copied from ' + args.warm_model if args.warm_model else 'made and warm-started'} "
+        f"{'copied from ' + args.warm_model if args.warm_model else 'made and warm-started by grpo sft'} "
         f"({args.sft_steps} steps) in {time.time() - t0:.0f} s; held-out greedy accuracy before GRPO: {before:.3f}"
     )
-    storage = open_storage(str(work / "storage"))
-    init_run(storage, "chat-math", cfg)
     staleness = cfg.rollout.staleness
     print(f"seed={cfg.seed}, rollout.staleness={staleness}, learn.behavior_correction={cfg.learn.behavior_correction}")
     print(

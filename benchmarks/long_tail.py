@@ -47,11 +47,9 @@ from chat_math import (  # noqa: F401 (NAMES, THINGS: the problems' words)
     NAMES,
     SYSTEM,
     THINGS,
-    chat_pair,
     math_task,
     problem,
     solution,
-    supervised,
 )
 from overlap import POOLS, STALENESS, pinned_workers, run_one
 from placement_overhead import load, ts
@@ -63,6 +61,49 @@ RAMBLE = "Let me check. "
 def long_solution(row: dict, rng: random.Random) -> str:
     """A rambling solution: RAMBLE a uniform 10..70 times, then the short one."""
     return RAMBLE * rng.randint(10, 70) + solution(row)
+
+
+def chat_pair(tok, question: str, answer: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids): the chat template's system and user turns, then `answer` + <|im_end|>."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tuple(tok(text, add_special_tokens=False)["input_ids"] for text in (prompt, answer + "<|im_end|>"))
+
+
+def supervised(model_dir: str, tok, steps: int, lr: float, next_batch, loss, device: str = "cpu") -> None:
+    """`steps` AdamW steps at `lr` on the model in `model_dir`, saved back there: each on `next_batch()`'s (prompt
+    ids, response ids) pairs, right-padded, `loss(model, ids, labels, mask)` on the responses only (this recipe's
+    loss, per solution: not the token mean `grpo sft` trains with)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    t0 = shown = time.time()
+    for step in range(steps):
+        batch = next_batch()
+        width = max(len(p) + len(a) for p, a in batch)
+        ids = torch.full((len(batch), width), tok.pad_token_id)  # (B, T)
+        labels = torch.full((len(batch), width), -100)  # (B, T): -100 but on the response
+        for i, (p, a) in enumerate(batch):
+            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+        ids, labels = ids.to(device), labels.to(device)
+        mask = (labels != -100) | (ids != tok.pad_token_id)
+        value = loss(model, ids, labels, mask)
+        value.backward()
+        opt.step()
+        opt.zero_grad()
+        if time.time() - shown >= 20 or step + 1 == steps:  # a line every 20 s: the estimate from the pace so far
+            per_step = (time.time() - t0) / (step + 1)
+            print(
+                f"warm start: step {step + 1}/{steps}, loss {value.item():.3f}, {per_step:.2f} s a step, "
+                f"~{per_step * (steps - step - 1) / 60:.1f} min left",
+                flush=True,
+            )
+            shown = time.time()
+    model.save_pretrained(model_dir)
 
 
 def solution_nll(model, ids, labels, mask, per_example: bool):

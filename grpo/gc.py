@@ -131,8 +131,9 @@ def _iterations(storage: Storage, run_id: str) -> int:
 
 
 def _stage_dirs(storage: Storage, run_id: str) -> list[str]:
-    """The run's stage folders: base, every iteration's stages and their shards' (stages.shards)."""
-    dirs = [stage_dir(storage, run_id, None, "base")]
+    """The run's stage folders: base, the warm start (sft, where there is one), every iteration's stages and their
+    shards' (stages.shards)."""
+    dirs = [stage_dir(storage, run_id, None, "base"), stage_dir(storage, run_id, None, "sft")]
     for k in range(_iterations(storage, run_id)):
         dirs += [stage_dir(storage, run_id, k, s) for s in (*STAGES, *OPTIONAL_STAGES, STATE_STAGE)]
         idir = stage_dir(storage, run_id, k, STAGES[0]).rsplit("/", 1)[0]

@@ -22,6 +22,7 @@ from grpo.config import ConfigError, load_config
 from grpo.errors import DatasetError, StageError
 from grpo.learner.loss import loss_spec
 from grpo.learner.sft import conversation_batch, sft_run_config
+from tests.test_readme_tools import folder  # noqa: F401 (the docs' user folder: my.yaml on the tiny chat model)
 
 
 def sft_spec() -> core.LossSpec:
@@ -62,7 +63,7 @@ def test_the_warm_start_loss_is_the_cross_entropy_of_the_assistant_tokens_and_so
 def world(tmp_path_factory) -> Path:
     """The tool world's tiny chat model without its own warm start, and its transcripts as a messages dataset."""
     root = tmp_path_factory.mktemp("sft-world")
-    copy_of("tool-world-64-2-0", lambda folder: tool_world.build(folder, 64, 2, 0), root)
+    copy_of("tool-world-64-2-0", lambda into: tool_world.build(into, 64, 2, 0), root)
     rng, schema = random.Random(0), tool_world.multiply_schema()
     pairs = json.loads((root / "world.json").read_text())["pairs"]
     rows = [{"messages": tool_world.transcript(a, b, rng), "tools": [schema]} for a, b in pairs[:48]]
@@ -198,3 +199,35 @@ def test_the_gate_stops_grpo_in_one_line_giving_the_figure(world, tmp_path, caps
     err = capsys.readouterr().err
     assert "held-out pass@2 0 is below sft.gate_pass_at_k=0.5; GRPO not started" in err and "iteration" not in err
     assert not (tmp_path / "storage/runs/g/iter-0000").exists()  # nothing of GRPO ran
+    from flows.tasks import warm_start  # the flow's task: the same line, its Failed state's, before iteration 0
+
+    state = warm_start.fn(storage, "g")
+    assert state.is_failed() and "held-out pass@2 0 is below sft.gate_pass_at_k=0.5" in state.message
+
+
+@pytest.mark.slow
+def test_the_docs_warm_start_commands_run_as_written(folder):  # noqa: F811 (test_readme_tools.py's fixture)
+    """teachers-and-judges.md's `grpo sft` commands, walked as test_readme_tools.py walks tools.md's: my.yaml on the
+    tiny chat model, conversations.jsonl as the page describes it (a `messages` column), one iteration for twenty."""
+    import re
+
+    from tests.doc_pages import page
+    from tests.test_readme import commands
+    from tests.test_readme_tools import walk
+
+    here, root = folder
+    pd.read_parquet(root / "questions.parquet").to_parquet(here / "train.parquet")  # question, answer
+    pairs = json.loads((root / "world.json").read_text())["pairs"]
+    said = [[{"role": "user", "content": tool_world.question(a, b)}, {"role": "assistant", "content": f"{a * b}"}]
+            for a, b in pairs]  # fmt: skip
+    pd.DataFrame({"messages": said}).to_json(here / "conversations.jsonl", orient="records", lines=True)
+    lines = [line for line in commands(page("teachers-and-judges.md")) if re.search(r"--run warm2?\b", line)]
+    assert len(lines) == 6, lines
+    walk(lines, here)
+    from grpo.query import query
+    from grpo.record.storage import open_storage
+
+    storage = open_storage(str(here / "storage"))
+    assert query(storage, "warm", "SELECT count(*) AS n FROM sft").n[0] == len(pairs)
+    picked = query(storage, "warm2", "SELECT count(*) AS n, min(source) AS s FROM sft")
+    assert picked.n[0] == 4 and picked.s[0] == "history"  # the best of each of iteration 0's 4 prompts

@@ -1,15 +1,17 @@
-"""A world for the episode tests (grpo/episodes): a tiny Qwen2 chat model with Qwen2.5's own tool template, warm-started
-on a few calculator transcripts so that it calls the tool (and, sampled at temperature 1, sometimes botches the call,
-answers at once or calls on), a dataset of multiplication questions, tools as plain functions (TRL's `tools=`), an
-environment class written for TRL's `environment_factory`, and reward functions.
+"""A world for the episode tests (grpo/episodes): a tiny Qwen2 chat model with Qwen2.5's own tool template,
+warm-started by `grpo sft` on a few calculator transcripts so that it calls the tool (and, sampled at temperature 1,
+sometimes botches the call, answers at once or calls on), a dataset of multiplication questions, tools as plain
+functions (TRL's `tools=`), an environment class written for TRL's `environment_factory`, and reward functions.
 
-`world(root)` copies it into `root`, built once per test run (tests/once.py): the warm start is 20-50 s on a busy CPU.
+`world(root)` copies it into `root`, built once per test run (tests/once.py): 100 steps of `grpo sft`, 10-20 s on a busy
+CPU.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -138,33 +140,32 @@ def transcript(a: int, b: int, rng: random.Random) -> list[dict]:
     ]
 
 
-def warm_start(model_dir: str, texts: list[str], steps: int = 200, seed: int = 0) -> None:
-    """Supervised steps on whole rendered conversations (every token), so the model writes tool calls."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def warm_start(root: Path, conversations: list[list[dict]], steps: int = 200) -> None:
+    """The model in root/model warm-started by `grpo sft` on `conversations` (the assistant's turns trained, as
+    episodes mask them), so it writes tool calls: a scratch run in root/warm whose sft policy replaces the model."""
+    from grpo.config import load_config
+    from grpo.record.storage import open_storage
+    from stages.init import init_run
+    from stages.sft import sft
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    rng = random.Random(seed)
-    model.train()
-    for _ in range(steps):
-        batch = rng.sample(rows, 8)
-        width = max(map(len, batch))
-        ids = torch.full((len(batch), width), tok.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        for i, r in enumerate(batch):
-            ids[i, : len(r)] = labels[i, : len(r)] = torch.tensor(r)
-        loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.save_pretrained(model_dir)
+    schema = multiply_schema()
+    rows = [{"messages": c, "tools": [schema]} for c in conversations]
+    pd.DataFrame(rows).to_json(root / "transcripts.jsonl", orient="records", lines=True)
+    warm = [
+        f"sft.dataset={root / 'transcripts.jsonl'}",
+        f"sft.steps={steps}",
+        "sft.lr=3e-3",
+        "learn.mixed_precision=no",
+    ]
+    storage = open_storage(str(root / "warm"))
+    init_run(storage, "warm", load_config(None, config(root) + warm))
+    made = Path(sft(storage, "warm").attempt_dir, "policy")
+    for f in ("model.safetensors", "config.json"):  # the weights the warm start made; the tokenizer is the model's
+        shutil.copy(made / f, root / "model" / f)
+    shutil.rmtree(root / "warm")
 
 
-def world(root: Path, hidden_size: int = 64, num_layers: int = 2, steps: int = 200) -> Path:
+def world(root: Path, hidden_size: int = 64, num_layers: int = 2, steps: int = 100) -> Path:
     """The world in `root` (model/, questions.parquet, tools.py, calculator_env.py, rewards.py); the model's width and
     depth as given (head_dim 32: vLLM's CPU backend needs >= 32), warm-started `steps` steps."""
     name = f"tool-world-{hidden_size}-{num_layers}-{steps}"
@@ -182,7 +183,8 @@ def build(root: Path, hidden_size: int, num_layers: int, steps: int) -> None:
 
     shaper: PreTrainedTokenizerFast = build_chat_tokenizer(["x"], 300, TOOLS_CHAT_TEMPLATE)  # renders the texts
     schema = multiply_schema()
-    texts = [shaper.apply_chat_template(transcript(a, b, rng), tools=[schema], tokenize=False) for a, b in pairs]
+    conversations = [transcript(a, b, rng) for a, b in pairs]
+    texts = [shaper.apply_chat_template(c, tools=[schema], tokenize=False) for c in conversations]
     texts += [shaper.apply_chat_template(transcript(a, b, rng)[:1], tokenize=False) for a, b in pairs[:8]]
     model = str(root / "model")
     heads = hidden_size // 32
@@ -196,13 +198,14 @@ def build(root: Path, hidden_size: int, num_layers: int, steps: int) -> None:
     build_chat_model(
         model, texts, vocab_size=600, max_position_embeddings=512, chat_template=TOOLS_CHAT_TEMPLATE, **shape
     )
-    warm_start(model, texts[: len(pairs)], steps)
     rows = [{"question": question(a, b), "answer": str(a * b), "level": a % 3} for a, b in pairs]
     pd.DataFrame(rows).to_parquet(root / "questions.parquet")
     (root / "tools.py").write_text(TOOLS)
     (root / "calculator_env.py").write_text(ENVIRONMENT)
     (root / "rewards.py").write_text(REWARDS)
     (root / "world.json").write_text(json.dumps({"pairs": pairs}))
+    if steps:
+        warm_start(root, conversations, steps)
 
 
 def config(root: Path, *extra: str) -> list[str]:
