@@ -10,15 +10,17 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
     "carried": ("rollouts", "carried.parquet"),
     "segments": ("rollouts", "segments.parquet"),
     "rewards": ("rewards", "rewards.parquet"),
+    "judge": ("rewards", "judge.parquet"),
     "advantages": ("advantages", "advantages.parquet"),
     "logprobs": ("learn", "logprobs.parquet"),
     "learn_metrics": ("learn", "metrics.parquet"),
     "eval": ("eval", "eval.parquet"),
 }
 
-OPTIONAL_TABLES = ("draws", "turns", "episodes", "carried", "segments")
+OPTIONAL_TABLES = ("draws", "turns", "episodes", "carried", "segments", "judge")
 """Tables a stage commits only with a setting on (draws: rollout.min_signal_groups; turns and episodes: rollout.tools
-or rollout.environment; carried and segments: rollout.segment_tokens); `grpo query` skips an attempt without one."""
+or rollout.environment; carried and segments: rollout.segment_tokens; judge: reward.judge); `grpo query` skips an
+attempt without one."""
 
 
 def table_file(table: str) -> str:

@@ -2,6 +2,8 @@
 
   score.py    scoring samples: time limits, errors, the allowed error share, shaping applied
   shaping.py  pure reward shaping: truncated responses, DAPO's overlong punishment
+  judge_format.py  a judge's prompt and how its answer is read (reward.judge): pure text
+  judge.py    a judge over a stage's rows as one batch: an endpoint or a local model, its cache in storage
 
 Its workers are grpo/runtime/pool.py's, which the episode engine's environments run in too. The reward functions
 themselves: grpo/tasks/ (a registry of tasks, and the user's reward.functions).
