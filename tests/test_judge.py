@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from test_stages import make_run
 
 from flows.cli import main
@@ -201,6 +202,20 @@ def test_a_rescore_with_a_new_rubric_judges_history_again(judged, capsys, monkey
     fork = latest_committed(storage, stage_dir(storage, "j-n", 0, "rewards"))
     scores = set(table(fork, "judge.parquet").score)
     assert scores <= {0.5, 1.0, 0.1} and 0.5 in scores  # weights 1 and 1 now: sorted no, brief yes = 0.5
+
+
+def test_the_docs_judge_yaml_is_a_config_and_their_sql_runs(judged):
+    from test_readme import code_blocks
+
+    from tests.doc_pages import page
+
+    storage, _, url = judged
+    blocks = code_blocks(page("teachers-and-judges.md"))
+    settings = yaml.safe_load(next(body for lang, body in blocks if lang == "yaml" and "judge:" in body))
+    assert load_config(settings).reward.judge.url == "http://localhost:8000/v1"
+    disagree, drift = [query(storage, "j", body) for lang, body in blocks if lang == "sql"]
+    assert disagree.judged[0] == 64 and 0 <= disagree.disagreement[0] <= 1 and disagree.unparsed[0] > 0
+    assert drift.tokens[0] > 0 and 0 <= drift.judge_score[0] <= 1
 
 
 def test_a_rerun_rewards_stage_makes_no_call(judged, monkeypatch):

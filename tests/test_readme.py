@@ -42,6 +42,8 @@ ELSEWHERE = {
     "missing: test_placement_check.py",
     r"grpo fork|grpo rescore|grpo delete|--compare": "forks and rescoring on a 5-iteration run: test_fork.py",
     r"k8s render": "the Kubernetes jobs rendered offline: test_kubernetes.py",
+    r"--run judged\b": "a judge endpoint: test_judge.py runs judge.yaml's settings and the page's SQL against a "
+    "scripted one, and its rescore",
     r"--push-to-hub": "an upload to the Hugging Face Hub: test_push_to_hub.py, against a local stand-in for the hub",
     r"--run (tools|calc|guess)\b|uvicorn openenv_envs|pip install -e '\.\[agents\]'": "Tools and environments: "
     "test_readme_tools.py walks them on a tiny tool-calling model (the install: setup.sh's dev extra holds agents')",

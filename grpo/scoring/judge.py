@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from grpo.config import JudgeConfig
 from grpo.errors import StageError
+from grpo.record.digests import file_digest
 from grpo.record.storage import Storage
 from grpo.runtime.secrets import redact, secret_values
 from grpo.scoring import judge_format
@@ -187,14 +188,14 @@ class LocalJudge:
 def local_revision(model: str, revision: str | None) -> tuple[str, str]:
     """(the folder to load, the revision recorded): a folder's `folder:<hash of its files>`, a hub id's
     `<id>@<commit>` (the snapshot downloaded for `revision`)."""
-    if os.path.isdir(model):
-        h = hashlib.sha256()
+    if os.path.isdir(model):  # each file hashed once on this machine while unchanged (grpo.record.digests)
+        from fsspec.implementations.local import LocalFileSystem
+
+        h, fs = hashlib.sha256(), LocalFileSystem()
         for root, _, files in sorted(os.walk(model)):
             for name in sorted(files):
                 path = os.path.join(root, name)
-                h.update(os.path.relpath(path, model).encode() + b"\0")
-                with open(path, "rb") as f:
-                    h.update(hashlib.sha256(f.read()).digest())
+                h.update(f"{os.path.relpath(path, model)}\0{file_digest(fs, path)[1]}\n".encode())
         return model, f"folder:{h.hexdigest()[:16]}"
     from huggingface_hub import snapshot_download
 
