@@ -73,6 +73,7 @@ def test_counts_match_committed_parquet(run):
         "segments": 0,  # these two only with rollout.segment_tokens (tests/test_segments.py)
         "carried": 0,
         "rewards": 1,
+        "judge": 0,  # only with reward.judge (tests/test_judge.py)
         "advantages": 1,
         "logprobs": 1,
         "learn_metrics": 1,
@@ -81,7 +82,7 @@ def test_counts_match_committed_parquet(run):
     con = connect(run, "q")
     for view, uris in files.items():
         expected = sum(num_rows(run, u) for u in uris)
-        assert expected > 0 or view in ("draws", "turns", "episodes", "segments", "carried")
+        assert expected > 0 or view in ("draws", "turns", "episodes", "segments", "carried", "judge")
         assert con.execute(f'SELECT count(*) FROM "{view}"').fetchall() == [(expected,)], view
     assert con.execute("SELECT iteration, count(*) FROM rollouts GROUP BY 1 ORDER BY 1").fetchall() == [
         (0, 64),
