@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import re
 import string
 import sys
@@ -523,6 +524,16 @@ class JudgeConfig:
             raise ConfigError(f"{where}.verdicts: distinct words, got {self.verdicts}")
         if not all(0 <= s <= 1 for s in self.verdict_scores):
             raise ConfigError(f"{where}.verdict_scores: each in [0, 1], got {self.verdict_scores}")
+
+
+def check_judge_folder(judge: JudgeConfig | None) -> None:
+    """At `grpo init`: a local judge named by a path (not a hub id) is a folder on this machine."""
+    path = os.path.expanduser(judge.model) if judge is not None and judge.model else ""
+    if (path.startswith((".", "/")) or path.count("/") > 1) and not os.path.isdir(path):
+        raise ConfigError(
+            f"reward.judge.model: no folder at {judge.model}; name a folder holding the judge's config.json, weights "
+            "and tokenizer, or a hub id (org/name)"
+        )
 
 
 @dataclass(frozen=True)

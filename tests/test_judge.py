@@ -316,3 +316,13 @@ def test_bad_judge_settings_are_refused_in_one_line_at_init(bad, says, tmp_path,
     err = capsys.readouterr().err
     assert rc == 2 and says in err and err.count("\n") == 1
     assert not (tmp_path / "store" / "runs" / "b").exists()  # nothing written
+
+
+def test_a_local_judge_folder_that_is_not_there_is_refused_at_init(tmp_path, capsys):
+    missing = tmp_path / "no-judge"
+    rc = main(
+        ["--storage", (tmp_path / "store").as_uri(), "init", "--run", "m", "--set", f"reward.judge.model={missing}"]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and f"reward.judge.model: no folder at {missing}" in err and err.count("\n") == 1
+    assert not (tmp_path / "store" / "runs" / "m").exists()
