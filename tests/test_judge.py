@@ -171,6 +171,8 @@ def test_an_endpoint_judge_commits_every_call_and_its_score(judged):
     assert summary["judge_failed"] == 0 and summary["judge_cached"] == 0
     seen = query(storage, "j", "SELECT count(*) AS n, count(*) FILTER (WHERE error IS NOT NULL) AS e FROM judge")
     assert seen.n[0] == 64 and seen.e[0] == unparsed.sum()
+    stored = [p for p in storage.fs.find(storage.root) if not p.endswith((".safetensors", ".bin"))]
+    assert not [p for p in stored if b"sk-test-0123456789" in storage.read_bytes(p)]  # the key: never committed
 
 
 def test_a_rescore_with_the_same_judge_makes_no_call(judged, capsys, monkeypatch):
@@ -256,6 +258,21 @@ def test_a_failing_endpoint_fails_the_stage_and_the_rerun_calls_only_what_is_mis
     distinct = table(done, "judge.parquet").prompt_hash.nunique()
     assert done.manifest.summary["judge_cached"] == 20 and done.manifest.summary["judge_calls"] == distinct - 20
     assert len(judge.requests) - before == distinct - 20
+
+
+def test_shards_judge_their_rows_and_commit_them_merged(endpoint, tmp_path, monkeypatch):
+    judge, url = endpoint
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test-0123456789")
+    storage = open_storage((tmp_path / "store").as_uri())
+    judged_run(storage, "s", url, ["reward.shards=2"])
+    for name in ("snapshot", "rollouts"):
+        stage(storage, "s", 0, name)
+    done = stage(storage, "s", 0, "rewards")
+    calls, rows = table(done, "judge.parquet"), table(done, "rewards.parquet")
+    assert len(calls) == len(rows) == 64 and (calls.sample_index.values == rows.sample_index.values).all()
+    summary = done.manifest.summary
+    assert summary["shards"] == 2 and summary["judge_calls"] + summary["judge_cached"] >= calls.prompt_hash.nunique()
+    assert summary["judge_errors"] == calls[calls.error.notna()].prompt_hash.nunique()
 
 
 def test_ranking_makes_one_call_per_group(endpoint, tmp_path, monkeypatch):
