@@ -1,15 +1,15 @@
 """A judge recipe (issue 51): a small judge model scores a task the run has no verifier for, and its verdicts agree
 with a verifier the judge never sees, at a rate measured here.
 
-    .venv/bin/python benchmarks/judge.py [--examples 4000] [--sft-steps 600] [--iterations 4] [--out DIR]
+    .venv/bin/python benchmarks/judge.py [--examples 8000] [--sft-steps 120] [--numbers 2] [--iterations 6] [--out DIR]
 
 1. The judge: the tiny chat model (grpo/tiny_model.py's Qwen2, built from scratch) warm-started by `grpo sft` on
    conversations whose user turn is reward.judge's rubric prompt for a sort prompt and a response (correct, or one
    of the mistakes a policy makes: a pair swapped, a number dropped or changed, the prompt's order, noise) and whose
-   assistant turn is `REASON correct: <the sorted numbers>` then `VERDICT correct: pass|fail`, labelled by the sort
-   verifier. The verifier labels the judge's training data; the judge never sees it when judging.
+   assistant turn is `REASON correct: <the sorted numbers> vs <the response>` then `VERDICT correct: pass|fail`, about
+   half of each, labelled by the sort verifier. The verifier labels the judge's training data; the judge never sees it when judging.
 2. The judged run: the sort task on the tiny policy, its only reward function `no_verifier` (0 for every response,
-   weight 0) and reward.judge the exported judge (weight 1): the run has no verifier, only the judge's verdicts.
+   weight 0) and reward.judge the warm-started judge (weight 1): the run has no verifier, only the judge's verdicts.
 3. Agreement: each judged response of the run's iterations, the judge's verdict against the sort verifier's exact
    match computed here afterwards (never given to the run or the judge), with the base rate of the majority class
    and the balanced accuracy beside it, and the judge's answers that did not parse.
@@ -39,7 +39,7 @@ def no_verifier(response: str, ground_truth: str, prompt: str) -> float:
 def response_for(numbers: list[int], rng: random.Random) -> str:
     """A response to `sort <numbers> :`: correct, or one of the mistakes a sort policy makes."""
     want = sorted(numbers)
-    kind = rng.choice(["correct", "correct", "swap", "drop", "change", "prompt", "noise"])
+    kind = rng.choice(["correct"] * 4 + ["swap", "drop", "change", "prompt", "noise"])  # about half correct
     got = list(want)
     if kind == "swap":
         i = rng.randrange(len(got) - 1)
@@ -77,7 +77,7 @@ def conversations(rows: list[tuple[str, str, str]]) -> list[dict]:
     for prompt, response, want in rows:
         verdict = "pass" if response.split() == want.split() else "fail"
         user = rubric_prompt(TEMPLATE, CRITERIA, VERDICTS, prompt, response)
-        answer = f"REASON correct: {want}\nVERDICT correct: {verdict}"
+        answer = f"REASON correct: {want} vs {response}\nVERDICT correct: {verdict}"  # the comparison, then its verdict
         out.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
     return out
 
@@ -145,9 +145,9 @@ def agreement(storage, run_id: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--examples", type=int, default=4000, help="the judge's warm-start conversations")
-    ap.add_argument("--sft-steps", type=int, default=600)
-    ap.add_argument("--numbers", type=int, default=3, help="the sort task's n_numbers")
+    ap.add_argument("--examples", type=int, default=8000, help="the judge's warm-start conversations")
+    ap.add_argument("--sft-steps", type=int, default=120, help="of 64 conversations")
+    ap.add_argument("--numbers", type=int, default=2, help="the sort task's n_numbers")
     ap.add_argument("--iterations", type=int, default=6, help="iterations of the judged run")
     ap.add_argument("--out", default=None, help="folder for storage and models (default: a temporary one)")
     args = ap.parse_args()
@@ -176,7 +176,7 @@ def main() -> None:
         storage.url, "init", "--run", "judge-sft",
         "--set", f"model.base_model={base}", "--set", "task.name=sort", "--set", task,
         "--set", f"sft.dataset={out / 'judge_sft.jsonl'}", "--set", f"sft.steps={args.sft_steps}",
-        "--set", "sft.lr=2e-3", "--set", "sft.minibatch_size=32", "--set", "sft.microbatch_size=32",
+        "--set", "sft.lr=1e-2", "--set", "sft.minibatch_size=64", "--set", "sft.microbatch_size=64",
         "--set", "learn.lr=2e-3", "--set", "rollout.max_tokens=24", "--set", "rollout.backend=hf",
     )  # fmt: skip
     t_sft = time.perf_counter()
@@ -191,7 +191,7 @@ def main() -> None:
         "reward.judge.max_tokens=24", "reward.judge.concurrency=64",
     ]  # fmt: skip
     held_out = held_out_agreement(
-        storage, load_config(None, judge).reward.judge, examples(1000, args.numbers, seed=1)
+        storage, load_config(None, judge).reward.judge, examples(300, args.numbers, seed=1)
     )  # seed 1: none of the warm start's
     grpo(
         storage.url, "init", "--run", "judged", "--config", str(REPO / "benchmarks/sort.yaml"), "--set", task,
