@@ -6,6 +6,7 @@ grpo config show --run demo                  # the run's settings as YAML
 grpo stage rollouts --run demo --iteration 0 [--force]
 grpo stage learn --run demo --iteration 0 --node-rank 1   # node 1 of a learner on learn.nodes machines
 grpo run --run demo --iterations 3          # every stage of each iteration, in order
+grpo sft --run chat [--force]                # the warm start a run's config sets (sft), before iteration 0
 grpo demo                                    # init + train the tiny sort model until it sorts
 grpo status --run demo
 grpo query --run demo "SELECT iteration, avg(reward) FROM rewards GROUP BY 1"
@@ -136,6 +137,10 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--iterations", type=int, default=1)
     sp.add_argument("--start", default="next", type=_iteration, help="first iteration (default: next unfinished)")
     sp.set_defaults(fn="runs:cmd_run")
+    sp = sub.add_parser("sft", help="the warm start the run's config sets (sft): supervised steps before iteration 0")
+    sp.add_argument("--run", required=True)
+    sp.add_argument("--force", action="store_true", help="a new attempt beside a committed one")
+    sp.set_defaults(fn="runs:cmd_sft")
     sp = sub.add_parser("demo", help="init (if needed) and train the tiny sort model until it sorts")
     sp.add_argument("--run", default="demo")
     sp.add_argument("--iterations", type=int, default=40, help="at most this many (default 40)")

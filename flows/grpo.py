@@ -31,7 +31,7 @@ from flows.placement import (
     stage_flow,  # noqa: F401 (the entrypoint deployments made before flows/placement.py name)
     stages_here,
 )
-from flows.tasks import create_run, failed, ok
+from flows.tasks import create_run, failed, ok, warm_start
 from grpo.record.layout import StageName
 from grpo.record.lineage import next_iteration
 from grpo.record.storage import Storage, open_storage
@@ -89,6 +89,8 @@ def grpo(
             check_placement(placement)
             ok(create_run(storage.url, run_id, config_path, overrides or [], stages_here(placement)))
             first, cfg = resolve_iteration(storage, run_id, iteration), load_run(storage, run_id)
+            if cfg.sft is not None:  # the warm start before the first iteration, and GRPO only past its gate
+                ok(warm_start(storage.url, run_id))
             with tracking(storage, run_id, cfg):  # the tracker run ends FINISHED or FAILED with the flow run
                 behind = None  # an iteration whose learn runs (on its pool, or in a thread) while the next one samples
 

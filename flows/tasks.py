@@ -63,6 +63,19 @@ def create_run(
     return base.uri
 
 
+@task(task_run_name="sft {run_id}")
+def warm_start(storage_url: str, run_id: str) -> str | None:
+    """The warm start the run's config sets (sft), made where none is committed, and its gate: a Failed state in one
+    line where GRPO must not start (stages.sft.warm_start); None where the config sets none."""
+    from stages.sft import warm_start as made
+
+    try:
+        committed = made(open_storage(storage_url), run_id)
+    except USER_ERRORS as e:
+        return Failed(message=f"sft {run_id}: {' '.join(str(e).split())}")
+    return None if committed is None else committed.uri
+
+
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient, task_run_name="snapshot {iteration}")
 def snapshot(storage_url: str, run_id: str, iteration: int, force: bool = False) -> str:
     """Freeze the policy of iteration k: the base model, or the previous iteration's learner output."""

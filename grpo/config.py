@@ -979,6 +979,80 @@ class EvalConfig:
             )
 
 
+SftSource = Literal["dataset", "teacher", "history"]
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    """The warm start (`grpo sft`, stages/sft.py): supervised cross-entropy on the assistant tokens of conversations,
+    on the run's own learner (learn.lora, learn.sharding, learn.num_processes as the RL iterations), committed as the
+    policy iteration 0 samples (version -1) instead of the base, and with full fine-tuning the KL reference too."""
+
+    source: SftSource = "dataset"
+    """Where the conversations come from: `dataset` (a file of conversations: sft.dataset), `teacher` (a model's
+    sampled responses to the run's training prompts: sft.teacher), `history` (rows of a run's own rollouts selected by
+    SQL: sft.history_run, sft.history_sql)."""
+    dataset: str | None = None
+    """source=dataset: Parquet, JSONL/JSON, CSV, a `save_to_disk` folder (as task.dataset), or a hub dataset id, in
+    one of TRL's SFT shapes: a `messages` column of chat messages, or conversational `prompt` and `completion`
+    columns (each a list of messages)."""
+    split: str = "train"
+    """source=dataset with a hub id: the split to read."""
+    teacher: str | None = None
+    """source=teacher: the teacher model (a folder, an fsspec URL or a hub id) sampling responses to the run's
+    training prompts; it must share the run's chat template."""
+    samples_per_prompt: int = 1
+    """source=teacher: responses sampled per prompt (at rollout.temperature)."""
+    prompts: int = 64
+    """source=teacher: training prompts the teacher answers."""
+    history_run: str | None = None
+    """source=history: the run (in the same storage) whose committed rollouts `history_sql` selects from."""
+    history_sql: str | None = None
+    """source=history: a DuckDB query over `grpo query`'s views of history_run returning `prompt_id`, `iteration` and
+    `sample_index` columns of the rollouts to train on (e.g. the correct ones: `SELECT iteration, prompt_id,
+    sample_index FROM rewards WHERE reward >= 1`)."""
+    epochs: int = 1
+    """Passes over the conversations (ignored where steps is set)."""
+    steps: int | None = None
+    """Optimizer steps in all, drawing conversations epoch by epoch in a seeded order; None: `epochs` passes."""
+    lr: float = 2e-5
+    """AdamW learning rate (TRL's SFTConfig default), constant."""
+    minibatch_size: int = 8
+    """Conversations per optimizer step."""
+    microbatch_size: int = 8
+    """Conversations per forward/backward of one process (gradients accumulate to the minibatch)."""
+    max_tokens: int = 1024
+    """A conversation's tokens at most (TRL's max_length): a longer one is cut there (counted: `truncated`)."""
+    gate_pass_at_k: float | None = None
+    """Start GRPO only where the warm-started policy's held-out pass@k (sft.gate_k samples of each eval prompt at
+    rollout.temperature) reaches this; else `grpo run` and the flow stop in one line giving the figure. None: no
+    gate (nothing measured)."""
+    gate_k: int = 4
+    """k of the gate's pass@k."""
+
+    def check(self) -> None:
+        needs = {"dataset": ("dataset",), "teacher": ("teacher",), "history": ("history_run", "history_sql")}
+        for name in needs[self.source]:
+            if not getattr(self, name):
+                raise ConfigError(f"sft.{name}: sft.source={self.source} reads it; name one")
+        for name in ("samples_per_prompt", "prompts", "epochs", "minibatch_size", "microbatch_size", "gate_k"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"sft.steps must be >= 1 or null (sft.epochs passes), got {self.steps}")
+        if self.minibatch_size % self.microbatch_size:
+            raise ConfigError(
+                f"sft.minibatch_size ({self.minibatch_size}) must be divisible by sft.microbatch_size "
+                f"({self.microbatch_size})"
+            )
+        if not self.lr > 0:
+            raise ConfigError(f"sft.lr must be > 0, got {self.lr}")
+        if self.max_tokens < 2:
+            raise ConfigError(f"sft.max_tokens must be >= 2, got {self.max_tokens}")
+        if self.gate_pass_at_k is not None and not 0 <= self.gate_pass_at_k <= 1:
+            raise ConfigError(f"sft.gate_pass_at_k must be in [0, 1] or null (no gate), got {self.gate_pass_at_k}")
+
+
 @dataclass(frozen=True)
 class TrackingConfig:
     backend: Literal["none", "tensorboard", "mlflow", "wandb"] = "none"
@@ -1030,9 +1104,16 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    sft: SftConfig | None = None
+    """The warm start before the first iteration (SftConfig); None: iteration 0 samples the base model."""
 
     def to_dict(self) -> dict:
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """The config as run.json holds it; without `sft` where it is None, so a run without a warm start writes
+        the run.json it always did."""
+        out = json.loads(json.dumps(dataclasses.asdict(self)))
+        if out["sft"] is None:
+            del out["sft"]
+        return out
 
 
 class ConfigError(ValueError):
@@ -1310,6 +1391,8 @@ def validate(cfg: RunConfig) -> None:
     validate_batches(r, lc)
     validate_dynamic_sampling(r, lc)
     validate_reward(cfg.reward, r)
+    if cfg.sft is not None:
+        validate_sft(cfg.sft, lc)
     if (r.tools or r.environment) and cfg.task.prompt_format == "text":
         raise ConfigError(
             "task.prompt_format=text: episodes (rollout.tools, rollout.environment) render their prompts, tools and "
@@ -1406,3 +1489,15 @@ def validate_reward(rc: RewardConfig, r: RolloutConfig) -> None:
         )
     if rc.judge is not None and r.min_signal_groups is not None:
         raise ConfigError("rollout.min_signal_groups: dynamic sampling does not call reward.judge; unset one of them")
+
+
+def validate_sft(sft: SftConfig, lc: LearnConfig) -> None:
+    """The warm start runs on the run's learner: its minibatch splits over learn.num_processes, on one node."""
+    if lc.nodes > 1:
+        raise ConfigError(f"sft: the warm start runs on one machine; learn.nodes={lc.nodes} is for the RL learns")
+    share = min(sft.microbatch_size, sft.minibatch_size // lc.num_processes)
+    if sft.minibatch_size % lc.num_processes or sft.minibatch_size % (share * lc.num_processes):
+        raise ConfigError(
+            f"sft.minibatch_size ({sft.minibatch_size}) must be divisible by learn.num_processes "
+            f"({lc.num_processes}) x sft.microbatch_size ({sft.microbatch_size}, at most its share)"
+        )

@@ -249,3 +249,76 @@ def draw_at(n_rows: int, start: int, n: int, seed: int) -> list[int]:
 def row_json(example: Example) -> str:
     """The dataset's other columns of a sample, as stored in the rollouts table."""
     return json.dumps(example.row or {}, sort_keys=True, default=str)
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def load_conversations(uri: str, split: str = "train") -> list[tuple[list[dict], list[dict]]]:
+    """(messages, tools) of each row of a warm start's dataset (sft.dataset: a file or folder as task.dataset, or a hub
+    dataset's `split`) in one of TRL's SFT shapes: a `messages` column of chat messages, or conversational `prompt`
+    and `completion` columns (lists of messages, joined); an optional `tools` column (JSON schemas, or their JSON
+    text) renders with each. Any other shape is refused in one line naming the column."""
+    df = _hub_frame(uri, split) if is_hub_id(uri) else _read_frame(uri)
+    columns = list(df.columns)
+    if "messages" in columns:
+        shape = ("messages",)
+    elif "prompt" in columns and "completion" in columns:
+        shape = ("prompt", "completion")
+    else:
+        raise DatasetError(
+            f"sft.dataset {uri}: no `messages` column, nor `prompt` and `completion` columns (TRL's conversational "
+            f"SFT shapes); its columns: {columns}"
+        )
+    out = []
+    for i, row in enumerate(df.to_dict("records")):
+        messages = [m for c in shape for m in _messages(row[c], f"sft.dataset {uri} row {i}'s column {c}")]
+        tools = _plain(row.get("tools")) or []
+        tools = json.loads(tools) if isinstance(tools, str) else tools
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise DatasetError(f"sft.dataset {uri} row {i}'s column tools: a list of JSON schemas, got {tools!r:.80}")
+        out.append((messages, tools))
+    if not out:
+        raise DatasetError(f"sft.dataset {uri}: no rows")
+    return out
+
+
+def _messages(value: Any, where: str) -> list[dict]:
+    """A cell of chat messages as the chat template takes them: each a {role, content, ...} mapping (keys a Parquet
+    struct fills with null dropped)."""
+    value = _plain(value)
+    if isinstance(value, str):
+        raise DatasetError(f"{where} holds text (TRL's standard shape); the warm start reads conversations: a list of "
+                           "{role, content} messages")  # fmt: skip
+    if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
+        raise DatasetError(f"{where}: a list of {{role, content}} messages, got {str(value)[:80]!r}")
+    out = []
+    for m in value:
+        if m.get("role") not in ROLES:
+            raise DatasetError(f"{where}: a message's role must be one of {list(ROLES)}, got {m.get('role')!r}")
+        kept = {k: v for k, v in m.items() if v is not None}
+        if isinstance(kept.get("content"), str):
+            _text(kept["content"], where)
+        out.append({"content": "", **kept})
+    return out
+
+
+def is_hub_id(uri: str) -> bool:
+    """A Hugging Face Hub dataset id (`org/name`): no URL scheme, no file suffix, no such local path."""
+    import os
+
+    return (
+        "://" not in uri
+        and not os.path.exists(uri)
+        and re.fullmatch(r"[\w.-]+/[\w.-]+", uri) is not None
+        and not uri.endswith(tuple(_SUFFIXES))
+    )
+
+
+def _hub_frame(uri: str, split: str) -> pd.DataFrame:
+    import datasets
+
+    try:
+        return datasets.load_dataset(uri, split=split).to_pandas()
+    except Exception as e:  # noqa: BLE001 (the hub and datasets raise many kinds; name the dataset)
+        raise DatasetError(f"sft.dataset {uri} (split {split}): does not load from the hub: {type(e).__name__}: {e}")

@@ -55,7 +55,7 @@ from grpo.record.storage import (
     load_manifest,
     verify_files,
 )
-from schemas.files import OPTIONAL_TABLES, TABLE_FILES
+from schemas.files import OPTIONAL_TABLES, RUN_TABLES, TABLE_FILES
 
 if TYPE_CHECKING:  # imported where used: training and `grpo status` import this module (grpo.report)
     import duckdb
@@ -82,10 +82,16 @@ def committed_files(storage: Storage, run_id: str, verify: bool = True) -> dict[
     the files read: the learner's checkpoint is not hashed).
     """
     out: dict[str, list[str]] = {view: [] for view in VIEWS}
-    stages = sorted({stage for stage, _ in VIEWS.values()})
+    stages = sorted({stage for view, (stage, _) in VIEWS.items() if view not in RUN_TABLES})
+    for view in RUN_TABLES:  # a stage the run commits once (the warm start)
+        stage, name = VIEWS[view]
+        if (once := _newest(storage, stage_dir(storage, run_id, None, stage))) is not None:
+            out[view].append(storage.uri(_committed_file(once, name, verify)))
     for k in iterations(storage, run_id):
         newest = {stage: _newest(storage, stage_dir(storage, run_id, k, stage)) for stage in stages}
         for view, (stage, name) in VIEWS.items():
+            if view in RUN_TABLES:
+                continue
             optional = view in OPTIONAL_TABLES and newest[stage] is not None
             if optional and name not in [f.path for f in newest[stage].manifest.files]:
                 continue
@@ -101,7 +107,8 @@ def io_records(storage: Storage, run_id: str) -> list[dict]:
     """The `io` view's rows: per committed stage (the base, and each stage and shard of each iteration: the newest
     attempt), its manifest's io record; the counts of a manifest written before the record existed are None."""
     rows, rdir = [], run_dir(storage, run_id)
-    folders = [(None, f"{rdir}/base")] + [(k, f"{rdir}/iter-{k:04d}") for k in iterations(storage, run_id)]
+    once = [(None, f"{rdir}/base"), (None, f"{rdir}/sft")]  # the stages a run commits once (sft: a warm start)
+    folders = once + [(k, f"{rdir}/iter-{k:04d}") for k in iterations(storage, run_id)]
     for k, folder in folders:
         sdirs = [folder] if k is None else sorted(storage.fs.ls(folder, detail=False))
         for sdir in sdirs:

@@ -15,7 +15,12 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
     "logprobs": ("learn", "logprobs.parquet"),
     "learn_metrics": ("learn", "metrics.parquet"),
     "eval": ("eval", "eval.parquet"),
+    "sft": ("sft", "sft.parquet"),
+    "sft_metrics": ("sft", "metrics.parquet"),
 }
+
+RUN_TABLES = ("sft", "sft_metrics")
+"""Tables of a stage the run commits once (the warm start: `grpo sft`), not every iteration."""
 
 OPTIONAL_TABLES = ("draws", "turns", "episodes", "carried", "segments", "judge")
 """Tables a stage commits only with a setting on (draws: rollout.min_signal_groups; turns and episodes: rollout.tools

@@ -225,6 +225,22 @@ EVAL = pa.schema(
     ]
 )
 
+SFT = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("conversation", pa.int64(), nullable=False),  # its place among the source's conversations
+        pa.field("source", pa.string(), nullable=False),  # sft.source: dataset, teacher or history
+        # JSON object: where it came from (a dataset row; a teacher's prompt and sample; a run's iteration and sample)
+        pa.field("origin", pa.string(), nullable=False),
+        pa.field("messages", pa.string(), nullable=False),  # JSON list of the chat messages
+        pa.field("prompt_ids", _IDS, nullable=False),  # the messages before the first assistant turn, rendered
+        pa.field("response_ids", _IDS, nullable=False),  # every token after them (cut at sft.max_tokens)
+        pa.field("loss_mask", MASKS, nullable=False),  # 1 on the assistant's tokens, the ones trained on
+        pa.field("truncated", pa.bool_(), nullable=False),  # cut at sft.max_tokens
+        pa.field("draws", pa.int32(), nullable=False),  # how many times the warm start trained on it
+    ]
+)
+
 SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS,
     "rollouts": ROLLOUTS,
@@ -239,6 +255,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "logprobs": LOGPROBS,
     "learn_metrics": LEARN_METRICS,
     "eval": EVAL,
+    "sft": SFT,
+    "sft_metrics": LEARN_METRICS,
 }
 
 ROLLOUTS_V4 = pa.schema([f for f in ROLLOUTS if f.name not in ("loss_mask", "token_versions")])

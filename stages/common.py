@@ -40,7 +40,8 @@ def load_run(storage: Storage, run_id: str) -> RunConfig:
     except ValueError as e:
         raise StageError(f"{storage.uri(path)}: not valid JSON: {e}") from e
     config = raw.get("config") if isinstance(raw, dict) else None
-    sections = [f.name for f in dataclasses.fields(RunConfig) if f.name not in ("tracking", "retention")]  # optional
+    optional = ("tracking", "retention", "sft")
+    sections = [f.name for f in dataclasses.fields(RunConfig) if f.name not in optional]
     missing = sections if not isinstance(config, dict) else [s for s in sections if s not in config]
     if missing:  # run.json is written whole by `grpo init`: a partial one was edited or damaged
         raise StageError(

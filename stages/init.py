@@ -86,9 +86,8 @@ def write_run_json(storage: Storage, run_id: str, cfg: RunConfig) -> None:
             if c["learn"]["sharding"] == "fsdp2":
                 c["learn"].pop("num_processes")
         if old != new:
-            changed = [
-                f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s] if old[s].get(k) != new[s][k]
-            ]
+            changed = [f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s]
+                       if old.get(s, {}).get(k) != new[s][k]]  # fmt: skip
             raise StageError(
                 f"{storage.uri(path)}: run {run_id!r} exists with a different config ({', '.join(changed) or 'seed'}); "
                 "use a new run id (only "

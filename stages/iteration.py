@@ -77,6 +77,10 @@ def run_warm(storage: Storage, run_id: str, first: int, iterations: int) -> Iter
         from grpo import devices  # torch: a finished run's no-op (`grpo demo` again) imports none
 
         devices.check(cfg, set(STAGES))
+        if cfg.sft is not None:  # the warm start first (where none is committed), and GRPO only past its gate
+            from stages.sft import warm_start
+
+            warm_start(storage, run_id)
     with warm_state() as warm, tracking(storage, run_id, cfg):  # the tracker run ended with the iterations
         for k in range(first, first + iterations):
             out = run_iteration(storage, run_id, k, last=k == first + iterations - 1)

@@ -49,7 +49,7 @@ from grpo.record.commit import StageWriter
 from grpo.record.counts import is_local
 from grpo.record.digests import sha256_local
 from grpo.record.identity import config_hash, section, stage_identity
-from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version, reference_iteration
+from grpo.record.lineage import check_chain, check_policy, committed_input, frozen_version, reference_policy
 from grpo.record.storage import Committed, Storage
 from grpo.sampling.engines import release_accelerator
 from stages.common import StageError, load_run, measured, run_stage
@@ -58,18 +58,18 @@ from stages.learn_data import load_batch
 log = logging.getLogger("grpo.stages")
 
 
-def reference_source(storage: Storage, run_id: str, iteration: int, every: int | None) -> Committed:
-    """The committed checkpoint the KL of `iteration` is measured against: the base model, or the snapshot of
-    reference_iteration (the policy that iteration sampled from, as committed: a cold resume reads the same)."""
-    at = reference_iteration(iteration, every)
-    return committed_input(storage, run_id, *((None, "base") if at is None else (at, "snapshot")))
+def reference_source(storage: Storage, run_id: str, iteration: int, cfg: RunConfig) -> Committed:
+    """The committed checkpoint the KL of `iteration` is measured against (grpo.record.lineage.reference_policy): with
+    full fine-tuning and a warm start (sft), the SFT model before the first refresh; LoRA: the base, adapters off."""
+    warm_start = cfg.sft is not None and cfg.learn.lora is None
+    return reference_policy(storage, run_id, iteration, cfg.learn.ref_update_every, warm_start)
 
 
 def learn_inputs(storage: Storage, cfg: RunConfig, run_id: str, iteration: int) -> dict[str, Committed]:
     """The stage's inputs (snapshot, reference, rollouts, advantages, the previous learn), checked current."""
     inputs = {
         "snapshot": committed_input(storage, run_id, iteration, "snapshot"),
-        "reference": reference_source(storage, run_id, iteration, cfg.learn.ref_update_every),
+        "reference": reference_source(storage, run_id, iteration, cfg),
         "rollouts": committed_input(storage, run_id, iteration, "rollouts"),
         "advantages": committed_input(storage, run_id, iteration, "advantages"),
     }

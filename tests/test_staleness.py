@@ -139,7 +139,8 @@ def test_a_stale_run_samples_what_its_staleness_names_and_refuses_any_other_sour
     assert not [g for g in found.garbage if g.why == "policy"]  # learn 0: the best; 2: the newest
 
     # a snapshot of iteration 2 forced from another source (learn 1's policy, what S = 0 would sample) is refused
-    monkeypatch.setattr(snapshot, "policy_source", lambda storage, run_id, k, s: committed(storage, run_id, 1, "learn"))
+    forced = lambda storage, run_id, k, s, warm_start=False: committed(storage, run_id, 1, "learn")  # noqa: E731
+    monkeypatch.setattr(snapshot, "policy_source", forced)
     with pytest.raises(
         StageError, match=r"snapshot iteration 2: the policy frozen for it is learn 1's policy, but rollout"
     ):

@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"schemas": 0, "grpo": 1, "stages": 2, "tools": 2, "flows": 3, "benchmarks": 4}
-STAGE_MODULES = ["snapshot", "rollouts", "rewards", "advantages", "learn", "eval"]  # stages/<name>.py: one stage each
+# stages/<name>.py: one stage each (sft: the run's warm start, once)
+STAGE_MODULES = ["snapshot", "rollouts", "rewards", "advantages", "learn", "eval", "sft"]
 
 
 def module_name(path: Path) -> str:
@@ -148,7 +149,8 @@ STANDALONE = {
 STAGE_PARTS = {"common": "every stage", "prompts": "rollouts", "dynamic_sampling": "rollouts", "shards": "rollouts",
                "samples": "rollouts (and eval's episodes)", "segments": "rollouts (partial rollouts)",
                "learn_data": "learn", "init": "the run's base", "rescore": "a fork's rewards",
-               "iteration": "the stages in order"}  # fmt: skip
+               "iteration": "the stages in order", "held_out": "eval (and sft's gate)",
+               "sft_sources": "sft"}  # fmt: skip
 """The modules of stages/ besides the stage modules: each a part of the stage (or stages) it names."""
 
 

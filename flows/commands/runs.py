@@ -61,6 +61,10 @@ def summary_lines(summary: dict, indent: str = "  ") -> str:
 def train(storage, run_id: str, start: int, iterations: int, target: float | None = None) -> int | None:
     """Run iterations start.. warm, one line each (eval exact `-` where eval.every skipped it); stop early once
     eval's exact match reaches `target`. Returns the iteration that reached it (None: not reached, or no target)."""
+    if iterations > 0:  # the warm start the config sets (sft), made where none is committed, and its gate: first
+        from stages.sft import warm_start
+
+        warm_start(storage, run_id)
     t0 = time.perf_counter()
     print(f"{'iteration':>9}  {'reward':>6}  {'eval exact':>10}  {'elapsed s':>9}", flush=True)
     for k, out in run_warm(storage, run_id, start, iterations):
@@ -83,6 +87,21 @@ def cmd_run(args, storage):
     train(storage, args.run, start, args.iterations)
     if newest := newest_policy(storage, args.run, args.storage):  # none after --iterations 0 on a new run
         print(newest)
+
+
+def cmd_sft(args, storage):
+    from stages.sft import gate_problem, sft
+
+    started = dt.datetime.now(dt.timezone.utc)
+    committed = sft(storage, args.run, force=args.force)
+    if dt.datetime.fromisoformat(committed.manifest.committed_at) < started:  # found with the same identity
+        print(f"sft: already committed ({committed.uri}): nothing to do; --force for a new attempt")
+    else:
+        print(f"sft: committed {committed.uri}\n{summary_lines(committed.manifest.summary)}")
+    from stages.common import load_run
+
+    if problem := gate_problem(load_run(storage, args.run), committed):
+        raise StageError(problem.replace("RUN", args.run))
 
 
 def cmd_demo(args, storage):

@@ -23,4 +23,6 @@ One component a file, read in this order:
                       each ends (or, with rollout.segment_tokens, has sampled B tokens); token in, token out, the
                       loss mask and the turns; a carried episode's environment re-created by replay
   carry.py            an episode carried across iterations: what the carried table's `episode` column holds
+  transcripts.py      a written conversation (a warm start's) as an episode's tokens and loss mask, appended as the
+                      loop appends them
 """

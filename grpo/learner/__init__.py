@@ -15,6 +15,7 @@ One component a file, read in this order:
   rank.py       what every learner process runs (in-process, or a torchrun rank)
   launch.py     starting the torchrun processes of learn.num_processes > 1
   nodes.py      learn.nodes > 1: the nodes meet through storage
+  sft.py        the warm start on this learner: cross-entropy as the loss with advantage 1, conversations as a Batch
 
 Precision and memory, as on a GPU: the weights and AdamW state stay float32 (master weights);
 learn.mixed_precision=bf16 runs the forwards under bf16 autocast; checkpoints are written in the base

@@ -45,6 +45,10 @@ IDENTITY_FIELDS = {
         "logprob_chunk", "max_logprob_gap", "lora", "sharding",
     ),
     "eval": ("n_prompts", "seed", "dataset", "split_fraction", "samples_per_prompt"),
+    "sft": (
+        "source", "dataset", "split", "teacher", "samples_per_prompt", "prompts", "history_run", "history_sql",
+        "epochs", "steps", "lr", "minibatch_size", "microbatch_size", "max_tokens", "gate_pass_at_k", "gate_k",
+    ),
 }  # fmt: skip
 """Per section, the fields every identity reading it has covered since runs were first committed."""
 

@@ -192,10 +192,25 @@ def policy_version(iteration: int, staleness: int) -> int:
 
 
 def version_of(policy: Committed) -> int:
-    """The policy version of a committed policy: a learn's iteration, -1 for the base."""
-    if policy.manifest.stage not in ("learn", "base"):
+    """The policy version of a committed policy: a learn's iteration, -1 for the base or the warm start (sft)."""
+    if policy.manifest.stage not in ("learn", "base", "sft"):
         raise StageError(f"{policy.uri}: a {policy.manifest.stage} holds no policy of its own")
-    return -1 if policy.manifest.stage == "base" else policy.manifest.iteration
+    return policy.manifest.iteration if policy.manifest.stage == "learn" else -1
+
+
+def first_policy(storage: Storage, run_id: str, warm_start: bool) -> Committed:
+    """The committed policy of version -1, which the iterations before learn 0's policy sample: the warm start's
+    (`grpo sft`) where the run's config has one (sft set), else the base. Which is fixed by the config, never by
+    what happens to be committed: a run with sft set and none committed is refused in one line."""
+    if not warm_start:
+        return committed_input(storage, run_id, None, "base")
+    try:
+        return latest_committed(storage, stage_dir(storage, run_id, None, "sft"), verify=False)
+    except NotCommittedError:
+        raise StageError(
+            f"run {run_id} starts from a warm start (its config sets sft), and none is committed; run `grpo sft "
+            f"--run {run_id}` first (`grpo run` and the flow run it)"
+        ) from None
 
 
 def frozen_version(storage: Storage, snapshot: Committed) -> int:
@@ -232,6 +247,17 @@ def reference_iteration(iteration: int, every: int | None) -> int | None:
     ([None, None, 2, 2, 4, 4], 3, None)
     """
     return None if every is None or iteration < every else iteration // every * every
+
+
+def reference_policy(storage: Storage, run_id: str, iteration: int, every: int | None, warm_start: bool) -> Committed:
+    """The committed checkpoint the KL of `iteration` is measured against with learn.ref_update_every = `every`: the
+    snapshot of reference_iteration (the policy that iteration sampled from, as committed: a cold resume reads the
+    same), or before the first the base model, or with `warm_start` the warm start's policy (first_policy: the SFT
+    model is the reference, as InstructGPT's and DeepSeekMath's)."""
+    at = reference_iteration(iteration, every)
+    if at is None:
+        return first_policy(storage, run_id, warm_start)
+    return committed_input(storage, run_id, at, "snapshot")
 
 
 def committed_state(storage: Storage, run_id: str, learned: Committed) -> Committed | None:
