@@ -19,7 +19,9 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import re
+import string
 import sys
 import types
 from dataclasses import dataclass, field
@@ -393,6 +395,148 @@ class RolloutConfig:
         check_env_names(self.tool_pass_env, "rollout.tool_pass_env")
 
 
+JudgeMode = Literal["rubric", "ranking"]
+
+JUDGE_PLACEHOLDERS = {"rubric": {"prompt", "response", "criteria", "verdicts"}, "ranking": {"prompt", "responses", "n"}}
+"""The placeholders each mode's template fills, every one of them required."""
+
+
+def template_problem(mode: str, template: str | None) -> str | None:
+    """What is wrong with a template for `mode`, or None.
+
+    >>> template_problem("rubric", "Grade {response}")
+    'missing {criteria}, {prompt}, {verdicts} (rubric fills {criteria}, {prompt}, {response}, {verdicts})'
+    >>> template_problem("ranking", "{prompt} {responses} {n} {x}")
+    'unknown {x} (ranking fills {n}, {prompt}, {responses}); write a literal brace as {{ or }}'
+    >>> template_problem("rubric", None) is None
+    True
+    """
+    if template is None:
+        return None
+    try:
+        used = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        return f"{e}; write a literal brace as {{{{ or }}}}"
+    want = JUDGE_PLACEHOLDERS[mode]
+    fills = ", ".join(f"{{{p}}}" for p in sorted(want))
+    if unknown := sorted(used - want):
+        names = ", ".join(f"{{{u}}}" for u in unknown)
+        return f"unknown {names} ({mode} fills {fills}); write a literal brace as {{{{ or }}}}"
+    if missing := sorted(want - used):
+        return f"missing {', '.join(f'{{{m}}}' for m in missing)} ({mode} fills {fills})"
+    return None
+
+
+DEFAULT_CRITERIA = ({"name": "correct", "weight": 1.0, "description": "The response answers the prompt correctly."},)
+"""The rubric reward.judge scores with where its config names none: one criterion."""
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """A generative judge whose verdicts are one more reward component (reward.judge): a local model run as a batch
+    over the iteration's rows (transformers) or an OpenAI-compatible endpoint; grpo/scoring/judge.py."""
+
+    model: str | None = None
+    """A local judge: a folder or hub id of a causal LM with its tokenizer, run greedily (temperature 0) in batches
+    of `concurrency` by transformers in the rewards stage's process. Set this or `url`."""
+    revision: str | None = None
+    """With a hub id in `model`: the branch, tag or commit to load (None: main); the commit loaded is recorded."""
+    url: str | None = None
+    """An OpenAI-compatible endpoint's base URL (e.g. https://api.openai.com/v1, a vLLM server's http://host:8000/v1):
+    its /chat/completions is called. Set this or `model`."""
+    api_key_env: str | None = None
+    """With `url`: the name of the environment variable holding the endpoint's API key (e.g. OPENAI_API_KEY), read
+    in the rewards stage's process, sent as a bearer token, redacted from what is committed or logged; None: no key."""
+    model_name: str | None = None
+    """With `url`: the model the endpoint serves (the request's `model`); it is the revision recorded."""
+    mode: JudgeMode = "rubric"
+    """rubric: one call per response, a reason then a verdict per criterion, the verdicts' scores weighted into
+    [0, 1]; ranking: one call per GRPO group ranks its responses (RULER), rank r of G scoring (G - 1 - r) / (G - 1)."""
+    criteria: list[dict] = field(default_factory=lambda: [dict(c) for c in DEFAULT_CRITERIA])
+    """rubric: the criteria, each {name, weight, description}: name a word ([A-Za-z0-9_]), weight > 0."""
+    verdicts: list[str] = field(default_factory=lambda: ["fail", "partial", "pass"])
+    """rubric: the verdicts a criterion may get, each a word (compared case-insensitively); quote yes and no in YAML
+    (a bare one reads as true or false)."""
+    verdict_scores: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
+    """rubric: each verdict's score in [0, 1], in the order of `verdicts`."""
+    template: str | None = None
+    """The judge's prompt (one user message); None: the mode's default (grpo/scoring/judge_format.py). rubric:
+    {prompt}, {response}, {criteria}, {verdicts}; ranking: {prompt}, {responses}, {n}; each of its mode's
+    placeholders once or more (JUDGE_PLACEHOLDERS)."""
+    max_tokens: int = 256
+    """Most tokens the judge writes per call."""
+    temperature: float = 0.0
+    """The judge's sampling temperature (0: greedy)."""
+    concurrency: int = 4
+    """Endpoint: most requests in flight at once; local model: prompts per generate batch."""
+    retries: int = 3
+    """Endpoint: tries after the first on a timeout, connection error, 429 or 5xx (backoff 0.5 s, doubling)."""
+    timeout_s: float = 60.0
+    """Endpoint: seconds one request may take."""
+    parse_error_reward: float = 0.0
+    """The judge's score for an output that does not parse (or a call that failed every try): a counted error
+    (`judge_errors` in the stage's summary, the judge table's error column), never a failed stage."""
+
+    def check(self) -> None:
+        where = "reward.judge"
+        if (self.model is None) == (self.url is None):
+            raise ConfigError(f"{where}: set model (a local judge: folder or hub id) or url (an endpoint), one of them")
+        if self.url is not None and not self.model_name:
+            raise ConfigError(f"{where}.model_name: name the model the endpoint at reward.judge.url serves")
+        if self.url is None and (self.api_key_env or self.model_name):
+            raise ConfigError(f"{where}.api_key_env and model_name go with reward.judge.url (an endpoint), not model")
+        if self.url is not None and self.revision is not None:
+            raise ConfigError(f"{where}.revision goes with reward.judge.model (a hub id); an endpoint's is model_name")
+        if self.api_key_env is not None:
+            check_env_names([self.api_key_env], f"{where}.api_key_env")
+        for name in ("max_tokens", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.retries < 0 or self.timeout_s <= 0 or self.temperature < 0:
+            raise ConfigError(
+                f"{where}: retries must be >= 0, timeout_s > 0 and temperature >= 0, got retries={self.retries} "
+                f"timeout_s={self.timeout_s} temperature={self.temperature}"
+            )
+        self.check_rubric()
+        if problem := template_problem(self.mode, self.template):
+            raise ConfigError(f"{where}.template: {problem}")
+
+    def check_rubric(self) -> None:
+        where = "reward.judge"
+        names = []
+        for c in self.criteria:
+            ok = isinstance(c, dict) and set(c) <= {"name", "weight", "description"} and "name" in c
+            ok = ok and re.fullmatch(r"[A-Za-z0-9_]+", str(c["name"])) is not None
+            w = c.get("weight", 1.0) if ok else None
+            if not ok or isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < math.inf:
+                raise ConfigError(
+                    f"{where}.criteria: each is {{name: a word, weight: > 0, description: text}}, got {c!r}"
+                )
+            names.append(c["name"])
+        if not names or len(set(names)) != len(names):
+            raise ConfigError(f"{where}.criteria: name one criterion or more, each once, got {names}")
+        if not self.verdicts or len(self.verdicts) != len(self.verdict_scores):
+            raise ConfigError(
+                f"{where}.verdict_scores: one score per verdict ({len(self.verdicts)} verdicts), "
+                f"got {self.verdict_scores}"
+            )
+        words = [v.lower() for v in self.verdicts]
+        if len(set(words)) != len(words) or not all(re.fullmatch(r"[A-Za-z0-9_-]+", v) for v in words):
+            raise ConfigError(f"{where}.verdicts: distinct words, got {self.verdicts}")
+        if not all(0 <= s <= 1 for s in self.verdict_scores):
+            raise ConfigError(f"{where}.verdict_scores: each in [0, 1], got {self.verdict_scores}")
+
+
+def check_judge_folder(judge: JudgeConfig | None) -> None:
+    """At `grpo init`: a local judge named by a path (not a hub id) is a folder on this machine."""
+    path = os.path.expanduser(judge.model) if judge is not None and judge.model else ""
+    if (path.startswith((".", "/")) or path.count("/") > 1) and not os.path.isdir(path):
+        raise ConfigError(
+            f"reward.judge.model: no folder at {judge.model}; name a folder holding the judge's config.json, weights "
+            "and tokenizer, or a hub id (org/name)"
+        )
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     functions: list[str] = field(default_factory=list)
@@ -431,12 +575,22 @@ class RewardConfig:
     merged, the same as one shard. Each shard holds `max_error_fraction` on its own. At most the iteration's
     samples (rollout.prompts_per_iteration x rollout.group_size). Not part of the stage's identity; may change for
     an existing run."""
+    judge: JudgeConfig | None = None
+    """A model that judges each response (rubric) or each group (ranking), its score in [0, 1] one more reward
+    component, `judge`, weighted by the last of reward.weights (then one more weight than reward.functions, or two
+    with the task's reward: [task, judge]; [0, 1] judges alone, the task's reward still committed as a component);
+    every call committed in the rewards stage's judge.parquet (grpo/scoring/judge.py). None: no judge."""
 
     def check(self) -> None:
-        if self.weights is not None and len(self.weights) != len(self.functions):
+        scored = max(len(self.functions), 1) if self.judge is not None else len(self.functions)
+        if self.weights is not None and len(self.weights) != scored + (self.judge is not None):
+            with_judge = " and reward.judge (the last weight; the task's reward first without functions)"
             raise ConfigError(
                 f"reward.weights has {len(self.weights)} weight(s) for {len(self.functions)} reward.functions"
+                + (with_judge if self.judge is not None else "")
             )
+        if self.judge is not None:
+            self.judge.check()
         for name in ("workers", "shards"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"reward.{name} must be >= 1, got {getattr(self, name)}")
@@ -449,6 +603,20 @@ class RewardConfig:
         if self.max_memory_mb is not None and self.max_memory_mb < 64:
             raise ConfigError(f"reward.max_memory_mb must be >= 64 or null (no cap), got {self.max_memory_mb}")
         check_env_names(self.pass_env, "reward.pass_env")
+
+    @property
+    def function_weights(self) -> list[float] | None:
+        """reward.weights of the reward functions (the judge's, the last, left off)."""
+        if self.weights is None or self.judge is None:
+            return self.weights
+        return self.weights[: len(self.functions)] or None
+
+    @property
+    def judge_weights(self) -> tuple[float, float]:
+        """(the weight of the task's reward or of the functions' weighted total, the judge's) with reward.judge."""
+        if self.weights is None:
+            return 1.0, 1.0
+        return (1.0 if self.functions else self.weights[0]), self.weights[-1]
 
 
 def check_env_names(names: list[str], where: str) -> None:
@@ -1378,7 +1546,7 @@ def validate_dynamic_sampling(r: RolloutConfig, lc: LearnConfig) -> None:
 
 
 def validate_reward(rc: RewardConfig, r: RolloutConfig) -> None:
-    """reward.shards at most the iteration's samples."""
+    """reward.shards at most the iteration's samples; a judge's mode and the sampling it scores."""
     samples = r.prompts_per_iteration * r.group_size
     if rc.shards > samples:
         raise ConfigError(
@@ -1386,6 +1554,13 @@ def validate_reward(rc: RewardConfig, r: RolloutConfig) -> None:
             f"x rollout.group_size = {r.prompts_per_iteration} x {r.group_size}): a shard would have none; lower "
             "reward.shards"
         )
+    if rc.judge is not None and rc.judge.mode == "ranking" and (rc.shards > 1 or r.group_size < 2):
+        raise ConfigError(
+            f"reward.judge.mode=ranking ranks whole groups: it needs rollout.group_size >= 2 and reward.shards=1, got "
+            f"{r.group_size} and {rc.shards}"
+        )
+    if rc.judge is not None and r.min_signal_groups is not None:
+        raise ConfigError("rollout.min_signal_groups: dynamic sampling does not call reward.judge; unset one of them")
 
 
 def validate_sft(sft: SftConfig, lc: LearnConfig) -> None:

@@ -267,6 +267,8 @@ def duckdb_type(arrow_type) -> str:
     >>> import pyarrow as pa
     >>> duckdb_type(pa.list_(pa.float32())), duckdb_type(pa.map_(pa.string(), pa.float64()))
     ('FLOAT[]', 'MAP(VARCHAR, DOUBLE)')
+    >>> duckdb_type(pa.list_(pa.struct([("verdict", pa.string()), ("score", pa.float64())])))
+    'STRUCT(verdict VARCHAR, score DOUBLE)[]'
     """
     import pyarrow as pa
 
@@ -274,6 +276,8 @@ def duckdb_type(arrow_type) -> str:
         return f"MAP({duckdb_type(arrow_type.key_type)}, {duckdb_type(arrow_type.item_type)})"
     if pa.types.is_list(arrow_type):
         return f"{duckdb_type(arrow_type.value_type)}[]"
+    if pa.types.is_struct(arrow_type):  # the judge table's verdicts
+        return f"STRUCT({', '.join(f'{f.name} {duckdb_type(f.type)}' for f in arrow_type)})"
     return DUCKDB_TYPES[str(arrow_type)]
 
 

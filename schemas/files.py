@@ -10,6 +10,7 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
     "carried": ("rollouts", "carried.parquet"),
     "segments": ("rollouts", "segments.parquet"),
     "rewards": ("rewards", "rewards.parquet"),
+    "judge": ("rewards", "judge.parquet"),
     "advantages": ("advantages", "advantages.parquet"),
     "teacher": ("teacher", "teacher.parquet"),
     "token_advantages": ("advantages", "token_advantages.parquet"),
@@ -23,10 +24,11 @@ TABLE_FILES: dict[str, tuple[str, str]] = {
 RUN_TABLES = ("sft", "sft_metrics")
 """Tables of a stage the run commits once (the warm start: `grpo sft`), not every iteration."""
 
-OPTIONAL_TABLES = ("draws", "turns", "episodes", "carried", "segments", "token_advantages")
+OPTIONAL_TABLES = ("draws", "turns", "episodes", "carried", "segments", "token_advantages", "judge")
 """Tables a stage commits only with a setting on (draws: rollout.min_signal_groups; turns and episodes: rollout.tools
-or rollout.environment; carried and segments: rollout.segment_tokens; token_advantages: teacher); `grpo query` skips
-an attempt without one. The teacher table's stage runs only with teacher set (grpo.record.layout.OPTIONAL_STAGES)."""
+or rollout.environment; carried and segments: rollout.segment_tokens; token_advantages: teacher; judge:
+reward.judge); `grpo query` skips an attempt without one. The teacher table's stage runs only with teacher set
+(grpo.record.layout.OPTIONAL_STAGES)."""
 
 
 def table_file(table: str) -> str:

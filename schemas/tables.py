@@ -21,7 +21,8 @@ SCHEMA_VERSION = 5  # 2: logprobs.ref_logprobs and learn_metrics.kl may be null 
 #    sampled each token; null: the row's policy_version); an older rollouts file reads as all ones and null; the
 #    turns and episodes tables (rollout.tools, rollout.environment)
 # the carried and segments tables (rollout.segment_tokens) are new tables, no other changed: still version 5, so every
-# file a run without them writes keeps its bytes (the version is in each file's metadata)
+# file a run without them writes keeps its bytes (the version is in each file's metadata); so is the judge table
+# (reward.judge)
 
 _KEYS = [  # identify one sample: (run, iteration, prompt, sample within the group)
     pa.field("run_id", pa.string(), nullable=False),
@@ -208,6 +209,33 @@ SEGMENTS = pa.schema(  # rollout.segment_tokens: a row per response an iteration
     ]
 )
 
+JUDGE = pa.schema(  # reward.judge: a row per rewards row, the judge call that scored it (a group's call: ranking)
+    _SAMPLE_KEYS
+    + [
+        pa.field("judge_revision", pa.string(), nullable=False),  # hub id@commit, folder:<hash>, or model@url
+        pa.field("prompt_hash", pa.string(), nullable=False),  # sha256 of the call's messages and sampling settings
+        pa.field("raw", pa.string(), nullable=True),  # the judge's answer as written; null: every try failed
+        pa.field(  # each criterion's (ranking: the response's rank) reason, verdict and its score; null: no parse
+            "verdicts",
+            pa.list_(
+                pa.struct(
+                    [
+                        pa.field("criterion", pa.string(), nullable=False),
+                        pa.field("reason", pa.string(), nullable=False),
+                        pa.field("verdict", pa.string(), nullable=False),
+                        pa.field("score", pa.float64(), nullable=False),
+                    ]
+                )
+            ),
+            nullable=True,
+        ),
+        pa.field("score", pa.float64(), nullable=False),  # in [0, 1]; reward.judge.parse_error_reward on an error
+        pa.field("error", pa.string(), nullable=True),  # what did not parse, or the last try's failure
+        pa.field("attempts", pa.int32(), nullable=False),  # calls made for it by this attempt; 0: from the cache
+        pa.field("cached", pa.bool_(), nullable=False),  # its answer came from the judge cache
+    ]
+)
+
 EVAL = pa.schema(
     _KEYS
     + [
@@ -246,6 +274,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "carried": CARRIED,
     "segments": SEGMENTS,
     "rewards": REWARDS,
+    "judge": JUDGE,
     "advantages": ADVANTAGES,
     "teacher": TEACHER,
     "token_advantages": TOKEN_ADVANTAGES,

@@ -12,9 +12,8 @@ episodes import and describe their tools, eval.dataset is not task.dataset, lear
 the model, reward.workers and rollout.tool_workers can all be kept busy. A typo fails here, naming the field, and
 leaves no run behind.
 
-The base manifest's summary records each dataset's fingerprint (and the rows left out by
-task.skip_invalid_rows): the run is pinned to those bytes, and a stage refuses a dataset that
-changed since (grpo.pins.pin). A run made before fingerprints were recorded is not pinned.
+The base manifest records each dataset's fingerprint (and the rows task.skip_invalid_rows left out): the run is pinned
+to those bytes, a stage refuses a dataset changed since (grpo.pins.pin); a run older than fingerprints is not.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from grpo import data
-from grpo.config import ConfigError, RunConfig, load_config_file
+from grpo.config import ConfigError, RunConfig, check_judge_folder, load_config_file
 from grpo.episodes import adapters, chat, openenv, parsing, templates
 from grpo.errors import one_line
 from grpo.record import pins
@@ -262,6 +261,7 @@ def check_reward_workers(cfg: RunConfig) -> None:
             f"prompts_per_iteration x rollout.group_size / reward.shards); the rest would idle: set reward.workers "
             f"<= {per_shard}"
         )
+    check_judge_folder(rc.judge)  # a local judge named by a path is a folder here
     cores, pools = usable_cores(), [("reward.workers", rc.workers, "sample", "reward.timeout_s")]
     if r.environment_kind():
         pools.append(("rollout.tool_workers", r.tool_workers, "call", "rollout.tool_timeout_s"))

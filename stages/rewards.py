@@ -17,6 +17,12 @@ replaced at once; and the stage fails (committing nothing) as soon as more than
 the log shows its first few KB once per scoring. Processes a function leaves running are killed as its job
 ends, logged and counted (`processes_left`), not an error. A mean reward that is not finite (rewards whose
 sum overflows float64) is refused, naming the function.
+
+With `reward.judge` a model judges the shard's rows first, as one batch (grpo/scoring/judge.py): its score is the
+reward component `judge`, weighted by the last of reward.weights; every call is committed in judge.parquet beside
+rewards.parquet (the `judge` view of `grpo query`). An answer that does not parse scores
+reward.judge.parse_error_reward and is counted in the summary (`judge_errors`), not in `errors`: it never fails the
+stage. A call that failed every try (the endpoint down) is the sample's error and counts against max_error_fraction.
 """
 
 from __future__ import annotations
@@ -34,7 +40,17 @@ from grpo.record.identity import section
 from grpo.record.lineage import check_chain, committed_input
 from grpo.record.storage import Committed, Storage
 from grpo.runtime.pool import WARM_POOLS
-from grpo.scoring.score import allowed_errors, arguments_by_episode, batch_items, score_samples, scorer_key
+from grpo.scoring import judge as judge_engine
+from grpo.scoring.score import (
+    allowed_errors,
+    arguments_by_episode,
+    batch_items,
+    score_batch,
+    score_samples,
+    scorer_key,
+    shaped,
+    with_judge,
+)
 from grpo.tasks import functions
 from schemas import ParquetWriter, iter_batches, read_parquet, table_file
 from stages.common import StageError, load_run, measured
@@ -64,7 +80,8 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
             raise StageError(f"{rollouts.uri}: rollouts.parquet has no rows")
         rows = ranges(sampled, cfg.reward.shards)[shard_k]
         if not rows:  # more shards than samples (prompts skipped as over-long): this one's range holds none
-            ParquetWriter(storage.fs, writer.path(table_file("rewards")), "rewards").close()  # a table of no rows
+            for table in ("rewards", "judge") if cfg.reward.judge is not None else ("rewards",):
+                ParquetWriter(storage.fs, writer.path(table_file(table)), table).close()  # a table of no rows
             return {"samples": 0, "errors": 0, "reward_mean": None, "processes_left": 0}
         n = n_err = 0
         total, biggest = 0.0, (0.0, {})  # the sum of the rewards; the largest in magnitude and its components
@@ -75,6 +92,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
             episodes = arguments_by_episode(
                 read_parquet(storage.fs, rollouts.read_path(table_file("episodes")), "episodes")
             )
+        judging = judge_rows(writer, path, rows) if cfg.reward.judge is not None else None
         with (
             WARM_POOLS.pool(cfg.reward.workers, cfg.reward.pass_env) as pool,
             ParquetWriter(storage.fs, writer.path(table_file("rewards")), "rewards") as out,
@@ -84,7 +102,11 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
                 finish = batch.column("finish_reason").to_pylist()
                 lengths = pc.list_value_length(batch.column("response_ids")).to_pylist()
                 items = batch_items(batch, episodes)
-                scored = score_samples(pool, key, cfg, items, finish, lengths, allowed - n_err)
+                if judging is None:
+                    scored = score_samples(pool, key, cfg, items, finish, lengths, allowed - n_err)
+                else:  # the judge's score joined before the shaping (a cut-off response loses it too)
+                    scored = score_batch(pool, key, cfg.reward, items, max_errors=allowed - n_err)
+                    scored = shaped(cfg, with_judge(cfg, scored, judging[0][n : n + len(scored)]), finish, lengths)
                 cols = {k: batch.column(k).to_pylist() for k in keys}
                 cols["reward"] = [r for r, _, _ in scored]
                 cols["components"] = [list(c.items()) for _, c, _ in scored]
@@ -108,7 +130,27 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
                 f"rewards: the mean reward is {total / n} (the rewards' sum overflows float64): {source} "
                 f"returned {biggest[0]:.3g}; scale its rewards down (nothing was committed)"
             )
-        return {"samples": n, "errors": n_err, "reward_mean": total / n, "processes_left": left}
+        judge = {f"judge_{k}": v for k, v in judging[1].items()} if judging is not None else {}
+        return {"samples": n, "errors": n_err, "reward_mean": total / n, "processes_left": left, **judge}
+
+    def judge_rows(writer, path: str, rows: range) -> tuple[list[dict], dict]:
+        """The judge over the shard's rows as one batch (grpo/scoring/judge.py), its table written: (each row's
+        judgement, in order; the counts). An answer that does not parse is counted, never the stage's failure."""
+        cols = ["prompt_id", "sample_index", "prompt", "response"]
+        table = [r for b in batches_in(path, rows) for r in b.select(["run_id", "iteration", *cols]).to_pylist()]
+        judged, counts = judge_engine.judged(storage, cfg.reward.judge, table)
+        keep = ("judge_revision", "prompt_hash", "raw", "verdicts", "score", "error", "attempts", "cached")
+        with ParquetWriter(storage.fs, writer.path(table_file("judge")), "judge") as out:
+            if table:
+                keys = {k: [r[k] for r in table] for k in ("run_id", "iteration", "prompt_id", "sample_index")}
+                out.write(keys | {k: [j[k] for j in judged] for k in keep})
+        log.info(
+            "rewards %d: the judge (%s) made %d calls, %d answers from its cache; %d did not parse, %d failed every "
+            "try (each scored reward.judge.parse_error_reward=%g)",
+            iteration, judged[0]["judge_revision"] if judged else "-", counts["calls"], counts["cached"],
+            counts["errors"], counts["failed"], cfg.reward.judge.parse_error_reward,
+        )  # fmt: skip
+        return judged, counts
 
     def batches_in(path: str, rows: range):
         """The rollouts' record batches of rows `rows` (at most 8192 rows each)."""
@@ -148,4 +190,9 @@ def merged_summary(parts: list[dict]) -> dict:
     samples = sum(s["samples"] for s in parts)
     mean = sum(s["reward_mean"] * s["samples"] for s in parts if s["samples"]) / samples  # an empty shard: no mean
     left = sum(s.get("processes_left", 0) for s in parts)
-    return {"samples": samples, "errors": sum(s["errors"] for s in parts), "reward_mean": mean, "processes_left": left}
+    judged = sorted({k for s in parts for k in s if k.startswith("judge_")})  # reward.judge's counts
+    judge = {k: sum(s.get(k, 0) for s in parts) for k in judged}
+    return {
+        "samples": samples, "errors": sum(s["errors"] for s in parts), "reward_mean": mean, "processes_left": left,
+        **judge,
+    }  # fmt: skip

@@ -74,6 +74,7 @@ def test_counts_match_committed_parquet(run):
         "segments": 0,  # these two only with rollout.segment_tokens (tests/test_segments.py)
         "carried": 0,
         "rewards": 1,
+        "judge": 0,  # only with reward.judge (tests/test_judge.py)
         "advantages": 1,
         "teacher": 0,  # these two only with a teacher section (tests/test_teacher.py)
         "token_advantages": 0,

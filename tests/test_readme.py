@@ -42,6 +42,8 @@ ELSEWHERE = {
     "missing: test_placement_check.py",
     r"grpo fork|grpo rescore|grpo delete|--compare": "forks and rescoring on a 5-iteration run: test_fork.py",
     r"k8s render": "the Kubernetes jobs rendered offline: test_kubernetes.py",
+    r"--run judged\b": "a judge endpoint: test_judge.py runs judge.yaml's settings and the page's SQL against a "
+    "scripted one, and its rescore",
     r"--push-to-hub": "an upload to the Hugging Face Hub: test_push_to_hub.py, against a local stand-in for the hub",
     r"--run warm2?\b": "a warm start (grpo sft) on the tiny chat model: test_sft.py walks teachers-and-judges.md's",
     r"--run (tools|calc|guess)\b|uvicorn openenv_envs|pip install -e '\.\[agents\]'": "Tools and environments: "

@@ -60,7 +60,7 @@ ADDED_SETTINGS = {
         ("behavior_level", "mis_bounds", "icepop_bounds"), ("microbatch_tokens",),
         ("logprob_kernel",), ("max_token_age",),
     ),
-    "reward": (("overlong_buffer", "overlong_penalty"),),
+    "reward": (("overlong_buffer", "overlong_penalty"), ("judge",)),
     "rollout": (
         ("min_signal_groups", "max_sampling_rounds"), ("staleness",),
         ("tools", "environment", "max_turns", "tool_timeout_s", "tool_workers", "tool_max_memory_mb"),

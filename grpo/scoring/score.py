@@ -61,7 +61,7 @@ def scorer_key(cfg: RunConfig, base: Committed | None) -> tuple:
             else None
             for i, s in enumerate(specs)
         ]
-    weights = tuple(cfg.reward.weights) if cfg.reward.weights else None
+    weights = tuple(cfg.reward.function_weights) if cfg.reward.function_weights else None
     return cfg.task.name, tuple(sorted(cfg.task.params.items())), specs, weights, tuple(files)
 
 
@@ -245,13 +245,47 @@ def score_samples(
     """(reward, components, error) of each sample as the rewards stage commits it: score_batch, then
     reward.truncated_reward and reward.overlong_buffer's shaping. The rollouts stage's dynamic sampling
     decides with this same code (stages.rollouts.sample_rounds)."""
-    scored = score_batch(pool, key, cfg.reward, items, max_errors=max_errors)
+    return shaped(cfg, score_batch(pool, key, cfg.reward, items, max_errors=max_errors), finish_reasons, lengths)
+
+
+def shaped(cfg: RunConfig, scored: list, finish_reasons: list[str], lengths: list[int]) -> list:
+    """(reward, components, error) of each sample after reward.truncated_reward and reward.overlong_buffer."""
     if cfg.reward.truncated_reward is not None:
         scored = [truncated(item, fr, cfg.reward.truncated_reward) for item, fr in zip(scored, finish_reasons)]
     if cfg.reward.overlong_buffer is not None:  # after truncated_reward: a cut-off response loses it too
         shaping = (cfg.rollout.max_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
         scored = [overlong(item, n, *shaping) for item, n in zip(scored, lengths)]
     return scored
+
+
+def with_judge(cfg: RunConfig, scored: list, judged: list[dict]) -> list:
+    """(reward, components, error) of each sample with the judge's score joined (reward.judge): the reward is
+    w * (the task's reward, or the functions' weighted total) + w_judge * the judge's score
+    (RewardConfig.judge_weights),
+    the judge's score the component `judge` beside the others (the task's or the one function's total under its name).
+    A judge call that failed every try is the sample's error (counted against reward.max_error_fraction) and scores
+    reward.judge.parse_error_reward, as an answer that does not parse does (that is no error of the sample's: the
+    judge table counts it). A sample whose reward function erred keeps its error and reward 0.
+
+    >>> from grpo.config import JudgeConfig
+    >>> cfg = RunConfig(reward=RewardConfig(judge=JudgeConfig(model="m"), weights=[0.0, 2.0]))
+    >>> with_judge(cfg, [(1.0, {"total": 1.0}, None)], [{"score": 0.25, "failed": False, "error": None}])
+    [(0.5, {'sort': 1.0, 'judge': 0.25, 'total': 0.5}, None)]
+    """
+    w_base, w_judge = cfg.reward.judge_weights
+    specs = cfg.reward.functions
+    name = functions.function_names(specs)[0] if len(specs) == 1 else None if specs else cfg.task.name
+    out = []
+    for (reward, comps, error), j in zip(scored, judged):
+        if error is not None:
+            out.append((reward, comps, error))
+            continue
+        total = w_base * reward + w_judge * j["score"]
+        named = {name: reward} if name is not None and name not in comps else {}
+        rest = {k: v for k, v in comps.items() if k != "total"}
+        failed = f"judge: {j['error']}" if j["failed"] else None
+        out.append((total, {**rest, **named, "judge": j["score"], "total": total}, failed))
+    return out
 
 
 def allowed_errors(fraction: float, n: int) -> int:

@@ -1,0 +1,224 @@
+"""A judge recipe (issue 51): a small judge model scores a task the run has no verifier for, and its verdicts agree
+with a verifier the judge never sees, at a rate measured here.
+
+    .venv/bin/python benchmarks/judge.py [--examples 8000] [--sft-steps 120] [--numbers 2] [--iterations 6] [--out DIR]
+
+1. The judge: the tiny chat model (grpo/tiny_model.py's Qwen2, built from scratch) warm-started by `grpo sft` on
+   conversations whose user turn is reward.judge's rubric prompt for a sort prompt and a response (correct, or one
+   of the mistakes a policy makes: a pair swapped, a number dropped or changed, the prompt's order, noise) and whose
+   assistant turn is `REASON correct: <the sorted numbers> vs <the response>` then `VERDICT correct: pass|fail`, about
+   half of each, labelled by the sort verifier. The verifier labels the judge's training data; the judge never
+   sees it when judging.
+2. The judged run: the sort task on the tiny policy, its only reward function `no_verifier` (0 for every response,
+   weight 0) and reward.judge the warm-started judge (weight 1): the run has no verifier, only the judge's verdicts.
+3. Agreement: each judged response of the run's iterations, the judge's verdict against the sort verifier's exact
+   match computed here afterwards (never given to the run or the judge), with the base rate of the majority class
+   and the balanced accuracy beside it, and the judge's answers that did not parse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE = "grade {criteria} as {verdicts}\n{prompt} {response}"
+CRITERIA = [{"name": "correct", "weight": 1.0, "description": "sorted"}]
+VERDICTS = ["fail", "pass"]
+
+
+def no_verifier(response: str, ground_truth: str, prompt: str) -> float:
+    """The judged run's reward function: no verifier, 0 for every response (its weight is 0 too)."""
+    return 0.0
+
+
+def response_for(numbers: list[int], rng: random.Random) -> str:
+    """A response to `sort <numbers> :`: correct, or one of the mistakes a sort policy makes."""
+    want = sorted(numbers)
+    kind = rng.choice(["correct"] * 4 + ["swap", "drop", "change", "prompt", "noise"])  # about half correct
+    got = list(want)
+    if kind == "swap":
+        i = rng.randrange(len(got) - 1)
+        if got[i] == got[i + 1]:
+            got[i] = (got[i] + 1) % 10
+        got[i], got[i + 1] = got[i + 1], got[i]
+    elif kind == "drop":
+        got.pop(rng.randrange(len(got)))
+    elif kind == "change":
+        i = rng.randrange(len(got))
+        got[i] = (got[i] + rng.randrange(1, 10)) % 10
+    elif kind == "prompt":
+        got = list(numbers)
+    elif kind == "noise":
+        got = [rng.randrange(10) for _ in range(rng.randrange(1, len(numbers) + 2))]
+    return " ".join(map(str, got))
+
+
+def examples(n: int, n_numbers: int, seed: int) -> list[tuple[str, str, str]]:
+    """(prompt, response, the sorted answer) of `n` sort prompts as the task writes them, with responses."""
+    rng, out = random.Random(seed), []
+    for _ in range(n):
+        numbers = [rng.randrange(10) for _ in range(n_numbers)]
+        out.append(
+            (f"sort {' '.join(map(str, numbers))} :", response_for(numbers, rng), " ".join(map(str, sorted(numbers))))
+        )
+    return out
+
+
+def conversations(rows: list[tuple[str, str, str]]) -> list[dict]:
+    """The judge's warm-start data: {messages: [user: the judge prompt, assistant: reason then verdict]}."""
+    from grpo.scoring.judge_format import rubric_prompt
+
+    out = []
+    for prompt, response, want in rows:
+        verdict = "pass" if response.split() == want.split() else "fail"
+        user = rubric_prompt(TEMPLATE, CRITERIA, VERDICTS, prompt, response)
+        answer = f"REASON correct: {want} vs {response}\nVERDICT correct: {verdict}"  # the comparison, then its verdict
+        out.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+    return out
+
+
+def held_out_agreement(storage, judge_cfg, rows: list[tuple[str, str, str]]) -> dict:
+    """The judge on fresh synthetic responses (none trained on), against the verifier's exact match."""
+    from grpo.scoring.judge import judged
+
+    asked = [{"prompt_id": i, "sample_index": 0, "prompt": p, "response": r} for i, (p, r, _) in enumerate(rows)]
+    answers, _ = judged(storage, judge_cfg, asked)
+    exact = [r.split() == w.split() for _, r, w in rows]
+    said = [a["verdicts"][0]["verdict"] == "pass" if a["verdicts"] else None for a in answers]
+    parsed = [(s, e) for s, e in zip(said, exact) if s is not None]
+    pos = [s for s, e in parsed if e]
+    neg = [not s for s, e in parsed if not e]
+    return {
+        "responses": len(rows),
+        "verifier_exact": sum(exact) / len(rows),
+        "unparsed": len(rows) - len(parsed),
+        "agreement": sum(s == e for s, e in parsed) / max(1, len(parsed)),
+        "balanced_accuracy": (sum(pos) / max(1, len(pos)) + sum(neg) / max(1, len(neg))) / 2,
+    }
+
+
+def grpo(storage_url: str, *args: str) -> None:
+    from flows.cli import main
+
+    rc = main(["--storage", storage_url, *args])
+    if rc != 0:
+        raise SystemExit(f"grpo {' '.join(args)}: exit {rc}")
+
+
+def agreement(storage, run_id: str) -> list[dict]:
+    """Per iteration: the judged responses, how many the verifier finds exact, the judge's agreement with it."""
+    from grpo.query import query
+
+    rows = query(
+        storage,
+        run_id,
+        """SELECT j.iteration, ro.response, ro.ground_truth, j.error,
+                  CASE WHEN j.error IS NULL THEN j.verdicts[1].verdict END AS verdict
+           FROM judge j JOIN rollouts ro USING (iteration, prompt_id, sample_index) ORDER BY 1""",
+    )
+    out = []
+    for k, part in list(rows.groupby("iteration")) + [("all", rows)]:
+        exact = part.response.str.split().map(tuple) == part.ground_truth.str.split().map(tuple)
+        judged = part.verdict.notna()
+        said_pass = part.verdict == "pass"
+        agree = (said_pass == exact)[judged]
+        tpr = (said_pass & exact)[judged].sum() / max(1, (exact & judged).sum())
+        tnr = (~said_pass & ~exact)[judged].sum() / max(1, (~exact & judged).sum())
+        out.append(
+            {
+                "iteration": k,
+                "responses": len(part),
+                "verifier_exact": float(exact.mean()),
+                "unparsed": int((~judged).sum()),
+                "agreement": float(agree.mean()),
+                "majority_base_rate": float(max(exact[judged].mean(), 1 - exact[judged].mean())),
+                "balanced_accuracy": float((tpr + tnr) / 2),
+            }
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--examples", type=int, default=8000, help="the judge's warm-start conversations")
+    ap.add_argument("--sft-steps", type=int, default=120, help="of 64 conversations")
+    ap.add_argument("--numbers", type=int, default=2, help="the sort task's n_numbers")
+    ap.add_argument("--iterations", type=int, default=6, help="iterations of the judged run")
+    ap.add_argument("--out", default=None, help="folder for storage and models (default: a temporary one)")
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    from grpo.config import load_config
+    from grpo.record.checkpoint import local_checkpoint
+    from grpo.record.layout import stage_dir
+    from grpo.record.storage import latest_committed, open_storage
+    from grpo.tiny_model import build_chat_model
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="judge-recipe-"))
+    out.mkdir(parents=True, exist_ok=True)
+    storage = open_storage((out / "storage").as_uri())
+    t0 = time.perf_counter()
+
+    data = conversations(examples(args.examples, args.numbers, seed=0))
+    with open(out / "judge_sft.jsonl", "w") as f:
+        f.writelines(json.dumps(c) + "\n" for c in data)
+    texts = [m["content"] for c in data[:500] for m in c["messages"]]
+    base = build_chat_model(
+        str(out / "judge-base"), texts, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        intermediate_size=512, max_position_embeddings=256, split_digits=True,
+    )  # fmt: skip
+    task = f"task.params={{n_numbers: {args.numbers}, max_value: 9, credit: position}}"
+    grpo(
+        storage.url, "init", "--run", "judge-sft",
+        "--set", f"model.base_model={base}", "--set", "task.name=sort", "--set", task,
+        "--set", f"sft.dataset={out / 'judge_sft.jsonl'}", "--set", f"sft.steps={args.sft_steps}",
+        "--set", "sft.lr=1e-2", "--set", "sft.minibatch_size=64", "--set", "sft.microbatch_size=64",
+        "--set", "learn.lr=2e-3", "--set", "rollout.max_tokens=24", "--set", "rollout.backend=hf",
+    )  # fmt: skip
+    t_sft = time.perf_counter()
+    grpo(storage.url, "sft", "--run", "judge-sft")
+    sft_s = time.perf_counter() - t_sft
+    judge_folder = local_checkpoint(latest_committed(storage, stage_dir(storage, "judge-sft", None, "sft")))
+
+    judge = [
+        f"reward.judge.model={judge_folder}", f"reward.judge.template={TEMPLATE}",
+        "reward.judge.criteria=[{name: correct, weight: 1, description: sorted}]",
+        "reward.judge.verdicts=[fail, pass]", "reward.judge.verdict_scores=[0, 1]",
+        "reward.judge.max_tokens=24", "reward.judge.concurrency=64",
+    ]  # fmt: skip
+    held_out = held_out_agreement(
+        storage, load_config(None, judge).reward.judge, examples(300, args.numbers, seed=1)
+    )  # seed 1: none of the warm start's
+    grpo(
+        storage.url, "init", "--run", "judged", "--config", str(REPO / "benchmarks/sort.yaml"), "--set", task,
+        "--set", f"rollout.max_tokens={args.numbers}", "--set", "rollout.prompts_per_iteration=64",
+        "--set", "learn.minibatch_size=128", "--set", "learn.microbatch_size=128", "--set", "eval.n_prompts=64",
+        "--set", f"reward.functions=[{REPO / 'benchmarks/judge.py'}:no_verifier]", "--set", "reward.weights=[0, 1]",
+        *[a for j in judge for a in ("--set", j)],
+    )  # fmt: skip
+    t_run = time.perf_counter()
+    grpo(storage.url, "run", "--run", "judged", "--iterations", str(args.iterations))
+    run_s = time.perf_counter() - t_run
+
+    print(f"judge warm start: {args.examples} conversations, {args.sft_steps} steps, {sft_s:.0f} s")
+    print(f"held-out synthetic responses: {held_out}")
+    print(
+        f"judged run: {args.iterations} iterations of 64 prompts x 8, {run_s:.0f} s; "
+        f"all {time.perf_counter() - t0:.0f} s"
+    )
+    print("iteration  responses  verifier_exact  unparsed  agreement  majority_base_rate  balanced_accuracy")
+    for r in agreement(storage, "judged"):
+        print(
+            f"{r['iteration']!s:>9}  {r['responses']:>9}  {r['verifier_exact']:>14.3f}  {r['unparsed']:>8}  "
+            f"{r['agreement']:>9.3f}  {r['majority_base_rate']:>18.3f}  {r['balanced_accuracy']:>17.3f}"
+        )
+    print(f"storage: {storage.url}")
+
+
+if __name__ == "__main__":
+    main()
