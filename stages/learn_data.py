@@ -32,7 +32,12 @@ def _padded(column, rows: np.ndarray, fill, dtype, left: bool = False) -> tuple[
 
 
 def load_batch(
-    storage: Storage, rollouts_in: Committed, adv_in: Committed, pad_id: int, group_size: int, inputs: dict = {}
+    storage: Storage,
+    rollouts_in: Committed,
+    adv_in: Committed,
+    pad_id: int,
+    group_size: int,
+    inputs: dict[str, Committed] | None = None,
 ) -> Batch:
     """Join rollouts with advantages on (prompt_id, sample_index); keep the kept groups, whole; with a `teacher` in
     `inputs` (teacher.gkd_coef), its top-k ids, log-probs and tail per loss token too."""
@@ -88,7 +93,7 @@ def load_batch(
     adv, reward = (ad.column(c).to_numpy()[kept][order] for c in ("advantage", "reward"))
     if table_file("token_advantages") in {f.path for f in adv_in.manifest.files}:  # a teacher's: (N, T) per token
         adv = token_advantages(storage, adv_in, ad_key, width, responses.shape[1])
-    topk = {} if "teacher" not in inputs else teacher_topk(storage, inputs["teacher"], ad_key, width, loss_mask)
+    topk = {} if "teacher" not in (inputs or {}) else teacher_topk(storage, inputs["teacher"], ad_key, width, loss_mask)
     return Batch(
         **topk,
         prompt_ids=torch.from_numpy(prompts[::group_size].copy()),

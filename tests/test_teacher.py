@@ -282,3 +282,16 @@ def test_gkd_step_is_the_forward_kl_of_a_plain_forward_over_the_teachers_top_k(t
                 kl = core.topk_forward_kl(s, batch.topk_logprobs[r, t][None, None], batch.topk_tail[r, t][None, None])
                 total, n = total + kl.item(), n + 1
     assert got.item() == pytest.approx(total / n, abs=1e-5)
+
+
+def test_the_flow_runs_the_teacher_between_rewards_and_advantages(prefect_api, tmp_path):
+    """The Prefect flow `grpo` with a teacher section: the teacher task runs (sample's optional step) and the
+    advantages it commits read that teacher attempt."""
+    from flows.grpo import grpo
+
+    url = (tmp_path / "store").as_uri()
+    grpo(run_id="f", iteration=0, overrides=TINY + [f"teacher.model={teacher_folder(tmp_path / 't')}"], storage_url=url)
+    storage = open_storage(url)
+    taught, adv = (latest_committed(storage, stage_dir(storage, "f", 0, s)) for s in ("teacher", "advantages"))
+    assert adv.manifest.inputs["teacher"] == taught.ref() and taught.manifest.summary["samples"] == 32
+    assert committed_attempts(storage, stage_dir(storage, "f", 0, "eval"))  # the iteration finished
