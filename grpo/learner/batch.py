@@ -33,6 +33,9 @@ class Batch:
     group_size: int
     prompt_id: list[int]  # (N,) the keys of each sample, for the log-probs table
     sample_index: list[int]
+    # True: the groups train in this order, minibatch after minibatch (a warm start's conversation_order, drawn
+    # epoch by epoch without replacement); False: `train` shuffles them each epoch (an iteration's samples)
+    in_order: bool = False
 
     def to(self, device) -> Batch:
         return dataclasses.replace(
