@@ -21,7 +21,8 @@ from grpo import core, data
 from grpo.config import ConfigError, load_config
 from grpo.errors import DatasetError, StageError
 from grpo.learner.loss import loss_spec
-from grpo.learner.sft import conversation_batch, sft_run_config
+from grpo.learner.sft import conversation_batch, conversation_order, sft_run_config
+from grpo.record.layout import Salt, iteration_seed
 from tests.test_readme_tools import folder  # noqa: F401 (the docs' user folder: my.yaml on the tiny chat model)
 
 
@@ -154,8 +155,13 @@ def test_grpo_sft_warm_starts_iteration_0_from_a_messages_dataset(world, tmp_pat
     assert "sft: committed" in capsys.readouterr().out
     rows = query(storage, "w", "SELECT count(*) AS n, sum(draws) AS d, min(len(loss_mask)) AS t FROM sft").iloc[0]
     assert (rows.n, rows.d) == (48, 12 * 8) and rows.t > 0
-    losses = query(storage, "w", "SELECT loss FROM sft_metrics ORDER BY step")["loss"].tolist()
-    assert len(losses) == 12 and losses[-1] < losses[0]
+    steps = query(storage, "w", "SELECT loss, n_tokens FROM sft_metrics ORDER BY step")
+    assert len(steps) == 12 and steps.loss.iloc[-1] < steps.loss.iloc[0]
+    # each step trains the minibatch conversation_order drew (epoch by epoch, none twice in a pass), not a reshuffle
+    cfg = load_config(None, [s.removeprefix("--set=") for s in sets])
+    order = conversation_order(48, 12, 1, 8, iteration_seed(cfg.seed, -1, Salt.PROMPTS))
+    masks = query(storage, "w", "SELECT loss_mask FROM sft ORDER BY conversation")["loss_mask"].map(sum).tolist()
+    assert steps.n_tokens.tolist() == [sum(masks[i] for i in order[k : k + 8]) for k in range(0, 96, 8)]
     [(k, out)] = list(run_warm(storage, "w", 0, 1))
     snap, learn = out["snapshot"].manifest, out["learn"].manifest
     assert "/w/sft/attempt-" in snap.inputs["policy"].uri and snap.summary["policy_version"] == -1

@@ -38,6 +38,9 @@ class Batch:
     topk_ids: Tensor | None = None
     topk_logprobs: Tensor | None = None
     topk_tail: Tensor | None = None
+    # True: the groups train in this order, minibatch after minibatch (a warm start's conversation_order, drawn
+    # epoch by epoch without replacement); False: `train` shuffles them each epoch (an iteration's samples)
+    in_order: bool = False
 
     def to(self, device) -> Batch:
         return dataclasses.replace(

@@ -4,8 +4,8 @@ metrics.
 
 1. pi_old (grpo/learner/pi_old.py) and, when kl_coef > 0, the reference score the rollouts under no_grad
    (both returned, so an audit can recompute every loss);
-2. `epochs` passes over minibatches of whole groups in shuffled order, gradient accumulation
-   over microbatches, loss = clipped policy gradient + kl_coef * KL (grpo.core), grad-norm
+2. `epochs` passes over minibatches of whole groups in shuffled order (the batch's own where in_order),
+   gradient accumulation over microbatches, loss = clipped policy gradient + kl_coef * KL (grpo.core), grad-norm
    clipping, AdamW with lr optionally decayed over the run's steps.
 Rank r of a multi-process run (torchrun) takes every r-th group of each minibatch; DDP's
 gradient average then equals the one-process gradient: every rank's microbatches hold as many sequences
@@ -189,6 +189,13 @@ def reduce_across_ranks(acc, metrics: dict[str, float]) -> dict[str, float]:
     return {k: out[k] for k in metrics}
 
 
+def group_order(n_groups: int, in_order: bool, shuffle: torch.Generator) -> Tensor:
+    """An epoch's order of the batch's groups: shuffled by the learner's generator, or the batch's own (in_order:
+    a warm start's conversations, already drawn epoch by epoch without replacement; shuffled again, a minibatch
+    would repeat some and a pass leave a third unseen)."""
+    return torch.arange(n_groups) if in_order else torch.randperm(n_groups, generator=shuffle)
+
+
 @dataclass(frozen=True)
 class Update:
     """What `train` returns: the summary, a metrics row per optimizer step, and the scores."""
@@ -211,7 +218,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     # whole groups are shuffled and split: a minibatch is minibatch_size / G prompts with all their samples
     n_groups, world, rank = len(batch.prompt_ids), acc.num_processes, acc.process_index
     per_step = lcfg.minibatch_size // g
-    order = torch.randperm(n_groups, generator=learner.shuffle).to(learner.device)  # epoch 0's
+    order = group_order(n_groups, batch.in_order, learner.shuffle).to(learner.device)  # epoch 0's
     t0 = time.perf_counter()
     with learner.autocast():
         pi_old = OldLogprobs(learner, batch, chunk, order[:per_step] if per_step <= n_groups else order[:0])
@@ -226,7 +233,7 @@ def train(learner: Learner, run_id: str, iteration: int, batch: Batch, torch_see
     rows, step, gkd = [], 0, []
     for epoch in range(lcfg.epochs):
         if epoch:
-            order = torch.randperm(n_groups, generator=learner.shuffle).to(learner.device)
+            order = group_order(n_groups, batch.in_order, learner.shuffle).to(learner.device)
         for start in range(0, n_groups - per_step + 1, per_step):
             groups = order[start : start + per_step]
             t0 = time.perf_counter()

@@ -72,7 +72,8 @@ def conversation_order(conversations: int, steps: int | None, epochs: int, minib
 
 def conversation_batch(rows: list[tuple[list[int], list[int], list[int]]], pad_id: int) -> Batch:
     """The learner's Batch of conversations, a group of one each: rows of (prompt ids, response ids, loss mask);
-    advantage and reward 1, sampler log-probs 0 (never read: pi_old is not in this loss), every token version -1."""
+    advantage and reward 1, sampler log-probs 0 (never read: pi_old is not in this loss), every token version -1;
+    trained in the rows' order (in_order)."""
     n = len(rows)
     lp = max(len(p) for p, _, _ in rows)
     t = max(len(r) for _, r, _ in rows)
@@ -98,4 +99,5 @@ def conversation_batch(rows: list[tuple[list[int], list[int], list[int]]], pad_i
         group_size=1,
         prompt_id=list(range(n)),
         sample_index=[0] * n,
+        in_order=True,  # conversation_order's minibatches, as drawn: the learner does not shuffle them again
     )
