@@ -6,15 +6,17 @@ completions, and both wall times.
     .venv/bin/python benchmarks/distill.py [--iterations 8] [--teacher-steps 600] [--student-steps 100] [--seed 0]
 
 1. Problems, tokenizer and teacher as chat_math.py makes them: a Qwen2 model (hidden 128, 4 layers) with a BPE
-   tokenizer trained on the problems' texts, warm-started on the answer format for --teacher-steps supervised steps
-   (chat_math.warm_start; `grpo sft` is the pipeline's own warm start where it exists: --teacher-model takes a
-   folder made with it).
-2. The student: a smaller Qwen2 (hidden 64, 2 layers) with the very same tokenizer files, warm-started for only
-   --student-steps (the format, few sums). `grpo init` checks the two vocabularies agree.
+   tokenizer trained on the problems' texts, warm-started on the answer format by `grpo sft` (a run `teacher-sft` of
+   its own: --teacher-steps steps of 32 of chat_math.warm_start_rows' conversations at lr 3e-3); --teacher-model
+   takes a folder made earlier instead.
+2. The student: a smaller Qwen2 (hidden 64, 2 layers) with the very same tokenizer files, warm-started by the
+   distillation run's own sft section for only --student-steps (the format, few sums). `grpo init` checks the two
+   vocabularies agree.
 3. Ours: `teacher.mode=reverse_kl` (the per-token reverse KL as the advantage, no reward), 64 prompts x 4 samples an
    iteration, grpo_clip, through the real stages. TRL: GKDTrainer with lmbda=1 (only the student's own samples) and
    beta=1 (the reverse KL), batches of 32 prompts, one completion each, for as many steps as make the same number of
-   completions; same learning rate, temperature and max_new_tokens. Both students start from the same folder.
+   completions; same learning rate, temperature and max_new_tokens. Both students start from the same folder (the
+   warm start's committed policy).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from chat_math import SYSTEM, accuracy, math_task, problem, solution, warm_start
+from chat_math import SYSTEM, accuracy, math_task, problem, solution, warm_start_rows, warm_start_settings
 from timing import machine
 
 from grpo.config import load_config
@@ -39,6 +41,7 @@ from grpo.tiny_model import build_chat_model
 from stages.init import init_run
 from stages.iteration import run_warm
 from stages.prompts import held_out_split
+from stages.sft import warm_start
 
 TEACHER = dict(vocab_size=600, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384)
 STUDENT = dict(vocab_size=600, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
@@ -138,24 +141,39 @@ def main() -> None:
     cfg = load_config(None, [*math_task(student0, work / "problems.parquet"), *settings])
     trained = {e.prompt for e in held_out_split(cfg)[0]}
     train_rows = [r for r in rows if r["question"] in trained]  # warm starts and TRL see training problems only
+    pd.DataFrame(warm_start_rows(train_rows, args.seed)).to_json(
+        work / "warm_start.jsonl", orient="records", lines=True
+    )
+    storage = open_storage(str(work / "storage"))
     t0 = time.time()
     if args.teacher_model:
         teacher = str(shutil.copytree(args.teacher_model, work / "teacher"))
-    else:
-        teacher = build_chat_model(str(work / "teacher"), texts, max_position_embeddings=160, seed=args.seed, **TEACHER)
-        warm_start(teacher, train_rows, args.teacher_steps, 3e-3, args.seed)
-    warm_start(student0, train_rows, args.student_steps, 3e-3, args.seed + 1)
+    else:  # `grpo sft` on a run of the teacher's own (its sft section only: no iteration of it runs)
+        teacher0 = build_chat_model(
+            str(work / "teacher0"), texts, max_position_embeddings=160, seed=args.seed, **TEACHER
+        )
+        sft = warm_start_settings(work / "warm_start.jsonl", args.teacher_steps, 3e-3)
+        init_run(
+            storage,
+            "teacher-sft",
+            load_config(None, [*math_task(teacher0, work / "problems.parquet"), *settings, *sft]),
+        )
+        teacher = str(Path(warm_start(storage, "teacher-sft").attempt_dir, "policy"))
+    teacher_s = time.time() - t0
+    sft = warm_start_settings(work / "warm_start.jsonl", args.student_steps, 3e-3)
+    cfg = load_config(
+        None,
+        [*math_task(student0, work / "problems.parquet"), *settings, *sft, f"teacher.model={teacher}", *args.set],
+    )
+    init_run(storage, "distill", cfg)
+    t1 = time.time()
+    student = str(Path(warm_start(storage, "distill").attempt_dir, "policy"))  # iteration 0's policy; TRL's start
     print(
         f"{len(train_rows)} training problems; teacher {accuracy(teacher, cfg):.3f} and student "
-        f"{accuracy(student0, cfg):.3f} held-out greedy accuracy after their warm starts ({time.time() - t0:.0f} s)",
+        f"{accuracy(student, cfg):.3f} held-out greedy accuracy after their `grpo sft` warm starts "
+        f"({teacher_s:.0f} s and {time.time() - t1:.0f} s with the accuracies)",
         flush=True,
     )
-    ours = str(shutil.copytree(student0, work / "student-ours"))
-    cfg = load_config(
-        None, [*math_task(ours, work / "problems.parquet"), *settings, f"teacher.model={teacher}", *args.set]
-    )
-    storage = open_storage(str(work / "storage"))
-    init_run(storage, "distill", cfg)
     print(f"{'iter':>4} {'reverse KL':>10} {'accuracy':>8} {'seconds':>8}")
     start, samples = time.time(), 0
     for k, out in run_warm(storage, "distill", 0, args.iterations):
@@ -169,7 +187,7 @@ def main() -> None:
     if args.skip_trl:
         return
     steps = samples // args.trl_batch
-    trl_s = trl_gkd(student0, teacher, train_rows, steps, args, str(work / "student-trl"))
+    trl_s = trl_gkd(student, teacher, train_rows, steps, args, str(work / "student-trl"))
     trl_acc = accuracy(str(work / "student-trl"), cfg)
     print(
         f"{samples} sampled completions each: ours (teacher stage, reverse-KL advantage) accuracy {acc:.3f} in "

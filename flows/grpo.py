@@ -32,7 +32,7 @@ from flows.placement import (
     stages_here,
 )
 from flows.tasks import create_run, failed, ok, warm_start
-from grpo.record.layout import StageName
+from grpo.record.layout import OptionalStageName, StageName
 from grpo.record.lineage import next_iteration
 from grpo.record.storage import Storage, open_storage
 from grpo.runtime.threads import apply_threads
@@ -63,7 +63,7 @@ def grpo(
     config_path: str | None = None,
     overrides: list[str] | None = None,
     storage_url: str | None = None,
-    force_stage: StageName | None = None,
+    force_stage: StageName | OptionalStageName | None = None,
     placement: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """GRPO iterations of run `run_id`: sample, score, normalize, update, evaluate.
@@ -73,7 +73,8 @@ def grpo(
     and every stage still commits what a run of one iteration per process would. Returns the
     last iteration's committed URIs. `config_path`/`overrides` create the run if it does not
     exist; `storage_url` defaults to $GRPO_STORAGE or ./storage; `force_stage` reruns that
-    stage of the first iteration (and so every later stage). `placement` ({stage: work pool})
+    stage of the first iteration (and so every later stage; `teacher` only in a run with a teacher section, as
+    in `placement`). `placement` ({stage: work pool})
     runs those stages as flow runs of deployment `grpo-stage/<pool>` (flows/placement.py), the rest here. With
     rollout.staleness >= 1 and learn on a pool of its own, or here on another device than the sampler's
     (learn.device, rollout.device: learn k then runs in a thread of this flow run), iteration k+1 samples (and
@@ -87,7 +88,8 @@ def grpo(
     try:
         with stage_logs_to_prefect(), warm_state() as warm, ProgressTable(storage, run_id) as progress:
             check_placement(placement)
-            ok(create_run(storage.url, run_id, config_path, overrides or [], stages_here(placement)))
+            named = {s: "placement" for s in placement or {}} | ({force_stage: "force_stage"} if force_stage else {})
+            ok(create_run(storage.url, run_id, config_path, overrides or [], stages_here(placement), named))
             first, cfg = resolve_iteration(storage, run_id, iteration), load_run(storage, run_id)
             if cfg.sft is not None:  # the warm start before the first iteration, and GRPO only past its gate
                 ok(warm_start(storage.url, run_id))

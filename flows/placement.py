@@ -17,7 +17,7 @@ from flows.tasks import TASKS, checked_uri, failure_line, ok
 from grpo import devices
 from grpo.config import ConfigError, RunConfig
 from grpo.record import dispatches
-from grpo.record.layout import OPTIONAL_STAGES, STAGES, StageName, shard_stage, stage_dir
+from grpo.record.layout import OPTIONAL_STAGES, STAGES, OptionalStageName, StageName, shard_stage, stage_dir
 from grpo.record.liveness import lost_attempts
 from grpo.record.storage import Storage, latest_committed, list_attempts
 from grpo.runtime.threads import SHARED_MACHINE, apply_threads
@@ -41,7 +41,7 @@ def stage_flow(
     storage_url: str,
     run_id: str,
     iteration: int,
-    stage: StageName,
+    stage: StageName | OptionalStageName,
     upstream: str | None = None,
     force: bool = False,
     shard: int | None = None,
@@ -78,12 +78,14 @@ def task_arguments(
 
 
 def check_placement(placement: dict[str, str] | None) -> None:
-    """A placement names stages only, and for each pool it names the deployment `grpo-stage/<pool>` and the work
-    pool exist: a ConfigError, before anything runs, names what is missing and what creates it. `warm` is not
-    looked up (Prefect lists no task workers); a pool no worker polls is logged, not refused (one may start later)."""
-    unknown = sorted(set(placement or {}) - set(STAGES))
+    """A placement names stages only (an optional one, OPTIONAL_STAGES, is refused later where the run's config
+    lacks its section: flows.tasks.create_run), and for each pool it names the deployment `grpo-stage/<pool>` and
+    the work pool exist: a ConfigError, before anything runs, names what is missing and what creates it. `warm` is
+    not looked up (Prefect lists no task workers); a pool no worker polls is logged, not refused (one may start
+    later)."""
+    unknown = sorted(set(placement or {}) - {*STAGES, *OPTIONAL_STAGES})
     if unknown:
-        raise ConfigError(f"placement: unknown stage(s) {unknown}; stages: {list(STAGES)}")
+        raise ConfigError(f"placement: unknown stage(s) {unknown}; stages: {[*STAGES, *OPTIONAL_STAGES]}")
     pools = sorted({pool for pool in (placement or {}).values() if pool != WARM_WORKERS})
     if pools:
         check_pools({pool: [s for s, p in placement.items() if p == pool] for pool in pools})
@@ -126,8 +128,9 @@ def check_pools(stages_on: dict[str, list[str]]) -> None:
 
 
 def stages_here(placement: dict[str, str] | None) -> list[str]:
-    """The stages this process runs: those `placement` sends nowhere (their devices are this machine's)."""
-    return [name for name in STAGES if name not in (placement or {})]
+    """The stages this process runs: those `placement` sends nowhere (their devices are this machine's; an optional
+    stage's only where the run has its section: grpo.devices.check)."""
+    return [name for name in (*STAGES, *OPTIONAL_STAGES) if name not in (placement or {})]
 
 
 def overlapping(cfg: RunConfig, placement: dict[str, str]) -> bool:

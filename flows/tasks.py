@@ -13,6 +13,7 @@ from prefect.states import Failed, State
 from grpo import devices
 from grpo.config import ConfigError
 from grpo.errors import StageError, describe, storage_error
+from grpo.record.layout import stages_of
 from grpo.record.storage import ArtifactError, Committed, open_storage
 from schemas import SchemaError
 from stages import stage_function
@@ -44,13 +45,20 @@ def transient(task, task_run, state) -> bool:
 
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=transient, task_run_name="init {run_id}")
 def create_run(
-    storage_url: str, run_id: str, config_path: str | None, overrides: list[str], here: list[str] | None = None
+    storage_url: str,
+    run_id: str,
+    config_path: str | None,
+    overrides: list[str],
+    here: list[str] | None = None,
+    named: dict[str, str] | None = None,
 ) -> str:
     """Write run.json and commit the base model (idempotent); an existing run keeps its config. The devices of
-    the stages `here` (those this process runs) are checked first: a machine without them writes nothing."""
+    the stages `here` (those this process runs) and the stages the flow's parameters name (`named`: {stage: the
+    parameter}) are checked first: a machine without them, or a stage the run does not run, writes nothing."""
     storage = open_storage(storage_url)
     try:
         cfg = run_config(storage, run_id, config_path, overrides)
+        check_named_stages(cfg, named or {})
         devices.check(cfg, set(here or ()))
         base = init_run(storage, run_id, cfg)
     except USER_ERRORS as e:
@@ -61,6 +69,18 @@ def create_run(
         return Failed(message=f"init {run_id}: {describe(e, storage_url)}")
     get_run_logger().info("run %s: base model %s", run_id, base.uri)
     return base.uri
+
+
+def check_named_stages(cfg, named: dict[str, str]) -> None:
+    """Each stage the flow's parameters name ({stage: parameter}: placement, force_stage) is one the run's
+    iterations run (grpo.record.layout.stages_of): an optional stage (`teacher`) only where its config section is
+    set; else a ConfigError naming the parameter."""
+    for stage, parameter in named.items():
+        if stage not in stages_of(cfg):
+            raise ConfigError(
+                f"{parameter}: stage {stage!r} runs only in a run whose config sets the {stage} section (e.g. "
+                f"{stage}.model); this run's sets none"
+            )
 
 
 @task(task_run_name="sft {run_id}")

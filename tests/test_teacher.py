@@ -1,11 +1,13 @@
 """On-policy distillation (the `teacher` section, stages/teacher.py): the teacher's log-probs are a plain forward of the
 committed ids, the per-token reverse-KL advantages by hand, the learner's loss with (B, T) advantages per token, an
 iteration end to end, a teacher of another tokenizer refused at init, a rescore with another teacher that samples
-nothing, staleness, and a student whose reverse KL to its teacher falls."""
+nothing, staleness, a student whose reverse KL to its teacher falls, and the flow's force_stage and placement taking
+the stage where a run has a teacher (refused in one line where it has none)."""
 
 import contextlib
 import json
 import math
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -252,8 +254,6 @@ def test_gkd_step_is_the_forward_kl_of_a_plain_forward_over_the_teachers_top_k(t
     """The learner's GKD term on the committed batch (load_batch: rollouts, token advantages, the teacher's top-k) with
     the base model as the student: the token mean of topk_forward_kl, the student's log-probs from one unpadded
     forward a sample."""
-    from types import SimpleNamespace
-
     from grpo.learner.loop import gkd_step
     from grpo.record.checkpoint import local_checkpoint
     from grpo.record.lineage import committed_input
@@ -295,3 +295,59 @@ def test_the_flow_runs_the_teacher_between_rewards_and_advantages(prefect_api, t
     taught, adv = (latest_committed(storage, stage_dir(storage, "f", 0, s)) for s in ("teacher", "advantages"))
     assert adv.manifest.inputs["teacher"] == taught.ref() and taught.manifest.summary["samples"] == 32
     assert committed_attempts(storage, stage_dir(storage, "f", 0, "eval"))  # the iteration finished
+
+
+def test_the_flow_forces_the_teacher_stage_where_the_run_has_one_and_refuses_it_in_one_line_where_not(
+    prefect_api, tmp_path
+):
+    from flows.grpo import grpo
+
+    url = (tmp_path / "store").as_uri()
+    storage = open_storage(url)
+    grpo(run_id="f", iteration=0, overrides=TINY + [f"teacher.model={teacher_folder(tmp_path / 't')}"], storage_url=url)
+    order = stages_of(load_config(None, TINY + ["teacher.model=t"]))
+
+    def attempts() -> dict[str, list[str]]:
+        return {s: committed_attempts(storage, stage_dir(storage, "f", 0, s)) for s in order}
+
+    before = attempts()
+    grpo(run_id="f", iteration=0, storage_url=url, force_stage="teacher")
+    after = attempts()
+    assert [s for s in order if after[s] != before[s]] == ["teacher", "advantages", "learn", "eval"]
+    assert all(len(after[s]) == len(before[s]) + 1 for s in ("teacher", "advantages", "learn", "eval"))
+    for parameter, given in (
+        ("force_stage", {"force_stage": "teacher"}),
+        ("placement", {"placement": {"teacher": "warm"}}),
+    ):
+        state = grpo(run_id="plain", overrides=TINY, storage_url=url, return_state=True, **given)  # no teacher section
+        assert state.is_failed() and "\n" not in state.message, state.message
+        assert f"{parameter}: stage 'teacher' runs only in a run whose config sets the teacher section" in state.message
+        assert not storage.exists(run_json(storage, "plain"))  # refused before anything is written
+
+
+def test_the_teacher_stage_is_placed_on_a_pool_as_any_stage(taught, monkeypatch):
+    """Routing only (no worker): check_placement takes `teacher`, the deployment's flow grpo-stage accepts it as its
+    `stage` parameter, and Placement sends it (forced, here) to its pool's deployment."""
+    import prefect.deployments
+
+    from flows.placement import Placement, check_placement, stage_flow
+    from stages.common import load_run
+
+    storage, _, out = taught
+    check_placement({"teacher": "warm", "rollouts": "warm"})  # warm: no pool looked up
+    with pytest.raises(ConfigError, match=r"^placement: unknown stage\(s\) \['teachers'\]; stages: .*'teacher'"):
+        check_placement({"teachers": "warm"})
+    params = {"storage_url": storage.url, "run_id": "d", "iteration": 7, "stage": "teacher"}
+    assert stage_flow.validate_parameters(params)["stage"] == "teacher"
+    sent = []
+    monkeypatch.setattr(
+        prefect.deployments,
+        "run_deployment",
+        lambda name, **k: sent.append((name, k["parameters"])) or SimpleNamespace(id=1),
+    )
+    monkeypatch.setattr(Placement, "wait_flow_runs", lambda self, stage, runs, *_: "done")
+    at = Placement({"teacher": "gpu"}, storage, "d", 7, load_run(storage, "d"), "teacher")
+    assert at("teacher", out["rollouts"].uri) == "done"
+    assert [(name, p["stage"], p["force"], p["upstream"]) for name, p in sent] == [
+        ("grpo-stage/gpu", "teacher", True, out["rollouts"].uri)
+    ]

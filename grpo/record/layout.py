@@ -27,10 +27,12 @@ STAGES: tuple[str, ...] = get_args(StageName)  # the order an iteration runs the
 STATE_STAGE = "state"
 """Learn k's resume state (STATE_PREFIXES), committed apart after its policy (grpo/record/resume.py): no stage of the
 iteration's order, only the next learn built from files reads it."""
+OptionalStageName = Literal["teacher"]
 OPTIONAL_STAGES = {"teacher": "advantages"}
 """Stages an iteration runs only when the run's config section of their name is set, {stage: the stage it runs
-before}: `teacher` (on-policy distillation, stages/teacher.py) scores the rollouts before the advantages read them.
-A run without the section runs and commits exactly STAGES."""
+before} (its keys: OptionalStageName's, which the flow's force_stage and placement accept beside StageName's):
+`teacher` (on-policy distillation, stages/teacher.py) scores the rollouts before the advantages read them. A run
+without the section runs and commits exactly STAGES."""
 
 
 def stages_of(cfg) -> tuple[str, ...]:
