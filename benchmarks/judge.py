@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -152,6 +153,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6, help="iterations of the judged run")
     ap.add_argument("--out", default=None, help="folder for storage and models (default: a temporary one)")
     args = ap.parse_args()
+    # one torch thread unless told: torch's default 2 spin-wait against other work on a shared 2-core machine (the
+    # learner 5x slower a step: benchmarks/sft_speed.py's section of RESULTS.md)
+    os.environ.setdefault("GRPO_THREADS", "1")
     sys.path.insert(0, str(REPO))
     from grpo.config import load_config
     from grpo.record.checkpoint import local_checkpoint

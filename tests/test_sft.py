@@ -72,6 +72,46 @@ def world(tmp_path_factory) -> Path:
     return root
 
 
+def test_the_warm_start_learner_makes_no_scoring_pass_and_its_first_step_loss_is_plain_cross_entropy(
+    world, monkeypatch
+):
+    """benchmarks/sft_speed.py: the warm start costs what a plain cross-entropy loop does because its learner scores
+    nothing before its steps (no pi_old pass, no reference), whatever the run's learn section asks."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.learner import loop, pi_old, state
+    from grpo.learner.rank import new_learner
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the warm start ran a no-grad scoring pass")
+
+    monkeypatch.setattr(pi_old, "score", no_pass)
+    monkeypatch.setattr(state, "score", no_pass)
+    sets = ["sft.dataset=x.jsonl", "sft.minibatch_size=4", "sft.microbatch_size=2", "learn.device=cpu"]
+    cfg = sft_run_config(load_config(None, [*sets, "learn.kl_coef=0.1", "learn.old_logprobs=recompute"]))
+    model = str(world / "model")
+    vocab = AutoModelForCausalLM.from_pretrained(model).config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n_prompt, n_response in [(3, 5), (6, 2), (2, 7), (4, 4), (5, 3), (3, 6), (2, 2), (4, 5)]:
+        ids = torch.randint(1, vocab, (n_prompt + n_response,), generator=g).tolist()
+        mask = (torch.rand(n_response, generator=g) < 0.7).long().tolist()
+        mask[0] = 1
+        rows.append((ids[:n_prompt], ids[n_prompt:], mask))
+    learner = new_learner(cfg, -1, model, model, None, None)
+    assert learner.ref is None
+    update = loop.train(learner, "r", -1, conversation_batch(rows, 0), 0)
+    assert update.summary["steps"] == 2 and update.summary["old_logprobs"] == {"source": "sampler"}
+    plain = AutoModelForCausalLM.from_pretrained(model)  # the base, as the first step saw it
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for p, r, m in rows[:4]:
+            logits = plain(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1]
+            ce = torch.nn.functional.cross_entropy(logits, torch.tensor(r), reduction="none")
+            total, tokens = total + float((ce * torch.tensor(m)).sum()), tokens + sum(m)
+    assert update.rows[0]["loss"] == pytest.approx(total / tokens, rel=1e-5)
+
+
 def test_a_conversation_is_tokenized_as_an_episode_with_the_assistant_turns_trained(world):
     from transformers import AutoTokenizer
 
