@@ -85,8 +85,8 @@ def test_s3_wrong_secret_is_one_line(s3, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "settings, says",
     [
-        (["lr=1e-3"], ["unknown setting 'lr': did you mean learn.lr?"]),
-        (["learn.lrr=1e-3"], ["unknown setting 'learn.lrr': did you mean learn.lr?"]),
+        (["lr=1e-3"], ["unknown setting 'lr': did you mean learn.lr or sft.lr?"]),
+        (["learn.lrr=1e-3"], ["unknown setting 'learn.lrr': did you mean learn.lr or sft.lr?"]),
         (["vllm.enable_lora=true"], ["unknown setting 'vllm': did you mean rollout.vllm?"]),
         (  # every bad value at once
             ["learn.lr=abc", "rollout.group_size=x", "zzz=1"],
