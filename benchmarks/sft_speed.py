@@ -36,7 +36,9 @@ def plain_loop(base: str, minibatches: list[list[tuple[list[int], list[int], lis
     model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
     model.train()
     lcfg = cfg.learn
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.sft.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay, fused=True
+    )
     losses = []
     for rows in minibatches:
         width = max(len(p) + len(r) for p, r, _ in rows)
@@ -49,7 +51,9 @@ def plain_loop(base: str, minibatches: list[list[tuple[list[int], list[int], lis
             lab = [-100] * len(p) + [t if k else -100 for t, k in zip(r, m)]
             labels[i, : len(seq)] = torch.tensor(lab)
         logits = model(input_ids=ids, attention_mask=attend).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), lcfg.max_grad_norm)
         opt.step()
@@ -66,6 +70,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+    from judge import conversations, examples, grpo
 
     from grpo.learner.loop import train as learner_train
     from grpo.learner.rank import new_learner
@@ -75,7 +80,6 @@ def main() -> None:
     from grpo.record.lineage import committed_input
     from grpo.record.storage import latest_committed, open_storage
     from grpo.tiny_model import build_chat_model
-    from judge import conversations, examples, grpo
     from stages.common import load_run
     from stages.sft import episode_tokens
     from stages.sft_sources import source
