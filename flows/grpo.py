@@ -73,9 +73,9 @@ def grpo(
     and every stage still commits what a run of one iteration per process would. Returns the
     last iteration's committed URIs. `config_path`/`overrides` create the run if it does not
     exist; `storage_url` defaults to $GRPO_STORAGE or ./storage; `force_stage` reruns that
-    stage of the first iteration (and so every later stage; `teacher` only in a run with a teacher section, as
-    in `placement`). `placement` ({stage: work pool})
-    runs those stages as flow runs of deployment `grpo-stage/<pool>` (flows/placement.py), the rest here. With
+    stage of the first iteration (and so every later stage; `teacher` only in a run with a teacher section, as in
+    `placement`). `placement` ({stage: work pool}) runs those stages as flow runs of deployment
+    `grpo-stage/<pool>` (flows/placement.py), the rest here. With
     rollout.staleness >= 1 and learn on a pool of its own, or here on another device than the sampler's
     (learn.device, rollout.device: learn k then runs in a thread of this flow run), iteration k+1 samples (and
     iteration k's eval runs) while learn k runs: which policy samples which rows is fixed by the config, not by
