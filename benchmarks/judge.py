@@ -1,7 +1,8 @@
 """A judge recipe (issue 51): a small judge model scores a task the run has no verifier for, and its verdicts agree
 with a verifier the judge never sees, at a rate measured here.
 
-    .venv/bin/python benchmarks/judge.py [--examples 8000] [--sft-steps 120] [--numbers 2] [--iterations 6] [--out DIR]
+    .venv/bin/python benchmarks/judge.py [--examples 2000] [--sft-steps 300] [--sft-lr 1e-3] [--numbers 2]
+        [--iterations 6] [--held-out-only] [--out DIR]
 
 1. The judge: the tiny chat model (grpo/tiny_model.py's Qwen2, built from scratch) warm-started by `grpo sft` on
    conversations whose user turn is reward.judge's rubric prompt for a sort prompt and a response (correct, or one
@@ -147,8 +148,10 @@ def agreement(storage, run_id: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--examples", type=int, default=8000, help="the judge's warm-start conversations")
-    ap.add_argument("--sft-steps", type=int, default=120, help="of 64 conversations")
+    ap.add_argument("--examples", type=int, default=2000, help="the judge's warm-start conversations")
+    ap.add_argument("--sft-steps", type=int, default=300, help="of 64 conversations")
+    ap.add_argument("--sft-lr", default="1e-3", help="the warm start's sft.lr")
+    ap.add_argument("--held-out-only", action="store_true", help="stop after the held-out responses (no judged run)")
     ap.add_argument("--numbers", type=int, default=2, help="the sort task's n_numbers")
     ap.add_argument("--iterations", type=int, default=6, help="iterations of the judged run")
     ap.add_argument("--out", default=None, help="folder for storage and models (default: a temporary one)")
@@ -181,7 +184,7 @@ def main() -> None:
         storage.url, "init", "--run", "judge-sft",
         "--set", f"model.base_model={base}", "--set", "task.name=sort", "--set", task,
         "--set", f"sft.dataset={out / 'judge_sft.jsonl'}", "--set", f"sft.steps={args.sft_steps}",
-        "--set", "sft.lr=1e-2", "--set", "sft.minibatch_size=64", "--set", "sft.microbatch_size=64",
+        "--set", f"sft.lr={args.sft_lr}", "--set", "sft.minibatch_size=64", "--set", "sft.microbatch_size=64",
         "--set", "learn.lr=2e-3", "--set", "rollout.max_tokens=24", "--set", "rollout.backend=hf",
     )  # fmt: skip
     t_sft = time.perf_counter()
@@ -198,6 +201,10 @@ def main() -> None:
     held_out = held_out_agreement(
         storage, load_config(None, judge).reward.judge, examples(300, args.numbers, seed=1)
     )  # seed 1: none of the warm start's
+    print(f"judge warm start: {args.examples} conversations, {args.sft_steps} steps at lr {args.sft_lr}, {sft_s:.0f} s")
+    print(f"held-out synthetic responses: {held_out}", flush=True)
+    if args.held_out_only:
+        return
     grpo(
         storage.url, "init", "--run", "judged", "--config", str(REPO / "benchmarks/sort.yaml"), "--set", task,
         "--set", f"rollout.max_tokens={args.numbers}", "--set", "rollout.prompts_per_iteration=64",
@@ -209,8 +216,6 @@ def main() -> None:
     grpo(storage.url, "run", "--run", "judged", "--iterations", str(args.iterations))
     run_s = time.perf_counter() - t_run
 
-    print(f"judge warm start: {args.examples} conversations, {args.sft_steps} steps, {sft_s:.0f} s")
-    print(f"held-out synthetic responses: {held_out}")
     print(
         f"judged run: {args.iterations} iterations of 64 prompts x 8, {run_s:.0f} s; "
         f"all {time.perf_counter() - t0:.0f} s"
