@@ -61,11 +61,19 @@ def response_for(numbers: list[int], rng: random.Random) -> str:
     return " ".join(map(str, got))
 
 
-def examples(n: int, n_numbers: int, seed: int) -> list[tuple[str, str, str]]:
-    """(prompt, response, the sorted answer) of `n` sort prompts as the task writes them, with responses."""
+def held_out_prompt(numbers: list[int]) -> bool:
+    """About a fifth of the sort prompts, which the judge's warm start never shows it (with any response)."""
+    return sum(n * 7**i for i, n in enumerate(numbers)) % 5 == 0
+
+
+def examples(n: int, n_numbers: int, seed: int, held_out: bool = False) -> list[tuple[str, str, str]]:
+    """(prompt, response, the sorted answer) of `n` sort prompts as the task writes them, with responses: prompts
+    of the held-out fifth only, or none of them."""
     rng, out = random.Random(seed), []
-    for _ in range(n):
+    while len(out) < n:
         numbers = [rng.randrange(10) for _ in range(n_numbers)]
+        if held_out_prompt(numbers) != held_out:
+            continue
         out.append(
             (f"sort {' '.join(map(str, numbers))} :", response_for(numbers, rng), " ".join(map(str, sorted(numbers))))
         )
@@ -114,18 +122,22 @@ def grpo(storage_url: str, *args: str) -> None:
 
 
 def agreement(storage, run_id: str) -> list[dict]:
-    """Per iteration: the judged responses, how many the verifier finds exact, the judge's agreement with it."""
+    """Per iteration, then all, then the prompts the warm start held out and the rest: the judged responses, how many
+    the verifier finds exact, the judge's agreement with it."""
     from grpo.query import query
 
     rows = query(
         storage,
         run_id,
-        """SELECT j.iteration, ro.response, ro.ground_truth, j.error,
+        """SELECT j.iteration, ro.prompt, ro.response, ro.ground_truth, j.error,
                   CASE WHEN j.error IS NULL THEN j.verdicts[1].verdict END AS verdict
            FROM judge j JOIN rollouts ro USING (iteration, prompt_id, sample_index) ORDER BY 1""",
     )
+    numbers = rows.prompt.str.extract(r"sort ((?:\d+ )+):", expand=False).fillna("")
+    held = numbers.map(lambda s: bool(s) and held_out_prompt([int(n) for n in s.split()]))
     out = []
-    for k, part in list(rows.groupby("iteration")) + [("all", rows)]:
+    parts = list(rows.groupby("iteration")) + [("all", rows), ("held-out", rows[held]), ("seen", rows[~held])]
+    for k, part in parts:
         exact = part.response.str.split().map(tuple) == part.ground_truth.str.split().map(tuple)
         judged = part.verdict.notna()
         said_pass = part.verdict == "pass"
@@ -199,8 +211,8 @@ def main() -> None:
         "reward.judge.max_tokens=24", "reward.judge.concurrency=64",
     ]  # fmt: skip
     held_out = held_out_agreement(
-        storage, load_config(None, judge).reward.judge, examples(300, args.numbers, seed=1)
-    )  # seed 1: none of the warm start's
+        storage, load_config(None, judge).reward.judge, examples(300, args.numbers, seed=1, held_out=True)
+    )  # prompts the warm start never showed
     print(f"judge warm start: {args.examples} conversations, {args.sft_steps} steps at lr {args.sft_lr}, {sft_s:.0f} s")
     print(f"held-out synthetic responses: {held_out}", flush=True)
     if args.held_out_only:
