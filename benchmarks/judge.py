@@ -8,13 +8,16 @@ with a verifier the judge never sees, at a rate measured here.
    conversations whose user turn is reward.judge's rubric prompt for a sort prompt and a response (correct, or one
    of the mistakes a policy makes: a pair swapped, a number dropped or changed, the prompt's order, noise) and whose
    assistant turn is `REASON correct: <the sorted numbers> vs <the response>` then `VERDICT correct: pass|fail`, about
-   half of each, labelled by the sort verifier. The verifier labels the judge's training data; the judge never
-   sees it when judging.
+   half of each, labelled by the sort verifier, at sft.lr 1e-3 (1e-2 taught it the format and `fail` for
+   everything). A fifth of the sort prompts (held_out_prompt) never appear in it. The verifier labels the judge's
+   training data; the judge never sees it when judging.
 2. The judged run: the sort task on the tiny policy, its only reward function `no_verifier` (0 for every response,
    weight 0) and reward.judge the warm-started judge (weight 1): the run has no verifier, only the judge's verdicts.
 3. Agreement: each judged response of the run's iterations, the judge's verdict against the sort verifier's exact
    match computed here afterwards (never given to the run or the judge), with the base rate of the majority class
-   and the balanced accuracy beside it, and the judge's answers that did not parse.
+   and the balanced accuracy beside it, and the judge's answers that did not parse; first on 300 synthetic
+   responses to the held-out prompts (fast: `--held-out-only` stops there), then on the run's responses, split
+   by whether their prompt was held out of the warm start.
 """
 
 from __future__ import annotations
