@@ -42,10 +42,12 @@ def no_verifier(response: str, ground_truth: str, prompt: str) -> float:
     return 0.0
 
 
-def response_for(numbers: list[int], rng: random.Random) -> str:
-    """A response to `sort <numbers> :`: correct, or one of the mistakes a sort policy makes."""
+def response_for(numbers: list[int], rng: random.Random, ascending: bool = False) -> str:
+    """A response to `sort <numbers> :`: correct, or one of the mistakes a sort policy makes; with `ascending`, also
+    other numbers in ascending order (the mistake a policy rewarded by the judge alone learned to make)."""
     want = sorted(numbers)
-    kind = rng.choice(["correct"] * 4 + ["swap", "drop", "change", "prompt", "noise"])  # about half correct
+    kinds = ["correct"] * 4 + ["swap", "drop", "change", "prompt", "noise"]  # about half correct
+    kind = rng.choice(kinds + ["correct", "ascending"] if ascending else kinds)
     got = list(want)
     if kind == "swap":
         i = rng.randrange(len(got) - 1)
@@ -59,6 +61,9 @@ def response_for(numbers: list[int], rng: random.Random) -> str:
         got[i] = (got[i] + rng.randrange(1, 10)) % 10
     elif kind == "prompt":
         got = list(numbers)
+    elif kind == "ascending":
+        while got == want:
+            got = sorted(rng.randrange(10) for _ in numbers)
     elif kind == "noise":
         got = [rng.randrange(10) for _ in range(rng.randrange(1, len(numbers) + 2))]
     return " ".join(map(str, got))
@@ -69,7 +74,9 @@ def held_out_prompt(numbers: list[int]) -> bool:
     return sum(n * 7**i for i, n in enumerate(numbers)) % 5 == 0
 
 
-def examples(n: int, n_numbers: int, seed: int, held_out: bool = False) -> list[tuple[str, str, str]]:
+def examples(
+    n: int, n_numbers: int, seed: int, held_out: bool = False, ascending: bool = False
+) -> list[tuple[str, str, str]]:
     """(prompt, response, the sorted answer) of `n` sort prompts as the task writes them, with responses: prompts
     of the held-out fifth only, or none of them."""
     rng, out = random.Random(seed), []
@@ -78,7 +85,11 @@ def examples(n: int, n_numbers: int, seed: int, held_out: bool = False) -> list[
         if held_out_prompt(numbers) != held_out:
             continue
         out.append(
-            (f"sort {' '.join(map(str, numbers))} :", response_for(numbers, rng), " ".join(map(str, sorted(numbers))))
+            (
+                f"sort {' '.join(map(str, numbers))} :",
+                response_for(numbers, rng, ascending),
+                " ".join(map(str, sorted(numbers))),
+            )
         )
     return out
 
@@ -166,6 +177,7 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=2000, help="the judge's warm-start conversations")
     ap.add_argument("--sft-steps", type=int, default=300, help="of 64 conversations")
     ap.add_argument("--sft-lr", default="1e-3", help="the warm start's sft.lr")
+    ap.add_argument("--ascending", action="store_true", help="add other ascending numbers to the mistakes")
     ap.add_argument("--held-out-only", action="store_true", help="stop after the held-out responses (no judged run)")
     ap.add_argument("--numbers", type=int, default=2, help="the sort task's n_numbers")
     ap.add_argument("--iterations", type=int, default=6, help="iterations of the judged run")
@@ -186,7 +198,7 @@ def main() -> None:
     storage = open_storage((out / "storage").as_uri())
     t0 = time.perf_counter()
 
-    data = conversations(examples(args.examples, args.numbers, seed=0))
+    data = conversations(examples(args.examples, args.numbers, seed=0, ascending=args.ascending))
     with open(out / "judge_sft.jsonl", "w") as f:
         f.writelines(json.dumps(c) + "\n" for c in data)
     texts = [m["content"] for c in data[:500] for m in c["messages"]]
@@ -214,7 +226,9 @@ def main() -> None:
         "reward.judge.max_tokens=24", "reward.judge.concurrency=64",
     ]  # fmt: skip
     held_out = held_out_agreement(
-        storage, load_config(None, judge).reward.judge, examples(300, args.numbers, seed=1, held_out=True)
+        storage,
+        load_config(None, judge).reward.judge,
+        examples(300, args.numbers, seed=1, held_out=True, ascending=args.ascending),
     )  # prompts the warm start never showed
     print(f"judge warm start: {args.examples} conversations, {args.sft_steps} steps at lr {args.sft_lr}, {sft_s:.0f} s")
     print(f"held-out synthetic responses: {held_out}", flush=True)
