@@ -80,6 +80,39 @@ def solution(row: dict, stated: int | None = None) -> str:
     return f"{row['work']}. The answer is {row['result'] if stated is None else stated}."
 
 
+SHAPE = dict(vocab_size=600, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384)
+"""The recipe's model (RESULTS.md): Qwen2, 4 layers, hidden 128, 4 query and 2 key/value heads, a BPE of 600."""
+
+
+def world(work: Path, seed: int, n: int, top: int = 9) -> tuple[list[dict], list[str]]:
+    """The recipe's distinct problems (`n` drawn from `seed`), written to work/problems.parquet, and the texts a
+    model's tokenizer is trained on (build_chat_model)."""
+    rng = random.Random(seed)
+    rows = list({r["question"]: r for r in (problem(rng, top) for _ in range(n))}.values())  # distinct
+    pd.DataFrame(rows)[["question", "answer"]].to_parquet(work / "problems.parquet")
+    return rows, [f"{SYSTEM} {r['question']} {r['answer']} {solution(r)}" for r in rows]
+
+
+def recipe_settings(model: str, work: Path, iterations: int) -> list[str]:
+    """The GRPO recipe RESULTS.md measures on `model`: 64 prompts x 8, 24 tokens, 2 epochs of 64, lr 3e-4 decayed."""
+    return [
+        *math_task(model, work / "problems.parquet"),
+        "eval.split_fraction=0.2",
+        "eval.n_prompts=200",
+        "rollout.backend=hf",
+        "rollout.prompts_per_iteration=64",
+        "rollout.group_size=8",
+        "rollout.max_tokens=24",
+        "learn.minibatch_size=64",
+        "learn.microbatch_size=64",
+        "learn.lr=3e-4",
+        "learn.epochs=2",
+        "reward.truncated_reward=0",  # as measured in RESULTS.md (the default scores cut-off answers)
+        "learn.mixed_precision=no",  # float32, as measured in RESULTS.md (`auto` is bf16 on a GPU)
+        f"learn.lr_decay_steps={16 * iterations}",  # 16 AdamW steps an iteration, decayed to 0 at the end
+    ]
+
+
 def math_task(model, problems) -> list[str]:
     """The settings of these recipes' task: `model` answers the math task's problems (a Parquet file of `question`
     and `answer` columns, GSM8K's format) as chat prompts after SYSTEM."""
@@ -182,43 +215,16 @@ def main() -> None:
     print(f"machine: {machine()}; {gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     work = Path(args.dir or tempfile.mkdtemp(prefix="grpo-chat-math-"))
     work.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.seed)
-    rows = list({r["question"]: r for r in (problem(rng, args.top) for _ in range(args.problems))}.values())  # distinct
-    pd.DataFrame(rows)[["question", "answer"]].to_parquet(work / "problems.parquet")
-    texts = [f"{SYSTEM} {r['question']} {r['answer']} {solution(r)}" for r in rows]
+    rows, texts = world(work, args.seed, args.problems, args.top)
     t0 = time.time()
     if args.warm_model:
         model = str(shutil.copytree(args.warm_model, work / "model"))
     else:
-        model = build_chat_model(
-            str(work / "model"),
-            texts,
-            vocab_size=600,
-            hidden_size=128,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=384,
-            max_position_embeddings=160,
-            seed=args.seed,
-        )
+        model = build_chat_model(str(work / "model"), texts, max_position_embeddings=160, seed=args.seed, **SHAPE)
     cfg = load_config(
         None,
         [
-            *math_task(model, work / "problems.parquet"),
-            "eval.split_fraction=0.2",
-            "eval.n_prompts=200",
-            "rollout.backend=hf",
-            "rollout.prompts_per_iteration=64",
-            "rollout.group_size=8",
-            "rollout.max_tokens=24",
-            "learn.minibatch_size=64",
-            "learn.microbatch_size=64",
-            "learn.lr=3e-4",
-            "learn.epochs=2",
-            "reward.truncated_reward=0",  # as measured in RESULTS.md (the default scores cut-off answers)
-            "learn.mixed_precision=no",  # float32, as measured in RESULTS.md (`auto` is bf16 on a GPU)
-            f"learn.lr_decay_steps={16 * args.iterations}",  # 16 AdamW steps an iteration, decayed to 0 at the end
+            *recipe_settings(model, work, args.iterations),
             f"seed={args.seed if args.run_seed is None else args.run_seed}",
             *([] if args.warm_model else warm_start_settings(work / "warm_start.jsonl", args.sft_steps, args.sft_lr)),
             *args.set,

@@ -22,7 +22,6 @@ completions, and both wall times.
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
 import tempfile
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from chat_math import SYSTEM, accuracy, math_task, problem, solution, warm_start_rows, warm_start_settings
+from chat_math import SHAPE, SYSTEM, accuracy, math_task, solution, warm_start_rows, warm_start_settings, world
 from timing import machine
 
 from grpo.config import load_config
@@ -43,7 +42,6 @@ from stages.iteration import run_warm
 from stages.prompts import held_out_split
 from stages.sft import warm_start
 
-TEACHER = dict(vocab_size=600, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384)
 STUDENT = dict(vocab_size=600, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 
 
@@ -117,10 +115,7 @@ def main() -> None:
     print(f"machine: {machine()}; {gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     work = Path(args.dir or tempfile.mkdtemp(prefix="grpo-distill-"))
     work.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.seed)
-    rows = list({r["question"]: r for r in (problem(rng, 9) for _ in range(args.problems))}.values())
-    pd.DataFrame(rows)[["question", "answer"]].to_parquet(work / "problems.parquet")
-    texts = [f"{SYSTEM} {r['question']} {r['answer']} {solution(r)}" for r in rows]
+    rows, texts = world(work, args.seed, args.problems)
     student0 = build_chat_model(str(work / "student0"), texts, max_position_embeddings=160, seed=args.seed, **STUDENT)
     settings = [
         "eval.split_fraction=0.2",
@@ -149,9 +144,7 @@ def main() -> None:
     if args.teacher_model:
         teacher = str(shutil.copytree(args.teacher_model, work / "teacher"))
     else:  # `grpo sft` on a run of the teacher's own (its sft section only: no iteration of it runs)
-        teacher0 = build_chat_model(
-            str(work / "teacher0"), texts, max_position_embeddings=160, seed=args.seed, **TEACHER
-        )
+        teacher0 = build_chat_model(str(work / "teacher0"), texts, max_position_embeddings=160, seed=args.seed, **SHAPE)
         sft = warm_start_settings(work / "warm_start.jsonl", args.teacher_steps, 3e-3)
         init_run(
             storage,

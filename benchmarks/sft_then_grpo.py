@@ -34,38 +34,23 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from chat_math import (  # noqa: E402
+    SHAPE,
     SYSTEM,
     accuracy,
-    math_task,
-    problem,
-    solution,
+    recipe_settings,
     warm_start_rows,
     warm_start_settings,
+    world,
 )
 from timing import machine  # noqa: E402
 from trl_grpo import grpo_config, grpo_trainer  # noqa: E402
-
-SHAPE = dict(vocab_size=600, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384)
 
 
 def settings(model: str, work: Path, args) -> list[str]:
     """chat_math.py's GRPO recipe, every eval skipped but the last (the accuracy is taken after each phase)."""
     return [
-        *math_task(model, work / "problems.parquet"),
-        "eval.split_fraction=0.2",
-        "eval.n_prompts=200",
+        *recipe_settings(model, work, args.iterations),
         f"eval.every={10**6}",
-        "rollout.backend=hf",
-        "rollout.prompts_per_iteration=64",
-        "rollout.group_size=8",
-        "rollout.max_tokens=24",
-        "learn.minibatch_size=64",
-        "learn.microbatch_size=64",
-        "learn.lr=3e-4",
-        "learn.epochs=2",
-        "reward.truncated_reward=0",
-        "learn.mixed_precision=no",
-        f"learn.lr_decay_steps={16 * args.iterations}",
         f"seed={args.seed}",
         *warm_start_settings(work / "warm_start.jsonl", args.sft_steps, args.sft_lr),
     ]
@@ -176,10 +161,7 @@ def main() -> int:
     print(f"machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     work = Path(args.dir or tempfile.mkdtemp(prefix="sft-then-grpo-"))
     work.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.seed)
-    rows = list({r["question"]: r for r in (problem(rng, 9) for _ in range(args.problems))}.values())
-    pd.DataFrame(rows)[["question", "answer"]].to_parquet(work / "problems.parquet")
-    texts = [f"{SYSTEM} {r['question']} {r['answer']} {solution(r)}" for r in rows]
+    rows, texts = world(work, args.seed, args.problems)
     model = build_chat_model(str(work / "model"), texts, max_position_embeddings=160, seed=args.seed, **SHAPE)
     cfg = load_config(None, settings(model, work, args))
     train, _ = held_out_split(cfg)
