@@ -121,6 +121,12 @@ def stage(storage, run_id, k, name, force=False):
     return stage_function(name)(storage, run_id, k, force=force)
 
 
+def sampled(storage, run_id):
+    """Iteration 0 of `run_id` sampled (its snapshot and rollouts committed): its rewards stage is next."""
+    for name in ("snapshot", "rollouts"):
+        stage(storage, run_id, 0, name)
+
+
 def table(committed, name):
     return pq.read_table(committed.path(name).replace("file://", "")).to_pandas()
 
@@ -236,8 +242,7 @@ def test_a_failing_endpoint_fails_the_stage_and_the_rerun_calls_only_what_is_mis
     monkeypatch.setattr(judge, "failures", 0)  # no scripted 500s: each call is answered or the endpoint is down
     storage = open_storage((tmp_path / "store").as_uri())
     judged_run(storage, "f", url, ["reward.judge.retries=0"])
-    for name in ("snapshot", "rollouts"):
-        stage(storage, "f", 0, name)
+    sampled(storage, "f")
     answered = []
     real = judge.answer
 
@@ -265,8 +270,7 @@ def test_shards_judge_their_rows_and_commit_them_merged(endpoint, tmp_path, monk
     monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test-0123456789")
     storage = open_storage((tmp_path / "store").as_uri())
     judged_run(storage, "s", url, ["reward.shards=2"])
-    for name in ("snapshot", "rollouts"):
-        stage(storage, "s", 0, name)
+    sampled(storage, "s")
     done = stage(storage, "s", 0, "rewards")
     calls, rows = table(done, "judge.parquet"), table(done, "rewards.parquet")
     assert len(calls) == len(rows) == 64 and (calls.sample_index.values == rows.sample_index.values).all()
@@ -280,8 +284,7 @@ def test_ranking_makes_one_call_per_group(endpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test-0123456789")
     storage = open_storage((tmp_path / "store").as_uri())
     judged_run(storage, "r", url, ["reward.judge.mode=ranking"])
-    for name in ("snapshot", "rollouts"):
-        stage(storage, "r", 0, name)
+    sampled(storage, "r")
     before = len(judge.requests)
     done = stage(storage, "r", 0, "rewards")
     calls = table(done, "judge.parquet")
@@ -301,8 +304,7 @@ def test_a_local_judge_that_cannot_write_the_format_scores_the_configured_reward
     settings = [f"reward.judge.model={folder}", "reward.judge.max_tokens=1", "reward.judge.parse_error_reward=0.25",
                 "reward.weights=[1, 2]", "reward.truncated_reward=null"]  # fmt: skip
     make_run(storage, "l", extra=settings)
-    for name in ("snapshot", "rollouts"):
-        stage(storage, "l", 0, name)
+    sampled(storage, "l")
     done = stage(storage, "l", 0, "rewards")
     calls, rows = table(done, "judge.parquet"), table(done, "rewards.parquet")
     assert done.manifest.summary["judge_errors"] == calls.prompt_hash.nunique() and done.manifest.summary["errors"] == 0
