@@ -1171,10 +1171,14 @@ class RunConfig:
         """The config as run.json holds it; without `sft` and `teacher` where they are None, so a run without them
         writes the run.json it always did."""
         out = json.loads(json.dumps(dataclasses.asdict(self)))
-        for optional in ("sft", "teacher"):
+        for optional in OPTIONAL_SECTIONS:
             if out[optional] is None:
                 del out[optional]
         return out
+
+
+OPTIONAL_SECTIONS = ("sft", "teacher")
+"""Sections that are None unless a config sets them; `RunConfig.to_dict` leaves them out then."""
 
 
 class ConfigError(ValueError):

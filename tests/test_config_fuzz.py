@@ -5,10 +5,10 @@ import dataclasses
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from grpo.config import ConfigError, RunConfig, _hints, _merge, load_config, optional_dataclass
+from grpo.config import OPTIONAL_SECTIONS, ConfigError, RunConfig, _hints, _merge, load_config, optional_dataclass
 
 # config fields whose values name files, modules or models: a wrong one fails at `grpo init` (which
 # loads them) with a ConfigError too, but that needs a run; here only their types are checked
@@ -80,6 +80,8 @@ BESIDE += [{"learn": {"behavior_correction": c}} for c in ("mis", "icepop")] + [
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(path=st.sampled_from(FIELDS), value=VALUES)
+@example(path="sft", value=None)
+@example(path="teacher", value=None)
 def test_any_value_in_any_field_is_a_valid_config_or_a_config_error_naming_a_field(path, value):
     try:
         cfg = load_config(nested(path, value))
@@ -90,7 +92,7 @@ def test_any_value_in_any_field_is_a_valid_config_or_a_config_error_naming_a_fie
         named = re.findall(r"\b([a-z_]+\.[a-z_]+(?:\.[a-z_]+)?)\b", message)
         assert path in message or set(named) & set(FIELDS) or path.split(".")[0] in message, (path, value, message)
         return
-    got = {"sft": None, **cfg.to_dict()}  # to_dict leaves an unset sft out (run.json as before it existed)
+    got = {**dict.fromkeys(OPTIONAL_SECTIONS), **cfg.to_dict()}  # to_dict leaves unset optional sections out
     for key in path.split("."):
         got = got[key]
     if value is False and got == "no":  # a choice of "no": YAML reads a bare `no` as false (config._coerce)
@@ -107,7 +109,7 @@ def test_added_settings_give_a_valid_config_or_a_config_error_naming_them(path, 
     except ConfigError as e:
         assert "\n" not in str(e) and path in str(e), (path, value, str(e))
         return
-    got = {"sft": None, **cfg.to_dict()}  # to_dict leaves an unset sft out (run.json as before it existed)
+    got = {**dict.fromkeys(OPTIONAL_SECTIONS), **cfg.to_dict()}  # to_dict leaves unset optional sections out
     for key in path.split("."):
         got = got[key]
     assert got == value or float(got) == float(value), (path, value, got)
