@@ -473,6 +473,12 @@ class JudgeConfig:
     """Endpoint: tries after the first on a timeout, connection error, 429 or 5xx (backoff 0.5 s, doubling)."""
     timeout_s: float = 60.0
     """Endpoint: seconds one request may take."""
+    backend: Backend = "auto"
+    """A local judge (`model`): `vllm` (the engine rollouts use, every prompt of the stage in one offline batch),
+    `hf` (transformers, `concurrency` prompts per generate call), or `auto`, decided as rollout.backend's auto decides
+    (vLLM on a GPU and for judges of 10M parameters and up, transformers for smaller ones on a CPU or where vLLM is not
+    installed or cannot build the model). The choice is in the stage's summary where vLLM judged; in the stage's
+    identity only when set (not auto)."""
     parse_error_reward: float = 0.0
     """The judge's score for an output that does not parse (or a call that failed every try): a counted error
     (`judge_errors` in the stage's summary, the judge table's error column), never a failed stage."""
@@ -485,6 +491,8 @@ class JudgeConfig:
             raise ConfigError(f"{where}.model_name: name the model the endpoint at reward.judge.url serves")
         if self.url is None and (self.api_key_env or self.model_name):
             raise ConfigError(f"{where}.api_key_env and model_name go with reward.judge.url (an endpoint), not model")
+        if self.url is not None and self.backend != "auto":
+            raise ConfigError(f"{where}.backend goes with reward.judge.model (a local judge), not url (an endpoint)")
         if self.url is not None and self.revision is not None:
             raise ConfigError(f"{where}.revision goes with reward.judge.model (a hub id); an endpoint's is model_name")
         if self.api_key_env is not None:
@@ -960,6 +968,13 @@ class TeacherConfig:
     """Responses the teacher scores in one forward (>= 1); the log-probs do not depend on it."""
     device: str = "auto"
     """Where the teacher runs: auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N."""
+    backend: Backend = "auto"
+    """What scores the committed ids: `vllm` (the engine rollouts use, one request per response with prompt
+    log-probs of prompt + response: a prefill), `hf` (the transformers model, a padded forward of `batch_size`
+    responses), or `auto`, decided as rollout.backend's auto decides (vLLM on a GPU and for teachers of 10M parameters
+    and up, transformers for smaller ones on a CPU, where vLLM is not installed or cannot build the model, or on a
+    teacher.device other than vLLM's). Both in float32, the model's raw distribution; the choice and its reason are
+    in the stage's summary where vLLM scored. In the stage's identity only when set (not auto)."""
 
     def check(self) -> None:
         if not self.model:

@@ -85,7 +85,19 @@ def check(cfg: RunConfig, stages: set[str]) -> None:
     if stages & {"rollouts", "eval"}:
         sampler_device(cfg.rollout, cfg.rollout.backend)
     if "teacher" in stages and cfg.teacher is not None:
-        resolve(cfg.teacher.device, "teacher.device")
+        teacher_device(cfg.teacher)
+
+
+def teacher_device(teacher) -> torch.device:
+    """The teacher's device (teacher.device: grpo.config.TeacherConfig); with teacher.backend vllm, refused unless it
+    is vLLM's (vllm_device)."""
+    device = resolve(teacher.device, "teacher.device")
+    if teacher.backend == "vllm" and device != vllm_device():
+        raise ConfigError(
+            f"teacher.device={teacher.device}: a vLLM teacher in one process scores on {vllm_device()} (its local rank "
+            f"0); set teacher.backend=hf to score on {device}, or teacher.device=auto"
+        )
+    return device
 
 
 @contextmanager

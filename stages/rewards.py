@@ -131,14 +131,17 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
                 f"returned {biggest[0]:.3g}; scale its rewards down (nothing was committed)"
             )
         judge = {f"judge_{k}": v for k, v in judging[1].items()} if judging is not None else {}
+        judge |= {"judged_on": judging[2]} if judging is not None and judging[2] else {}
         return {"samples": n, "errors": n_err, "reward_mean": total / n, "processes_left": left, **judge}
 
-    def judge_rows(writer, path: str, rows: range) -> tuple[list[dict], dict]:
+    def judge_rows(writer, path: str, rows: range) -> tuple[list[dict], dict, str | None]:
         """The judge over the shard's rows as one batch (grpo/scoring/judge.py), its table written: (each row's
-        judgement, in order; the counts). An answer that does not parse is counted, never the stage's failure."""
+        judgement, in order; the counts; where a local judge ran unless on transformers by default, e.g. "vllm
+        (auto: a GPU)"). An answer that does not parse is counted, never the stage's failure."""
         cols = ["prompt_id", "sample_index", "prompt", "response"]
         table = [r for b in batches_in(path, rows) for r in b.select(["run_id", "iteration", *cols]).to_pylist()]
-        judged, counts = judge_engine.judged(storage, cfg.reward.judge, table)
+        judge = judge_engine.make_judge(cfg.reward.judge, cfg.rollout)
+        judged, counts = judge_engine.judged(storage, cfg.reward.judge, table, judge)
         keep = ("judge_revision", "prompt_hash", "raw", "verdicts", "score", "error", "attempts", "cached")
         with ParquetWriter(storage.fs, writer.path(table_file("judge")), "judge") as out:
             if table:
@@ -150,7 +153,8 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
             iteration, judged[0]["judge_revision"] if judged else "-", counts["calls"], counts["cached"],
             counts["errors"], counts["failed"], cfg.reward.judge.parse_error_reward,
         )  # fmt: skip
-        return judged, counts
+        backend = getattr(judge, "backend", "hf"), cfg.reward.judge.backend
+        return judged, counts, None if backend == ("hf", "auto") else f"{backend[0]} ({judge.why})"
 
     def batches_in(path: str, rows: range):
         """The rollouts' record batches of rows `rows` (at most 8192 rows each)."""
@@ -192,6 +196,7 @@ def merged_summary(parts: list[dict]) -> dict:
     left = sum(s.get("processes_left", 0) for s in parts)
     judged = sorted({k for s in parts for k in s if k.startswith("judge_")})  # reward.judge's counts
     judge = {k: sum(s.get(k, 0) for s in parts) for k in judged}
+    judge |= next(({"judged_on": s["judged_on"]} for s in parts if "judged_on" in s), {})  # where a judge ran
     return {
         "samples": samples, "errors": sum(s["errors"] for s in parts), "reward_mean": mean, "processes_left": left,
         **judge,

@@ -5,6 +5,7 @@ prefill of prompt + response, never decoded and re-tokenized; an episode's whole
 tokens as context, scored where loss_mask is 1), and the advantages become, or gain, the per-token reverse KL
 -(log p_sampler - log p_teacher) (grpo.core.teacher_advantages). With rollout.staleness S >= 1 the rows were sampled
 by an older policy and the teacher scores those tokens as sampled: nothing here depends on which policy sampled them.
+The teacher runs on transformers or on the rollouts' vLLM engine (teacher.backend; grpo/scoring/teacher.py).
 
 teacher.parquet holds the teacher's log-prob of each response token (and with teacher.top_k its top-k ids,
 log-probs and tail mass per loss token); the manifest's summary pins each teacher (its hub commit or its folder's
@@ -30,7 +31,7 @@ from schemas import read_parquet, table_file, write_parquet
 from stages.common import StageError, load_run, measured, run_stage
 
 log = logging.getLogger("grpo.stages")
-SCORING = ("model", "revision", "top_k", "routes", "route_column")  # the teacher settings the stage's output depends on
+SCORING = ("model", "revision", "top_k", "routes", "route_column", "backend")  # what the stage's output depends on
 COLUMNS = ["run_id", "iteration", "prompt_id", "sample_index", "prompt_ids", "response_ids", "loss_mask", "row"]
 
 
@@ -46,39 +47,36 @@ def teacher(storage: Storage, run_id: str, iteration: int, force: bool = False) 
     teachers = {spec: engine.resolve(spec, tcfg.revision) for spec in tcfg.models()}
 
     def body(writer) -> dict:
+        from grpo.sampling.engines import choose_backend, release_accelerator
+
         table = read_parquet(storage.fs, rollouts.read_path(table_file("rollouts")), "rollouts")
         if table.num_rows == 0:
             raise StageError(f"{rollouts.uri}: rollouts.parquet has no rows")
         cols = {c: table.column(c).to_pylist() for c in COLUMNS + ["sampler_logprobs"]}
         picked = [route(cfg, row) for row in cols["row"]]
         out: list[dict | None] = [None] * table.num_rows
-        device = devices.resolve(tcfg.device, "teacher.device")
-        if device.type == "cuda":  # the sampler sleeps (or closes) while the teacher has the GPU, as for learn
-            from grpo.sampling.engines import release_accelerator
-
-            release_accelerator(cfg.rollout.keep_engine)
+        device = devices.teacher_device(tcfg)
         pins, done = {}, 0
         for spec, found in teachers.items():
             rows = [i for i, p in enumerate(picked) if p == spec]
             if not rows:
                 continue
-            model = engine.load_model(found.folder, device)
+            backend, why = choose_backend(tcfg.backend, found.folder, device, "teacher")
+            if backend == "hf" and device.type == "cuda":  # the sampler sleeps (or closes) while the teacher has the
+                release_accelerator(cfg.rollout.keep_engine)  # GPU, as for learn; a vLLM teacher is the engine itself
+            score = engine.scorer(backend, found.folder, device, tcfg.top_k, cfg.rollout)
             pins[spec] = {"revision": found.revision, "vocabulary": engine.vocabulary_of(found.folder)}
-            for at in range(0, len(rows), tcfg.batch_size):
-                chunk = rows[at : at + tcfg.batch_size]
-                scored = engine.scored_rows(
-                    model,
-                    [cols["prompt_ids"][i] for i in chunk],
-                    [cols["response_ids"][i] for i in chunk],
-                    [cols["loss_mask"][i] for i in chunk],
-                    tcfg.top_k,
-                    device,
-                )
+            if (backend, tcfg.backend) != ("hf", "auto"):  # not how teachers always ran: recorded
+                pins[spec]["backend"] = f"{backend} ({why})"
+            step = len(rows) if backend == "vllm" else tcfg.batch_size  # vLLM batches the whole lot itself
+            for at in range(0, len(rows), step):
+                chunk = rows[at : at + step]
+                scored = score(*([cols[c][i] for i in chunk] for c in ("prompt_ids", "response_ids", "loss_mask")))
                 for i, s in zip(chunk, scored):
                     out[i] = {**s, "teacher": spec}
                 done += len(chunk)
                 progress(f"teacher {iteration}", done, table.num_rows)
-            del model  # one teacher in memory at a time
+            del score  # one transformers teacher in memory at a time
             if device.type == "cuda":
                 import torch
 

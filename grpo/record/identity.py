@@ -5,7 +5,7 @@ A stage's identity is (run, iteration, stage, the hash of the config it reads, t
 made of sections read through `section`, and every field of those sections is decided here, once:
 - IDENTITY_FIELDS: covered by identities since runs were first committed; changing one makes a new stage;
 - ADDED_SETTINGS: added after runs were made without them, left out while at the defaults they were added with,
-  so the stages those runs committed stay theirs;
+  so the stages those runs committed stay theirs (ADDED_NESTED: the same for a nested section's fields, reward.judge's);
 - LEFT_OUT: fields no identity covers (where processes run, shards, when evals run and how they are read).
 A new field in none of them makes every identity that reads its section fail (UndecidedSetting), and
 tests/test_identity.py fails until it is decided. CHANGED_DEFAULTS: defaults changed after runs were made
@@ -67,9 +67,14 @@ ADDED_SETTINGS = {
         ("segment_tokens",), ("max_observation_bytes",), ("rollout_func",),
     ),
     "eval": (("correct",),),
+    "teacher": (("backend",),),
 }  # fmt: skip
 """Settings added after runs were made without them, per section, in groups that act together: an identity
 leaves a group out while all of it holds its defaults (what runs did before it existed)."""
+
+ADDED_NESTED = {("reward", "judge"): {"backend": "auto"}}
+"""Fields added to a nested section (a dict field of a section) after runs were made with it, with the defaults they
+were added with: an identity leaves each out while it holds that default."""
 
 LEARN_PLACEMENT = ("nodes", "processes_per_node", "node_timeout_s", "state_every", "device")
 """Where the learner's processes run (and on which device the in-process one trains), how long they wait for each
@@ -125,6 +130,9 @@ def section(cfg: RunConfig, name: str) -> dict:
     defaults = {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}  # as to_dict writes them
     groups = ADDED_SETTINGS.get(name, ())
     idle = {k for group in groups if all(values[k] == defaults[k] for k in group) for k in group}
+    for (where, sub), added in ADDED_NESTED.items():
+        if where == name and isinstance(values.get(sub), dict):
+            values[sub] = {k: v for k, v in values[sub].items() if k not in added or v != added[k]}
     old_names = {new: old for (where, old), new in RENAMED.items() if where == name}  # a renamed field's key stays
     return {old_names.get(k, k): v for k, v in values.items() if k not in idle}
 

@@ -92,19 +92,22 @@ def vllm_model_problem(model_dir: str) -> str | None:
 VLLM_MIN_PARAMS = 10_000_000  # on 2 CPU cores vLLM samples 2.8x faster at 13M, transformers 3x faster at 0.1M
 
 
-def choose_backend(setting: str, model_dir: str, device: torch.device | None = None) -> tuple[str, str]:
+def choose_backend(
+    setting: str, model_dir: str, device: torch.device | None = None, section: str = "rollout"
+) -> tuple[str, str]:
     """(backend, why) for rollout.backend `setting`: `auto` picks vLLM on a GPU and for models of
     VLLM_MIN_PARAMS and up, transformers for smaller ones on a CPU, where vLLM is not installed or cannot build the
     model (vllm_model_problem), or for a sampler `device` (rollout.device resolved) other than the one vLLM samples
-    on in one process (grpo.devices)."""
+    on in one process (grpo.devices). `section`: whose backend and device setting it is (teacher, reward.judge:
+    the models that score, decided alike)."""
     if setting != "auto":
-        return setting, "rollout.backend"
+        return setting, f"{section}.backend"
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         return "hf", "auto: vLLM is not installed"
     if device is not None and device != vllm_device():
-        return "hf", f"auto: rollout.device {device}, where vLLM does not sample in one process ({vllm_device()})"
+        return "hf", f"auto: {section}.device {device}, where vLLM does not sample in one process ({vllm_device()})"
     if torch.cuda.is_available():
         backend, why = "vllm", "auto: a GPU"
     else:
@@ -165,6 +168,18 @@ def engine_settings(backend: str, rollout, dtype: str, model_dir: str, lora=None
     if lora is not None and (gpu if v.enable_lora is None else v.enable_lora):  # else merged in memory
         settings |= {"enable_lora": True, "max_lora_rank": _lora_rank(lora.r), "max_loras": 1}
     return settings
+
+
+def scoring_settings(rollout, model_dir: str, dtype: str, max_model_len: int | None) -> dict:
+    """The vLLM settings of a model that scores rather than samples the policy (a teacher's prompt log-probs, a local
+    judge's answers): rollout.vllm's, resolved as `engine_settings` resolves them (wherever rollout.device puts the
+    policy's sampler), in `dtype`, planned for `max_model_len` tokens (None: the model's context), no LoRA. A
+    generator built with them (get_generator) is the process's one vLLM engine: the rollouts' engine, its weights
+    reloaded in place where the scorer's architecture and settings are the policy's, else restarted."""
+    import dataclasses
+
+    settings = engine_settings("vllm", dataclasses.replace(rollout, device="auto"), dtype, model_dir)
+    return settings | {"max_model_len": max_model_len}
 
 
 def episodes(rollout) -> bool:

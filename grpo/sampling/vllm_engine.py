@@ -93,6 +93,32 @@ class VLLMGenerator:
         _return_freed_heap()
         return [[self._sample(c) for c in o.outputs] for o in outs]
 
+    def prompt_logprobs(
+        self, sequences: list[list[int]], starts: list[int], top_k: int = 0
+    ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+        """Per sequence, for each token from position starts[i] (>= 1) on: its log-prob after the tokens before it,
+        and with top_k the top_k most likely ids there with their log-probs, most likely first ([] without). A
+        prefill of the ids as given, in one offline batch: vLLM's prompt log-probs, under logprobs_mode raw_logprobs
+        log_softmax(logits) in float32 (prompt tokens pass no sampling processor, so raw and processed agree here).
+        Each request also samples one token (vLLM generates at least one), dropped."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        _return_freed_heap()
+        result = []
+        for seq, start, out in zip(sequences, starts, outs):
+            picked, tops = [], []
+            for pos in range(start, len(seq)):
+                at = out.prompt_logprobs[pos]  # {id: Logprob}: the token at pos, then the top_k (rank 1 first)
+                picked.append(at[seq[pos]].logprob)
+                if top_k:
+                    ranked = sorted((lp.rank, tok, lp.logprob) for tok, lp in at.items() if lp.rank <= top_k)
+                    tops.append([(tok, logp) for _, tok, logp in ranked[:top_k]])
+            result.append((picked, tops))
+        return result
+
     @staticmethod
     def _sample(c) -> Sample:
         ids = list(c.token_ids)

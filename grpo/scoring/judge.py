@@ -1,6 +1,7 @@
 """A generative judge (reward.judge) over a rewards stage's rows, as one batch: an OpenAI-compatible endpoint (a
 thread per request up to reward.judge.concurrency, retries with backoff on timeouts, connection errors, 429 and 5xx)
-or a local model (transformers, greedy or sampled, `concurrency` prompts per generate call).
+or a local model (transformers, greedy or sampled, `concurrency` prompts per generate call; or vLLM offline, all
+prompts in one batch: reward.judge.backend).
 
 Each call is keyed by (the judge's revision, its prompt hash: grpo.scoring.judge_format.prompt_hash) in a cache in the
 run's storage, `judge-cache/<revision key>/`, shared by every run there: a killed rewards stage rerun, and `grpo
@@ -24,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from grpo.config import JudgeConfig
+from grpo.config import JudgeConfig, RolloutConfig
 from grpo.errors import StageError
 from grpo.record.digests import file_digest
 from grpo.record.storage import Storage
@@ -136,11 +137,16 @@ class EndpointJudge:
 
 
 class LocalJudge:
-    """A causal LM run by transformers in this process: the chat template where the tokenizer has one."""
+    """A causal LM run in this process, the chat template where the tokenizer has one: by transformers, or by the
+    vLLM engine the rollouts use, every prompt in one offline batch (reward.judge.backend, decided as rollout.backend
+    is; `rollout`: grpo.config.RolloutConfig, whose vllm settings build the engine)."""
 
-    def __init__(self, cfg: JudgeConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: JudgeConfig, rollout=None):
+        from grpo.sampling.engines import choose_backend
+
+        self.cfg, self.rollout = cfg, rollout
         self.folder, self.revision = local_revision(cfg.model, cfg.revision)
+        self.backend, self.why = choose_backend(cfg.backend, self.folder, None, "reward.judge")
         self.model = self.tokenizer = None
 
     def load(self) -> None:
@@ -150,7 +156,29 @@ class LocalJudge:
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(self.folder).eval()
+        if self.backend == "hf":
+            self.model = AutoModelForCausalLM.from_pretrained(self.folder).eval()
+
+    def prompt_ids(self, message: str) -> list[int]:
+        """The token ids of one judge message as the transformers judge feeds it (its chat template applied)."""
+        if self.tokenizer is None:
+            self.load()
+        return self.tokenizer(self.text(message), add_special_tokens=False)["input_ids"]
+
+    def generated(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Each prompt's answer ids (every eos id of the checkpoint stops) from the vLLM engine: greedy at
+        reward.judge.temperature 0, else sampled (seeded, per prompt). The engine is built with rollout.vllm's
+        settings in the judge's own dtype, planned for rollout.vllm.max_model_len tokens (None: the judge's context),
+        and kept as the process's engine (grpo.sampling.engines.get_generator)."""
+        from grpo.record.checkpoint import checkpoint_dtype_name
+        from grpo.sampling.base import SamplingSpec
+        from grpo.sampling.engines import get_generator, scoring_settings
+
+        rollout = self.rollout or RolloutConfig()
+        settings = scoring_settings(rollout, self.folder, checkpoint_dtype_name(self.folder), rollout.vllm.max_model_len)
+        generator = get_generator("vllm", self.folder, **settings)
+        spec = SamplingSpec(n=1, temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens)
+        return [group[0].response_ids for group in generator.generate(prompts, spec)]
 
     def text(self, message: str) -> str:
         if self.tokenizer.chat_template:
@@ -162,8 +190,13 @@ class LocalJudge:
     def answer(self, messages: list[str], done) -> None:
         import torch
 
-        if messages and self.model is None:
+        if messages and self.tokenizer is None:
             self.load()
+        if self.backend == "vllm" and messages:  # one batch: vLLM schedules the whole lot itself
+            answers = self.generated([self.prompt_ids(m) for m in messages])
+            for j, ids in enumerate(answers):
+                done(j, self.tokenizer.decode(ids, skip_special_tokens=True), 1, None)
+            return
         sampled = self.cfg.temperature > 0
         for at in range(0, len(messages), self.cfg.concurrency):
             batch = messages[at : at + self.cfg.concurrency]
@@ -206,9 +239,10 @@ def local_revision(model: str, revision: str | None) -> tuple[str, str]:
     return folder, f"{model}@{os.path.basename(os.path.normpath(folder))}"
 
 
-def make_judge(cfg: JudgeConfig):
-    """The judge a config names: EndpointJudge or LocalJudge."""
-    return EndpointJudge(cfg) if cfg.url else LocalJudge(cfg)
+def make_judge(cfg: JudgeConfig, rollout=None):
+    """The judge a config names: EndpointJudge or LocalJudge (`rollout`, the run's rollout settings: a vLLM judge's
+    engine settings)."""
+    return EndpointJudge(cfg) if cfg.url else LocalJudge(cfg, rollout)
 
 
 def judged(storage: Storage, cfg: JudgeConfig, rows: list[dict], judge=None) -> tuple[list[dict], dict]:

@@ -1,8 +1,10 @@
 """A teacher model for on-policy distillation: where its files are, what pins them, whether its token space is the
 student's, and its log-probs of committed token ids (a prefill: the ids as sampled, never decoded and encoded again).
 
-The teacher stage (stages/teacher.py) calls `scored_rows`; `grpo init` calls `check_teachers` before anything is
-written. transformers on any device, float32 forward.
+The teacher stage (stages/teacher.py) calls `scorer`; `grpo init` calls `check_teachers` before anything is
+written. Two backends (teacher.backend, decided as rollout.backend is): the transformers model on any device
+(`scored_rows`, a float32 forward of left-padded batches) or the vLLM engine the rollouts use (`vllm_scored_rows`, a
+float32 prefill per response whose prompt log-probs are the teacher's), the same rows either way.
 """
 
 from __future__ import annotations
@@ -136,5 +138,52 @@ def scored_rows(model, prompts: list[list[int]], responses: list[list[int]], mas
             tail = (1.0 - top.values.exp().sum(-1)).clamp_min(0.0)
             row.update(topk_ids=top.indices.cpu().tolist(), topk_logprobs=top.values.cpu().tolist())
             row["topk_tail"] = tail.cpu().tolist()
+        out.append(row)
+    return out
+
+
+def scorer(backend: str, folder: str, device, top_k: int | None, rollout):
+    """A function (prompts, responses, masks) -> `scored_rows`' rows for the teacher in `folder` on `backend` (hf:
+    the transformers model loaded on `device`; vllm: the process's vLLM engine built with rollout.vllm's settings in
+    float32, grpo.sampling.engines.scoring_settings, kept warm between stages as the rollouts' engine is)."""
+    if backend == "hf":
+        model = load_model(folder, device)
+        return lambda prompts, responses, masks: scored_rows(model, prompts, responses, masks, top_k, device)
+    from grpo.sampling.engines import get_generator, scoring_settings
+
+    settings = scoring_settings(rollout, folder, "float32", longest(rollout, folder))
+    if top_k and top_k > 20:  # vLLM's default max_logprobs
+        settings["max_logprobs"] = top_k
+    generator = get_generator("vllm", folder, **settings)
+    return lambda prompts, responses, masks: vllm_scored_rows(generator, prompts, responses, masks, top_k)
+
+
+def longest(rollout, folder: str) -> int | None:
+    """The vLLM teacher's max_model_len: one more than the rollouts' longest prompt + response (vLLM generates one
+    token after a prompt, here the whole scored sequence), within the model's context; None: the model's context."""
+    from grpo.sampling.engines import _context_length
+
+    most = rollout.vllm.max_model_len
+    if most is None and rollout.max_prompt_tokens is not None:
+        most = rollout.max_prompt_tokens + rollout.max_tokens
+    return None if most is None else min(most + 1, _context_length(folder))
+
+
+def vllm_scored_rows(generator, prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]], top_k):
+    """`scored_rows` on the vLLM engine (grpo.sampling.vllm_engine.VLLMGenerator.prompt_logprobs): the prompt
+    log-probs of prompt + response at the response's positions, the same rows."""
+    import torch
+
+    scored = generator.prompt_logprobs([p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts], top_k or 0)
+    out = []
+    for (picked, tops), m in zip(scored, masks):
+        row = {"teacher_logprobs": [lp if k else 0.0 for lp, k in zip(picked, m)], "topk_ids": None}
+        row |= {"topk_logprobs": None, "topk_tail": None}
+        if top_k:
+            kept = [t for t, k in zip(tops, m) if k]
+            values = torch.tensor([[lp for _, lp in t] for t in kept], dtype=torch.float32).reshape(len(kept), -1)
+            row["topk_ids"] = [[tok for tok, _ in t] for t in kept]
+            row["topk_logprobs"] = values.tolist()
+            row["topk_tail"] = (1.0 - values.exp().sum(-1)).clamp_min(0.0).tolist()
         out.append(row)
     return out
