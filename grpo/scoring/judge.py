@@ -175,7 +175,9 @@ class LocalJudge:
         from grpo.sampling.engines import get_generator, scoring_settings
 
         rollout = self.rollout or RolloutConfig()
-        settings = scoring_settings(rollout, self.folder, checkpoint_dtype_name(self.folder), rollout.vllm.max_model_len)
+        settings = scoring_settings(
+            rollout, self.folder, checkpoint_dtype_name(self.folder), rollout.vllm.max_model_len
+        )
         generator = get_generator("vllm", self.folder, **settings)
         spec = SamplingSpec(n=1, temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens)
         return [group[0].response_ids for group in generator.generate(prompts, spec)]

@@ -174,7 +174,9 @@ def vllm_scored_rows(generator, prompts: list[list[int]], responses: list[list[i
     log-probs of prompt + response at the response's positions, the same rows."""
     import torch
 
-    scored = generator.prompt_logprobs([p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts], top_k or 0)
+    scored = generator.prompt_logprobs(
+        [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts], top_k or 0
+    )
     out = []
     for (picked, tops), m in zip(scored, masks):
         row = {"teacher_logprobs": [lp if k else 0.0 for lp, k in zip(picked, m)], "topk_ids": None}
