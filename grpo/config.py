@@ -536,7 +536,14 @@ class JudgeConfig:
 
 
 def check_judge_folder(judge: JudgeConfig | None) -> None:
-    """At `grpo init`: a local judge named by a path (not a hub id) is a folder on this machine."""
+    """At `grpo init`: a local judge named by a path (not a hub id) is a folder on this machine, and vLLM is installed
+    where reward.judge.backend names it."""
+    import importlib.util
+
+    if judge is not None and judge.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "reward.judge.backend=vllm: vLLM is not installed here; set reward.judge.backend=hf (or auto)"
+        )
     path = os.path.expanduser(judge.model) if judge is not None and judge.model else ""
     if (path.startswith((".", "/")) or path.count("/") > 1) and not os.path.isdir(path):
         raise ConfigError(

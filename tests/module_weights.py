@@ -54,6 +54,7 @@ SECONDS = {
     "test_gc": 20,
     "test_agent_calculator": 20,
     "test_segments": 20,
+    "test_vllm_scoring": 22,
     "test_generation": 17,
     "test_teacher": 16,
     "test_placement_check": 16,

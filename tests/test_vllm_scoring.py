@@ -5,6 +5,7 @@ transformers' greedy answers wherever no near-tie lets two float32 implementatio
 the transformers judge's are, and a rerun asks its cache only. Left at auto, neither setting enters an identity."""
 
 import importlib.util
+import re
 
 import pandas as pd
 import pytest
@@ -12,10 +13,11 @@ import torch
 from test_teacher import TINY, teacher_folder
 from transformers import AutoModelForCausalLM
 
-from grpo.config import load_config
+from grpo.config import ConfigError, check_judge_folder, load_config
 from grpo.record.storage import open_storage
 from grpo.sampling.engines import close_generators
 from grpo.scoring import judge as judge_engine
+from grpo.scoring.teacher import check_teachers
 from grpo.tiny_model import EOS_ID
 from stages import rewards, stage_function, teacher
 from stages.init import init_run
@@ -132,3 +134,32 @@ def test_backends_left_at_auto_stay_out_of_identities():
                                        "reward.judge.backend=vllm", "reward.weights=[1, 1]"])  # fmt: skip
     assert teacher.stage_config(chosen)["teacher"]["backend"] == "hf"
     assert rewards.stage_config(chosen)["reward"]["judge"]["backend"] == "vllm"
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        (["teacher.model=t", "teacher.backend=gpu"], "teacher.backend: 'gpu' is not one of"),
+        (["reward.judge.model=j", "reward.judge.backend=gpu", "reward.weights=[1, 1]"], "reward.judge.backend: 'gpu'"),
+        (
+            ["reward.judge.url=http://x/v1", "reward.judge.model_name=m", "reward.judge.backend=vllm"],
+            "reward.judge.backend goes with reward.judge.model",
+        ),
+    ],
+)
+def test_bad_backend_settings_are_refused_naming_the_field(bad, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(None, TINY + bad)
+
+
+def test_a_vllm_backend_without_vllm_installed_is_refused_at_init(tmp_path, monkeypatch):
+    folder = teacher_folder(tmp_path / "t")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    judge = load_config(None, [f"reward.judge.model={folder}", "reward.judge.backend=vllm", "reward.weights=[1, 1]"])
+    with pytest.raises(ConfigError, match="reward.judge.backend=vllm: vLLM is not installed"):
+        check_judge_folder(judge.reward.judge)
+    taught = load_config(None, [f"teacher.model={folder}", "teacher.backend=vllm"])
+    with pytest.raises(ConfigError, match="teacher.backend=vllm: teacher.model .*: vLLM is not installed"):
+        check_teachers(taught.teacher, folder)
+    check_teachers(load_config(None, [f"teacher.model={folder}"]).teacher, folder)  # auto: transformers then
