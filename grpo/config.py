@@ -434,11 +434,13 @@ DEFAULT_CRITERIA = ({"name": "correct", "weight": 1.0, "description": "The respo
 @dataclass(frozen=True)
 class JudgeConfig:
     """A generative judge whose verdicts are one more reward component (reward.judge): a local model run as a batch
-    over the iteration's rows (transformers) or an OpenAI-compatible endpoint; grpo/scoring/judge.py."""
+    over the iteration's rows (transformers or vLLM: `backend`) or an OpenAI-compatible endpoint;
+    grpo/scoring/judge.py."""
 
     model: str | None = None
-    """A local judge: a folder or hub id of a causal LM with its tokenizer, run greedily (temperature 0) in batches
-    of `concurrency` by transformers in the rewards stage's process. Set this or `url`."""
+    """A local judge: a folder or hub id of a causal LM with its tokenizer, run greedily (temperature 0) in the rewards
+    stage's process, by transformers in batches of `concurrency` or by vLLM in one batch (`backend`). Set this or
+    `url`."""
     revision: str | None = None
     """With a hub id in `model`: the branch, tag or commit to load (None: main); the commit loaded is recorded."""
     url: str | None = None
@@ -468,7 +470,7 @@ class JudgeConfig:
     temperature: float = 0.0
     """The judge's sampling temperature (0: greedy)."""
     concurrency: int = 4
-    """Endpoint: most requests in flight at once; local model: prompts per generate batch."""
+    """Endpoint: most requests in flight at once; local model on transformers: prompts per generate batch."""
     retries: int = 3
     """Endpoint: tries after the first on a timeout, connection error, 429 or 5xx (backoff 0.5 s, doubling)."""
     timeout_s: float = 60.0
@@ -972,7 +974,8 @@ class TeacherConfig:
     route_column: str | None = None
     """The dataset column whose value picks a row's teacher from `routes`."""
     batch_size: int = 8
-    """Responses the teacher scores in one forward (>= 1); the log-probs do not depend on it."""
+    """Responses a transformers teacher scores in one forward (>= 1; a vLLM teacher takes all of them as one batch,
+    which vLLM schedules); the log-probs do not depend on it."""
     device: str = "auto"
     """Where the teacher runs: auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N."""
     backend: Backend = "auto"
