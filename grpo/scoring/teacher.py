@@ -82,6 +82,8 @@ def check_teachers(teacher: TeacherConfig | None, student_folder: str) -> None:
     written)."""
     if teacher is None:
         return
+    from grpo.sampling.engines import vllm_problem
+
     student = vocabulary_of(student_folder)
     for spec in teacher.models():
         found = resolve(spec, teacher.revision)
@@ -94,22 +96,10 @@ def check_teachers(teacher: TeacherConfig | None, student_folder: str) -> None:
                 f"teacher.model {spec}: its tokenizer's vocabulary (fingerprint {theirs[:12]}) differs from the "
                 f"student's ({student[:12]}); a teacher must share the student's token ids and special tokens"
             )
-        if teacher.backend == "vllm" and (problem := vllm_problem(found.folder)):
+        if teacher.backend == "vllm" and (problem := vllm_problem(found.folder)):  # its architecture, here
             raise ConfigError(
                 f"teacher.backend=vllm: teacher.model {spec}: {problem}; set teacher.backend=hf (or auto)"
             )
-
-
-def vllm_problem(folder: str) -> str | None:
-    """Why vLLM cannot run the model in `folder` here, in one line (not installed, or its architecture's vLLM module
-    does not import), or None."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed"
-    from grpo.sampling.engines import vllm_model_problem
-
-    return vllm_model_problem(folder)
 
 
 def load_model(folder: str, device):
