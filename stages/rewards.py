@@ -136,7 +136,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
     def judge_rows(writer, path: str, rows: range) -> tuple[list[dict], dict]:
         """The judge over the shard's rows as one batch (grpo/scoring/judge.py), its table written: (each row's
         judgement, in order; the counts). An answer that does not parse is counted, never the stage's failure."""
-        cols = ["prompt_id", "sample_index", "prompt", "response"]
+        cols = ["prompt_id", "sample_index", "prompt", "response", "ground_truth"]  # {reference}: the ground truth
         table = [r for b in batches_in(path, rows) for r in b.select(["run_id", "iteration", *cols]).to_pylist()]
         judged, counts = judge_engine.judged(storage, cfg.reward.judge, table)
         keep = ("judge_revision", "prompt_hash", "raw", "verdicts", "score", "error", "attempts", "cached")

@@ -212,6 +212,31 @@ def test_a_rescore_with_a_new_rubric_judges_history_again(judged, capsys, monkey
     assert scores <= {0.5, 1.0, 0.1} and 0.5 in scores  # weights 1 and 1 now: sorted no, brief yes = 0.5
 
 
+def test_a_reference_guided_template_sends_each_rows_ground_truth(judged, capsys, monkeypatch):
+    from grpo.scoring.judge_format import RUBRIC_TEMPLATE
+
+    storage, judge, _ = judged
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test-0123456789")
+    before = len(judge.requests)
+    guided = RUBRIC_TEMPLATE + "\n\nThe correct answer is <<{reference}>>."
+    rc = main(["--storage", storage.url, "rescore", "--run", "j", "--iterations", "0:0", "--as", "j-g",
+               "--set", f"reward.judge.template={guided}"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    sent = {}  # (prompt, response) -> the message asked
+    for r in judge.requests[before:]:
+        text = r["messages"][0]["content"]
+        prompt, rest = text.split("Prompt:\n", 1)[1].split("\n\nResponse:\n", 1)
+        sent[prompt, rest.split("\n\nCriteria:")[0]] = text
+    rollouts = table(latest_committed(storage, stage_dir(storage, "j", 0, "rollouts")), "rollouts.parquet")
+    asked = list(zip(rollouts.prompt, rollouts.response))
+    assert set(sent) == set(asked)  # every response judged again: a new prompt, no cache hit
+    for key, truth in zip(asked, rollouts.ground_truth):
+        assert sent[key].endswith(f"The correct answer is <<{truth}>>.") and truth.strip()
+    old = table(latest_committed(storage, stage_dir(storage, "j", 0, "rewards")), "judge.parquet")
+    new = table(latest_committed(storage, stage_dir(storage, "j-g", 0, "rewards")), "judge.parquet")
+    assert not set(old.prompt_hash) & set(new.prompt_hash)  # the cache key holds the reference
+
+
 def test_the_docs_judge_yaml_is_a_config_and_their_sql_runs(judged):
     from test_readme import code_blocks
 
@@ -221,6 +246,8 @@ def test_the_docs_judge_yaml_is_a_config_and_their_sql_runs(judged):
     blocks = code_blocks(page("teachers-and-judges.md"))
     settings = yaml.safe_load(next(body for lang, body in blocks if lang == "yaml" and "judge:" in body))
     assert load_config(settings).reward.judge.url == "http://localhost:8000/v1"
+    guided = yaml.safe_load(next(body for lang, body in blocks if lang == "yaml" and "{reference}" in body))
+    assert "{reference}" in load_config(guided).reward.judge.template  # a template init takes
     disagree, drift = [query(storage, "j", body) for lang, body in blocks if lang == "sql"]
     assert disagree.judged[0] == 64 and 0 <= disagree.disagreement[0] <= 1 and disagree.unparsed[0] > 0
     assert drift.tokens[0] > 0 and 0 <= drift.judge_score[0] <= 1
@@ -322,6 +349,10 @@ def test_a_local_judge_that_cannot_write_the_format_scores_the_configured_reward
         (["reward.judge.url=http://x/v1"], "reward.judge.model_name"),
         (["reward.judge.model=m", "reward.judge.url=http://x/v1"], "set model"),
         (["reward.judge.model=m", "reward.judge.template=Grade {response}"], "reward.judge.template: missing"),
+        (
+            ["reward.judge.model=m", "reward.judge.template=Grade {prompt} {response} {criteria} {verdicts} {answer}"],
+            "reward.judge.template: unknown {answer}",
+        ),
         (["reward.judge.model=m", "reward.judge.verdict_scores=[0, 2, 1]"], "reward.judge.verdict_scores"),
         (["reward.judge.model=m", "reward.weights=[1]"], "reward.weights"),
         (["reward.judge.model=m", "reward.judge.mode=ranking", "reward.shards=2"], "mode=ranking"),
@@ -345,3 +376,21 @@ def test_a_local_judge_folder_that_is_not_there_is_refused_at_init(tmp_path, cap
     err = capsys.readouterr().err
     assert rc == 2 and f"reward.judge.model: no folder at {missing}" in err and err.count("\n") == 1
     assert not (tmp_path / "store" / "runs" / "m").exists()
+
+
+def test_ranking_fills_each_groups_reference():
+    from grpo.config import JudgeConfig
+
+    cfg = JudgeConfig(model="m", mode="ranking", template="{n} {prompt} {responses} ref={reference}")
+    rows = [
+        {"prompt_id": p, "sample_index": s, "prompt": f"p{p}", "response": f"r{p}{s}", "ground_truth": f"t{p}"}
+        for p in (0, 1)
+        for s in (1, 0)
+    ]
+    calls = judge_engine._calls(cfg, rows)
+    assert [(m.split()[0], m.rsplit("ref=", 1)[1], members) for m, _, members in calls] == [
+        ("2", "t0", [1, 0]),
+        ("2", "t1", [3, 2]),
+    ]
+    plain = judge_engine._calls(JudgeConfig(model="m", mode="ranking"), rows)
+    assert "t0" not in plain[0][0] and plain[0][1] != calls[0][1]
