@@ -394,3 +394,43 @@ def test_ranking_fills_each_groups_reference():
     ]
     plain = judge_engine._calls(JudgeConfig(model="m", mode="ranking"), rows)
     assert "t0" not in plain[0][0] and plain[0][1] != calls[0][1]
+
+
+def test_gc_removes_the_judge_answers_no_committed_table_refers_to(judged, capsys, monkeypatch):
+    from grpo.scoring.judge_cache import CACHE_FOLDER, referred
+    from stages.common import load_run
+
+    storage, _, _ = judged
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test-0123456789")
+    committed = table(latest_committed(storage, stage_dir(storage, "j", 0, "rewards")), "judge.parquet")
+    # a rewards stage killed after paying for two calls: their answers are cached, in no committed table
+    rows = [{"prompt_id": 0, "sample_index": s, "prompt": "sort 3 1 2", "response": f"never committed {s}",
+             "ground_truth": "1 2 3"} for s in range(2)]  # fmt: skip
+    judge_engine.judged(storage, load_run(storage, "j").reward.judge, rows)
+    mixed = judge_engine.JudgeCache(storage, committed.judge_revision[0])  # a file of one answer of each kind
+    mixed.add(committed.prompt_hash[0], "REASON sorted: x\nVERDICT sorted: pass", 1)
+    mixed.add("0" * 64, "an answer to a prompt since rewritten", 1)
+    mixed.flush()
+
+    def answers() -> list[tuple[str, str]]:
+        return sorted(
+            (p.rsplit("/", 2)[-2], json.loads(line)["prompt_hash"])
+            for p in storage.fs.find(storage.path(CACHE_FOLDER))
+            for line in storage.read_bytes(p).decode().splitlines()
+        )
+
+    before = answers()
+    out = gc_lines(storage, capsys, "--run", "j")  # everything written within the hour: left alone
+    assert "judge-cache files newer than 1 h left alone" in out and " judge " not in out
+    out = gc_lines(storage, capsys, "--run", "j", "--older-than-s", "0")
+    listed = [line for line in out.splitlines() if line.split()[0] == "judge"]
+    assert len(listed) == 2 and sum("; 1 kept" in line for line in listed) == 1 and answers() == before  # dry run
+    gc_lines(storage, capsys, "--run", "j", "--older-than-s", "0", "--delete")
+    after = answers()
+    assert len(set(before) - set(after)) == 3 and set(after) == referred(storage)  # each committed answer stays
+    assert stage(storage, "j", 0, "rewards", force=True).manifest.summary["judge_calls"] == 0
+
+
+def gc_lines(storage, capsys, *args) -> str:
+    assert main(["--storage", storage.url, "gc", *args]) == 0
+    return capsys.readouterr().out

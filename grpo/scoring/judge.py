@@ -30,12 +30,10 @@ from grpo.record.digests import file_digest
 from grpo.record.storage import Storage
 from grpo.runtime.secrets import redact, secret_values
 from grpo.scoring import judge_format
+from grpo.scoring.judge_cache import revision_folder
 from grpo.scoring.judge_format import ranking_prompt, rubric_prompt
 
 log = logging.getLogger("grpo.scoring")
-
-CACHE_FOLDER = "judge-cache"
-"""The folder at the storage's root that holds every judge's cache, a folder per revision."""
 
 _FLUSH_EVERY = 16  # calls per cache file: a killed stage loses at most this many calls' answers
 
@@ -50,7 +48,7 @@ class JudgeCache:
 
     def __init__(self, storage: Storage, revision: str):
         self.storage = storage
-        self.folder = storage.path(CACHE_FOLDER, hashlib.sha256(revision.encode()).hexdigest()[:32])
+        self.folder = revision_folder(storage, revision)
         self.entries: dict[str, dict] = {}
         self.pending: list[str] = []
         self.lock = threading.Lock()
@@ -59,7 +57,11 @@ class JudgeCache:
         except FileNotFoundError:
             names = []
         for name in names:
-            for line in storage.read_bytes(name).decode().splitlines():
+            try:
+                text = storage.read_bytes(name).decode()
+            except FileNotFoundError:  # `grpo gc` rewrote it meanwhile: its kept answers are in a newer file
+                continue
+            for line in text.splitlines():
                 entry = json.loads(line)
                 self.entries[entry["prompt_hash"]] = entry
 
