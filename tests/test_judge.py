@@ -341,6 +341,12 @@ def test_a_local_judge_that_cannot_write_the_format_scores_the_configured_reward
     assert (rows.reward == comps.map(lambda c: c["sort"] + 2 * 0.25)).all()
     again = stage(storage, "l", 0, "rewards", force=True)  # the cache: no model call
     assert again.manifest.summary["judge_calls"] == 0
+    assert stage(storage, "l", 0, "rewards").attempt_dir == again.attempt_dir  # the same judge: the commit reused
+    (tmp_path / "judge-model" / "retrained.txt").write_text("new weights would do the same")
+    changed = stage(storage, "l", 0, "rewards")  # another judge revision: a new attempt, judged by it
+    assert changed.attempt_dir != again.attempt_dir and changed.manifest.summary["judge_calls"] > 0
+    revisions = set(table(changed, "judge.parquet").judge_revision) | set(calls.judge_revision)
+    assert len(revisions) == 2
 
 
 @pytest.mark.parametrize(
