@@ -2,7 +2,7 @@
 with a verifier the judge never sees, at a rate measured here.
 
     .venv/bin/python benchmarks/judge.py [--examples 2000] [--sft-steps 300] [--sft-lr 1e-3] [--numbers 2]
-        [--iterations 6] [--held-out-only] [--out DIR]
+        [--iterations 6] [--held-out-only] [--reference] [--out DIR]
 
 1. The judge: the tiny chat model (grpo/tiny_model.py's Qwen2, built from scratch) warm-started by `grpo sft` on
    conversations whose user turn is reward.judge's rubric prompt for a sort prompt and a response (correct, or one
@@ -18,6 +18,10 @@ with a verifier the judge never sees, at a rate measured here.
    and the balanced accuracy beside it, and the judge's answers that did not parse; first on 300 synthetic
    responses to the held-out prompts (fast: `--held-out-only` stops there), then on the run's responses, split
    by whether their prompt was held out of the warm start.
+
+With `--reference` the judge is reference-guided: its template holds `{reference}` (reward.judge fills it with the
+row's ground truth, the sorted numbers), in its warm start and in the run alike, so it compares the response with
+the answer it is given instead of sorting the prompt itself.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = "grade {criteria} as {verdicts}\n{prompt} {response}"
+REFERENCE_TEMPLATE = "grade {criteria} as {verdicts}\n{prompt} {response} ref {reference}"
 CRITERIA = [{"name": "correct", "weight": 1.0, "description": "sorted"}]
 VERDICTS = ["fail", "pass"]
 
@@ -94,14 +99,15 @@ def examples(
     return out
 
 
-def conversations(rows: list[tuple[str, str, str]]) -> list[dict]:
-    """The judge's warm-start data: {messages: [user: the judge prompt, assistant: reason then verdict]}."""
+def conversations(rows: list[tuple[str, str, str]], template: str = TEMPLATE) -> list[dict]:
+    """The judge's warm-start data: {messages: [user: the judge prompt, assistant: reason then verdict]}; a
+    `template` holding {reference} is given the sorted numbers there, as reward.judge gives the ground truth."""
     from grpo.scoring.judge_format import rubric_prompt
 
     out = []
     for prompt, response, want in rows:
         verdict = "pass" if response.split() == want.split() else "fail"
-        user = rubric_prompt(TEMPLATE, CRITERIA, VERDICTS, prompt, response)
+        user = rubric_prompt(template, CRITERIA, VERDICTS, prompt, response, want)
         answer = f"REASON correct: {want} vs {response}\nVERDICT correct: {verdict}"  # the comparison, then its verdict
         out.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
     return out
@@ -111,7 +117,10 @@ def held_out_agreement(storage, judge_cfg, rows: list[tuple[str, str, str]]) -> 
     """The judge on fresh synthetic responses (none trained on), against the verifier's exact match."""
     from grpo.scoring.judge import judged
 
-    asked = [{"prompt_id": i, "sample_index": 0, "prompt": p, "response": r} for i, (p, r, _) in enumerate(rows)]
+    asked = [
+        {"prompt_id": i, "sample_index": 0, "prompt": p, "response": r, "ground_truth": w}
+        for i, (p, r, w) in enumerate(rows)
+    ]
     answers, _ = judged(storage, judge_cfg, asked)
     exact = [r.split() == w.split() for _, r, w in rows]
     said = [a["verdicts"][0]["verdict"] == "pass" if a["verdicts"] else None for a in answers]
@@ -167,6 +176,7 @@ def agreement(storage, run_id: str) -> list[dict]:
                 "agreement": float(agree.mean()),
                 "majority_base_rate": float(max(exact[judged].mean(), 1 - exact[judged].mean())),
                 "balanced_accuracy": float((tpr + tnr) / 2),
+                "judge_pass": float(said_pass.mean()),  # the judge's reward (pass 1, fail and unparsed 0)
             }
         )
     return out
@@ -179,6 +189,7 @@ def main() -> None:
     ap.add_argument("--sft-lr", default="1e-3", help="the warm start's sft.lr")
     ap.add_argument("--ascending", action="store_true", help="add other ascending numbers to the mistakes")
     ap.add_argument("--held-out-only", action="store_true", help="stop after the held-out responses (no judged run)")
+    ap.add_argument("--reference", action="store_true", help="a reference-guided judge: {reference} in its template")
     ap.add_argument("--numbers", type=int, default=2, help="the sort task's n_numbers")
     ap.add_argument("--iterations", type=int, default=6, help="iterations of the judged run")
     ap.add_argument("--out", default=None, help="folder for storage and models (default: a temporary one)")
@@ -198,7 +209,8 @@ def main() -> None:
     storage = open_storage((out / "storage").as_uri())
     t0 = time.perf_counter()
 
-    data = conversations(examples(args.examples, args.numbers, seed=0, ascending=args.ascending))
+    template = REFERENCE_TEMPLATE if args.reference else TEMPLATE
+    data = conversations(examples(args.examples, args.numbers, seed=0, ascending=args.ascending), template)
     with open(out / "judge_sft.jsonl", "w") as f:
         f.writelines(json.dumps(c) + "\n" for c in data)
     texts = [m["content"] for c in data[:500] for m in c["messages"]]
@@ -220,7 +232,7 @@ def main() -> None:
     judge_folder = local_checkpoint(latest_committed(storage, stage_dir(storage, "judge-sft", None, "sft")))
 
     judge = [
-        f"reward.judge.model={judge_folder}", f"reward.judge.template={TEMPLATE}",
+        f"reward.judge.model={judge_folder}", f"reward.judge.template={template}",
         "reward.judge.criteria=[{name: correct, weight: 1, description: sorted}]",
         "reward.judge.verdicts=[fail, pass]", "reward.judge.verdict_scores=[0, 1]",
         "reward.judge.max_tokens=24", "reward.judge.concurrency=64",
@@ -249,11 +261,14 @@ def main() -> None:
         f"judged run: {args.iterations} iterations of 64 prompts x 8, {run_s:.0f} s; "
         f"all {time.perf_counter() - t0:.0f} s"
     )
-    print("iteration  responses  verifier_exact  unparsed  agreement  majority_base_rate  balanced_accuracy")
+    print(
+        "iteration  responses  verifier_exact  judge_pass  unparsed  agreement  majority_base_rate  balanced_accuracy"
+    )
     for r in agreement(storage, "judged"):
         print(
-            f"{r['iteration']!s:>9}  {r['responses']:>9}  {r['verifier_exact']:>14.3f}  {r['unparsed']:>8}  "
-            f"{r['agreement']:>9.3f}  {r['majority_base_rate']:>18.3f}  {r['balanced_accuracy']:>17.3f}"
+            f"{r['iteration']!s:>9}  {r['responses']:>9}  {r['verifier_exact']:>14.3f}  {r['judge_pass']:>10.3f}  "
+            f"{r['unparsed']:>8}  {r['agreement']:>9.3f}  {r['majority_base_rate']:>18.3f}  "
+            f"{r['balanced_accuracy']:>17.3f}"
         )
     print(f"storage: {storage.url}")
 

@@ -15,6 +15,7 @@ grpo timeline --run demo                     # each iteration's stages against t
 grpo export --run demo                       # the newest policy as an HF folder under the run (LoRA merged)
 grpo export --run demo --best ./demo-best    # the best by eval.metric, into a folder named (or --iteration k)
 grpo export --run lora --adapter             # a LoRA run's adapter, unmerged (every export has a model card)
+grpo export --run chat --sft                 # the warm start's policy (grpo sft), into exports/sft
 grpo export --run demo --push-to-hub me/demo-grpo   # and upload it to the Hugging Face Hub (HF_TOKEN)
 grpo k8s render [--stage learn]              # each stage's Kubernetes Job from deploy/kubernetes, as YAML
 grpo fork --from demo --at 3 --run demo-gspo --set learn.loss_type=gspo   # iterations 0-2 by reference
@@ -189,16 +190,13 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn="cleanup:cmd_delete")
     sp = sub.add_parser("export", help="write a policy as a self-contained HF folder (LoRA adapters merged)")
     sp.add_argument("--run", required=True)
-    sp.add_argument(
-        "dir",
-        nargs="?",
-        help="a new local folder or fsspec URL (or --out DIR); default: exports/iter-000k in the run's folder",
-    )
+    sp.add_argument("dir", nargs="?", help="a new local folder or fsspec URL (or --out DIR); default: under the run")
     sp.add_argument("--out", help="the same as DIR")
     which = sp.add_mutually_exclusive_group()
     which.add_argument("--iteration", type=int, help="the policy the learn of this iteration committed")
     which.add_argument("--best", action="store_true", help="the best iteration's policy by eval.metric")
     which.add_argument("--latest", action="store_true", help="the newest committed policy (the default)")
+    which.add_argument("--sft", action="store_true", help="the warm start's policy (`grpo sft`); default exports/sft")
     sp.add_argument(
         "--adapter",
         action="store_true",

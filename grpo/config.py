@@ -400,6 +400,10 @@ JudgeMode = Literal["rubric", "ranking"]
 JUDGE_PLACEHOLDERS = {"rubric": {"prompt", "response", "criteria", "verdicts"}, "ranking": {"prompt", "responses", "n"}}
 """The placeholders each mode's template fills, every one of them required."""
 
+JUDGE_OPTIONAL_PLACEHOLDERS = {"reference"}
+"""The placeholders either mode's template may fill: {reference}, the row's ground truth (the task's answer column, as
+the reward functions get it): reference-guided judging."""
+
 
 def template_problem(mode: str, template: str | None) -> str | None:
     """What is wrong with a template for `mode`, or None.
@@ -407,7 +411,9 @@ def template_problem(mode: str, template: str | None) -> str | None:
     >>> template_problem("rubric", "Grade {response}")
     'missing {criteria}, {prompt}, {verdicts} (rubric fills {criteria}, {prompt}, {response}, {verdicts})'
     >>> template_problem("ranking", "{prompt} {responses} {n} {x}")
-    'unknown {x} (ranking fills {n}, {prompt}, {responses}); write a literal brace as {{ or }}'
+    'unknown {x} (ranking fills {n}, {prompt}, {responses}, may fill {reference}); write a literal brace as {{ or }}'
+    >>> template_problem("rubric", "{prompt} {response} {criteria} {verdicts} {reference}") is None
+    True
     >>> template_problem("rubric", None) is None
     True
     """
@@ -419,9 +425,10 @@ def template_problem(mode: str, template: str | None) -> str | None:
         return f"{e}; write a literal brace as {{{{ or }}}}"
     want = JUDGE_PLACEHOLDERS[mode]
     fills = ", ".join(f"{{{p}}}" for p in sorted(want))
-    if unknown := sorted(used - want):
+    if unknown := sorted(used - want - JUDGE_OPTIONAL_PLACEHOLDERS):
         names = ", ".join(f"{{{u}}}" for u in unknown)
-        return f"unknown {names} ({mode} fills {fills}); write a literal brace as {{{{ or }}}}"
+        may = ", ".join(f"{{{p}}}" for p in sorted(JUDGE_OPTIONAL_PLACEHOLDERS))
+        return f"unknown {names} ({mode} fills {fills}, may fill {may}); write a literal brace as {{{{ or }}}}"
     if missing := sorted(want - used):
         return f"missing {', '.join(f'{{{m}}}' for m in missing)} ({mode} fills {fills})"
     return None
@@ -464,7 +471,8 @@ class JudgeConfig:
     template: str | None = None
     """The judge's prompt (one user message); None: the mode's default (grpo/scoring/judge_format.py). rubric:
     {prompt}, {response}, {criteria}, {verdicts}; ranking: {prompt}, {responses}, {n}; each of its mode's
-    placeholders once or more (JUDGE_PLACEHOLDERS)."""
+    placeholders once or more (JUDGE_PLACEHOLDERS). Either mode may also hold {reference}: the row's ground truth
+    (the task's answer column, as reward functions get it), for reference-guided judging."""
     max_tokens: int = 256
     """Most tokens the judge writes per call."""
     temperature: float = 0.0

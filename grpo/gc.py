@@ -22,6 +22,9 @@ LEASE_BEATS beats ago), anything written or superseded less than `min_age_s` ago
 a live attempt reads (its heartbeat lists its inputs). File ages are taken by the storage's own
 clock (storage_clock), so a storage clock behind this machine's does not age them.
 
+Every gc also looks at the storage's judge cache (`judge-cache/`, shared by its runs): answers that no committed
+judge table of any run refers to go, in files older than `min_age_s` (grpo/scoring/judge_cache.py).
+
 Never removed: what another run references (a fork: grpo.record.fork.referenced_by), superseded attempts and
 retention's files alike; `grpo delete --run FORK` removes a fork, and the next gc may free them.
 
@@ -81,6 +84,8 @@ from grpo.record.storage import (
     mark_collected,
     read_collected,
 )
+from grpo.scoring.judge_cache import Unused
+from grpo.scoring.judge_cache import unused as unused_answers
 from schemas import table_file
 from schemas.manifest import MANIFEST_NAME
 
@@ -114,6 +119,9 @@ class Plan:
     held: list[Held] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     """Retention: the policies and optimizer states that stay, and why."""
+    judge_cache: list[Unused] = field(default_factory=list)
+    """The storage's judge-cache files holding answers no run's committed judge table refers to
+    (grpo/scoring/judge_cache.py)."""
 
 
 def _span(s: float) -> str:
@@ -352,6 +360,10 @@ def plan(storage: Storage, run_id: str, min_age_s: float = 3600.0, retention: Re
             out.garbage.append(Garbage(attempt, "merged", size, (name,), why))
     if retention is not None:
         _retention(storage, run_id, retention, listing, live, out, forks)
+    out.judge_cache, recent = unused_answers(storage, min_age_s)  # the storage's, shared by its runs
+    out.held += [
+        Held(p, f"judge-cache file{{s}} newer than {span}", "a judge's answers, written recently") for p in recent
+    ]
     return out
 
 

@@ -71,6 +71,8 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
         inputs |= reward_files.holder_input(storage, run_id)
     check_chain(storage, run_id, iteration, "rewards", inputs)
     path = rollouts.path(table_file("rollouts"))
+    jcfg = cfg.reward.judge  # a local judge's revision (its files' hash, its hub commit) is in the identity
+    local_judge = judge_engine.make_judge(jcfg, cfg.rollout) if jcfg is not None and jcfg.url is None else None
 
     def score(writer, shard_k: int = 0) -> dict:
         rollouts.read_path(table_file("rollouts"))  # its size and sha256 checked before any row is read
@@ -138,9 +140,9 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
         """The judge over the shard's rows as one batch (grpo/scoring/judge.py), its table written: (each row's
         judgement, in order; the counts; where a local judge ran unless on transformers by default, e.g. "vllm
         (auto: a GPU)"). An answer that does not parse is counted, never the stage's failure."""
-        cols = ["prompt_id", "sample_index", "prompt", "response"]
+        cols = ["prompt_id", "sample_index", "prompt", "response", "ground_truth"]  # {reference}: the ground truth
         table = [r for b in batches_in(path, rows) for r in b.select(["run_id", "iteration", *cols]).to_pylist()]
-        judge = judge_engine.make_judge(cfg.reward.judge, cfg.rollout)
+        judge = local_judge or judge_engine.make_judge(cfg.reward.judge, cfg.rollout)
         judged, counts = judge_engine.judged(storage, cfg.reward.judge, table, judge)
         keep = ("judge_revision", "prompt_hash", "raw", "verdicts", "score", "error", "attempts", "cached")
         with ParquetWriter(storage.fs, writer.path(table_file("judge")), "judge") as out:
@@ -174,7 +176,7 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
         "rewards",
         shards=cfg.reward.shards,
         setting="reward.shards",
-        config=stage_config(cfg),
+        config=stage_config(cfg, local_judge.revision if local_judge is not None else None),
         inputs=inputs,
         shard_body=lambda k, writer: score(writer, k),
         merge_summary=merged_summary,
@@ -183,10 +185,14 @@ def rewards(storage: Storage, run_id: str, iteration: int, force: bool = False, 
     )
 
 
-def stage_config(cfg: RunConfig) -> dict:
+def stage_config(cfg: RunConfig, judge_revision: str | None = None) -> dict:
     """What the stage's identity covers: the task and the reward section, less reward.shards (1 and N shards
-    score the same rows) and settings added later at their defaults (grpo.record.identity)."""
-    return {"task": section(cfg, "task"), "reward": section(cfg, "reward")}
+    score the same rows) and settings added later at their defaults (grpo.record.identity); with a local judge
+    (reward.judge.model), once resolved, its revision (`folder:<hash of its files>`, `<hub id>@<commit>`), so changed
+    judge files make a new attempt instead of reusing one judged by the old model. An endpoint's revision is its
+    settings (model_name, url), in the reward section already."""
+    config = {"task": section(cfg, "task"), "reward": section(cfg, "reward")}
+    return config | ({"judge_revision": judge_revision} if judge_revision is not None else {})
 
 
 def merged_summary(parts: list[dict]) -> dict:

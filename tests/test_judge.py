@@ -212,6 +212,31 @@ def test_a_rescore_with_a_new_rubric_judges_history_again(judged, capsys, monkey
     assert scores <= {0.5, 1.0, 0.1} and 0.5 in scores  # weights 1 and 1 now: sorted no, brief yes = 0.5
 
 
+def test_a_reference_guided_template_sends_each_rows_ground_truth(judged, capsys, monkeypatch):
+    from grpo.scoring.judge_format import RUBRIC_TEMPLATE
+
+    storage, judge, _ = judged
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test-0123456789")
+    before = len(judge.requests)
+    guided = RUBRIC_TEMPLATE + "\n\nThe correct answer is <<{reference}>>."
+    rc = main(["--storage", storage.url, "rescore", "--run", "j", "--iterations", "0:0", "--as", "j-g",
+               "--set", f"reward.judge.template={guided}"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    sent = {}  # (prompt, response) -> the message asked
+    for r in judge.requests[before:]:
+        text = r["messages"][0]["content"]
+        prompt, rest = text.split("Prompt:\n", 1)[1].split("\n\nResponse:\n", 1)
+        sent[prompt, rest.split("\n\nCriteria:")[0]] = text
+    rollouts = table(latest_committed(storage, stage_dir(storage, "j", 0, "rollouts")), "rollouts.parquet")
+    asked = list(zip(rollouts.prompt, rollouts.response))
+    assert set(sent) == set(asked)  # every response judged again: a new prompt, no cache hit
+    for key, truth in zip(asked, rollouts.ground_truth):
+        assert sent[key].endswith(f"The correct answer is <<{truth}>>.") and truth.strip()
+    old = table(latest_committed(storage, stage_dir(storage, "j", 0, "rewards")), "judge.parquet")
+    new = table(latest_committed(storage, stage_dir(storage, "j-g", 0, "rewards")), "judge.parquet")
+    assert not set(old.prompt_hash) & set(new.prompt_hash)  # the cache key holds the reference
+
+
 def test_the_docs_judge_yaml_is_a_config_and_their_sql_runs(judged):
     from test_readme import code_blocks
 
@@ -221,6 +246,8 @@ def test_the_docs_judge_yaml_is_a_config_and_their_sql_runs(judged):
     blocks = code_blocks(page("teachers-and-judges.md"))
     settings = yaml.safe_load(next(body for lang, body in blocks if lang == "yaml" and "judge:" in body))
     assert load_config(settings).reward.judge.url == "http://localhost:8000/v1"
+    guided = yaml.safe_load(next(body for lang, body in blocks if lang == "yaml" and "{reference}" in body))
+    assert "{reference}" in load_config(guided).reward.judge.template  # a template init takes
     disagree, drift = [query(storage, "j", body) for lang, body in blocks if lang == "sql"]
     assert disagree.judged[0] == 64 and 0 <= disagree.disagreement[0] <= 1 and disagree.unparsed[0] > 0
     assert drift.tokens[0] > 0 and 0 <= drift.judge_score[0] <= 1
@@ -314,6 +341,12 @@ def test_a_local_judge_that_cannot_write_the_format_scores_the_configured_reward
     assert (rows.reward == comps.map(lambda c: c["sort"] + 2 * 0.25)).all()
     again = stage(storage, "l", 0, "rewards", force=True)  # the cache: no model call
     assert again.manifest.summary["judge_calls"] == 0
+    assert stage(storage, "l", 0, "rewards").attempt_dir == again.attempt_dir  # the same judge: the commit reused
+    (tmp_path / "judge-model" / "retrained.txt").write_text("new weights would do the same")
+    changed = stage(storage, "l", 0, "rewards")  # another judge revision: a new attempt, judged by it
+    assert changed.attempt_dir != again.attempt_dir and changed.manifest.summary["judge_calls"] > 0
+    revisions = set(table(changed, "judge.parquet").judge_revision) | set(calls.judge_revision)
+    assert len(revisions) == 2
 
 
 @pytest.mark.parametrize(
@@ -322,6 +355,10 @@ def test_a_local_judge_that_cannot_write_the_format_scores_the_configured_reward
         (["reward.judge.url=http://x/v1"], "reward.judge.model_name"),
         (["reward.judge.model=m", "reward.judge.url=http://x/v1"], "set model"),
         (["reward.judge.model=m", "reward.judge.template=Grade {response}"], "reward.judge.template: missing"),
+        (
+            ["reward.judge.model=m", "reward.judge.template=Grade {prompt} {response} {criteria} {verdicts} {answer}"],
+            "reward.judge.template: unknown {answer}",
+        ),
         (["reward.judge.model=m", "reward.judge.verdict_scores=[0, 2, 1]"], "reward.judge.verdict_scores"),
         (["reward.judge.model=m", "reward.weights=[1]"], "reward.weights"),
         (["reward.judge.model=m", "reward.judge.mode=ranking", "reward.shards=2"], "mode=ranking"),
@@ -345,3 +382,61 @@ def test_a_local_judge_folder_that_is_not_there_is_refused_at_init(tmp_path, cap
     err = capsys.readouterr().err
     assert rc == 2 and f"reward.judge.model: no folder at {missing}" in err and err.count("\n") == 1
     assert not (tmp_path / "store" / "runs" / "m").exists()
+
+
+def test_ranking_fills_each_groups_reference():
+    from grpo.config import JudgeConfig
+
+    cfg = JudgeConfig(model="m", mode="ranking", template="{n} {prompt} {responses} ref={reference}")
+    rows = [
+        {"prompt_id": p, "sample_index": s, "prompt": f"p{p}", "response": f"r{p}{s}", "ground_truth": f"t{p}"}
+        for p in (0, 1)
+        for s in (1, 0)
+    ]
+    calls = judge_engine._calls(cfg, rows)
+    assert [(m.split()[0], m.rsplit("ref=", 1)[1], members) for m, _, members in calls] == [
+        ("2", "t0", [1, 0]),
+        ("2", "t1", [3, 2]),
+    ]
+    plain = judge_engine._calls(JudgeConfig(model="m", mode="ranking"), rows)
+    assert "t0" not in plain[0][0] and plain[0][1] != calls[0][1]
+
+
+def test_gc_removes_the_judge_answers_no_committed_table_refers_to(judged, capsys, monkeypatch):
+    from grpo.scoring.judge_cache import CACHE_FOLDER, referred
+    from stages.common import load_run
+
+    storage, _, _ = judged
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test-0123456789")
+    committed = table(latest_committed(storage, stage_dir(storage, "j", 0, "rewards")), "judge.parquet")
+    # a rewards stage killed after paying for two calls: their answers are cached, in no committed table
+    rows = [{"prompt_id": 0, "sample_index": s, "prompt": "sort 3 1 2", "response": f"never committed {s}",
+             "ground_truth": "1 2 3"} for s in range(2)]  # fmt: skip
+    judge_engine.judged(storage, load_run(storage, "j").reward.judge, rows)
+    mixed = judge_engine.JudgeCache(storage, committed.judge_revision[0])  # a file of one answer of each kind
+    mixed.add(committed.prompt_hash[0], "REASON sorted: x\nVERDICT sorted: pass", 1)
+    mixed.add("0" * 64, "an answer to a prompt since rewritten", 1)
+    mixed.flush()
+
+    def answers() -> list[tuple[str, str]]:
+        return sorted(
+            (p.rsplit("/", 2)[-2], json.loads(line)["prompt_hash"])
+            for p in storage.fs.find(storage.path(CACHE_FOLDER))
+            for line in storage.read_bytes(p).decode().splitlines()
+        )
+
+    before = answers()
+    out = gc_lines(storage, capsys, "--run", "j")  # everything written within the hour: left alone
+    assert "judge-cache files newer than 1 h left alone" in out and " judge " not in out
+    out = gc_lines(storage, capsys, "--run", "j", "--older-than-s", "0")
+    listed = [line for line in out.splitlines() if line.split()[0] == "judge"]
+    assert len(listed) == 2 and sum("; 1 kept" in line for line in listed) == 1 and answers() == before  # dry run
+    gc_lines(storage, capsys, "--run", "j", "--older-than-s", "0", "--delete")
+    after = answers()
+    assert len(set(before) - set(after)) == 3 and set(after) == referred(storage)  # each committed answer stays
+    assert stage(storage, "j", 0, "rewards", force=True).manifest.summary["judge_calls"] == 0
+
+
+def gc_lines(storage, capsys, *args) -> str:
+    assert main(["--storage", storage.url, "gc", *args]) == 0
+    return capsys.readouterr().out

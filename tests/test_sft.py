@@ -6,6 +6,7 @@ measures its KL against it, and the gate stops GRPO in one line giving the figur
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import types
@@ -191,12 +192,29 @@ def test_grpo_sft_warm_starts_iteration_0_from_a_messages_dataset(world, tmp_pat
     storage = open_storage(storage_url)
     with pytest.raises(StageError, match=r"none is committed; run `grpo sft --run w` first"):
         snapshot(storage, "w", 0)  # which policy samples is fixed by the config: never the base here
+    capsys.readouterr()
+    assert main(["--storage", storage_url, "status", "--run", "w"]) == 0
+    assert "warm start (sft): missing; iteration 0 samples it: `grpo sft --run w`" in capsys.readouterr().out
     assert main(["--storage", storage_url, "sft", "--run", "w"]) == 0
     assert "sft: committed" in capsys.readouterr().out
     rows = query(storage, "w", "SELECT count(*) AS n, sum(draws) AS d, min(len(loss_mask)) AS t FROM sft").iloc[0]
     assert (rows.n, rows.d) == (48, 12 * 8) and rows.t > 0
     steps = query(storage, "w", "SELECT loss, n_tokens FROM sft_metrics ORDER BY step")
     assert len(steps) == 12 and steps.loss.iloc[-1] < steps.loss.iloc[0]
+    assert main(["--storage", storage_url, "status", "--run", "w"]) == 0
+    said = f"warm start (sft): ok x1, 12 steps on 48 conversations (dataset), last loss {steps.loss.iloc[-1]:.4g}"
+    assert said in capsys.readouterr().out
+    made = latest_committed(storage, stage_dir(storage, "w", None, "sft"))
+    weights = [f for f in made.manifest.files if f.path.startswith("policy/") and f.path.endswith(".safetensors")]
+
+    def exported_warm_start(*how: str) -> bool:  # the warm start's own weights, not the base's, and its card
+        into = tmp_path / f"warm{len(how)}"
+        assert main(["--storage", storage_url, "export", "--run", "w", *how, str(into)]) == 0
+        assert "the warm start (grpo sft) of run w" in capsys.readouterr().out
+        digests = [hashlib.sha256((into / f.path.removeprefix("policy/")).read_bytes()).hexdigest() for f in weights]
+        return digests == [f.sha256 for f in weights] and "# w, warm start" in (into / "README.md").read_text()
+
+    assert weights and exported_warm_start()  # before any learn: the newest policy is the warm start
     # each step trains the minibatch conversation_order drew (epoch by epoch, none twice in a pass), not a reshuffle
     cfg = load_config(None, [s.removeprefix("--set=") for s in sets])
     order = conversation_order(48, 12, 1, 8, iteration_seed(cfg.seed, -1, Salt.PROMPTS))
@@ -206,6 +224,7 @@ def test_grpo_sft_warm_starts_iteration_0_from_a_messages_dataset(world, tmp_pat
     snap, learn = out["snapshot"].manifest, out["learn"].manifest
     assert "/w/sft/attempt-" in snap.inputs["policy"].uri and snap.summary["policy_version"] == -1
     assert "/w/sft/attempt-" in learn.inputs["reference"].uri  # the SFT model is the KL reference (full fine-tuning)
+    assert exported_warm_start("--sft")  # asked for, after a learn
     assert main(["--storage", storage_url, "sft", "--run", "w"]) == 0  # committed: nothing to do
     assert "already committed" in capsys.readouterr().out
     # the history source: the rows a query selects from run w's iteration 0, their ids and mask as sampled
@@ -244,6 +263,8 @@ def test_the_gate_stops_grpo_in_one_line_giving_the_figure(world, tmp_path, caps
     assert main(["--storage", storage, "run", "--run", "g", "--iterations", "1"]) != 0
     err = capsys.readouterr().err
     assert "held-out pass@2 0 is below sft.gate_pass_at_k=0.5; GRPO not started" in err and "iteration" not in err
+    assert main(["--storage", storage, "status", "--run", "g"]) == 0
+    assert "held-out pass@2 0 < gate 0.5 (GRPO does not start)" in capsys.readouterr().out
     assert not (tmp_path / "storage/runs/g/iter-0000").exists()  # nothing of GRPO ran
     from flows.tasks import warm_start  # the flow's task: the same line, its Failed state's, before iteration 0
 
@@ -277,3 +298,36 @@ def test_the_docs_warm_start_commands_run_as_written(folder):  # noqa: F811 (tes
     assert query(storage, "warm", "SELECT count(*) AS n FROM sft").n[0] == len(pairs)
     picked = query(storage, "warm2", "SELECT count(*) AS n, min(source) AS s FROM sft")
     assert picked.n[0] == 4 and picked.s[0] == "history"  # the best of each of iteration 0's 4 prompts
+
+
+@pytest.mark.equivalence
+@pytest.mark.precision_pinned
+def test_two_learner_processes_commit_the_warm_start_of_one(world, tmp_path):
+    """`grpo sft` with learn.num_processes=2 (torchrun, gloo, CPU) trains each step on the minibatch one process
+    does, its conversations split over the ranks: the same per-step loss to rel 1e-4 and the same update to a
+    relative error of 1e-3 (Adam's m / sqrt(v) blows float noise up on near-zero gradients, as in
+    tests/test_stages.py's two-process test)."""
+    from safetensors.torch import load_file
+
+    from flows.cli import main
+    from grpo.query import query
+    from grpo.record.layout import stage_dir
+    from grpo.record.storage import latest_committed, open_storage
+
+    url = str(tmp_path / "storage")
+    sets = [f"--set={s}" for s in tool_world.config(world, "learn.mixed_precision=no")]
+    sets += [f"--set=sft.dataset={world / 'conversations.jsonl'}", "--set=sft.lr=3e-3", "--set=sft.steps=3"]
+    for run, n in (("one", 1), ("two", 2)):
+        assert main(["--storage", url, "init", "--run", run, *sets, f"--set=learn.num_processes={n}"]) == 0
+        assert main(["--storage", url, "sft", "--run", run]) == 0
+    storage = open_storage(url)
+    made = {r: latest_committed(storage, stage_dir(storage, r, None, "sft")) for r in ("one", "two")}
+    assert made["two"].manifest.summary["world_size"] == 2 and made["one"].manifest.summary["world_size"] == 1
+    steps = {r: query(storage, r, "SELECT loss, n_tokens FROM sft_metrics ORDER BY step") for r in made}
+    assert len(steps["one"]) == 3 and steps["one"].n_tokens.tolist() == steps["two"].n_tokens.tolist()
+    assert steps["one"].loss.tolist() == pytest.approx(steps["two"].loss.tolist(), rel=1e-4, abs=1e-6)
+    made["base"] = latest_committed(storage, stage_dir(storage, "one", None, "base"))
+    w = {r: load_file(c.path("policy/model.safetensors")) for r, c in made.items()}
+    base = w.pop("base")
+    d1, d2 = (torch.cat([(w[r][k] - base[k]).flatten() for k in sorted(base)]) for r in ("one", "two"))
+    assert d1.norm() > 1e-3 and ((d1 - d2).norm() / d1.norm()).item() < 1e-3

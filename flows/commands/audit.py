@@ -18,7 +18,8 @@ def cmd_status(args, storage):
     from grpo.record.liveness import running_attempts
     from stages.common import check_datasets
 
-    names = stages_of(load_run(storage, args.run))  # a teacher's stage where the run has one
+    cfg = load_run(storage, args.run)
+    names = stages_of(cfg)  # a teacher's stage where the run has one
     last = next_iteration(storage, args.run)
     while list_attempts(storage, stage_dir(storage, args.run, last + 1, "snapshot")):  # tried after a stale one
         last += 1
@@ -31,8 +32,10 @@ def cmd_status(args, storage):
     forks = [f"{r} (at {f['at']})" for r in run_ids(storage) if (f := fork_of(storage, r)) and f["parent"] == args.run]
     if forks:
         print(f"forked by: {', '.join(forks)}")
-    print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in names))
     corrupt, shard_lines, stale_from = [], [], None
+    for line in sft_line(storage, args.run, cfg, running, args.verify, corrupt):
+        print(line)
+    print(f"{'iteration':>9}  " + "  ".join(f"{s:>10}" for s in names))
     for k in range(last + 1):
         cells, after_stale = [], stale_from is not None  # past a stale learn: made from the policy it made
         for s in names:
@@ -80,6 +83,32 @@ def shard_line(storage, run_id: str, k: int, running: set[str], verify: bool, af
             if state == "corrupt"
         ]
     return [f"iteration {k} shards: {'; '.join(stages)}"] if stages else []
+
+
+def sft_line(storage, run_id: str, cfg, running: set[str], verify: bool, corrupt: list) -> list[str]:
+    """[`grpo status`'s line of the run's warm start (`grpo sft`): its attempts, and once committed its steps, last
+    loss and the gate's figure], or [] for a run whose config sets no sft and that has none; the command remaking a
+    corrupt one is added to `corrupt`."""
+    from grpo.record.storage import latest_committed
+
+    d = stage_dir(storage, run_id, None, "sft")
+    if cfg.sft is None and not list_attempts(storage, d):
+        return []
+    cell, state = stage_cell(storage, d, running, verify, False)
+    if state == "corrupt":
+        corrupt.append(f"grpo sft --run {run_id} --force")
+    if not state:  # none committed: iteration 0 cannot sample until one is
+        return [f"warm start (sft): {cell}; iteration 0 samples it: `grpo sft --run {run_id}` (or `grpo run`) makes it"]
+    summary = latest_committed(storage, d, verify=False).manifest.summary
+    parts = [f"{summary.get('steps')} steps on {summary.get('conversations')} conversations ({summary.get('source')})"]
+    if isinstance(summary.get("loss"), (int, float)):
+        parts.append(f"last loss {summary['loss']:.4g}")
+    gate, k = summary.get("gate_pass_at_k"), cfg.sft.gate_k if cfg.sft is not None else None
+    figure = summary.get(f"pass@{k}")
+    if gate is not None and isinstance(figure, (int, float)):
+        parts.append(f"held-out pass@{k} {figure:.4g} {'>=' if figure >= gate else '<'} gate {gate:g}")
+        parts[-1] += "" if figure >= gate else " (GRPO does not start)"
+    return [f"warm start (sft): {cell}, " + ", ".join(parts)]
 
 
 def state_line(storage, run_id: str, k: int, verify: bool, corrupt: list) -> list[str]:

@@ -23,27 +23,34 @@ def model_card(
     adapter: bool,
     folder: str,
     auto: str = "AutoModelForCausalLM",
+    warm_start: bool = False,
 ) -> str:
     """README.md of an export into `folder`: iteration k's policy of run `run_id` (None: its base model), from the
     committed attempt `source`; `evaluated`: that iteration's eval summary (None: not evaluated there); `adapter`:
     an unmerged peft adapter; `auto`: the transformers auto class that loads it as its architecture
-    (grpo.record.weights.model_class: AutoModelForImageTextToText for a multimodal checkpoint)."""
+    (grpo.record.weights.model_class: AutoModelForImageTextToText for a multimodal checkpoint); `warm_start`: the
+    run's warm start (`grpo sft`, k None), `evaluated` its summary (the gate's held-out figures where it has one)."""
     base = cfg.model.base_model
     front = ["---", f"library_name: {'peft' if adapter else 'transformers'}"]
     front += [f"base_model: {base}"] if base and "://" not in base and not base.startswith(("/", ".")) else []
     front += ["tags:", "- grpo", "- grpo-flow", "- reinforcement-learning", "---", ""]
     what = f"the policy of iteration {k}" if k is not None else "the base model (before any training)"
+    what = "the warm start (`grpo sft`, supervised steps before GRPO's iteration 0)" if warm_start else what
     form = (
         "a LoRA adapter, unmerged (peft)" if adapter else "full weights" + (", LoRA merged" if cfg.learn.lora else "")
     )
+    title = "warm start" if warm_start else f"iteration {k}" if k is not None else "base model"
+    at = "- (warm start)" if warm_start else k if k is not None else "- (base)"
+    held = f"the warm start's gate: {eval_line(evaluated) or 'no gate set (sft.gate_pass_at_k)'}" if warm_start else ""
     lines = [
-        f"# {run_id}, iteration {k}" if k is not None else f"# {run_id}, base model",
+        f"# {run_id}, {title}",
         "",
-        f"GRPO with verifiable rewards, trained by grpo-flow: {what} of run `{run_id}`, {form}.",
+        f"{'Supervised' if warm_start else 'GRPO with verifiable rewards'}, trained by grpo-flow: {what} of run "
+        f"`{run_id}`, {form}.",
         "",
         f"- base model: {base or 'a tiny model built from the config (model.*), no download'}",
-        f"- run: `{run_id}`, iteration {k if k is not None else '- (base)'}; committed attempt `{source}`",
-        f"- eval at this iteration: {eval_line(evaluated)}",
+        f"- run: `{run_id}`, iteration {at}; committed attempt `{source}`",
+        f"- held-out figures of {held}" if warm_start else f"- eval at this iteration: {eval_line(evaluated)}",
         "",
         "## Settings that matter",
         "",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 def cmd_gc(args, storage):
     from grpo.gc import held_summary, plan, remove
+    from grpo.scoring.judge_cache import remove_unused
     from stages.common import load_run
 
     cfg = load_run(storage, args.run)
@@ -14,18 +15,23 @@ def cmd_gc(args, storage):
         files = sorted({f.split("/")[0] + ("/" if "/" in f else "") for f in g.files})
         what = storage.uri(g.path) + (f" [{', '.join(files)}]  ({g.note})" if g.files else "")
         print(f"{g.why:>10}  {g.bytes / 1e6:9.1f} MB  {what}")
+    for u in found.judge_cache:
+        what = f"{u.dropped} answer(s) no committed judge table refers to" + (f"; {len(u.kept)} kept" if u.kept else "")
+        print(f"{'judge':>10}  {u.bytes / 1e6:9.1f} MB  {storage.uri(u.path)}  ({what})")
     for h in found.held:
         print(f"{'left':>10}  {'':>12}  {storage.uri(h.path)}  ({h.note})")
     for line in found.kept:
         print(f"{'keep':>10}  {'':>12}  {line}")
     if found.held:
         print(f"held back: {held_summary(found.held)}")
-    total = sum(g.bytes for g in found.garbage) / 1e6
+    total = (sum(g.bytes for g in found.garbage) + sum(u.bytes for u in found.judge_cache)) / 1e6
+    items = len(found.garbage) + len(found.judge_cache)
     if args.delete:
         remove(storage, found.garbage)
-        print(f"removed {len(found.garbage)} item(s), {total:.1f} MB")
+        remove_unused(storage, found.judge_cache)
+        print(f"removed {items} item(s), {total:.1f} MB")
     else:
-        print(f"{len(found.garbage)} item(s), {total:.1f} MB; nothing removed (dry run): add --delete to remove them")
+        print(f"{items} item(s), {total:.1f} MB; nothing removed (dry run): add --delete to remove them")
 
 
 def cmd_delete(args, storage):

@@ -31,6 +31,8 @@ def cmd_export(args, storage):
     pushed = hub_repo(args.push_to_hub) if args.push_to_hub else None  # (OWNER/NAME, token), or one line now
     which = ""
     k = newest_policy_to_export(storage, args.run) if args.iteration is None and not args.best else args.iteration
+    asked = args.iteration is not None or args.best
+    warm = args.sft or (not asked and k < 0 and cfg.sft is not None)  # before any learn: the warm start is newest
     if args.best:
         best = best_iteration(storage, args.run)
         if best is None:
@@ -47,16 +49,21 @@ def cmd_export(args, storage):
                 f"newer attempt replaced); rebuild with `grpo run --run {args.run} --start {stale}`, or export it as "
                 f"it is with `--iteration {k}`"
             )
-    if args.adapter and (cfg.learn.lora is None or k < 0):
+    if warm:
+        k = -1
+    if args.adapter and (cfg.learn.lora is None or (k < 0 and not warm)):
         why = "its learner trains whole weights (learn.lora is null)" if cfg.learn.lora is None else "no learn yet"
         raise StageError(f"--adapter: run {args.run} has no LoRA adapter to export: {why}; export without --adapter")
     base = committed_input(storage, args.run, None, "base")
-    policy = base if k < 0 else export_source(storage, args.run, k)
-    out = args.dir or args.out or default_export(storage, args.run, None if k < 0 else k, adapter=args.adapter)
-    what = f"{'the base model' if k < 0 else f'the policy of iteration {k}'} of run {args.run}{which}"
-    what += ", its LoRA adapter unmerged" if args.adapter else ""
-    source = {"run_id": args.run, "iteration": None if k < 0 else k, **dataclasses.asdict(policy.ref())}
-    source |= {"adapter": True} if args.adapter else {}
+    policy = (
+        warm_start_source(storage, cfg, args.run) if warm else base if k < 0 else export_source(storage, args.run, k)
+    )
+    at = None if k < 0 else k
+    out = args.dir or args.out or default_export(storage, args.run, at, adapter=args.adapter, warm_start=warm)
+    named = "the warm start (grpo sft)" if warm else "the base model" if k < 0 else f"the policy of iteration {k}"
+    what = f"{named} of run {args.run}{which}" + (", its LoRA adapter unmerged" if args.adapter else "")
+    source = {"run_id": args.run, "iteration": at, **dataclasses.asdict(policy.ref())}
+    source |= ({"adapter": True} if args.adapter else {}) | ({"sft": True} if warm else {})
     fs, root = url_to_fs(out)
     try:
         if args.adapter:
@@ -70,10 +77,10 @@ def cmd_export(args, storage):
                 return  # pushed: its card is written again below, naming the hub's repository
         else:
             raise StageError(str(e)) from e
-    evaluated = None if k < 0 else eval_summary(storage, args.run, k)
+    evaluated = policy.manifest.summary if warm else None if k < 0 else eval_summary(storage, args.run, k)
     auto = model_class(tokenizer_and_config(base)[1]).__name__  # the class that loads it whole (a vision tower too)
     loads = pushed[0] if pushed else shown_path(out)  # what the card's from_pretrained names
-    card = model_card(cfg, args.run, None if k < 0 else k, policy.uri, evaluated, args.adapter, loads, auto)
+    card = model_card(cfg, args.run, at, policy.uri, evaluated, args.adapter, loads, auto, warm_start=warm)
     fs.pipe_file(f"{root}/README.md", card.encode())  # the model card
     fs.pipe_file(f"{root}/{EXPORT_SOURCE}", json.dumps(source, indent=1).encode())  # last: the export is whole
     print(f"{what}: {shown_path(out)}")
@@ -98,6 +105,18 @@ def newest_policy_to_export(storage, run_id: str) -> int:
     )
 
 
+def warm_start_source(storage, cfg, run_id: str) -> Committed:
+    """The run's committed warm start (`grpo sft`), verified; one line when its config sets none or none is
+    committed."""
+    from grpo.record.lineage import committed_input
+
+    if cfg.sft is None:
+        raise StageError(f"export --sft: run {run_id} has no warm start (its config sets no sft section)")
+    if not committed_attempts(storage, stage_dir(storage, run_id, None, "sft")):
+        raise StageError(f"export --sft: run {run_id}'s warm start is not committed; run `grpo sft --run {run_id}`")
+    return committed_input(storage, run_id, None, "sft")
+
+
 def eval_summary(storage, run_id: str, k: int) -> dict | None:
     """Iteration k's committed eval summary (None: none committed)."""
     from grpo.record.storage import NotCommittedError, latest_committed
@@ -113,10 +132,12 @@ EXPORT_SOURCE = "grpo_export.json"
 the default folder knows it is there already)."""
 
 
-def default_export(storage: Storage, run_id: str, k: int | None, adapter: bool = False) -> str:
+def default_export(
+    storage: Storage, run_id: str, k: int | None, adapter: bool = False, warm_start: bool = False
+) -> str:
     """Where `grpo export` writes without a folder named (layout.export_dir, `-adapter` after it with --adapter): a
     local path, or a URL."""
-    path = export_dir(storage, run_id, k) + ("-adapter" if adapter else "")
+    path = export_dir(storage, run_id, k, warm_start) + ("-adapter" if adapter else "")
     return path if is_local(storage.fs) else storage.uri(path)
 
 

@@ -117,11 +117,12 @@ def stage_dir(storage: Storage, run_id: str, iteration: int | None, stage: str) 
     return f"{run_dir(storage, run_id)}/iter-{iteration:04d}/{stage}"
 
 
-def export_dir(storage: Storage, run_id: str, iteration: int | None) -> str:
+def export_dir(storage: Storage, run_id: str, iteration: int | None, warm_start: bool = False) -> str:
     """Where `grpo export` writes a policy when given no folder: exports/iter-000k in the run's folder (None: the
-    base model, exports/base), beside what made it, as TRL's output_dir holds its trainer's final model; outside
-    every stage folder, so gc, status and query never read it."""
-    return f"{run_dir(storage, run_id)}/exports/" + ("base" if iteration is None else f"iter-{iteration:04d}")
+    base model, exports/base; `warm_start`: the warm start's, exports/sft), beside what made it, as TRL's output_dir
+    holds its trainer's final model; outside every stage folder, so gc, status and query never read it."""
+    name = "sft" if warm_start else "base" if iteration is None else f"iter-{iteration:04d}"
+    return f"{run_dir(storage, run_id)}/exports/{name}"
 
 
 SHARDED = ("rollouts", "rewards")

@@ -31,11 +31,10 @@ from grpo.record.digests import file_digest
 from grpo.record.storage import Storage
 from grpo.runtime.secrets import redact, secret_values
 from grpo.scoring import judge_format
+from grpo.scoring.judge_cache import revision_folder
+from grpo.scoring.judge_format import ranking_prompt, rubric_prompt
 
 log = logging.getLogger("grpo.scoring")
-
-CACHE_FOLDER = "judge-cache"
-"""The folder at the storage's root that holds every judge's cache, a folder per revision."""
 
 _FLUSH_EVERY = 16  # calls per cache file: a killed stage loses at most this many calls' answers
 
@@ -50,7 +49,7 @@ class JudgeCache:
 
     def __init__(self, storage: Storage, revision: str):
         self.storage = storage
-        self.folder = storage.path(CACHE_FOLDER, hashlib.sha256(revision.encode()).hexdigest()[:32])
+        self.folder = revision_folder(storage, revision)
         self.entries: dict[str, dict] = {}
         self.pending: list[str] = []
         self.lock = threading.Lock()
@@ -59,7 +58,11 @@ class JudgeCache:
         except FileNotFoundError:
             names = []
         for name in names:
-            for line in storage.read_bytes(name).decode().splitlines():
+            try:
+                text = storage.read_bytes(name).decode()
+            except FileNotFoundError:  # `grpo gc` rewrote it meanwhile: its kept answers are in a newer file
+                continue
+            for line in text.splitlines():
                 entry = json.loads(line)
                 self.entries[entry["prompt_hash"]] = entry
 
@@ -248,10 +251,10 @@ def make_judge(cfg: JudgeConfig, rollout=None):
 
 
 def judged(storage: Storage, cfg: JudgeConfig, rows: list[dict], judge=None) -> tuple[list[dict], dict]:
-    """Judge `rows` ({prompt_id, sample_index, prompt, response}, a group's rows together for ranking): (per row
-    {judge_revision, prompt_hash, raw, verdicts, score, error, attempts, cached, failed}, the counts of distinct
-    prompts: calls (made), cached (answered from the cache), errors (answers that do not parse), failed (calls that
-    failed every try)). Rows whose prompts are the same (a response sampled twice) share one call."""
+    """Judge `rows` ({prompt_id, sample_index, prompt, response, ground_truth}, a group's rows together for
+    ranking): (per row {judge_revision, prompt_hash, raw, verdicts, score, error, attempts, cached, failed}, the
+    counts of distinct prompts: calls (made), cached (answered from the cache), errors (answers that do not parse),
+    failed (calls that failed every try)). Rows whose prompts are the same (a response sampled twice) share one call."""
     judge = judge or make_judge(cfg)
     calls = _calls(cfg, rows)  # (message, prompt hash, the rows it scores)
     cache = JudgeCache(storage, judge.revision)
@@ -310,8 +313,9 @@ def _calls(cfg: JudgeConfig, rows: list[dict]) -> list[tuple[str, str, list[int]
     """(message, prompt hash, the positions in `rows` it scores) of each judge call: a row each (rubric), a group
     each (ranking: rows of one prompt_id, in sample_index order)."""
     if cfg.mode == "rubric":
+        c = cfg
         messages = [
-            (judge_format.rubric_prompt(cfg.template, cfg.criteria, cfg.verdicts, r["prompt"], r["response"]), [i])
+            (rubric_prompt(c.template, c.criteria, c.verdicts, r["prompt"], r["response"], r["ground_truth"]), [i])
             for i, r in enumerate(rows)
         ]
     else:
@@ -322,7 +326,8 @@ def _calls(cfg: JudgeConfig, rows: list[dict]) -> list[tuple[str, str, list[int]
         for members in groups.values():
             members.sort(key=lambda i: rows[i]["sample_index"])
             texts = [rows[i]["response"] for i in members]
-            messages.append((judge_format.ranking_prompt(cfg.template, rows[members[0]]["prompt"], texts), members))
+            first = rows[members[0]]  # a group is one prompt: one prompt text, one ground truth
+            messages.append((ranking_prompt(cfg.template, first["prompt"], texts, first["ground_truth"]), members))
     return [(m, judge_format.prompt_hash(m, cfg.max_tokens, cfg.temperature), members) for m, members in messages]
 
 

@@ -41,29 +41,36 @@ DEFAULT_TEMPLATES = {"rubric": RUBRIC_TEMPLATE, "ranking": RANKING_TEMPLATE}
 """Each mode's prompt where reward.judge.template is None (grpo.config.JUDGE_PLACEHOLDERS: what they fill)."""
 
 
-def rubric_prompt(template: str | None, criteria: list[dict], verdicts: list[str], prompt: str, response: str) -> str:
-    """The rubric judge's message for one response.
+def rubric_prompt(
+    template: str | None, criteria: list[dict], verdicts: list[str], prompt: str, response: str, reference: str = ""
+) -> str:
+    """The rubric judge's message for one response; `reference` (the row's ground truth) fills {reference} where the
+    template holds it (reference-guided judging) and is not in the message otherwise.
 
     >>> print(rubric_prompt("{criteria}|{verdicts}|{prompt}|{response}", [{"name": "ok", "description": "d"}],
-    ...                     ["no", "yes"], "p", "r"))
+    ...                     ["no", "yes"], "p", "r", "1 2"))
     - ok (weight 1): d|no, yes|p|r
+    >>> print(rubric_prompt("{criteria}|{verdicts}|{prompt}|{response}|{reference}", [{"name": "ok"}], ["no"], "p",
+    ...                     "r", "1 2"))
+    - ok (weight 1): |no|p|r|1 2
     """
     listed = "\n".join(f"- {c['name']} (weight {c.get('weight', 1.0):g}): {c.get('description', '')}" for c in criteria)
     fill = {"prompt": prompt, "response": response, "criteria": listed, "verdicts": ", ".join(verdicts)}
-    return (template or RUBRIC_TEMPLATE).format(**fill)
+    return (template or RUBRIC_TEMPLATE).format(**fill, reference=reference)
 
 
-def ranking_prompt(template: str | None, prompt: str, responses: list[str]) -> str:
-    """The ranking judge's message for one group.
+def ranking_prompt(template: str | None, prompt: str, responses: list[str], reference: str = "") -> str:
+    """The ranking judge's message for one group; `reference` (the group's ground truth, one per prompt) fills
+    {reference} where the template holds it.
 
-    >>> print(ranking_prompt("{n}|{prompt}|{responses}", "p", ["a", "b"]))
+    >>> print(ranking_prompt("{n}|{prompt}|{responses}|{reference}", "p", ["a", "b"], "a"))
     2|p|[1]
     a
     [2]
-    b
+    b|a
     """
     listed = "\n".join(f"[{i}]\n{r}" for i, r in enumerate(responses, 1))
-    return (template or RANKING_TEMPLATE).format(prompt=prompt, responses=listed, n=len(responses))
+    return (template or RANKING_TEMPLATE).format(prompt=prompt, responses=listed, n=len(responses), reference=reference)
 
 
 def prompt_hash(message: str, max_tokens: int, temperature: float) -> str:
