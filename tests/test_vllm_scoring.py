@@ -96,7 +96,7 @@ def test_the_vllm_judge_answers_as_the_transformers_judge_and_reruns_from_its_ca
     storage, folder, out = scored
     cfg = load_config(None, settings(folder))
     ro = frame(out["rollouts"], "rollouts.parquet")
-    rows = ro[["prompt_id", "sample_index", "prompt", "response"]].to_dict("records")
+    rows = ro[["prompt_id", "sample_index", "prompt", "response", "ground_truth"]].to_dict("records")
     committed = frame(out["rewards"], "judge.parquet")
     assert out["rewards"].manifest.summary["judged_on"] == "vllm (reward.judge.backend)"
     assert committed[["judge_revision", "prompt_hash", "raw", "score", "attempts"]].notna().all().all()
