@@ -60,10 +60,10 @@ def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, out:
     config = GKDConfig(
         output_dir=f"{out}-trainer",
         lmbda=1.0,  # the student's own samples only, as every iteration here
-        beta=1.0,  # the reverse KL
+        beta=args.trl_beta,  # 1: the reverse KL (the default), 0: the forward KL, between: the generalized JSD
         temperature=1.0,
         max_new_tokens=args.max_tokens,
-        learning_rate=args.lr,
+        learning_rate=args.trl_lr or args.lr,
         lr_scheduler_type="constant",
         per_device_train_batch_size=args.trl_batch,
         max_steps=steps,
@@ -92,6 +92,21 @@ def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, out:
     return seconds
 
 
+def ours(storage, args) -> tuple[int, float, float]:
+    """The distillation run's iterations, a line each: its sampled completions, held-out accuracy and wall seconds."""
+    print(f"{'iter':>4} {'reverse KL':>10} {'accuracy':>8} {'seconds':>8}")
+    start, samples = time.time(), 0
+    for k, out in run_warm(storage, "distill", 0, args.iterations):
+        kl = out["teacher"].manifest.summary["reverse_kl"]
+        samples += out["rollouts"].manifest.summary["samples"]
+        acc = out["eval"].manifest.summary.get("exact_match")  # None: an eval eval.every skipped
+        shown = "" if acc is None else f"{acc:.3f}"
+        print(f"{k:>4} {kl:>10.4f} {shown:>8} {time.time() - start:>8.1f}", flush=True)
+    ours_s = time.time() - start
+    print(f"{samples} sampled completions: ours ({' '.join(args.set) or 'reverse KL'}) {acc:.3f} in {ours_s:.0f} s")
+    return samples, acc, ours_s
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iterations", type=int, default=8)
@@ -108,6 +123,10 @@ def main() -> None:
     p.add_argument("--dir", default=None)
     p.add_argument("--set", action="append", default=[], help="settings of our run (e.g. teacher.gkd_coef=1)")
     p.add_argument("--skip-trl", action="store_true", help="our run only (another --set against the same TRL run)")
+    p.add_argument("--skip-ours", action="store_true", help="TRL's run only (its sample count is ours': iterations x "
+                   "prompts x group size)")  # fmt: skip
+    p.add_argument("--trl-lr", type=float, default=None, help="TRL's learning rate (default: --lr)")
+    p.add_argument("--trl-beta", type=float, default=1.0, help="GKDConfig.beta: 1 reverse KL, 0 forward KL")
     args = p.parse_args()
     quiet_libraries()
     apply_threads()
@@ -167,25 +186,19 @@ def main() -> None:
         f"({teacher_s:.0f} s and {time.time() - t1:.0f} s with the accuracies)",
         flush=True,
     )
-    print(f"{'iter':>4} {'reverse KL':>10} {'accuracy':>8} {'seconds':>8}")
-    start, samples = time.time(), 0
-    for k, out in run_warm(storage, "distill", 0, args.iterations):
-        kl = out["teacher"].manifest.summary["reverse_kl"]
-        samples += out["rollouts"].manifest.summary["samples"]
-        acc = out["eval"].manifest.summary.get("exact_match")  # None: an eval eval.every skipped
-        shown = "" if acc is None else f"{acc:.3f}"
-        print(f"{k:>4} {kl:>10.4f} {shown:>8} {time.time() - start:>8.1f}", flush=True)
-    ours_s = time.time() - start
-    print(f"{samples} sampled completions: ours ({' '.join(args.set) or 'reverse KL'}) {acc:.3f} in {ours_s:.0f} s")
+    if args.skip_ours:
+        samples, acc, ours_s = args.iterations * args.prompts * args.group_size, float("nan"), float("nan")
+    else:
+        samples, acc, ours_s = ours(storage, args)
     if args.skip_trl:
         return
     steps = samples // args.trl_batch
     trl_s = trl_gkd(student, teacher, train_rows, steps, args, str(work / "student-trl"))
     trl_acc = accuracy(str(work / "student-trl"), cfg)
     print(
-        f"{samples} sampled completions each: ours (teacher stage, reverse-KL advantage) accuracy {acc:.3f} in "
-        f"{ours_s:.0f} s; TRL GKDTrainer (lmbda=1, beta=1, {steps} steps of {args.trl_batch}) accuracy "
-        f"{trl_acc:.3f} in {trl_s:.0f} s; work {work}",
+        f"{samples} sampled completions each: ours ({' '.join(args.set) or 'reverse KL'}) accuracy {acc:.3f} in "
+        f"{ours_s:.0f} s; TRL GKDTrainer (lmbda=1, beta={args.trl_beta}, lr {args.trl_lr or args.lr}, {steps} steps "
+        f"of {args.trl_batch}) accuracy {trl_acc:.3f} in {trl_s:.0f} s; work {work}",
         flush=True,
     )
 
