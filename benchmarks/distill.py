@@ -36,17 +36,42 @@ from grpo.config import load_config
 from grpo.record.storage import open_storage
 from grpo.runtime.quiet import quiet_libraries
 from grpo.runtime.threads import apply_threads
+from grpo.sampling.base import SamplingSpec
+from grpo.sampling.hf import HFGenerator
 from grpo.tiny_model import build_chat_model
 from stages.init import init_run
 from stages.iteration import run_warm
-from stages.prompts import held_out_split
+from stages.prompts import eval_prompts, held_out_split
 from stages.sft import warm_start
 
 STUDENT = dict(vocab_size=600, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 
 
-def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, out: str) -> float:
-    """TRL's GKDTrainer on `rows` (chat messages), `steps` steps from `student`, saved to `out`: its wall seconds."""
+def held_out_reverse_kl(model_dir: str, teacher: str, cfg, n: int = 2) -> float:
+    """The student's reverse KL to its teacher measured one way for any checkpoint folder (ours, TRL's, the start):
+    `n` samples of each held-out prompt at temperature 1 (seed 0), the mean over their tokens of log p_student -
+    log p_teacher (the teacher stage's `reverse_kl`, on prompts neither side trains on)."""
+    from grpo.episodes import templates
+    from grpo.scoring.teacher import load_model, scored_rows
+
+    gen = HFGenerator(model_dir)
+    _, ids = templates.tokenize_prompts(
+        gen.tokenizer, eval_prompts(cfg), cfg.task.prompt_format, cfg.task.system_prompt
+    )
+    out = gen.generate(ids, SamplingSpec(n=n, temperature=1.0, max_tokens=cfg.rollout.max_tokens))
+    samples = [(p, s) for p, group in zip(ids, out) for s in group]
+    model, gaps = load_model(teacher, torch.device("cpu")), []
+    for at in range(0, len(samples), 64):
+        chunk = samples[at : at + 64]
+        responses = [s.response_ids for _, s in chunk]
+        scored = scored_rows(model, [p for p, _ in chunk], responses, [[1] * len(r) for r in responses], None, "cpu")
+        gaps += [a - b for (_, s), t in zip(chunk, scored) for a, b in zip(s.logprobs, t["teacher_logprobs"])]
+    return sum(gaps) / len(gaps)
+
+
+def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, beta: float, out: str) -> float:
+    """TRL's GKDTrainer (GKDConfig.beta `beta`) on `rows` (chat messages), `steps` steps from `student`, saved to
+    `out`: its wall seconds."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.gkd import GKDConfig, GKDTrainer
@@ -60,7 +85,7 @@ def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, out:
     config = GKDConfig(
         output_dir=f"{out}-trainer",
         lmbda=1.0,  # the student's own samples only, as every iteration here
-        beta=args.trl_beta,  # 1: the reverse KL (the default), 0: the forward KL, between: the generalized JSD
+        beta=beta,  # 1: the reverse KL (the default), 0: the forward KL, between: the generalized JSD
         temperature=1.0,
         max_new_tokens=args.max_tokens,
         learning_rate=args.trl_lr or args.lr,
@@ -92,8 +117,9 @@ def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, out:
     return seconds
 
 
-def ours(storage, args) -> tuple[int, float, float]:
-    """The distillation run's iterations, a line each: its sampled completions, held-out accuracy and wall seconds."""
+def ours(storage, args) -> tuple[int, float, float, str]:
+    """The distillation run's iterations, a line each: its sampled completions, held-out accuracy, wall seconds and
+    its last policy's folder."""
     print(f"{'iter':>4} {'reverse KL':>10} {'accuracy':>8} {'seconds':>8}")
     start, samples = time.time(), 0
     for k, out in run_warm(storage, "distill", 0, args.iterations):
@@ -104,7 +130,7 @@ def ours(storage, args) -> tuple[int, float, float]:
         print(f"{k:>4} {kl:>10.4f} {shown:>8} {time.time() - start:>8.1f}", flush=True)
     ours_s = time.time() - start
     print(f"{samples} sampled completions: ours ({' '.join(args.set) or 'reverse KL'}) {acc:.3f} in {ours_s:.0f} s")
-    return samples, acc, ours_s
+    return samples, acc, ours_s, str(Path(out["learn"].attempt_dir, "policy"))
 
 
 def main() -> None:
@@ -126,7 +152,8 @@ def main() -> None:
     p.add_argument("--skip-ours", action="store_true", help="TRL's run only (its sample count is ours': iterations x "
                    "prompts x group size)")  # fmt: skip
     p.add_argument("--trl-lr", type=float, default=None, help="TRL's learning rate (default: --lr)")
-    p.add_argument("--trl-beta", type=float, default=1.0, help="GKDConfig.beta: 1 reverse KL, 0 forward KL")
+    p.add_argument("--trl-beta", type=float, nargs="+", default=[1.0],
+                   help="GKDConfig.beta, a TRL run each: 1 the reverse KL, 0 the forward KL")  # fmt: skip
     args = p.parse_args()
     quiet_libraries()
     apply_threads()
@@ -151,6 +178,7 @@ def main() -> None:
         "learn.mixed_precision=no",
         f"eval.every={args.iterations}",  # the last iteration's only: the wall time is the training's, as TRL's
         f"seed={args.seed}",
+        *(["advantage.mode=centered"] if args.group_size < 2 else []),  # one sample a prompt: no group std
     ]
     cfg = load_config(None, [*math_task(student0, work / "problems.parquet"), *settings])
     trained = {e.prompt for e in held_out_split(cfg)[0]}
@@ -186,21 +214,27 @@ def main() -> None:
         f"({teacher_s:.0f} s and {time.time() - t1:.0f} s with the accuracies)",
         flush=True,
     )
+    kl0 = held_out_reverse_kl(student, teacher, cfg)
     if args.skip_ours:
         samples, acc, ours_s = args.iterations * args.prompts * args.group_size, float("nan"), float("nan")
     else:
-        samples, acc, ours_s = ours(storage, args)
+        samples, acc, ours_s, last = ours(storage, args)
+        kl = held_out_reverse_kl(last, teacher, cfg)
+        print(f"held-out reverse KL (2 samples a prompt): start {kl0:.3f}, ours {kl:.3f}")
     if args.skip_trl:
         return
     steps = samples // args.trl_batch
-    trl_s = trl_gkd(student, teacher, train_rows, steps, args, str(work / "student-trl"))
-    trl_acc = accuracy(str(work / "student-trl"), cfg)
-    print(
-        f"{samples} sampled completions each: ours ({' '.join(args.set) or 'reverse KL'}) accuracy {acc:.3f} in "
-        f"{ours_s:.0f} s; TRL GKDTrainer (lmbda=1, beta={args.trl_beta}, lr {args.trl_lr or args.lr}, {steps} steps "
-        f"of {args.trl_batch}) accuracy {trl_acc:.3f} in {trl_s:.0f} s; work {work}",
-        flush=True,
-    )
+    for beta in args.trl_beta:
+        out = str(work / f"student-trl-beta{beta:g}")
+        trl_s = trl_gkd(student, teacher, train_rows, steps, args, beta, out)
+        trl_acc, trl_kl = accuracy(out, cfg), held_out_reverse_kl(out, teacher, cfg)
+        print(
+            f"{samples} sampled completions each: ours ({' '.join(args.set) or 'reverse KL'}) accuracy {acc:.3f} in "
+            f"{ours_s:.0f} s; TRL GKDTrainer (lmbda=1, beta={beta:g}, lr {args.trl_lr or args.lr:g}, {steps} steps "
+            f"of {args.trl_batch}) accuracy {trl_acc:.3f} in {trl_s:.0f} s, held-out reverse KL {kl0:.3f} -> "
+            f"{trl_kl:.3f}; work {work}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
