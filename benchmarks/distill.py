@@ -12,11 +12,18 @@ completions, and both wall times.
 2. The student: a smaller Qwen2 (hidden 64, 2 layers) with the very same tokenizer files, warm-started by the
    distillation run's own sft section for only --student-steps (the format, few sums). `grpo init` checks the two
    vocabularies agree.
-3. Ours: `teacher.mode=reverse_kl` (the per-token reverse KL as the advantage, no reward), 64 prompts x 4 samples an
-   iteration, grpo_clip, through the real stages. TRL: GKDTrainer with lmbda=1 (only the student's own samples) and
-   beta=1 (the reverse KL), batches of 32 prompts, one completion each, for as many steps as make the same number of
-   completions; same learning rate, temperature and max_new_tokens. Both students start from the same folder (the
-   warm start's committed policy).
+3. Ours: `teacher.mode=reverse_kl` (the per-token reverse KL as the advantage, no reward), by default 64 prompts x 4
+   samples an iteration, 4 AdamW steps an iteration, grpo_clip, through the real stages; --set adds settings. TRL:
+   GKDTrainer with lmbda=1 (only the student's own samples) and --trl-beta (1: the reverse KL; several: a run
+   each), batches of --trl-batch prompts, one completion each, for as many steps as make the same number of
+   completions; --lr (or --trl-lr), temperature and max_new_tokens as ours. Both students start from the same folder
+   (the warm start's committed policy).
+4. Each student's held-out reverse KL, measured one way for the start, ours and TRL's (held_out_reverse_kl).
+
+The settings RESULTS.md's last distillation section measured best (3 seeds against TRL at beta 0 and 1):
+
+    distill.py --seed 0 --iterations 240 --prompts 32 --group-size 1 --lr 1e-3 --set learn.betas=[0.9,0.999] \
+        --set teacher.top_k=20 --set teacher.gkd_coef=1 --set teacher.coef=0.01 --trl-beta 0 1
 """
 
 from __future__ import annotations
@@ -36,17 +43,42 @@ from grpo.config import load_config
 from grpo.record.storage import open_storage
 from grpo.runtime.quiet import quiet_libraries
 from grpo.runtime.threads import apply_threads
+from grpo.sampling.base import SamplingSpec
+from grpo.sampling.hf import HFGenerator
 from grpo.tiny_model import build_chat_model
 from stages.init import init_run
 from stages.iteration import run_warm
-from stages.prompts import held_out_split
+from stages.prompts import eval_prompts, held_out_split
 from stages.sft import warm_start
 
 STUDENT = dict(vocab_size=600, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 
 
-def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, out: str) -> float:
-    """TRL's GKDTrainer on `rows` (chat messages), `steps` steps from `student`, saved to `out`: its wall seconds."""
+def held_out_reverse_kl(model_dir: str, teacher: str, cfg, n: int = 2) -> float:
+    """The student's reverse KL to its teacher measured one way for any checkpoint folder (ours, TRL's, the start):
+    `n` samples of each held-out prompt at temperature 1 (seed 0), the mean over their tokens of log p_student -
+    log p_teacher (the teacher stage's `reverse_kl`, on prompts neither side trains on)."""
+    from grpo.episodes import templates
+    from grpo.scoring.teacher import load_model, scored_rows
+
+    gen = HFGenerator(model_dir)
+    _, ids = templates.tokenize_prompts(
+        gen.tokenizer, eval_prompts(cfg), cfg.task.prompt_format, cfg.task.system_prompt
+    )
+    out = gen.generate(ids, SamplingSpec(n=n, temperature=1.0, max_tokens=cfg.rollout.max_tokens))
+    samples = [(p, s) for p, group in zip(ids, out) for s in group]
+    model, gaps = load_model(teacher, torch.device("cpu")), []
+    for at in range(0, len(samples), 64):
+        chunk = samples[at : at + 64]
+        responses = [s.response_ids for _, s in chunk]
+        scored = scored_rows(model, [p for p, _ in chunk], responses, [[1] * len(r) for r in responses], None, "cpu")
+        gaps += [a - b for (_, s), t in zip(chunk, scored) for a, b in zip(s.logprobs, t["teacher_logprobs"])]
+    return sum(gaps) / len(gaps)
+
+
+def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, beta: float, out: str) -> float:
+    """TRL's GKDTrainer (GKDConfig.beta `beta`) on `rows` (chat messages), `steps` steps from `student`, saved to
+    `out`: its wall seconds."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.gkd import GKDConfig, GKDTrainer
@@ -60,10 +92,10 @@ def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, out:
     config = GKDConfig(
         output_dir=f"{out}-trainer",
         lmbda=1.0,  # the student's own samples only, as every iteration here
-        beta=1.0,  # the reverse KL
+        beta=beta,  # 1: the reverse KL (the default), 0: the forward KL, between: the generalized JSD
         temperature=1.0,
         max_new_tokens=args.max_tokens,
-        learning_rate=args.lr,
+        learning_rate=args.trl_lr or args.lr,
         lr_scheduler_type="constant",
         per_device_train_batch_size=args.trl_batch,
         max_steps=steps,
@@ -92,6 +124,22 @@ def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, out:
     return seconds
 
 
+def ours(storage, args) -> tuple[int, float, float, str]:
+    """The distillation run's iterations, a line each: its sampled completions, held-out accuracy, wall seconds and
+    its last policy's folder."""
+    print(f"{'iter':>4} {'reverse KL':>10} {'accuracy':>8} {'seconds':>8}")
+    start, samples = time.time(), 0
+    for k, out in run_warm(storage, "distill", 0, args.iterations):
+        kl = out["teacher"].manifest.summary["reverse_kl"]
+        samples += out["rollouts"].manifest.summary["samples"]
+        acc = out["eval"].manifest.summary.get("exact_match")  # None: an eval eval.every skipped
+        shown = "" if acc is None else f"{acc:.3f}"
+        print(f"{k:>4} {kl:>10.4f} {shown:>8} {time.time() - start:>8.1f}", flush=True)
+    ours_s = time.time() - start
+    print(f"{samples} sampled completions: ours ({' '.join(args.set) or 'reverse KL'}) {acc:.3f} in {ours_s:.0f} s")
+    return samples, acc, ours_s, str(Path(out["learn"].attempt_dir, "policy"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iterations", type=int, default=8)
@@ -108,6 +156,11 @@ def main() -> None:
     p.add_argument("--dir", default=None)
     p.add_argument("--set", action="append", default=[], help="settings of our run (e.g. teacher.gkd_coef=1)")
     p.add_argument("--skip-trl", action="store_true", help="our run only (another --set against the same TRL run)")
+    p.add_argument("--skip-ours", action="store_true", help="TRL's run only (its sample count is ours': iterations x "
+                   "prompts x group size)")  # fmt: skip
+    p.add_argument("--trl-lr", type=float, default=None, help="TRL's learning rate (default: --lr)")
+    p.add_argument("--trl-beta", type=float, nargs="+", default=[1.0],
+                   help="GKDConfig.beta, a TRL run each: 1 the reverse KL, 0 the forward KL")  # fmt: skip
     args = p.parse_args()
     quiet_libraries()
     apply_threads()
@@ -132,6 +185,7 @@ def main() -> None:
         "learn.mixed_precision=no",
         f"eval.every={args.iterations}",  # the last iteration's only: the wall time is the training's, as TRL's
         f"seed={args.seed}",
+        *(["advantage.mode=centered"] if args.group_size < 2 else []),  # one sample a prompt: no group std
     ]
     cfg = load_config(None, [*math_task(student0, work / "problems.parquet"), *settings])
     trained = {e.prompt for e in held_out_split(cfg)[0]}
@@ -167,27 +221,27 @@ def main() -> None:
         f"({teacher_s:.0f} s and {time.time() - t1:.0f} s with the accuracies)",
         flush=True,
     )
-    print(f"{'iter':>4} {'reverse KL':>10} {'accuracy':>8} {'seconds':>8}")
-    start, samples = time.time(), 0
-    for k, out in run_warm(storage, "distill", 0, args.iterations):
-        kl = out["teacher"].manifest.summary["reverse_kl"]
-        samples += out["rollouts"].manifest.summary["samples"]
-        acc = out["eval"].manifest.summary.get("exact_match")  # None: an eval eval.every skipped
-        shown = "" if acc is None else f"{acc:.3f}"
-        print(f"{k:>4} {kl:>10.4f} {shown:>8} {time.time() - start:>8.1f}", flush=True)
-    ours_s = time.time() - start
-    print(f"{samples} sampled completions: ours ({' '.join(args.set) or 'reverse KL'}) {acc:.3f} in {ours_s:.0f} s")
+    kl0 = held_out_reverse_kl(student, teacher, cfg)
+    if args.skip_ours:
+        samples, acc, ours_s = args.iterations * args.prompts * args.group_size, float("nan"), float("nan")
+    else:
+        samples, acc, ours_s, last = ours(storage, args)
+        kl = held_out_reverse_kl(last, teacher, cfg)
+        print(f"held-out reverse KL (2 samples a prompt): start {kl0:.3f}, ours {kl:.3f}")
     if args.skip_trl:
         return
     steps = samples // args.trl_batch
-    trl_s = trl_gkd(student, teacher, train_rows, steps, args, str(work / "student-trl"))
-    trl_acc = accuracy(str(work / "student-trl"), cfg)
-    print(
-        f"{samples} sampled completions each: ours (teacher stage, reverse-KL advantage) accuracy {acc:.3f} in "
-        f"{ours_s:.0f} s; TRL GKDTrainer (lmbda=1, beta=1, {steps} steps of {args.trl_batch}) accuracy "
-        f"{trl_acc:.3f} in {trl_s:.0f} s; work {work}",
-        flush=True,
-    )
+    for beta in args.trl_beta:
+        out = str(work / f"student-trl-beta{beta:g}")
+        trl_s = trl_gkd(student, teacher, train_rows, steps, args, beta, out)
+        trl_acc, trl_kl = accuracy(out, cfg), held_out_reverse_kl(out, teacher, cfg)
+        print(
+            f"{samples} sampled completions each: ours ({' '.join(args.set) or 'reverse KL'}) accuracy {acc:.3f} in "
+            f"{ours_s:.0f} s; TRL GKDTrainer (lmbda=1, beta={beta:g}, lr {args.trl_lr or args.lr:g}, {steps} steps "
+            f"of {args.trl_batch}) accuracy {trl_acc:.3f} in {trl_s:.0f} s, held-out reverse KL {kl0:.3f} -> "
+            f"{trl_kl:.3f}; work {work}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
