@@ -968,7 +968,7 @@ class TeacherConfig:
     """The per-token advantage: `reverse_kl` is coef * -(log p_sampler - log p_teacher) alone (on-policy distillation,
     Tinker's and prime-rl's form); `add` adds it to GRPO's group advantage of the sample."""
     coef: float = 1.0
-    """Weight of the reverse-KL advantage (> 0)."""
+    """Weight of the reverse-KL advantage (>= 0; 0 with gkd_coef > 0: GKD's top-k forward KL alone, TRL's beta=0)."""
     top_k: int | None = None
     """Also store, per loss token, the teacher's top_k most likely ids with their log-probs and the probability
     mass outside them (teacher.parquet's topk_* columns: what a top-k forward KL, GKD, reads); None: not stored."""
@@ -997,10 +997,12 @@ class TeacherConfig:
     def check(self) -> None:
         if not self.model:
             raise ConfigError("teacher.model: name the teacher (a folder or an HF hub id), or unset teacher")
-        if not self.coef > 0:
-            raise ConfigError(f"teacher.coef must be > 0, got {self.coef}")
+        if not self.coef >= 0:
+            raise ConfigError(f"teacher.coef must be >= 0, got {self.coef}")
         if self.gkd_coef < 0 or (self.gkd_coef > 0 and self.top_k is None):
             raise ConfigError(f"teacher.gkd_coef must be >= 0 and needs teacher.top_k set, got {self.gkd_coef}")
+        if self.coef == 0 and self.gkd_coef == 0:
+            raise ConfigError("teacher.coef=0 needs teacher.gkd_coef > 0 (GKD's forward KL alone), else nothing is taught")
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"teacher.top_k must be >= 1 or null (not stored), got {self.top_k}")
         if self.batch_size < 1:

@@ -155,6 +155,12 @@ def test_settings_that_cannot_take_token_advantages_are_refused_naming_the_field
         load_config(None, ["teacher.model=t", "learn.loss_type=gspo"])
     with pytest.raises(ConfigError, match="teacher.model: name the teacher"):
         load_config(None, ["teacher.coef=2"])
+    with pytest.raises(ConfigError, match="teacher.coef=0 needs teacher.gkd_coef > 0"):
+        load_config(None, ["teacher.model=t", "teacher.coef=0"])
+    with pytest.raises(ConfigError, match="teacher.coef must be >= 0"):
+        load_config(None, ["teacher.model=t", "teacher.coef=-1"])
+    pure_gkd = load_config(None, ["teacher.model=t", "teacher.coef=0", "teacher.top_k=4", "teacher.gkd_coef=1"])
+    assert pure_gkd.teacher.coef == 0  # TRL's beta=0: the forward KL alone
     with pytest.raises(ConfigError, match="teacher.routes and teacher.route_column go together"):
         load_config(None, ["teacher.model=t", "teacher.routes={a: b}"])
     cfg = load_config(None, [])
