@@ -1002,7 +1002,9 @@ class TeacherConfig:
         if self.gkd_coef < 0 or (self.gkd_coef > 0 and self.top_k is None):
             raise ConfigError(f"teacher.gkd_coef must be >= 0 and needs teacher.top_k set, got {self.gkd_coef}")
         if self.coef == 0 and self.gkd_coef == 0:
-            raise ConfigError("teacher.coef=0 needs teacher.gkd_coef > 0 (GKD's forward KL alone), else nothing is taught")
+            raise ConfigError(
+                "teacher.coef=0 needs teacher.gkd_coef > 0 (GKD's forward KL alone), else nothing is taught"
+            )
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"teacher.top_k must be >= 1 or null (not stored), got {self.top_k}")
         if self.batch_size < 1:
