@@ -107,7 +107,7 @@ def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, beta
         use_cpu=not torch.cuda.is_available(),
         bf16=False,
     )
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     trainer = GKDTrainer(
         model=AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32),
         teacher_model=AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32),
@@ -117,6 +117,7 @@ def trl_gkd(student: str, teacher: str, rows: list[dict], steps: int, args, beta
     )
     trainer.train()
     seconds = time.time() - t0
+    print(f"TRL: {seconds:.0f} s wall, {time.process_time() - cpu0:.0f} s CPU (the process's threads)", flush=True)
     trainer.model.save_pretrained(out)
     for name in Path(student).iterdir():  # the tokenizer and generation config beside the trained weights
         if name.is_file() and not name.name.startswith("model") and not (Path(out) / name.name).exists():
@@ -128,7 +129,7 @@ def ours(storage, args) -> tuple[int, float, float, str]:
     """The distillation run's iterations, a line each: its sampled completions, held-out accuracy, wall seconds and
     its last policy's folder."""
     print(f"{'iter':>4} {'reverse KL':>10} {'accuracy':>8} {'seconds':>8}")
-    start, samples = time.time(), 0
+    start, cpu0, samples = time.time(), time.process_time(), 0
     for k, out in run_warm(storage, "distill", 0, args.iterations):
         kl = out["teacher"].manifest.summary["reverse_kl"]
         samples += out["rollouts"].manifest.summary["samples"]
@@ -137,6 +138,7 @@ def ours(storage, args) -> tuple[int, float, float, str]:
         print(f"{k:>4} {kl:>10.4f} {shown:>8} {time.time() - start:>8.1f}", flush=True)
     ours_s = time.time() - start
     print(f"{samples} sampled completions: ours ({' '.join(args.set) or 'reverse KL'}) {acc:.3f} in {ours_s:.0f} s")
+    print(f"ours: {ours_s:.0f} s wall, {time.process_time() - cpu0:.0f} s CPU (the process's threads)", flush=True)
     return samples, acc, ours_s, str(Path(out["learn"].attempt_dir, "policy"))
 
 

@@ -975,7 +975,8 @@ class TeacherConfig:
     gkd_coef: float = 0.0
     """Weight of GKD's top-k forward KL(teacher || student) per loss token (TRL GKDTrainer's beta=0 form over the
     teacher's top_k tokens and the mass outside them), added to the policy-gradient loss; needs top_k and
-    learn.num_processes 1 (the learner runs a second forward for it). 0: off."""
+    learn.num_processes 1 (the student's log-probs of those ids come from the policy-gradient loss's own forward,
+    one backward for both; not tried under DDP). 0: off."""
     routes: dict = field(default_factory=dict)
     """Several teachers: {value of the dataset column `route_column`: teacher model (folder or hub id)}; a row whose
     value is not listed is scored by `model`. Each route's tokenizer is checked like `model`'s."""
@@ -1502,7 +1503,7 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.teacher is not None and cfg.teacher.gkd_coef > 0 and lc.num_processes > 1:
         raise ConfigError(
-            f"teacher.gkd_coef={cfg.teacher.gkd_coef} takes one learner process (its second forward is outside DDP); "
+            f"teacher.gkd_coef={cfg.teacher.gkd_coef} takes one learner process (not tried under DDP); "
             f"set learn.num_processes=1 or teacher.gkd_coef=0, got learn.num_processes={lc.num_processes}"
         )
     if cfg.teacher is not None and lc.loss_type in ("gspo", "naive"):

@@ -181,12 +181,15 @@ def masked_normalize(x: Tensor, mask: Tensor, constant: float, dim: int | None =
 def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
     """log p(labels[b, t]) under softmax(logits[b, t]).
 
-    logits: (B, T, V), labels: (B, T) long -> (B, T).
+    logits: (B, T, V), labels: (B, T) long -> (B, T); or labels (B, T, m) -> (B, T, m), m ids a position (the
+    sampled token and the teacher's top k: GKD's term from the same forward).
     The caller shifts: logits[:, t] must predict labels[:, t], i.e. pass
     model(ids).logits[:, :-1] with ids[:, 1:].
     """
     # half-precision logsumexp loses the small differences that ratios depend on
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if labels.dim() == logits.dim():  # m ids a position
+        return logits.gather(-1, labels) - torch.logsumexp(logits, dim=-1, keepdim=True)
     picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -207,14 +210,14 @@ def chunked_token_logprobs(
     """token_logprobs (and token_entropy) of project(hidden), `chunk` positions at a time.
 
     hidden: (B, T, H), project: (n, H) -> (n, V) logits (the LM head), labels: (B, T) long ->
-    log-probs (B, T) and, with_entropy, the entropy (B, T) as a metric (no gradient). Only one
-    chunk's float32 (chunk, V) logits exist at a time: under autograd each chunk's logits are
+    log-probs (B, T) (labels (B, T, m): (B, T, m)) and, with_entropy, the entropy (B, T) as a metric (no
+    gradient). Only one chunk's float32 (chunk, V) logits exist at a time: under autograd each chunk's logits are
     recomputed in the backward pass (activation checkpointing) instead of kept, so memory holds
     the hidden states, not (B, T, V). A chunk's logits give its log-probs and entropy together (one LM head
     matmul a chunk in the forward). Same values and gradients as the unchunked form.
     """
     b, t, h = hidden.shape
-    flat, flat_labels = hidden.reshape(b * t, h), labels.reshape(b * t)
+    flat, flat_labels = hidden.reshape(b * t, h), labels.reshape(b * t, *labels.shape[2:])
     logps, entropies = [], []
     for x, y in zip(flat.split(max(1, chunk)), flat_labels.split(max(1, chunk))):
         if torch.is_grad_enabled() and x.requires_grad:
@@ -225,14 +228,15 @@ def chunked_token_logprobs(
             logp, entropy = _chunk_logprobs(x, project, y, with_entropy)
         logps.append(logp)
         entropies.append(entropy)
-    logp = torch.cat(logps).reshape(b, t)
+    logp = torch.cat(logps).reshape(b, t, *labels.shape[2:])
     return logp, torch.cat(entropies).reshape(b, t) if with_entropy else None
 
 
 def _chunk_logprobs(
     x: Tensor, project: Callable[[Tensor], Tensor], labels: Tensor, with_entropy: bool = False
 ) -> tuple[Tensor, Tensor | None]:
-    """(n, H) hidden states -> (n,) log-probs of labels and, with_entropy, (n,) entropies (no gradient)."""
+    """(n, H) hidden states -> (n,) log-probs of labels (n,) (labels (n, m): (n, m)) and, with_entropy, (n,)
+    entropies (no gradient)."""
     logits = project(x)[None]  # (1, n, V)
     entropy = token_entropy(logits.detach())[0] if with_entropy else None
     return token_logprobs(logits, labels[None])[0], entropy
@@ -564,8 +568,11 @@ def grpo_microbatch_step(
     sampler_logprobs: Tensor | None = None,
     token_normalizer: float | Tensor | None = None,
     sequence_normalizer: float | None = None,
+    extra_loss: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss of one microbatch under `spec`, scaled by 1/gradient_accumulation_steps, then .backward().
+    """Loss of one microbatch under `spec`, scaled by 1/gradient_accumulation_steps, then .backward() (with
+    `extra_loss` added, already scaled, in the same backward: GKD's term from the same forward; not in the loss
+    returned).
 
     logprobs, loss_mask, old_logprobs, ref_logprobs: (B, T); raw_rewards: (B, 1); advantages: (B, 1) or (B, T)
     (token advantages: teacher_advantages); loss_mask is 1
@@ -624,7 +631,7 @@ def grpo_microbatch_step(
             per_token = per_token + spec.kl_coef * kl
     loss = aggregate_loss(per_token, loss_mask, spec.agg_mode, *norms)
     loss = loss / gradient_accumulation_steps
-    loss.backward()
+    (loss if extra_loss is None else loss + extra_loss).backward()
     metrics.update(_actor_metrics(meta, loss_mask))
     metrics.update(behavior)
     return loss.detach(), metrics

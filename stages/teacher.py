@@ -64,7 +64,7 @@ def teacher(storage: Storage, run_id: str, iteration: int, force: bool = False) 
             backend, why = choose_backend(tcfg.backend, found.folder, device, "teacher")
             if backend == "hf" and device.type == "cuda":  # the sampler sleeps (or closes) while the teacher has the
                 release_accelerator(cfg.rollout.keep_engine)  # GPU, as for learn; a vLLM teacher is the engine itself
-            score = engine.scorer(backend, found.folder, device, tcfg.top_k, cfg.rollout)
+            score = engine.scorer(backend, found.folder, device, tcfg.top_k, cfg.rollout, found.revision)
             pins[spec] = {"revision": found.revision, "vocabulary": engine.vocabulary_of(found.folder)}
             if (backend, tcfg.backend) != ("hf", "auto"):  # not how teachers always ran: recorded
                 pins[spec]["backend"] = f"{backend} ({why})"

@@ -4,7 +4,6 @@ iteration end to end, a teacher of another tokenizer refused at init, a rescore 
 nothing, staleness, a student whose reverse KL to its teacher falls, and the flow's force_stage and placement taking
 the stage where a run has a teacher (refused in one line where it has none)."""
 
-import contextlib
 import json
 import math
 from types import SimpleNamespace
@@ -19,6 +18,7 @@ from grpo import core
 from grpo.config import ConfigError, load_config
 from grpo.record.layout import STAGES, run_json, stage_dir, stages_of
 from grpo.record.storage import committed_attempts, latest_committed, load_manifest, open_storage
+from grpo.scoring import teacher as engine
 from grpo.tiny_model import build_for_task, build_tiny_model
 from stages import stage_function
 from stages.init import init_run
@@ -256,11 +256,13 @@ def test_several_teachers_routed_by_a_dataset_column(tmp_path):
     assert set(out.manifest.summary["teachers"]) == {first, second}
 
 
-def test_gkd_step_is_the_forward_kl_of_a_plain_forward_over_the_teachers_top_k(taught):
+def test_gkd_step_is_the_forward_kl_of_a_plain_forward_over_the_teachers_top_k(taught, monkeypatch):
     """The learner's GKD term on the committed batch (load_batch: rollouts, token advantages, the teacher's top-k) with
-    the base model as the student: the token mean of topk_forward_kl, the student's log-probs from one unpadded
-    forward a sample."""
-    from grpo.learner.loop import gkd_step
+    the base model as the student, its top-k log-probs gathered from the policy-gradient loss's own forward
+    (forward_logprobs' topk, PolicyLM training as the learner does): the token mean of topk_forward_kl, the
+    student's log-probs from one unpadded forward a sample; the sampled tokens' log-probs are the plain forward's."""
+    from grpo.learner.loop import gkd_term
+    from grpo.learner.model import PolicyLM, forward_logprobs
     from grpo.record.checkpoint import local_checkpoint
     from grpo.record.lineage import committed_input
     from stages.learn_data import load_batch
@@ -272,22 +274,42 @@ def test_gkd_step_is_the_forward_kl_of_a_plain_forward_over_the_teachers_top_k(t
     )
     groups = torch.tensor([0, 1])
     rows = batch.rows(groups)
-    got = gkd_step(
-        SimpleNamespace(causal=student), batch, groups, batch.loss_mask[rows], 1.0, 1, contextlib.nullcontext
-    )
+    packed_calls, packed_path = [], PolicyLM._packed
+    monkeypatch.setattr("grpo.learner.model.PACK_MIN_SAVING", 0.0)  # pack whatever it saves
+    monkeypatch.setattr(PolicyLM, "_packed", lambda self, *a: packed_calls.append(1) or packed_path(self, *a))
+    got = {}  # padding_free: the responses packed into shared rows (the path that gathers them apart), else a row each
+    for packed in (False, True):
+        logp, _, student_topk = forward_logprobs(
+            PolicyLM(student, padding_free=packed).train(), batch, groups, topk=True
+        )
+        got[packed] = gkd_term(batch, rows, student_topk, batch.loss_mask[rows]).item()
     total, n = 0.0, 0
     for r in rows.tolist():
         prompt = batch.prompt_ids[r // 4][batch.prompt_mask[r // 4].bool()]
         length = int(batch.response_mask[r].sum())
         with torch.no_grad():
             logits = student(torch.cat([prompt, batch.response_ids[r, :length]])[None]).logits[0]
-        logp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + length], -1)  # (L, V)
+        plain = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + length], -1)  # (L, V)
+        sampled = plain.gather(-1, batch.response_ids[r, :length, None])[:, 0]
+        assert logp[rows.tolist().index(r), :length].tolist() == pytest.approx(sampled.tolist(), abs=1e-5)
         for t in range(length):
             if batch.loss_mask[r, t]:
-                s = logp[t, batch.topk_ids[r, t]][None, None]
+                s = plain[t, batch.topk_ids[r, t]][None, None]
                 kl = core.topk_forward_kl(s, batch.topk_logprobs[r, t][None, None], batch.topk_tail[r, t][None, None])
                 total, n = total + kl.item(), n + 1
-    assert got.item() == pytest.approx(total / n, abs=1e-5)
+    assert got == {False: pytest.approx(total / n, abs=1e-5), True: pytest.approx(total / n, abs=1e-5)}
+    assert packed_calls  # padding_free's forward took the packed path
+
+
+def test_a_cpu_teacher_is_kept_warm_between_stages_by_folder_and_revision(tmp_path):
+    """warm_model: the same model object for the same folder, revision and CPU device (no load per teacher stage);
+    another revision (changed files) loads again and replaces it."""
+    folder, cpu = teacher_folder(tmp_path / "t"), torch.device("cpu")
+    first = engine.warm_model(folder, "files:a", cpu)
+    assert engine.warm_model(folder, "files:a", cpu) is first
+    other = engine.warm_model(folder, "files:b", cpu)
+    assert other is not first and engine.warm_model(folder, "files:b", cpu) is other
+    assert engine.warm_model(folder, "files:a", cpu) is not first  # one kept: the last one asked for
 
 
 def test_the_flow_runs_the_teacher_between_rewards_and_advantages(prefect_api, tmp_path):

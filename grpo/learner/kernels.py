@@ -54,8 +54,8 @@ def token_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (B, T) of labels (B, T) under head(hidden) (hidden (B, T, H), head the LM head) and with_entropy
     their entropy (B, T) (no gradient), by `kernel` (logprob_kernel); a head that is not a plain Linear (an adapter
-    on it) takes the torch path."""
-    if kernel != "liger" or type(head) is not torch.nn.Linear:
+    on it), or labels (B, T, m) (m ids a position: log-probs (B, T, m)), take the torch path."""
+    if kernel != "liger" or type(head) is not torch.nn.Linear or labels.dim() == 3:
         return core.chunked_token_logprobs(hidden, head, labels, chunk, with_entropy)
     return liger_token_logprobs(hidden, head, labels, chunk, with_entropy)
 

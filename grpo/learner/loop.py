@@ -60,8 +60,10 @@ def minibatch_step(
     for mb_groups, gives_pi_old in zip(microbatches, gives):
         mb = batch.rows(mb_groups)
         mask = batch.loss_mask[mb]  # (R, T) the tokens trained on: the sampled ones of every turn
+        gkd = spec.gkd_coef > 0 and batch.topk_ids is not None  # GKD: the top-k log-probs from the same forward
         with autocast():
-            logp, entropy = forward_logprobs(model, batch, mb_groups, with_entropy=True)
+            logp, entropy, *student_topk = forward_logprobs(model, batch, mb_groups, with_entropy=True, topk=gkd)
+        gkd_kl = gkd_term(batch, mb, student_topk[0], mask) if gkd else None
         if gives_pi_old:  # pi_old = pi_theta, no step yet
             pi_old.take(mb, logp)
         ref = scores.ref_logprobs
@@ -77,11 +79,12 @@ def minibatch_step(
             sampler_logprobs=batch.sampler_logprobs[mb],
             token_normalizer=token_normalizer,
             sequence_normalizer=sequence_normalizer,
+            extra_loss=None if gkd_kl is None else gkd_kl * spec.gkd_coef / accum,  # one backward for both
         )
         metrics["loss/total"] = loss.detach() * accum
         metrics["actor/entropy"] = core.masked_mean(entropy, mask)
-        if spec.gkd_coef > 0 and batch.topk_ids is not None:  # GKD: a second forward, its own backward
-            metrics["loss/gkd"] = gkd_step(model, batch, mb_groups, mask, spec.gkd_coef, accum, autocast)
+        if gkd_kl is not None:
+            metrics["loss/gkd"] = gkd_kl.detach()
         for k, v in metrics.items():
             v = torch.as_tensor(v).detach().double()
             reduce = _EXTREMES.get(k.rsplit("_", 1)[-1])
@@ -95,23 +98,12 @@ def minibatch_step(
 _EXTREMES = {"max": torch.maximum, "min": torch.minimum}  # metric key suffix -> how microbatches combine
 
 
-def gkd_step(model, batch: Batch, groups: Tensor, mask: Tensor, coef: float, accum: int, autocast) -> Tensor:
-    """GKD's term on the microbatch of `groups` (teacher.gkd_coef): the student's log-probs of the teacher's top-k ids
-    at every response position (one forward over prompt + response), the forward KL to the teacher there
-    (grpo.core.topk_forward_kl), its token mean over `mask` (R, T) times coef / accum, backward. Returns the mean."""
-    rows, g = batch.rows(groups), batch.group_size
-    causal = getattr(model, "module", model).causal
-    prompt, prompt_mask = batch.prompt_ids[groups].repeat_interleave(g, 0), batch.prompt_mask[groups]
-    ids = torch.cat([prompt, batch.response_ids[rows]], 1)
-    attend = torch.cat([prompt_mask.repeat_interleave(g, 0), batch.response_mask[rows].long()], 1)
-    with autocast():
-        logits = causal(input_ids=ids, attention_mask=attend, position_ids=(attend.cumsum(1) - 1).clamp_min(0)).logits
-    width = prompt.shape[1]
-    logp = torch.log_softmax(logits[:, width - 1 : width - 1 + batch.response_ids.shape[1]].float(), -1)  # (R, T, V)
-    student = logp.gather(-1, batch.topk_ids[rows])  # (R, T, k)
-    kl = core.masked_mean(core.topk_forward_kl(student, batch.topk_logprobs[rows], batch.topk_tail[rows]), mask)
-    (kl * coef / accum).backward()
-    return kl.detach()
+def gkd_term(batch: Batch, rows: Tensor, student_topk: Tensor, mask: Tensor) -> Tensor:
+    """GKD's term (teacher.gkd_coef) on the microbatch's `rows`: the forward KL to the teacher over its top k
+    (grpo.core.topk_forward_kl) from the student's log-probs of the teacher's top-k ids `student_topk` (R, T, k) (the
+    policy-gradient loss's own forward: forward_logprobs' topk), its token mean over `mask` (R, T)."""
+    kl = core.topk_forward_kl(student_topk.float(), batch.topk_logprobs[rows], batch.topk_tail[rows])
+    return core.masked_mean(kl, mask)
 
 
 def split_microbatches(batch: Batch, groups: Tensor, lcfg: LearnConfig, world: int) -> list[list[Tensor]]:

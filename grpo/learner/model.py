@@ -52,18 +52,25 @@ class PolicyLM(torch.nn.Module):
         """Context: the base model alone (LoRA's frozen reference); a no-op context without adapters."""
         return self.lm.disable_adapter() if hasattr(self.lm, "disable_adapter") else contextlib.nullcontext()
 
-    def forward(self, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy: bool = False):
+    def forward(self, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy: bool = False, topk_ids=None):
         """prompt_ids, prompt_mask (P, Lp) left-padded; response_ids, response_mask (P*G, T)
-        right-padded -> log-probs (P*G, T) of response_ids and their entropy (or None). The attention and
-        log-prob kernels are the device's (grpo/learner/kernels.py)."""
+        right-padded -> log-probs (P*G, T) of response_ids and their entropy (or None). With topk_ids (P*G, T, k)
+        (the teacher's top-k, GKD's term) also their log-probs (P*G, T, k), from the same forward and logits. The
+        attention and log-prob kernels are the device's (grpo/learner/kernels.py)."""
+        labels = response_ids if topk_ids is None else torch.cat([response_ids[..., None], topk_ids], -1)
         with kernels.attention(prompt_ids.device):
             path = self.path.train if self.training and torch.is_grad_enabled() else self.path.score
             if path == "packed" and (packing := self._packing(prompt_ids, response_mask)) is not None:
-                return self._packed(prompt_ids, prompt_mask, response_ids, response_mask.bool(), packing, with_entropy)
-            hidden = (self._full_sequences if path == "full_sequences" else self._shared_prompt)(
-                prompt_ids, prompt_mask, response_ids, response_mask
-            )
-            return self._logprobs(hidden, response_ids, with_entropy)
+                out = self._packed(prompt_ids, prompt_mask, response_ids, response_mask.bool(), packing, with_entropy,
+                                   labels)  # fmt: skip
+            else:
+                hidden = (self._full_sequences if path == "full_sequences" else self._shared_prompt)(
+                    prompt_ids, prompt_mask, response_ids, response_mask
+                )
+                out = self._logprobs(hidden, labels, with_entropy)
+        if topk_ids is None:
+            return out
+        return out[0][..., 0], out[1], out[0][..., 1:]
 
     def _logprobs(self, hidden, labels, with_entropy: bool):
         """Log-probs (B, T) of labels (B, T) from the last hidden states (B, T, H) and the LM head, and their entropy
@@ -106,10 +113,11 @@ class PolicyLM(torch.nn.Module):
         packing = pack_responses(lengths, len(lengths) // len(prompt_ids), response_mask.shape[1])
         return packing if len(packing.row_group) <= (1 - PACK_MIN_SAVING) * len(lengths) else None
 
-    def _packed(self, prompt_ids, prompt_mask, response_ids, mask, packing: Packing, with_entropy: bool):
+    def _packed(self, prompt_ids, prompt_mask, response_ids, mask, packing: Packing, with_entropy: bool, labels):
         """forward() with each group's responses packed into shared rows (pack_responses): each row's cache is its
         group's prompt, each response attends to that prompt and to its own tokens, and the LM head sees only the
-        real tokens (M of them). Same log-probs (N, T) and entropy as one row per response, to float rounding."""
+        real tokens (M of them). Same log-probs (N, T) of `labels` (response_ids, or (N, T, m) ids: (N, T, m)) and
+        entropy as one row per response, to float rounding."""
         n, t = mask.shape
         g, width, rows = n // len(prompt_ids), packing.width, len(packing.row_group)
         out = self._prompt(prompt_ids, prompt_mask)
@@ -144,11 +152,11 @@ class PolicyLM(torch.nn.Module):
         # token 0 is predicted by the prompt's last hidden state, token k > 0 by the cell before it
         prompt_last = out.last_hidden_state[:, -1].to(hidden.dtype)  # (P, H)
         before = torch.where(offset == 0, rows * width + sample // g, cell - 1)  # (M,)
-        logp, entropy = self._logprobs(
-            torch.cat([hidden, prompt_last])[before][None], response_ids[mask][None], with_entropy
-        )
+        logp, entropy = self._logprobs(torch.cat([hidden, prompt_last])[before][None], labels[mask][None], with_entropy)
         zeros = torch.zeros(n, t, device=mask.device, dtype=logp.dtype)
-        return zeros.masked_scatter(mask, logp[0]), None if entropy is None else zeros.masked_scatter(mask, entropy[0])
+        spread = zeros if labels.dim() == 2 else zeros[..., None].expand(labels.shape).contiguous()
+        logp = spread.masked_scatter(mask.view(*mask.shape, *[1] * (labels.dim() - 2)).expand_as(spread), logp[0])
+        return logp, None if entropy is None else zeros.masked_scatter(mask, entropy[0])
 
     def _packed_masks(self, attend, distance, kept: dict[str, int]):
         """The packed rows' attention mask (R, 1, width, columns) for each layer type of the model: `attend` (R, width,
@@ -271,9 +279,10 @@ def pack_responses(lengths: list[int], group_size: int, width: int) -> Packing:
     return Packing(torch.tensor(row_group, dtype=torch.long), torch.tensor(start, dtype=torch.long), width)
 
 
-def forward_logprobs(model, batch: Batch, groups: Tensor, with_entropy: bool = False):
+def forward_logprobs(model, batch: Batch, groups: Tensor, with_entropy: bool = False, topk: bool = False):
     """Per-token log-probs (P'*G, T) of the responses of `groups` (P',) under `model` (a PolicyLM),
-    rows in Batch.rows order, and their entropy (or None); 0 past each response's end.
+    rows in Batch.rows order, and their entropy (or None); 0 past each response's end. With `topk` a third: the
+    log-probs (P'*G, T, k) of the batch's teacher top-k ids (batch.topk_ids) from the same forward (GKD's term).
 
     No compute on the batch's padding beyond these groups' own: the forward sees only the columns from
     their longest prompt's first token to their longest response's last (the batch is padded to its
@@ -283,15 +292,18 @@ def forward_logprobs(model, batch: Batch, groups: Tensor, with_entropy: bool = F
     lp, width = prompt_mask.shape[1], batch.response_ids.shape[1]
     start = lp - max(1, int(prompt_mask.sum(1).max()))  # left padding every prompt of these groups has
     end = max(1, int(response_mask.sum(1).max()))  # right padding every response has
-    logp, entropy = model(
+    out = model(
         batch.prompt_ids[groups, start:],
         prompt_mask[:, start:],
         batch.response_ids[rows, :end],
         response_mask[:, :end],
         with_entropy=with_entropy,
+        **({"topk_ids": batch.topk_ids[rows, :end]} if topk else {}),
     )
+    logp, entropy = out[0], out[1]
     pad, kept = (0, width - end), response_mask[:, :end]  # (P'*G, end) -> (P'*G, T)
-    return F.pad(logp * kept, pad), None if entropy is None else F.pad(entropy * kept, pad)
+    padded = F.pad(logp * kept, pad), None if entropy is None else F.pad(entropy * kept, pad)
+    return padded if not topk else (*padded, F.pad(out[2] * kept[..., None], (0, 0, *pad)))
 
 
 @torch.no_grad()

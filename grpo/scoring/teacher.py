@@ -110,6 +110,22 @@ def load_model(folder: str, device):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
 
 
+_WARM: dict = {}  # (folder, revision, device) -> the transformers teacher the process's last teacher stage loaded
+
+
+def warm_model(folder: str, revision: str, device):
+    """load_model, kept between teacher stages of this process where `device` is the CPU (keyed by folder, pinned
+    revision and device, as the vLLM engine is kept): one model, the last one asked for. On an accelerator it is
+    loaded again each stage, as before: the learner and the sampler want that memory between stages."""
+    if device.type != "cpu":
+        return load_model(folder, device)
+    key = (folder, revision, str(device))
+    if key not in _WARM:
+        _WARM.clear()
+        _WARM[key] = load_model(folder, device)
+    return _WARM[key]
+
+
 def scored_rows(model, prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]], top_k, device):
     """The teacher's float32 log-prob of every response token after its prompt and the tokens before it, one forward
     of the left-padded sequences keeping the logits of the responses' positions only; 0.0 where the mask is 0. With
@@ -149,12 +165,13 @@ def scored_rows(model, prompts: list[list[int]], responses: list[list[int]], mas
     return out
 
 
-def scorer(backend: str, folder: str, device, top_k: int | None, rollout):
+def scorer(backend: str, folder: str, device, top_k: int | None, rollout, revision: str | None = None):
     """A function (prompts, responses, masks) -> `scored_rows`' rows for the teacher in `folder` on `backend` (hf:
-    the transformers model loaded on `device`; vllm: the process's vLLM engine built with rollout.vllm's settings in
-    float32, grpo.sampling.engines.scoring_settings, kept warm between stages as the rollouts' engine is)."""
+    the transformers model loaded on `device`, kept warm on the CPU where its pinned `revision` is given:
+    warm_model; vllm: the process's vLLM engine built with rollout.vllm's settings in float32,
+    grpo.sampling.engines.scoring_settings, kept warm between stages as the rollouts' engine is)."""
     if backend == "hf":
-        model = load_model(folder, device)
+        model = load_model(folder, device) if revision is None else warm_model(folder, revision, device)
         return lambda prompts, responses, masks: scored_rows(model, prompts, responses, masks, top_k, device)
     from grpo.sampling.engines import get_generator, scoring_settings
 
